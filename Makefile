@@ -1,0 +1,31 @@
+# Two commands: `make app` (dashboard on 127.0.0.1) and `make test` (the whole suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: app test demo install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	# torch==2.13.0 is a local CPU build on our machines; pyproject keeps torch>=2.6 for GPU users.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+app: $(STAMP)
+	$(BIN)/workbench app
+
+demo: $(STAMP)
+	$(BIN)/workbench run examples/tiny.yaml
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+clean:
+	rm -rf $(VENV)

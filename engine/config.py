@@ -1,0 +1,331 @@
+"""The run configuration: typed dataclasses, YAML loading, `--set` overrides and validation.
+
+Key names are a contract shared by docs, tests, the tuner, the simulator and exported configs:
+`model.{layers,d_model,heads,seq_len,vocab}`, `parallel.{dp,tp,pp,zero}`, `batch.{global,micro}`,
+`train.{steps,lr,seed}`, `precision`, `backend`, `comm.*`, `co2.*`, `link.*`.
+The number of processes is the product of the parallel degrees, never a key of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import ConfigError, ConfigErrors
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """A GPT-style decoder-only transformer, or a user model named by `entry`."""
+
+    layers: int = 2  # transformer blocks
+    d_model: int = 64  # hidden size
+    heads: int = 4  # attention heads
+    seq_len: int = 64  # tokens per sample
+    vocab: int = 256  # vocabulary size (256 = bytes)
+    dropout: float = 0.0  # dropout probability
+    mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
+    entry: str | None = None  # "module:function" returning (model, train_dataset); imported only when set
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "text"  # text (byte-level stdlib corpus) | synthetic (random tokens) | files
+    path: str | None = None  # file or folder of text files when source=files
+    val_fraction: float = 0.05  # share of the corpus held out for validation
+    split: str = "train"  # which split training reads (train | val)
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Parallel degrees and layout. World size = dp * tp * pp."""
+
+    dp: int = 1  # data-parallel degree
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree
+    zero: int = 0  # ZeRO stage 0-3 (sharded data parallel)
+    sequence_parallel: bool = False  # shard norms/dropout over tp
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
+    virtual: int = 1  # virtual stages (model chunks) per pipeline rank, interleaved only
+    layer_split: list[int] | None = None  # layers per pipeline stage; even split when unset
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchConfig:
+    """Global batch in samples; accumulation = global / (dp * micro) is derived, never set."""
+
+    global_: int = 8  # samples per optimizer step across all dp ranks (YAML key: global)
+    micro: int = 4  # samples per forward/backward on one rank
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 10  # optimizer steps
+    lr: float = 1e-3  # peak learning rate
+    seed: int = 0  # seeds model init, data order and dropout
+    warmup_steps: int = 0  # linear warmup steps
+    schedule: str = "cosine"  # lr schedule after warmup: cosine | constant | linear
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    activation_checkpointing: bool = False  # recompute each block in backward
+    eval_interval: int = 0  # steps between val-loss evaluations; 0 disables
+    eval_batches: int = 2  # micro-batches per evaluation
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 disables
+    checkpoint_dir: str | None = None  # where checkpoints go (default: the run folder)
+    resume_from: str | None = None  # checkpoint file to resume from
+    timeout_s: float = 120.0  # process-group timeout: a hung collective fails after this
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPConfig:
+    """DistributedDataParallel overlap settings."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    """Gradient compression (DDP communication hooks)."""
+
+    compressor: str = "none"  # none | fp16 | bf16 | int8 | topk | randk | powersgd
+    density: float = 0.01  # kept fraction for topk / randk
+    rank: int = 4  # PowerSGD rank
+    adaptive: bool = False  # layer-wise adaptive levels (L-GreCo)
+    error_budget: float = 1.0  # adaptive: total error allowed, relative to the uniform level
+    adaptive_interval: int = 50  # adaptive: steps between re-solving levels
+
+
+@dataclass(kw_only=True, slots=True)
+class CO2Config:
+    """CO2: local steps with an asynchronous, fully overlapped outer all-reduce."""
+
+    enabled: bool = False
+    tau: int = 4  # local steps between outer synchronisations
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    clip: float = 0.0  # outer momentum clipping threshold; 0 disables
+    staleness_penalty: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkConfig:
+    """An emulated slower link (alpha-beta model); gbps=0 leaves the real link alone."""
+
+    gbps: float = 0.0
+    latency_us: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    """What the profilers record."""
+
+    enabled: bool = True  # step breakdown, collectives, memory
+    nvml_interval_s: float = 1.0  # GPU sampler period; 0 disables
+    host_interval_s: float = 1.0  # host sampler period; 0 disables
+    trace_steps: list[int] | None = None  # [a, b]: torch.profiler trace of steps a..b
+    warmup_steps: int = 1  # steps excluded from steady-state throughput
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """One training run."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    co2: CO2Config = field(default_factory=CO2Config)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    backend: str = "auto"  # auto | gloo | nccl
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on one dp rank."""
+        return self.batch.global_ // (self.parallel.dp * self.batch.micro)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+# ---------------------------------------------------------------- dict <-> dataclass
+
+_RENAMED = {"global_": "global"}  # Python keyword -> YAML key
+_UNRENAMED = {v: k for k, v in _RENAMED.items()}
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A plain nested dict with the YAML key names."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        elif isinstance(value, list):
+            value = list(value)
+        out[_RENAMED.get(f.name, f.name)] = value
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if tp in names:
+        return names[tp]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).split(' ', 1)[-1]}s"
+    if args:
+        return _type_name(args[0]) + " or null"
+    return str(tp)
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotated type; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(path, value, inner)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, value, f"must be {_type_name(tp)}")
+        return [_coerce(f"{path}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(path, value, f"must be {_type_name(tp)}")
+
+
+def _unknown_key(path: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"{path}{key}", "…", f"unknown key{hint}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", data, "must be a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    fields = {_RENAMED.get(f.name, f.name): f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        if key not in fields:
+            raise _unknown_key(prefix, key, list(fields))
+        f = fields[key]
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[f.name] = _coerce(f"{prefix}{key}", value, tp)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from a nested dict; unknown keys and wrong types raise ConfigError."""
+    return _build(RunConfig, data or {}, "")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML file with safe loading; errors name the file and the problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", str(path), "file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", str(path), f"is not valid YAML: {exc}".replace("\n", " ")) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(path), "must hold a mapping at the top level")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` strings; the value is parsed as YAML (`4`, `true`, `[2, 2]`)."""
+    out = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("--set", item, "must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(key, item, f"'{part}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load YAML (or defaults), apply overrides, build and validate."""
+    data = load_yaml(path) if path else {}
+    cfg = from_dict(apply_overrides(data, overrides or []))
+    validate(cfg)
+    return cfg
+
+
+def replace(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """A copy of `cfg` with dotted-key overrides applied (e.g. {'batch.micro': 2}); validated."""
+    data = cfg.to_dict()
+    for key, value in overrides.items():
+        node = data
+        *head, last = key.split(".")
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = value
+    new = from_dict(data)
+    validate(new)
+    return new
+
+
+# validation lives in its own module; re-exported here so callers import one place
+from engine.validate import validate  # noqa: E402

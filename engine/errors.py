@@ -1,0 +1,32 @@
+"""Errors a user can act on: a bad config, or a rank that failed."""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value breaks a rule. The message names the field, the value and the rule."""
+
+    def __init__(self, field: str, value: object, rule: str) -> None:
+        self.field, self.value, self.rule = field, value, rule
+        super().__init__(f"{field}={value!r}: {rule}")
+
+
+class ConfigErrors(ConfigError):
+    """Several config errors found at once; the message lists every one."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        first = errors[0]
+        ValueError.__init__(self, "\n".join(str(e) for e in errors))
+        self.field, self.value, self.rule = first.field, first.value, first.rule
+
+
+class RankFailure(RuntimeError):
+    """A rank of a run failed; carries the rank number and its traceback."""
+
+    def __init__(self, rank: int | None, reason: str, traceback: str = "") -> None:
+        self.rank, self.reason, self.traceback = rank, reason, traceback
+        where = f"rank {rank}" if rank is not None else "a rank"
+        msg = f"{where} failed: {reason}"
+        if traceback:
+            msg += f"\n--- traceback of {where} ---\n{traceback.rstrip()}"
+        super().__init__(msg)

@@ -1,0 +1,205 @@
+"""launch(): run the ranks of one config through torch's elastic launcher (torchrun).
+
+The launcher process owns the run's row in the store and the one telemetry writer; the ranks run
+in their own process session so that success, a rank failure, Ctrl-C or a timeout all end with
+no process left behind. A failing rank's exception comes back as RankFailure(rank, traceback).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import RunConfig, validate
+from engine.errors import RankFailure
+from engine.mesh import ParallelDims
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass(slots=True)
+class RunResult:
+    run_id: str
+    status: str  # completed | failed | interrupted
+    world_size: int
+    run_dir: Path
+    steps: list[dict[str, Any]] = field(default_factory=list)  # rank 0's {step, loss, step_time_s, tokens_per_s}
+    error: str | None = None
+    error_rank: int | None = None
+    wall_s: float = 0.0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.steps[-1]["loss"] if self.steps else None
+
+
+def software_versions() -> dict[str, str]:
+    import platform
+
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": str(torch.version.cuda), "workbench": "0.1.0"}
+
+
+def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                     rdzv_endpoint: str | None = None) -> list[str]:
+    """The exact torchrun command line of a run (also what `workbench export --format torchrun` prints)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv_endpoint}"]
+    return cmd + ["-m", "engine.worker", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+
+
+def _kill_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM the run's whole process session, then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+_EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _first_failure(run_dir: Path, log: str) -> RankFailure:
+    """The earliest rank error file, else what torchrun reported (a rank killed by a signal)."""
+    errors = []
+    for path in run_dir.glob("error-rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        return RankFailure(first["rank"], first["reason"], first["traceback"])
+    m = _EXIT_RE.search(log)
+    if m:
+        code = int(m.group(2))
+        reason = f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
+        return RankFailure(int(m.group(1)), reason)
+    return RankFailure(None, "the launcher failed before any rank reported", log[-2000:])
+
+
+def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None = None, nnodes: int = 1,
+           node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
+           on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
+           extra_env: dict[str, str] | None = None) -> RunResult:
+    """Validate, register the run, start the ranks, stream telemetry into the store, wait."""
+    from profilers.host import host_info
+    from profilers.store import RunStore, default_home
+    from profilers.telemetry import TelemetryServer
+
+    validate(cfg)
+    dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.world_size)
+    if cfg.world_size % nnodes:
+        raise ValueError(f"world size {cfg.world_size} is not divisible by nnodes={nnodes}")
+    home = Path(home) if home else default_home()
+    run_id = run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+    run_dir = home / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
+    store = RunStore.open_home(home)
+    store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=cfg.world_size,
+                     layout=dims.describe(), host=host_info(), versions=software_versions(),
+                     emulated=cfg.link.gbps > 0, parent=parent)
+    server = TelemetryServer(store)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           "WORKBENCH_TELEMETRY": server.start(), "WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home),
+           **(extra_env or {})}
+    cmd = torchrun_command(cfg_path, run_dir, nproc=cfg.world_size // nnodes, nnodes=nnodes,
+                           node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    started = time.time()
+    status, failure = "completed", None
+    with open(run_dir / "launcher.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            status = _wait(proc, store, run_id, started, timeout_s, on_progress)
+        except KeyboardInterrupt:
+            status = "interrupted"
+            failure = RankFailure(None, "interrupted by the user (Ctrl-C)")
+        finally:
+            _kill_session(proc)
+            server.stop()
+    log_text = (run_dir / "launcher.log").read_text(errors="replace")
+    if status == "timeout":
+        status, failure = "failed", RankFailure(None, f"timed out after {timeout_s:.0f} s; every rank was stopped")
+    elif status == "failed":
+        failure = _first_failure(run_dir, log_text)
+    result = _result(store, run_id, status, cfg, run_dir, started, failure)
+    store.finish_run(run_id, status, error=result.error, error_rank=result.error_rank, summary=result.summary)
+    if failure is not None and raise_on_failure:
+        raise failure
+    return result
+
+
+def _wait(proc: subprocess.Popen, store, run_id: str, started: float, timeout_s: float | None,
+          on_progress: Progress | None) -> str:
+    last_step = -1
+    while proc.poll() is None:
+        if timeout_s is not None and time.time() - started > timeout_s:
+            return "timeout"
+        if on_progress is not None:
+            latest = store.latest_steps(run_id, n=1)
+            if latest and latest[-1]["step"] != last_step:
+                last_step = latest[-1]["step"]
+                on_progress(latest[-1])
+        time.sleep(0.2)
+    return "completed" if proc.returncode == 0 else "failed"
+
+
+def _result(store, run_id: str, status: str, cfg: RunConfig, run_dir: Path, started: float,
+            failure: RankFailure | None) -> RunResult:
+    steps: dict[int, dict[str, Any]] = {}
+    names = {"loss": "loss", "step_time(s)": "step_time_s", "tokens_per_s": "tokens_per_s", "mfu": "mfu"}
+    for rec in store.metrics(run_id, kind="step", rank=0):
+        if rec.name in names:
+            steps.setdefault(rec.step, {"step": rec.step})[names[rec.name]] = rec.value
+    ordered = [steps[k] for k in sorted(steps)]
+    summary = summarize(ordered, warmup=cfg.profile.warmup_steps)
+    summary.update(store.wire_totals(run_id))
+    for rec in store.metrics(run_id, kind="eval", name="val_loss", rank=0):
+        summary["val_loss"] = rec.value
+    return RunResult(run_id=run_id, status=status, world_size=cfg.world_size, run_dir=run_dir, steps=ordered,
+                     error=str(failure) if failure else None, error_rank=failure.rank if failure else None,
+                     wall_s=time.time() - started, summary=summary)
+
+
+def summarize(steps: list[dict[str, Any]], *, warmup: int) -> dict[str, Any]:
+    """Steady-state throughput (median over the steps after warm-up) and the final loss."""
+    import statistics
+
+    steady = steps[warmup:] or steps
+    out: dict[str, Any] = {"steps": len(steps)}
+    if steps:
+        out["final_loss"] = steps[-1].get("loss")
+    tps = [s["tokens_per_s"] for s in steady if "tokens_per_s" in s]
+    if tps:
+        out["tokens_per_s"] = statistics.median(tps)
+        out["step_time_s"] = statistics.median(s["step_time_s"] for s in steady if "step_time_s" in s)
+    mfu = [s["mfu"] for s in steady if "mfu" in s]
+    if mfu:
+        out["mfu"] = statistics.median(mfu)
+    return out

@@ -1,0 +1,141 @@
+"""A GPT-style decoder-only transformer sized by ModelConfig, with analytic parameter and FLOP counts.
+
+Laid out for the parallelisms (as torchtitan does): separate q/k/v/o projections so a
+column-parallel split keeps whole heads; blocks in a ModuleDict keyed by layer index so a
+pipeline stage can delete the others and keep the names; `tok_emb`, `pos_emb`, `ln_f` and
+`head` may be None on stages that do not own them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from engine.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim = d_model // heads
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, d_model, bias=False)
+        self.wv = nn.Linear(d_model, d_model, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # heads = width / head_dim, so a tensor-parallel shard sees only its local heads
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.w2(F.gelu(self.w1(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg.d_model, cfg.heads, cfg.dropout)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.dropout)
+        self.checkpointed = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, blocks, final LayerNorm, head tied to the embedding."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
+        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied embeddings
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                # GPT-2 scaled init for the residual projections (Radford et al. 2019)
+                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (b, t) -> logits (b, t, vocab); on a middle pipeline stage, hidden -> hidden."""
+        if self.tok_emb is not None:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.layers.values():
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block's activations in backward (non-reentrant; works under DDP/FSDP2)."""
+        for block in self.layers.values():
+            block.checkpointed = enabled
+
+
+def build_model(cfg: ModelConfig, *, seed: int) -> GPT:
+    """The same initial weights on every rank for the same seed."""
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Analytic parameter counts (tied head counted once)."""
+    h, l = cfg.d_model, cfg.layers
+    per_layer = 4 * h * h + 2 * cfg.mlp_ratio * h * h + 4 * h  # q,k,v,o + mlp + two LayerNorms
+    embedding = cfg.vocab * h + cfg.seq_len * h
+    return {"per_layer": per_layer, "layers": l * per_layer, "embedding": embedding,
+            "total": l * per_layer + embedding + 2 * h}
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation).
+
+    6 * (matmul parameters of the blocks + the vocab projection) + 12 * l * h * s for attention
+    scores, as in Chowdhery et al. 2022 (PaLM) appendix B; equals the per-token form of
+    Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h)) for mlp_ratio=4.
+    """
+    h, l, s = cfg.d_model, cfg.layers, cfg.seq_len
+    matmul_params = l * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab * h
+    return 6.0 * matmul_params + 12.0 * l * h * s
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -1,0 +1,1 @@
+"""Parallelisms: one file per technique, one apply_* entry each."""

@@ -1,0 +1,119 @@
+"""parallelize(): reads the config, applies the techniques in a fixed order, explains each order.
+
+The only place that knows the whole config; each technique's entry takes a mesh and plain keywords.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import RunConfig
+from engine.mesh import ParallelDims
+from engine.model import GPT, loss_fn
+
+
+@dataclass(slots=True)
+class Parallelized:
+    """What the train loop drives, whatever the layout."""
+
+    modules: list[nn.Module]  # local modules holding this rank's parameters
+    forward: nn.Module | None  # the module to call for pp=1 (DDP/FSDP-wrapped or plain)
+    pipeline: Any = None  # engine.parallel.pipeline.Pipeline when pp > 1
+    optimizer: torch.optim.Optimizer | None = None
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    after_backward: Callable[[], None] = lambda: None  # grad syncs not done by a wrapper
+    hooks: dict[str, Any] = field(default_factory=dict)  # comm hook states (compression, co2, link)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        seen: set[int] = set()
+        for m in self.modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.modules:
+            m.train(mode)
+
+
+def _ddp(model: nn.Module, cfg: RunConfig, group) -> nn.Module:
+    from engine.parallel.data import apply_data_parallel
+
+    d = cfg.ddp
+    return apply_data_parallel(model, process_group=group, bucket_cap_mb=d.bucket_cap_mb,
+                               gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+                               find_unused_parameters=d.find_unused_parameters,
+                               broadcast_buffers=d.broadcast_buffers)
+
+
+def _no_sync_of(module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    from engine.parallel.data import no_sync_context
+
+    return lambda: no_sync_context(module)
+
+
+def parallelize(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
+                comm_hook_factory: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> Parallelized:
+    """Apply TP, activation checkpointing, then PP or ZeRO/DDP, in that order.
+
+    `comm_hook_factory(ddp_module, dp_group)` registers the comm hook (compression, link emulation,
+    profiling) on a DDP module and returns its states; the train loop owns it.
+    """
+    p = cfg.parallel
+    model.to(device)
+    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
+    if p.pp > 1:
+        return _pipeline(model, cfg, dims, mesh, device=device, dp_group=dp_group)
+    # TP first: ZeRO/FSDP2 shards the DTensors TP produced (torchtitan order)
+    if p.tp > 1:
+        from engine.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
+    # checkpointing before sharding/wrapping so wrappers see the recomputing blocks
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    if p.zero > 0 and dims.dp > 1:
+        from engine.parallel.zero import apply_zero
+
+        wrapped = apply_zero(model, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward)
+        return Parallelized(modules=[wrapped], forward=wrapped, no_sync=_no_sync_of(wrapped))
+    if dims.dp > 1 and not cfg.co2.enabled:
+        wrapped = _ddp(model, cfg, dp_group)
+        hooks = comm_hook_factory(wrapped, dp_group) if comm_hook_factory else {}
+        return Parallelized(modules=[wrapped], forward=wrapped, no_sync=wrapped.no_sync, hooks=hooks)
+    # dp=1, or CO2: each rank keeps a plain module; CO2 synchronises parameters itself
+    return Parallelized(modules=[model], forward=model)
+
+
+def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
+              dp_group) -> Parallelized:
+    from engine.parallel.pipeline import allreduce_grads, build_pipeline
+
+    p = cfg.parallel
+    pipe = build_pipeline(model, mesh["pp"], schedule=p.schedule, virtual=p.virtual, layer_split=p.layer_split,
+                          n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device)
+    if p.tp > 1:
+        from engine.parallel.tensor import apply_tensor_parallel
+
+        for m in pipe.modules:
+            apply_tensor_parallel(m, mesh["tp"], sequence_parallel=p.sequence_parallel)
+    for m in pipe.modules:
+        if hasattr(m, "set_activation_checkpointing"):
+            m.set_activation_checkpointing(cfg.train.activation_checkpointing)
+
+    def after_backward() -> None:
+        pipe.sync_tied_grads()
+        if dp_group is not None:
+            allreduce_grads(pipe.modules, dp_group)
+
+    return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe, after_backward=after_backward)
+
+
+def world_info() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

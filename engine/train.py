@@ -1,0 +1,261 @@
+"""The training loop of one rank: build, parallelize, step, measure, checkpoint.
+
+`Trainer.run()` yields StepMetrics per optimizer step. Knobs that can change without a restart
+are applied at step boundaries through `apply_knobs()` (the live tuner uses it).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine import checkpoint as ckpt
+from engine.config import RunConfig
+from engine.data import Splits, build_splits, local_batch, val_batches
+from engine.device import peak_flops
+from engine.mesh import ParallelDims
+from engine.model import build_model, flops_per_token, loss_fn
+from engine.parallelize import Parallelized, parallelize
+from profilers.steps import StepTimer
+
+Emit = Callable[[int, str, str, float], None]
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    lr: float
+    grad_norm: float
+    mfu: float | None = None
+    val_loss: float | None = None
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup, then cosine / linear decay to lr * min_lr_ratio, or constant."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.schedule == "constant" or t.steps <= t.warmup_steps:
+        return t.lr
+    frac = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * frac)) if t.schedule == "cosine" else 1 - frac
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * decay)
+
+
+class Trainer:
+    """One rank's training. Needs an initialised process group when world_size > 1."""
+
+    def __init__(self, cfg: RunConfig, *, device: torch.device, emit: Emit | None = None,
+                 run_dir: Path | None = None) -> None:
+        self.cfg, self.device, self.run_dir = cfg, device, run_dir
+        self.emit: Emit = emit or (lambda *a: None)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
+                                 dist.get_world_size() if dist.is_initialized() else 1)
+        self.coords = self.dims.coords(self.rank)
+        self.mesh = self.dims.build_mesh(device.type) if dist.is_initialized() else None
+        self.start_step = 0
+        self.timer = StepTimer(device, enabled=cfg.profile.enabled)
+        self.comm = None  # set by the comm hook factory
+        self.par: Parallelized = self._build()
+        self.splits: Splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
+        self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
+        self.peak = peak_flops(device)
+        self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
+        if cfg.train.resume_from:
+            self.start_step = ckpt.load(self, cfg.train.resume_from)
+
+    # ------------------------------------------------------------------ build
+    def _build(self) -> Parallelized:
+        from engine.comm_setup import install_comm, build_optimizer
+
+        model = build_model(self.cfg.model, seed=self.cfg.train.seed)
+        factory = None
+        if self.dims.world_size > 1:
+            factory = lambda ddp, group: install_comm(self, ddp, group)  # noqa: E731
+        par = parallelize(model, self.cfg, self.dims, self.mesh, device=self.device, comm_hook_factory=factory) \
+            if self.mesh is not None else parallelize(model, self.cfg, self.dims, _NoMesh(), device=self.device)
+        par.optimizer = build_optimizer(par, self.cfg, self.mesh)
+        from engine.comm_setup import install_co2
+
+        install_co2(self, par)
+        return par
+
+    # ------------------------------------------------------------------ steps
+    def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        x, y = local_batch(self.splits.train, global_batch=c.batch.global_, dp=self.dims.dp,
+                           dp_rank=self.coords["dp"], seed=c.train.seed, step=step)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _micro_steps(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward over the micro-batches; returns the mean loss of the local batch."""
+        par, micro, accum = self.par, self.cfg.batch.micro, self.cfg.grad_accum
+        total = 0.0
+        for i in range(accum):
+            xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+            last = i == accum - 1
+            with (contextlib.nullcontext() if last else par.no_sync()):
+                with self.timer.phase("forward"), self._autocast():
+                    loss = loss_fn(par.forward(xs), ys) / accum
+                if last and self.comm is not None:
+                    self.comm.begin_backward()
+                with self.timer.phase("backward"):
+                    loss.backward()
+            total += loss.detach().item()
+        if self.comm is not None:
+            # DDP's backward returns only once every bucket's all-reduce finished: the tail after
+            # the last gradient was ready is communication that compute did not hide
+            _move(self.timer, "backward", "comm_exposed", self.comm.exposed_tail())
+        return total
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        pipe = self.par.pipeline
+        with self.timer.phase("forward"), self._autocast():
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        timing = pipe.last_timing
+        _move(self.timer, "forward", "bubble", timing.get("bubble_s", 0.0))
+        # forward and backward interleave inside a schedule: report the compute as forward+backward
+        _move(self.timer, "forward", "backward", timing.get("backward_s", 0.0))
+        return float(loss) if loss is not None else float("nan")
+
+    def _sync_loss(self, local: float) -> float:
+        """The global-batch loss: mean over dp of the last pipeline stage's loss."""
+        if not dist.is_initialized() or self.dims.world_size == 1:
+            return local
+        if self.dims.pp > 1:
+            src_is_last = self.coords["pp"] == self.dims.pp - 1
+            t = torch.tensor([local if src_is_last else 0.0], dtype=torch.float64)
+            dist.all_reduce(t, group=self.mesh["pp"].get_group())
+            local = t.item()
+        if self.dims.dp > 1:
+            t = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(t, group=self.mesh["dp"].get_group())
+            local = t.item() / self.dims.dp
+        return local
+
+    def train_step(self, step: int) -> StepMetrics:
+        par, c = self.par, self.cfg
+        par.train(True)
+        t0 = time.perf_counter()
+        self.timer.start_step()
+        lr = lr_at(step, c)
+        for group in par.optimizer.param_groups:
+            group["lr"] = lr
+        with self.timer.phase("data"):
+            x, y = self._local_batch(step)
+        loss = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
+        with self.timer.phase("optimizer"):
+            par.after_backward()
+            grad_norm = self._clip()
+            par.optimizer.step()
+            par.optimizer.zero_grad(set_to_none=True)
+            if self.co2 is not None:
+                self.co2.after_inner_step(step)
+        breakdown = self.timer.end_step()
+        step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
+        loss = self._sync_loss(loss)
+        tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
+        mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) if self.peak else None
+        return StepMetrics(step=step, loss=loss, step_time_s=step_time, tokens_per_s=tps, lr=lr,
+                           grad_norm=grad_norm, mfu=mfu, breakdown=breakdown)
+
+    def _clip(self) -> float:
+        from engine.parallel.data import clip_grad_norm
+
+        max_norm = self.cfg.train.grad_clip
+        norm = clip_grad_norm(list(self.par.parameters()), max_norm if max_norm > 0 else float("inf"))
+        return float(norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean val loss over fixed validation micro-batches (all ranks take part)."""
+        c, par = self.cfg, self.par
+        par.train(False)
+        batches = val_batches(self.splits.val, micro=c.batch.micro, n=c.train.eval_batches, dp=self.dims.dp,
+                              dp_rank=self.coords["dp"])
+        total = 0.0
+        for xs, ys in batches:
+            xs, ys = xs.to(self.device), ys.to(self.device)
+            with self._autocast():
+                if par.pipeline is not None:
+                    total += float(par.pipeline.eval_loss(xs, ys) or 0.0)
+                else:
+                    total += loss_fn(par.forward(xs), ys).item()
+        return self._sync_loss(total / len(batches))
+
+    # ------------------------------------------------------------------ loop
+    def run(self, on_boundary: Callable[["Trainer", int], None] | None = None) -> Iterator[StepMetrics]:
+        c = self.cfg
+        for step in range(self.start_step, c.train.steps):
+            if on_boundary is not None:
+                on_boundary(self, step)
+            m = self.train_step(step)
+            if c.train.eval_interval and ((step + 1) % c.train.eval_interval == 0 or step + 1 == c.train.steps):
+                m.val_loss = self.evaluate()
+            self._record(m)
+            if c.train.checkpoint_interval and (step + 1) % c.train.checkpoint_interval == 0:
+                ckpt.save(self, step + 1, self._checkpoint_dir())
+            yield m
+
+    def _checkpoint_dir(self) -> Path:
+        return Path(self.cfg.train.checkpoint_dir) if self.cfg.train.checkpoint_dir else (self.run_dir or Path(".")) / "checkpoints"
+
+    def _record(self, m: StepMetrics) -> None:
+        e, s = self.emit, m.step
+        e(s, "step", "loss", m.loss)
+        e(s, "step", "step_time(s)", m.step_time_s)
+        e(s, "step", "tokens_per_s", m.tokens_per_s)
+        e(s, "step", "lr", m.lr)
+        e(s, "step", "grad_norm", m.grad_norm)
+        if m.mfu is not None:
+            e(s, "step", "mfu", m.mfu)
+        if m.val_loss is not None:
+            e(s, "eval", "val_loss", m.val_loss)
+        for phase, seconds in m.breakdown.items():
+            e(s, "breakdown", f"{phase}(s)", seconds)
+        if self.comm is not None:
+            self.comm.record(s, e)
+        if self.cfg.profile.enabled:
+            from profilers.memory import peak_memory
+
+            for name, value in peak_memory(self.device).items():
+                e(s, "memory", name, value)
+
+    co2 = None
+
+    def apply_knobs(self, knobs: dict[str, Any]) -> None:
+        """Change knobs that need no restart, at a step boundary, on every rank alike."""
+        from engine.comm_setup import apply_live_knobs
+
+        apply_live_knobs(self, knobs)
+
+
+def _move(timer: StepTimer, src: str, dst: str, seconds: float) -> None:
+    """Re-attribute `seconds` measured inside phase `src` to phase `dst`."""
+    if seconds > 0:
+        timer.add(src, -seconds)
+        timer.add(dst, seconds)
+
+
+class _NoMesh:
+    """Stands in for a DeviceMesh in a single-process run (every group is None)."""
+
+    def __getitem__(self, axis: str):
+        raise RuntimeError(f"no process group for mesh axis {axis!r} in a single-process run")

@@ -1,0 +1,213 @@
+"""The `workbench` command line: run, runs, show, commbench, tune, studies, export, simulate, calibrate, app.
+
+User errors (bad config, unknown run) exit non-zero with the message and no traceback; a failing
+rank's traceback is shown with its rank, since that is the user's own error to read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine.errors import ConfigError, RankFailure
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Profile and tune distributed deep-learning training.")
+console = Console()
+err = Console(stderr=True)
+
+HOME_HELP = "Workbench home (run store, studies); default $WORKBENCH_HOME or ./.workbench"
+
+
+@app.callback()
+def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP)) -> None:
+    if home is not None:
+        os.environ["WORKBENCH_HOME"] = str(home)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _load(config: Optional[Path], overrides: list[str]):
+    from engine.config import load_config
+
+    return load_config(config, overrides)
+
+
+# ------------------------------------------------------------------ run
+@app.command()
+def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (defaults when omitted)"),
+        set_: list[str] = typer.Option([], "--set", help="Override a key, e.g. --set batch.micro=4"),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end"),
+        nnodes: int = typer.Option(1, help="Nodes (multi-node: run the same command on each)"),
+        node_rank: int = typer.Option(0, help="This node's rank"),
+        rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (multi-node)"),
+        timeout: Optional[float] = typer.Option(None, help="Stop every rank after this many seconds")) -> None:
+    """Train one config on dp*tp*pp ranks and record its telemetry."""
+    from engine.launch import launch
+
+    try:
+        cfg = _load(config, set_)
+    except ConfigError as exc:
+        fail(str(exc))
+    result = None
+    try:
+        if as_json:
+            result = launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, timeout_s=timeout)
+        else:
+            result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout)
+    except RankFailure as exc:
+        fail(str(exc), code=1)
+    if as_json:
+        _print_json(_run_json(result))
+    else:
+        _print_summary(result)
+
+
+def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float]):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from engine.launch import launch
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(f"{cfg.name} x{cfg.world_size}", total=cfg.train.steps, info="starting ranks")
+
+        def on_progress(step: dict) -> None:
+            info = f"loss {step.get('loss', float('nan')):.4f}  {step.get('tokens_per_s', 0):,.0f} tok/s"
+            progress.update(task, completed=step["step"] + 1, info=info)
+
+        return launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, timeout_s=timeout,
+                      on_progress=on_progress)
+
+
+def _run_json(result) -> dict[str, Any]:
+    s = result.summary
+    return {"run_id": result.run_id, "status": result.status, "world_size": result.world_size,
+            "final_loss": result.final_loss, "val_loss": s.get("val_loss"),
+            "tokens_per_s": s.get("tokens_per_s"), "mfu": s.get("mfu"),
+            "wire_bytes": s.get("wire_bytes", 0.0), "dense_bytes": s.get("dense_bytes", 0.0),
+            "wall_s": result.wall_s,
+            "steps": [{"step": st["step"], "loss": st.get("loss"), "step_time_s": st.get("step_time_s"),
+                       "tokens_per_s": st.get("tokens_per_s")} for st in result.steps]}
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _print_summary(result) -> None:
+    s = result.summary
+    t = Table(title=f"run {result.run_id}: {result.status}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [("world size", result.world_size), ("steps", s.get("steps")), ("final loss", _fmt(result.final_loss)),
+            ("val loss", _fmt(s.get("val_loss"))), ("tokens/s (median, steady)", _fmt(s.get("tokens_per_s"), ",.0f")),
+            ("step time (s)", _fmt(s.get("step_time_s"))), ("MFU", _fmt(s.get("mfu"), ".1%")),
+            ("wire / dense bytes", _fmt(s.get("ratio"))), ("wall time (s)", _fmt(result.wall_s, ".1f"))]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t)
+    console.print(f"details: workbench show {result.run_id}")
+
+
+# ------------------------------------------------------------------ runs / show
+@app.command()
+def runs(limit: int = typer.Option(20, help="How many runs, newest first"),
+         as_json: bool = typer.Option(False, "--json")) -> None:
+    """List recorded runs."""
+    from profilers.store import RunStore
+
+    rows = RunStore.open_home().runs(limit=limit)
+    if as_json:
+        _print_json([{k: r.get(k) for k in ("run_id", "name", "status", "world_size", "layout", "created",
+                                             "ended", "error", "summary")} for r in rows])
+        return
+    if not rows:
+        console.print("No runs yet: try `workbench run examples/tiny.yaml`.")
+        return
+    t = Table(title="runs")
+    for col in ("run", "status", "ranks", "layout", "final loss", "tokens/s"):
+        t.add_column(col)
+    for r in rows:
+        summ = r.get("summary") or {}
+        lay = r.get("layout") or {}
+        t.add_row(r["run_id"], r["status"], str(r["world_size"]),
+                  f"dp{lay.get('dp', '?')} tp{lay.get('tp', '?')} pp{lay.get('pp', '?')}",
+                  _fmt(summ.get("final_loss")), _fmt(summ.get("tokens_per_s"), ",.0f"))
+    console.print(t)
+
+
+@app.command()
+def show(run_id: str = typer.Argument(..., help="Run id (see `workbench runs`)"),
+         as_json: bool = typer.Option(False, "--json")) -> None:
+    """A run's summary, per-step breakdown per rank, collectives and memory."""
+    from workbench.report import run_report
+
+    report = run_report(run_id)
+    if report is None:
+        fail(f"run_id={run_id!r}: no such run in the store; see `workbench runs`")
+    if as_json:
+        _print_json(report)
+        return
+    from workbench.report import print_report
+
+    print_report(report, console)
+
+
+# ------------------------------------------------------------------ commbench
+@app.command()
+def commbench(world: int = typer.Option(2, help="Ranks"),
+              max_mb: float = typer.Option(256.0, help="Largest message in MB"),
+              ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,send_recv",
+                                      help="Comma-separated collectives"),
+              iters: int = typer.Option(5, help="Timed iterations per size"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Sweep collective sizes from 1 KB and print bus bandwidth like nccl-tests."""
+    from profilers.collectives import commbench_sizes, format_busbw_table, spawn_commbench
+
+    if world < 2:
+        fail(f"--world={world}: needs at least 2 ranks")
+    rows = spawn_commbench(world, ops.split(","), commbench_sizes(int(max_mb * 2**20)), iters)
+    if as_json:
+        _print_json(rows)
+    else:
+        console.print(format_busbw_table(rows), highlight=False, markup=False)
+
+
+# ------------------------------------------------------------------ app
+@app.command("app")
+def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.1 unless you mean it)"),
+            port: int = typer.Option(8501)) -> None:
+    """Start the Streamlit dashboard."""
+    import subprocess
+
+    entry = Path(__file__).resolve().parent.parent / "app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
+           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    console.print(f"dashboard on http://{host}:{port}")
+    raise typer.Exit(subprocess.call(cmd))
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as exc:
+        err.print(f"error: {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""A run's report as plain data (for `workbench show --json` and the dashboard), and its text form."""
+from __future__ import annotations
+
+from typing import Any
+
+from profilers.store import RunStore
+
+
+def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | None:
+    """Status, config, layout, per-step breakdown per rank, collectives, memory of one run."""
+    store = store or RunStore.open_home()
+    run = store.run(run_id)
+    if run is None:
+        return None
+    table = store.breakdown_table(run_id)
+    breakdown = [{k: (float(v) if k not in ("step", "rank") else int(v)) for k, v in row.items()}
+                 for row in table.to_dict(orient="records")]
+    memory: dict[int, dict[str, float]] = {}
+    for rec in store.metrics(run_id, kind="memory"):
+        memory.setdefault(rec.rank, {})
+        memory[rec.rank][rec.name] = max(memory[rec.rank].get(rec.name, 0.0), rec.value)
+    return {
+        "run_id": run_id, "name": run.get("name"), "status": run["status"], "error": run.get("error"),
+        "error_rank": run.get("error_rank"), "world_size": run["world_size"], "layout": run.get("layout"),
+        "emulated": bool(run.get("emulated")), "config": run.get("config"), "host": run.get("host"),
+        "versions": run.get("versions"), "created": run.get("created"), "ended": run.get("ended"),
+        "summary": run.get("summary") or {}, "steps": store.latest_steps(run_id, n=100000),
+        "breakdown": breakdown, "bubble_s": _per_rank_total(breakdown, "bubble"),
+        "collectives": store.comm_totals(run_id), "wire": store.wire_totals(run_id),
+        "peak_memory_gib": store.peak_memory(run_id), "memory": memory,
+        "segments": store.segments(run_id),
+    }
+
+
+def _per_rank_total(rows: list[dict[str, Any]], phase: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for row in rows:
+        out[row["rank"]] = out.get(row["rank"], 0.0) + row.get(phase, 0.0)
+    return out
+
+
+def print_report(report: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    lay = report.get("layout") or {}
+    head = f"[bold]{report['run_id']}[/] {report['status']}  ranks={report['world_size']}  " \
+           f"dp={lay.get('dp')} tp={lay.get('tp')} pp={lay.get('pp')}"
+    if report["emulated"]:
+        head += "  [yellow](emulated link)[/]"
+    console.print(head)
+    if report.get("error"):
+        console.print(f"[red]error (rank {report.get('error_rank')}):[/] {report['error']}", markup=True)
+    summ = report["summary"]
+    console.print({k: summ[k] for k in sorted(summ)})
+    rows = report["breakdown"]
+    if rows:
+        phases = [k for k in rows[0] if k not in ("step", "rank")]
+        t = Table(title="step-time breakdown (s), mean over steps, per rank")
+        t.add_column("rank")
+        for p in phases:
+            t.add_column(p, justify="right")
+        for rank in sorted({r["rank"] for r in rows}):
+            mine = [r for r in rows if r["rank"] == rank]
+            t.add_row(str(rank), *(f"{sum(r[p] for r in mine) / len(mine):.4f}" for p in phases))
+        console.print(t)
+    if report["collectives"]:
+        t = Table(title="collectives (per rank, whole run)")
+        for col in ("op", "count", "bytes", "time (s)", "busbw (GB/s)"):
+            t.add_column(col, justify="right")
+        for op, v in report["collectives"].items():
+            t.add_row(op, f"{v['count']:.0f}", f"{v['bytes']:,.0f}", f"{v['time(s)']:.3f}", f"{v['busbw(GB/s)']:.3f}")
+        console.print(t)
+    if report["memory"]:
+        t = Table(title="memory per rank (GiB, peak)")
+        names = sorted({n for m in report["memory"].values() for n in m})
+        t.add_column("rank")
+        for n in names:
+            t.add_column(n, justify="right")
+        for rank, m in sorted(report["memory"].items()):
+            t.add_row(str(rank), *(f"{m.get(n, 0.0):.4f}" for n in names))
+        console.print(t)
