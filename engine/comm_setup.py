@@ -53,7 +53,7 @@ class CommMonitor:
     def wrap(self, hook: Callable) -> Callable:
         """A DDP comm hook that times `hook` from launch to completion of its future."""
 
-        def recording_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def recording_hook(state, bucket):  # no annotations: DDP rejects a string-typed `bucket`
             launch = time.perf_counter()
             self.last_launch = launch
             nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
@@ -128,14 +128,13 @@ def _compression_hook(cfg: RunConfig, group, monitor: CommMonitor) -> tuple[Any,
 
 def build_optimizer(par: Parallelized, cfg: RunConfig, mesh) -> torch.optim.Optimizer:
     t = cfg.train
-    params = [p for p in par.parameters() if p.requires_grad]
-    if cfg.parallel.zero == 1 and cfg.parallel.dp > 1:
+    if cfg.parallel.zero == 1 and cfg.parallel.dp > 1 and par.pipeline is None:
         from engine.parallel.zero import build_optimizer as zero_optimizer
 
-        return zero_optimizer(params, stage=1, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                              process_group=mesh["dp"].get_group())
-    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                             foreach=False)
+        return zero_optimizer(par.modules[0], stage=1, lr=t.lr, betas=(t.beta1, t.beta2),
+                              weight_decay=t.weight_decay, process_group=mesh["dp"].get_group())
+    params = [p for p in par.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
 
 def install_co2(trainer: Trainer, par: Parallelized) -> None:

@@ -80,25 +80,46 @@ def _kill_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
         pass
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, so a killed tuner leaves no ranks behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 _EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
 
 
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
+                "Socket Timeout", "NCCL communicator was aborted")
+
+
 def _first_failure(run_dir: Path, log: str) -> RankFailure:
-    """The earliest rank error file, else what torchrun reported (a rank killed by a signal)."""
+    """The root cause: a rank's own error first, then a rank killed by a signal (from torchrun's
+    report), then errors that only echo a dead peer; earliest first within each."""
     errors = []
     for path in run_dir.glob("error-rank*.json"):
         try:
             errors.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
+    own = [e for e in errors if not any(p in e["reason"] for p in _PEER_ERRORS)]
+    if own:
+        first = min(own, key=lambda e: e["time"])
+        return RankFailure(first["rank"], first["reason"], first["traceback"])
+    for m in _EXIT_RE.finditer(log):
+        code = int(m.group(2))
+        if code < 0:
+            return RankFailure(int(m.group(1)), f"killed by signal {-code} ({signal.Signals(-code).name})")
     if errors:
         first = min(errors, key=lambda e: e["time"])
         return RankFailure(first["rank"], first["reason"], first["traceback"])
     m = _EXIT_RE.search(log)
     if m:
-        code = int(m.group(2))
-        reason = f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
-        return RankFailure(int(m.group(1)), reason)
+        return RankFailure(int(m.group(1)), f"exit code {m.group(2)}")
     return RankFailure(None, "the launcher failed before any rank reported", log[-2000:])
 
 
@@ -134,12 +155,17 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     started = time.time()
     status, failure = "completed", None
     with open(run_dir / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         try:
             status = _wait(proc, store, run_id, started, timeout_s, on_progress)
-        except KeyboardInterrupt:
-            status = "interrupted"
-            failure = RankFailure(None, "interrupted by the user (Ctrl-C)")
+        except BaseException as exc:  # Ctrl-C, or the caller stopped the run (a pruned trial)
+            _kill_session(proc)
+            server.stop()
+            reason = "interrupted by the user (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else \
+                f"stopped by the caller: {type(exc).__name__}: {exc}"
+            store.finish_run(run_id, "interrupted", error=reason)
+            raise
         finally:
             _kill_session(proc)
             server.stop()

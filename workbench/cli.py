@@ -176,11 +176,11 @@ def commbench(world: int = typer.Option(2, help="Ranks"),
               iters: int = typer.Option(5, help="Timed iterations per size"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Sweep collective sizes from 1 KB and print bus bandwidth like nccl-tests."""
-    from profilers.collectives import commbench_sizes, format_busbw_table, spawn_commbench
+    from profilers.collectives import format_busbw_table, spawn_commbench, sweep_sizes
 
     if world < 2:
         fail(f"--world={world}: needs at least 2 ranks")
-    rows = spawn_commbench(world, ops.split(","), commbench_sizes(int(max_mb * 2**20)), iters)
+    rows = spawn_commbench(world, ops.split(","), sweep_sizes(max_bytes=int(max_mb * 2**20)), iters)
     if as_json:
         _print_json(rows)
     else:

@@ -1,0 +1,68 @@
+"""Simulator benchmarks: search speed at Frontier scale and the published-results check.
+
+Run: `python bench/simulator.py`. Parts:
+- `print_search_speed()`: configurations of a 1T-parameter GPT on 3,072 GPUs evaluated by the
+  vectorised enumeration, and the time it took (target: >= 10,000 configs in <= 60 s, 2 cores).
+- `print_published_comparison()`: simulated vs published TFLOP/s per GPU (Narayanan et al. 2021).
+The simulated-vs-measured table for this machine is a separate part (added by the lead).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import pandas as pd  # noqa: E402
+
+from tuning.hardware import load_cluster  # noqa: E402
+from tuning.search import best_configs, enumerate_configs, published_comparison  # noqa: E402
+from tuning.simulator import ModelSpec  # noqa: E402
+
+GPT_1T = ModelSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)  # Narayanan Table 1
+SHOWN = ["tp", "pp", "dp", "virtual", "micro", "zero", "recompute", "sequence_parallel",
+         "iteration_time_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb"]
+
+
+def print_search_speed(*, cluster: str = "dgx-a100-80gb", gpus: int = 3072,
+                       global_batch: int = 3072, repeats: int = 3) -> dict[str, float]:
+    """Time the exhaustive search of the 1T space; prints and returns count and seconds."""
+    spec = load_cluster(cluster)
+    times, df = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        df = enumerate_configs(GPT_1T, spec, gpus, global_batch)
+        times.append(time.perf_counter() - start)
+    assert df is not None
+    seconds = statistics.median(times)
+    print(f"search speed: {len(df):,} configs of a {GPT_1T.params / 1e9:.0f}B-parameter GPT on "
+          f"{gpus:,} GPUs ({cluster}) in {seconds:.3f} s (median of {repeats}), "
+          f"{len(df) / seconds:,.0f} configs/s; {int(df.fits.sum()):,} fit in memory; "
+          f"cpus={os.cpu_count()}")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(best_configs(df, 5)[SHOWN].round(3).to_string(index=False))
+    return {"configs": float(len(df)), "seconds": seconds}
+
+
+def print_published_comparison() -> pd.DataFrame:
+    """Print simulated vs published TFLOP/s per GPU and the error summary."""
+    table = published_comparison("dgx-a100-80gb")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table.round(1).to_string(index=False))
+    held = table[~table.fitted_on]["error_pct"].abs()
+    print(f"held-out rows: {len(held)}, median |error| {held.median():.1f}%, max {held.max():.1f}%")
+    return table
+
+
+def main() -> None:
+    """Run every part of the simulator benchmark."""
+    print_search_speed()
+    print()
+    print_published_comparison()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Tests of the vectorised enumeration, its agreement with simulate(), and the Optuna search."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from tuning.hardware import load_cluster
+from tuning.search import (
+    RESULT_COLUMNS,
+    best_configs,
+    candidate_axes,
+    enumerate_configs,
+    optuna_search,
+    row_to_spec,
+    sensitivities,
+)
+from tuning.simulator import ModelSpec, ParallelSpec, simulate, validate_parallel
+
+A100 = load_cluster("dgx-a100-80gb")
+GPT_1T = ModelSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)
+GPT_13B = ModelSpec(layers=40, hidden=5120, heads=32, seq=2048, vocab=51200)
+
+
+@pytest.fixture(scope="module")
+def df_13b():
+    return enumerate_configs(GPT_13B, A100, 128, 512)
+
+
+def test_vectorised_equals_scalar_on_random_rows(df_13b) -> None:
+    rows = df_13b.sample(n=200, random_state=1)
+    for _, row in rows.iterrows():
+        res = simulate(GPT_13B, A100, row_to_spec(row), gpus=128)
+        assert row["iteration_time_s"] == pytest.approx(res.iteration_time_s, rel=1e-12)
+        assert row["memory_per_gpu_gb"] == pytest.approx(res.memory_per_gpu_gb, rel=1e-12)
+        assert row["tflops_per_gpu"] == pytest.approx(res.tflops_per_gpu, rel=1e-12)
+        assert row["mfu"] == pytest.approx(res.mfu, rel=1e-12)
+        assert bool(row["fits"]) == res.fits
+        for key, value in res.breakdown.items():
+            assert row[f"{key}_s"] == pytest.approx(value, rel=1e-12, abs=1e-15)
+
+
+def test_enumeration_is_exactly_the_valid_set() -> None:
+    """Brute force over the axes with validate_parallel gives the same rows (minus duplicates)."""
+    model = ModelSpec(layers=8, hidden=256, heads=8, seq=256, vocab=512)
+    gpus, batch = 16, 32
+    axes = candidate_axes(model, gpus, batch, max_micro=8)
+    expected = set()
+    for combo in itertools.product(*axes.values()):
+        pick = dict(zip(axes, combo))
+        if gpus % (pick["tp"] * pick["pp"]):
+            continue
+        par = ParallelSpec(dp=gpus // (pick["tp"] * pick["pp"]), global_batch=batch, **pick)
+        duplicate = ((pick["zero"] and par.dp == 1) or (pick["sequence_parallel"] and pick["tp"] == 1)
+                     or (pick["schedule"] == "gpipe" and pick["pp"] == 1))
+        if not duplicate and not validate_parallel(model, A100, par, gpus=gpus):
+            expected.add((par.tp, par.pp, par.virtual, par.micro, par.zero, par.recompute,
+                          par.sequence_parallel, par.schedule))
+    df = enumerate_configs(model, A100, gpus, batch, axes=axes)
+    got = set(zip(df.tp, df.pp, df.virtual, df.micro, df.zero, df.recompute,
+                  df.sequence_parallel, df.schedule))
+    assert len(df) == len(got) == len(expected) > 0
+    assert got == expected
+
+
+def test_1t_space_on_3072_gpus_is_fast() -> None:
+    start = time.perf_counter()
+    df = enumerate_configs(GPT_1T, A100, 3072, 3072)
+    elapsed = time.perf_counter() - start
+    assert len(df) >= 10_000
+    assert elapsed <= 60.0
+    assert (df.dp * df.tp * df.pp == 3072).all()
+    assert set(RESULT_COLUMNS) <= set(df.columns) and df.attrs["units"]["iteration_time_s"] == "s"
+    assert df["fits"].any() and not df["fits"].all()
+    best = best_configs(df, 5)
+    assert best["fits"].all() and best["iteration_time_s"].is_monotonic_increasing
+    assert best["iteration_time_s"].iloc[0] == df.loc[df.fits, "iteration_time_s"].min()
+    assert (best["tp"] <= A100.gpus_per_node).all()  # tp across nodes never wins on IB
+
+
+def test_sensitivities_are_best_per_knob(df_13b) -> None:
+    tables = sensitivities(df_13b)
+    assert set(tables) == {"tp_placement", "micro_batch", "bubble", "zero"}
+    overall = df_13b.loc[df_13b.fits, "iteration_time_s"].min()
+    for name, table in tables.items():
+        assert not table.empty, name
+        assert table["iteration_time_s"].min() == pytest.approx(overall), name
+    tp = tables["tp_placement"]
+    assert set(tp["tp_spans_nodes"]) == {False, True}
+    inside = tp.loc[~tp.tp_spans_nodes, "iteration_time_s"].min()
+    assert tp.loc[tp.tp_spans_nodes, "iteration_time_s"].min() > inside
+    zero = tables["zero"].set_index("zero")
+    micro = df_13b[df_13b.fits].groupby("micro")["iteration_time_s"].min()
+    assert np.allclose(tables["micro_batch"].set_index("micro")["iteration_time_s"], micro)
+    assert list(zero.index) == [0, 1, 2, 3]
+
+
+def test_optuna_search_never_beats_exhaustive_and_is_seeded() -> None:
+    model = ModelSpec(layers=16, hidden=2048, heads=16, seq=1024, vocab=32000)
+    axes = {"virtual": [1, 2], "micro": [1, 2, 4, 8]}
+    df = enumerate_configs(model, A100, 32, 128, axes=axes)
+    best = df.loc[df.fits, "tokens_per_s"].max()
+    study = optuna_search(model, A100, 32, global_batch=128, n_trials=40, seed=3, axes=axes)
+    again = optuna_search(model, A100, 32, global_batch=128, n_trials=40, seed=3, axes=axes)
+    assert study.best_params == again.best_params
+    assert 0 < study.best_value <= best * (1 + 1e-12)
+    trial = study.best_trial
+    par = ParallelSpec(dp=32 // (trial.params["tp"] * trial.params["pp"]), global_batch=128, **trial.params)
+    assert simulate(model, A100, par).tokens_per_s == pytest.approx(study.best_value)
+    assert study.best_value >= 0.5 * best  # 40 TPE trials land within 2x of the optimum

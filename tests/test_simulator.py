@@ -1,0 +1,304 @@
+"""Pure unit tests of the performance simulator and the hardware profiles (no processes)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from tuning.hardware import (
+    PRESETS,
+    ClusterSpec,
+    NodeGroup,
+    fit_alpha_beta,
+    fit_gemm_curve,
+    load_cluster,
+    measure_gemm_rates,
+    save_cluster,
+)
+from tuning.search import enumerate_configs, published_comparison, row_to_spec
+from tuning.simulator import ModelSpec, ParallelSpec, from_run_config, simulate, validate_parallel
+
+A100 = load_cluster("dgx-a100-80gb")
+GPT_1T = ModelSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)
+GPT_6B = ModelSpec(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200)
+
+
+def _narayanan(B: int, m: ModelSpec, factor: float) -> float:
+    """96 (or 72) B s l h^2 (1 + s/6h + V/(16 l h)) -- V term 12 l h for 72 (see docs)."""
+    s, lyr, h, v = m.seq, m.layers, m.hidden, m.vocab
+    v_den = 16 if factor == 96 else 12
+    return factor * B * s * lyr * h * h * (1 + s / (6 * h) + v / (v_den * lyr * h))
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def test_flops_tiny_model_by_hand() -> None:
+    # l=2, h=4, s=8, V=16, B=1: per layer fwd 24*8*16 + 4*64*4 = 4096; x4 (fwd, 2 bwd, recompute)
+    # x 2 layers = 32768; logits 2*8*4*16 = 1024, x3 = 3072; total 35840.
+    tiny = ModelSpec(layers=2, hidden=4, heads=2, seq=8, vocab=16)
+    res = simulate(tiny, A100, ParallelSpec(global_batch=1, recompute="full"))
+    assert res.flops_per_iteration == pytest.approx(35840.0, rel=1e-12)
+    assert res.model_flops_per_iteration == pytest.approx(35840.0 - 2 * 4096, rel=1e-12)
+
+
+@pytest.mark.parametrize("model,par", [
+    (GPT_1T, ParallelSpec(dp=6, tp=8, pp=64, global_batch=3072, recompute="full")),
+    (GPT_6B, ParallelSpec(dp=4, tp=2, pp=4, micro=2, global_batch=64, recompute="full")),
+])
+def test_flops_equal_narayanan_formula(model: ModelSpec, par: ParallelSpec) -> None:
+    res = simulate(model, A100, par)
+    assert res.flops_per_iteration == pytest.approx(_narayanan(par.global_batch, model, 96), rel=1e-12)
+    no_rc = simulate(model, A100, dataclasses.replace(par, recompute="none"))
+    assert no_rc.flops_per_iteration == pytest.approx(_narayanan(par.global_batch, model, 72), rel=1e-12)
+    assert res.model_flops_per_iteration == pytest.approx(no_rc.flops_per_iteration, rel=1e-12)
+    gpus = par.gpus
+    assert res.tflops_per_gpu == pytest.approx(res.flops_per_iteration / res.iteration_time_s / gpus / 1e12)
+    assert res.mfu == pytest.approx(no_rc.flops_per_iteration / (res.iteration_time_s * gpus * A100.peak_flops))
+
+
+def test_params_formula() -> None:
+    # Narayanan et al. 2021 Table 1: 1008.0 B parameters for the 1T model.
+    assert GPT_1T.params / 1e9 == pytest.approx(1008.0, abs=0.05)
+
+
+# ---------------------------------------------------------------- pipeline bubble
+
+@pytest.mark.parametrize("schedule,virtual,expected", [
+    ("gpipe", 1, 3 / 8), ("1f1b", 1, 3 / 8), ("interleaved", 2, 3 / 16), ("interleaved", 4, 3 / 32),
+])
+def test_bubble_fraction(schedule: str, virtual: int, expected: float) -> None:
+    par = ParallelSpec(pp=4, micro=1, global_batch=8, schedule=schedule, virtual=virtual)
+    res = simulate(GPT_6B, A100, par)
+    assert res.num_microbatches == 8
+    assert res.bubble_fraction == pytest.approx(expected)
+    b = res.breakdown
+    assert b["bubble"] == pytest.approx(expected * (b["compute"] + b["tp_comm"] + b["pp_comm"]), rel=1e-9)
+
+
+def test_no_pipeline_no_bubble() -> None:
+    res = simulate(GPT_6B, A100, ParallelSpec(dp=8, global_batch=64, micro=2))
+    assert res.bubble_fraction == 0 and res.breakdown["bubble"] == 0 and res.breakdown["pp_comm"] == 0
+
+
+# ---------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_model_state_bytes(zero: int) -> None:
+    nd = 8
+    res = simulate(GPT_6B, A100, ParallelSpec(dp=nd, global_batch=64, zero=zero))
+    psi = GPT_6B.params  # tp = pp = 1: the one stage holds every parameter
+    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd, 3: 16 * psi / nd}[zero]
+    if zero == 3:  # plus the gathered current + prefetched layer and one layer of gradients
+        expected += 3 * 2 * (12 * GPT_6B.hidden**2 + 13 * GPT_6B.hidden)
+    mem = res.memory_breakdown_gb
+    assert (mem["params"] + mem["grads"] + mem["optimizer"]) * 1e9 == pytest.approx(expected, rel=1e-12)
+
+
+def _act_layer(m: ModelSpec, b: int) -> float:
+    return m.seq * b * m.hidden * (34 + 5 * m.heads * m.seq / m.hidden)  # Korthikanti eq. 1
+
+
+def test_activation_memory_by_hand() -> None:
+    m, b = GPT_6B, 2
+    logits = 4 * b * m.seq * m.vocab
+    res = simulate(m, A100, ParallelSpec(micro=b, global_batch=8))
+    assert res.memory_breakdown_gb["activations"] * 1e9 == pytest.approx(m.layers * _act_layer(m, b) + logits)
+    full = simulate(m, A100, ParallelSpec(micro=b, global_batch=8, recompute="full"))
+    expected = m.layers * 2 * m.seq * b * m.hidden + _act_layer(m, b) + logits
+    assert full.memory_breakdown_gb["activations"] * 1e9 == pytest.approx(expected)
+    sp = simulate(m, A100, ParallelSpec(tp=4, micro=b, global_batch=8, sequence_parallel=True))
+    act_sp = m.seq * b * m.hidden * (34 / 4 + 5 * m.heads * m.seq / (m.hidden * 4))
+    assert sp.memory_breakdown_gb["activations"] * 1e9 == pytest.approx(m.layers * act_sp + logits / 4)
+
+
+def test_in_flight_microbatches_by_schedule() -> None:
+    m, p = GPT_6B, 4
+    acts = {}
+    for sched in ("1f1b", "gpipe"):
+        res = simulate(m, A100, ParallelSpec(pp=p, micro=1, global_batch=16, schedule=sched))
+        acts[sched] = res.memory_breakdown_gb["activations"] * 1e9
+    per_stage = m.layers / p * _act_layer(m, 1)
+    assert acts["1f1b"] == pytest.approx(p * per_stage)  # min(p, m) = 4 in flight
+    assert acts["gpipe"] == pytest.approx(16 * per_stage)  # all m = 16
+
+
+def test_fits_flag() -> None:
+    assert not simulate(GPT_1T, A100, ParallelSpec(tp=8, global_batch=8)).fits
+    assert simulate(GPT_1T, A100, ParallelSpec(dp=6, tp=8, pp=64, global_batch=3072, recompute="full")).fits
+
+
+# ---------------------------------------------------------------- monotonicity
+
+def _sample_rows(n: int = 150, seed: int = 0) -> list[ParallelSpec]:
+    df = enumerate_configs(GPT_6B, A100, 64, 256)
+    rows = df.sample(n=n, random_state=seed)
+    return [row_to_spec(r) for _, r in rows.iterrows()]
+
+
+@pytest.mark.parametrize("field,scale", [
+    ("inter_bw_gb_s", 2.0), ("intra_bw_gb_s", 2.0), ("peak_flops", 2.0), ("hbm_gb_s", 2.0),
+    ("inter_latency_s", 0.5), ("intra_latency_s", 0.5),
+])
+def test_faster_hardware_never_slower(field: str, scale: float) -> None:
+    better = dataclasses.replace(A100, **{field: getattr(A100, field) * scale})
+    for par in _sample_rows():
+        base, fast = simulate(GPT_6B, A100, par), simulate(GPT_6B, better, par)
+        assert fast.iteration_time_s <= base.iteration_time_s * (1 + 1e-12), par
+
+
+def test_tp_inside_node_beats_tp_across_nodes() -> None:
+    par = ParallelSpec(dp=4, tp=16, global_batch=64, micro=2)
+    wide = dataclasses.replace(A100, gpus_per_node=16)
+    across = simulate(GPT_6B, A100, par)  # tp=16 over two 8-GPU nodes
+    inside = simulate(GPT_6B, wide, par)
+    assert inside.breakdown["tp_comm"] < across.breakdown["tp_comm"]
+    assert inside.iteration_time_s < across.iteration_time_s
+
+
+def test_heterogeneous_groups_slowest_nic_rules() -> None:
+    groups = (NodeGroup(name="ndr", nodes=2, inter_bw_gb_s=45.0, inter_latency_s=1e-5),
+              NodeGroup(name="hdr", nodes=8, inter_bw_gb_s=10.0, inter_latency_s=2e-5))
+    het = dataclasses.replace(A100, node_groups=groups)
+    par_small = ParallelSpec(dp=16, global_batch=64)  # 2 nodes: the fast group only
+    par_big = ParallelSpec(dp=32, global_batch=64)  # 4 nodes: spans the slow group
+    assert het.inter_link(16) == (45.0, 1e-5) and het.inter_link(32) == (10.0, 2e-5)
+    assert het.total_gpus == 80
+    fast = dataclasses.replace(A100, inter_bw_gb_s=45.0, inter_latency_s=1e-5)
+    assert simulate(GPT_6B, het, par_big).dp_comm_total_s > simulate(GPT_6B, fast, par_big).dp_comm_total_s
+    assert simulate(GPT_6B, het, par_small).dp_comm_total_s == pytest.approx(
+        simulate(GPT_6B, fast, par_small).dp_comm_total_s)
+    assert validate_parallel(GPT_6B, het, ParallelSpec(dp=128, global_batch=128))
+
+
+def test_co2_and_compression_cut_exposed_dp() -> None:
+    par = ParallelSpec(dp=64, global_batch=64, overlap_dp=False)
+    base = simulate(GPT_6B, A100, par)
+    assert base.breakdown["dp_comm_exposed"] > 0
+    assert simulate(GPT_6B, A100, dataclasses.replace(par, co2=True)).breakdown["dp_comm_exposed"] == 0
+    comp = simulate(GPT_6B, A100, dataclasses.replace(par, compression_ratio=4.0))
+    assert comp.breakdown["dp_comm_exposed"] < base.breakdown["dp_comm_exposed"]
+    overlapped = simulate(GPT_6B, A100, dataclasses.replace(par, overlap_dp=True))
+    assert overlapped.breakdown["dp_comm_exposed"] < base.breakdown["dp_comm_exposed"]
+
+
+def test_small_gemms_run_less_efficiently() -> None:
+    rates = A100.gemm_rate(np.array([1e6, 1e9, 1e12]))
+    assert np.all(np.diff(rates) > 0) and rates[-1] <= A100.peak_flops
+    big = simulate(GPT_6B, A100, ParallelSpec(micro=8, global_batch=64))
+    small = simulate(GPT_6B, A100, ParallelSpec(tp=8, micro=1, global_batch=64))
+    assert small.tflops_per_gpu < big.tflops_per_gpu
+
+
+# ---------------------------------------------------------------- validation
+
+def test_invalid_configs_report_every_reason() -> None:
+    bad = ParallelSpec(dp=3, tp=3, pp=5, micro=4, global_batch=10, zero=5, recompute="some")
+    reasons = validate_parallel(GPT_6B, A100, bad, gpus=64)
+    text = "\n".join(reasons)
+    assert "dp(3) * tp(3) * pp(5) = 45 != gpus(64)" in text
+    assert "parallel.tp=3 must divide model.heads=32; try 1, 2, 4, 8, 16 or 32" in text
+    assert "model.layers=32 must be divisible by parallel.pp * parallel.virtual" in text
+    assert "batch.global=10 must be divisible by parallel.dp * batch.micro = 3 * 4 = 12" in text
+    assert "parallel.zero=5" in text and "recompute='some'" in text
+    with pytest.raises(ValueError, match="must divide model.heads"):
+        simulate(GPT_6B, A100, bad)
+
+
+def test_virtual_stage_rules() -> None:
+    assert any("needs parallel.pp > 1" in r for r in validate_parallel(
+        GPT_6B, A100, ParallelSpec(virtual=2, global_batch=8)))
+    assert any("needs parallel.schedule='interleaved'" in r for r in validate_parallel(
+        GPT_6B, A100, ParallelSpec(pp=2, virtual=2, global_batch=8, schedule="gpipe")))
+    assert any("divisible by parallel.pp" in r for r in validate_parallel(
+        GPT_6B, A100, ParallelSpec(pp=4, virtual=2, global_batch=6)))
+    assert validate_parallel(GPT_6B, A100, ParallelSpec(pp=4, virtual=2, global_batch=8)) == []
+
+
+# ---------------------------------------------------------------- published results
+
+def test_published_megatron_runs_within_15_percent() -> None:
+    table = published_comparison()
+    held_out = table[~table["fitted_on"]]
+    assert len(held_out) >= 10
+    assert held_out["error_pct"].abs().median() <= 10.0
+    assert held_out["error_pct"].abs().max() <= 15.0
+    assert table["fits"].all()  # every published run fits in 80 GB
+
+
+# ---------------------------------------------------------------- run config + hardware
+
+def test_from_run_config_maps_engine_keys() -> None:
+    cfg = {"model": {"layers": 4, "d_model": 256, "heads": 8, "seq_len": 128, "vocab": 256},
+           "parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "virtual": 2, "sequence_parallel": True},
+           "batch": {"global": 16, "micro": 2}, "train": {"activation_checkpointing": True},
+           "precision": "bf16", "comm": {"compressor": "int8"}, "co2": {"enabled": True}}
+    model, par = from_run_config(cfg)
+    assert model == ModelSpec(layers=4, hidden=256, heads=8, seq=128, vocab=256)
+    assert (par.dp, par.tp, par.pp, par.zero, par.virtual, par.schedule) == (2, 2, 2, 1, 2, "interleaved")
+    assert (par.global_batch, par.micro, par.recompute, par.dtype_bytes) == (16, 2, "full", 2)
+    assert par.compression_ratio == 4.0 and par.co2 and par.sequence_parallel
+    assert validate_parallel(model, A100, par) == []
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_profile_round_trip(tmp_path, suffix: str) -> None:
+    spec = dataclasses.replace(PRESETS["frontier"], name="mine", gemm_table=((1e6, 1e9), (1e9, 5e10)),
+                               node_groups=(NodeGroup(nodes=2, inter_bw_gb_s=5.0, inter_latency_s=1e-4),))
+    path = save_cluster(spec, tmp_path / f"c{suffix}")
+    assert load_cluster(path) == spec
+    if suffix == ".json":
+        json.loads(path.read_text())
+
+
+def test_load_cluster_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="did you mean 'dgx-h100'"):
+        load_cluster("dgx-h10")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngpus_per_nod: 8\n")
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        load_cluster(bad)
+
+
+def test_presets_cite_datasheet_peaks() -> None:
+    assert PRESETS["dgx-a100-80gb"].peak_flops == 312e12 and PRESETS["dgx-h100"].peak_flops == 989e12
+    assert PRESETS["frontier"].peak_flops == 191.5e12 and PRESETS["frontier"].memory_gb == 64.0
+    assert PRESETS["frontier"].inter_bw_gb_s < 12.5  # 4 x 25 GB/s NICs shared by 8 GCDs
+
+
+def test_fit_alpha_beta_recovers_synthetic_link() -> None:
+    sizes = np.logspace(3, 8, 12)
+    factor = 2 * 3 / 4  # all_reduce on 4 ranks
+    times = 50e-6 + sizes * factor / 12e9
+    alpha, beta = fit_alpha_beta(sizes, times, factor)
+    assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(12.0, rel=1e-6)
+    noisy = times * (1 + 0.05 * np.random.default_rng(0).standard_normal(sizes.size))
+    assert fit_alpha_beta(sizes, noisy, factor)[1] == pytest.approx(12.0, rel=0.1)
+
+
+def test_fit_gemm_curve_recovers_saturation() -> None:
+    sizes = np.logspace(5, 11, 10)
+    rates = 2e11 * sizes / (sizes + 3e7)
+    rmax, half = fit_gemm_curve(sizes, rates)
+    assert rmax == pytest.approx(2e11, rel=1e-6) and half == pytest.approx(3e7, rel=1e-6)
+
+
+def test_measure_gemm_rates_on_this_cpu() -> None:
+    points = measure_gemm_rates([32, 128], min_time_s=0.01, repeats=2)
+    assert [p[0] for p in points] == [2 * 32**3, 2 * 128**3]
+    assert all(rate > 1e6 for _, rate in points)
+    table = ClusterSpec(name="cpu", gpus_per_node=2, peak_flops=max(r for _, r in points), memory_gb=24,
+                        hbm_gb_s=10, intra_bw_gb_s=1, intra_latency_s=1e-4, inter_bw_gb_s=1,
+                        inter_latency_s=1e-4, gemm_table=tuple(points))
+    assert table.gemm_rate(points[0][0]) == pytest.approx(points[0][1])
+
+
+def test_result_serialises_for_the_cli() -> None:
+    res = simulate(GPT_6B, A100, ParallelSpec(dp=2, tp=2, pp=2, global_batch=8, recompute=True))
+    data = json.loads(json.dumps(res.to_dict()))
+    for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits"):
+        assert key in data
+    assert set(data["breakdown"]) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer"}
+    assert sum(data["breakdown"].values()) == pytest.approx(data["iteration_time_s"])
+    assert data["tokens_per_s"] == pytest.approx(8 * GPT_6B.seq / data["iteration_time_s"])

@@ -1,0 +1,353 @@
+"""Hardware profiles for the performance simulator: presets, profile files, calibration fits.
+
+A `ClusterSpec` holds what the simulator needs to know about a machine: per-GPU peak rate and
+memory, the achieved-rate curve of GEMMs, HBM bandwidth, and an alpha-beta model per link class
+(intra-node, inter-node), optionally with node groups whose NICs differ.
+
+Bandwidths are *bus* bandwidths in GB/s per GPU (nccl-tests doc/PERFORMANCE.md definition), so a
+collective of `bytes` per rank costs `alpha + bytes * factor / busbw` (formulas.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+GB = 1e9
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NodeGroup:
+    """A run of nodes sharing one NIC type (heterogeneous clusters list several)."""
+
+    name: str = "group"  # label shown in reports
+    nodes: int  # number of nodes in this group
+    inter_bw_gb_s: float  # inter-node bus bandwidth per GPU, GB/s
+    inter_latency_s: float  # inter-node collective latency (alpha), s
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ClusterSpec:
+    """A cluster as the simulator sees it; every rate is per GPU (per GCD on MI250X)."""
+
+    name: str  # preset or profile name
+    gpus_per_node: int  # accelerators per node sharing the intra-node link
+    peak_flops: float  # dense 16-bit matrix peak, FLOP/s per GPU (MFU denominator)
+    memory_gb: float  # device memory per GPU, GB (1e9 bytes)
+    hbm_gb_s: float  # device memory bandwidth, GB/s (bounds non-GEMM kernels and the optimizer)
+    intra_bw_gb_s: float  # intra-node bus bandwidth per GPU, GB/s
+    intra_latency_s: float  # intra-node collective latency (alpha), s
+    inter_bw_gb_s: float  # inter-node bus bandwidth per GPU, GB/s (all nodes, if no groups)
+    inter_latency_s: float  # inter-node collective latency (alpha), s
+    num_nodes: int | None = None  # nodes available; None = as many as asked for
+    node_groups: tuple[NodeGroup, ...] = ()  # heterogeneous NICs, allocated in this order
+    gemm_max_efficiency: float = 0.8  # achieved/peak of a very large GEMM
+    gemm_half_flops: float = 1e9  # GEMM size (FLOPs) reaching half of the max efficiency
+    gemm_table: tuple[tuple[float, float], ...] = ()  # measured (GEMM FLOPs, FLOP/s); overrides the curve
+    usable_memory_fraction: float = 0.95  # share of memory_gb usable (context, allocator slack)
+
+    @property
+    def total_gpus(self) -> int | None:
+        """GPUs in the cluster, or None when the node count is open."""
+        nodes = self.num_nodes or sum(g.nodes for g in self.node_groups) or None
+        return None if nodes is None else nodes * self.gpus_per_node
+
+    def gemm_rate(self, flops: np.ndarray | float) -> np.ndarray:
+        """Achieved FLOP/s of one GEMM of `flops` FLOPs (vectorised).
+
+        Without a measured table: peak * max_eff * x / (x + x_half), a saturating curve
+        (small GEMMs cannot fill the device; see Narayanan et al. 2021, sec. 3.4, micro-batch
+        size and arithmetic intensity). With a table: log-linear interpolation, clamped.
+        """
+        x = np.maximum(np.asarray(flops, dtype=float), 1.0)
+        if self.gemm_table:
+            sizes, rates = np.array(self.gemm_table, dtype=float).T
+            order = np.argsort(sizes)
+            return np.interp(np.log(x), np.log(sizes[order]), rates[order])
+        return self.peak_flops * self.gemm_max_efficiency * x / (x + self.gemm_half_flops)
+
+    def inter_link(self, gpus: int) -> tuple[float, float]:
+        """(busbw GB/s, latency s) of the inter-node link for a job of `gpus` GPUs.
+
+        Nodes are taken from the groups in order; a ring spanning several groups runs at the
+        slowest NIC's rate and pays the largest latency.
+        """
+        if not self.node_groups:
+            return self.inter_bw_gb_s, self.inter_latency_s
+        nodes_left = -(-gpus // self.gpus_per_node)
+        bws, lats = [], []
+        for group in self.node_groups:
+            if nodes_left <= 0:
+                break
+            bws.append(group.inter_bw_gb_s)
+            lats.append(group.inter_latency_s)
+            nodes_left -= group.nodes
+        return min(bws), max(lats)
+
+
+# ---------------------------------------------------------------- presets
+# Bandwidths below are per GPU and per direction (what a ring all-reduce's busbw approaches).
+# The link efficiency (achieved busbw / link peak) is an assumption of this profile, stated
+# per preset, not a published figure.
+
+_A100 = ClusterSpec(
+    name="dgx-a100-80gb",
+    gpus_per_node=8,
+    peak_flops=312e12,  # A100 SXM datasheet: 312 TFLOP/s dense bf16/fp16
+    memory_gb=80.0,  # A100 80GB: 80 GB HBM2e
+    hbm_gb_s=2039.0,  # A100 80GB SXM datasheet: 2,039 GB/s
+    # NVLink 3 via NVSwitch: 600 GB/s per GPU bidirectional = 300 GB/s per direction;
+    # assumed 80% achievable busbw.
+    intra_bw_gb_s=240.0,
+    intra_latency_s=10e-6,  # assumed NCCL launch + NVLink hop
+    # DGX A100: 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU; assumed 90%.
+    inter_bw_gb_s=22.5,
+    inter_latency_s=20e-6,  # assumed IB round through the fat tree
+    # Fitted to two published runs only (Narayanan et al. 2021 Table 1, the 1.7B and 1T rows;
+    # see PUBLISHED_A100_RUNS); the other rows are held out (docs/simulator.md).
+    gemm_max_efficiency=0.685,
+    gemm_half_flops=1e10,
+)
+
+_H100 = ClusterSpec(
+    name="dgx-h100",
+    gpus_per_node=8,
+    peak_flops=989e12,  # H100 SXM datasheet: ~989 TFLOP/s dense bf16
+    memory_gb=80.0,  # H100 SXM: 80 GB HBM3
+    hbm_gb_s=3350.0,  # H100 SXM datasheet: 3.35 TB/s
+    # NVLink 4: 900 GB/s per GPU bidirectional = 450 per direction; assumed 80%.
+    intra_bw_gb_s=360.0,
+    intra_latency_s=10e-6,
+    # DGX H100: 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU; assumed 90%.
+    inter_bw_gb_s=45.0,
+    inter_latency_s=20e-6,
+    # Not calibrated against a published H100 run: the A100 figure, lowered because H100
+    # kernels reach a smaller share of the much higher peak (assumption).
+    gemm_max_efficiency=0.6,
+    gemm_half_flops=3e10,  # about 3x the A100 point: 3x the peak needs 3x the work to fill
+)
+
+_FRONTIER = ClusterSpec(
+    name="frontier",
+    gpus_per_node=8,  # 4 MI250X = 8 GCDs per node; one "GPU" here is one GCD
+    peak_flops=191.5e12,  # MI250X: 383 TFLOP/s fp16/bf16 per package of 2 GCDs
+    memory_gb=64.0,  # MI250X: 128 GB HBM2e per package = 64 GB per GCD
+    hbm_gb_s=1638.0,  # MI250X: 3.2768 TB/s per package = 1.64 TB/s per GCD
+    # Infinity Fabric between GCDs of different packages: 50 GB/s per direction per link
+    # (OLCF Frontier user guide); a ring is held to that link; assumed 80%.
+    intra_bw_gb_s=40.0,
+    intra_latency_s=15e-6,
+    # 4 Slingshot-11 NICs at 25 GB/s each per node = 12.5 GB/s per GCD; assumed 80%.
+    inter_bw_gb_s=10.0,
+    inter_latency_s=30e-6,
+    # Assumption (not calibrated): Dash et al. 2023 report 32-38% of peak end to end.
+    gemm_max_efficiency=0.5,
+    gemm_half_flops=1e10,
+)
+
+PRESETS: dict[str, ClusterSpec] = {c.name: c for c in (_A100, _H100, _FRONTIER)}
+
+
+# ---------------------------------------------------------------- profile files
+
+def _from_dict(data: dict[str, Any]) -> ClusterSpec:
+    fields = {f.name for f in dataclasses.fields(ClusterSpec)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
+        raise ValueError(
+            f"unknown cluster profile keys {unknown}; close matches {hints}; valid keys: {sorted(fields)}"
+        )
+    data = dict(data)
+    data["node_groups"] = tuple(NodeGroup(**g) for g in data.get("node_groups") or ())
+    data["gemm_table"] = tuple((float(a), float(b)) for a, b in data.get("gemm_table") or ())
+    return ClusterSpec(**data)
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """A preset by name (`dgx-a100-80gb`, `dgx-h100`, `frontier`) or a YAML/JSON profile file."""
+    key = str(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(key)
+    if not path.is_file():
+        close = difflib.get_close_matches(key, PRESETS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"cluster {key!r} is neither a preset {sorted(PRESETS)} nor a file{hint}")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"cluster profile {path} must hold a mapping, got {type(data).__name__}")
+    return _from_dict(data)
+
+
+def cluster_to_dict(spec: ClusterSpec) -> dict[str, Any]:
+    """Plain dict of a profile (lists instead of tuples), as written by `save_cluster`."""
+    data = dataclasses.asdict(spec)
+    data["node_groups"] = [dict(g) for g in data["node_groups"]]
+    data["gemm_table"] = [list(p) for p in data["gemm_table"]]
+    return data
+
+
+def save_cluster(spec: ClusterSpec, path: str | Path) -> Path:
+    """Write a profile as JSON (`.json`) or YAML (anything else); `load_cluster` reads it back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = cluster_to_dict(spec)
+    text = json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- calibration fits
+
+def fit_alpha_beta(
+    sizes_bytes: Sequence[float], times_s: Sequence[float], factor: float | Sequence[float]
+) -> tuple[float, float]:
+    """Least-squares alpha-beta fit of `time = alpha + bytes * factor / busbw`.
+
+    `factor` is the nccl-tests bus factor of the op (all_reduce 2(n-1)/n, ...), one value or one
+    per sample. Returns (alpha in s, busbw in GB/s). alpha is clamped at 0 (then the slope is
+    refitted through the origin), since a negative latency only fits noise.
+    """
+    x = np.asarray(sizes_bytes, dtype=float) * np.asarray(factor, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError("fit_alpha_beta needs at least two distinct message sizes")
+    slope, alpha = np.polyfit(x, t, 1)
+    if alpha < 0 or slope <= 0:
+        alpha = 0.0
+        slope = float(np.dot(x, t) / np.dot(x, x))
+    if slope <= 0:
+        raise ValueError("times do not grow with size; cannot fit a bandwidth")
+    return float(alpha), float(1.0 / slope / GB)
+
+
+def fit_gemm_curve(sizes: Sequence[float], flops_per_s: Sequence[float]) -> tuple[float, float]:
+    """Fit rate(x) = rate_max * x / (x + x_half) to measured (GEMM FLOPs, FLOP/s) points.
+
+    Linear least squares on 1/rate = 1/rate_max + (x_half/rate_max) / x (weighted by rate^2 so
+    the large, reliable GEMMs count most). Returns (rate_max FLOP/s, x_half FLOPs).
+    """
+    x = np.asarray(sizes, dtype=float)
+    r = np.asarray(flops_per_s, dtype=float)
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError("fit_gemm_curve needs at least two distinct GEMM sizes")
+    slope, intercept = np.polyfit(1.0 / x, 1.0 / r, 1, w=r)
+    if intercept <= 0:  # rate still rising at the largest size: take the best seen as the max
+        return float(r.max()), float(max(slope * r.max(), 0.0))
+    rate_max = 1.0 / intercept
+    return float(rate_max), float(max(slope * rate_max, 0.0))
+
+
+def measure_gemm_rates(
+    sizes: Sequence[int], *, dtype: str = "float32", min_time_s: float = 0.05, repeats: int = 5
+) -> list[tuple[float, float]]:
+    """Time n x n x n torch matmuls on this CPU; returns [(GEMM FLOPs = 2n^3, median FLOP/s)]."""
+    import torch  # lazy: profiles load without torch
+
+    out: list[tuple[float, float]] = []
+    for n in sizes:
+        a = torch.randn(n, n, dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, dtype=getattr(torch, dtype))
+        torch.matmul(a, b)  # warm-up: first call allocates and picks a kernel
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < min_time_s / repeats or calls < 1:
+            torch.matmul(a, b)
+            calls += 1
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                torch.matmul(a, b)
+            samples.append((time.perf_counter() - t0) / calls)
+        flops = 2.0 * n**3
+        out.append((flops, flops / statistics.median(samples)))
+    return out
+
+
+def cpu_profile(
+    *,
+    name: str,
+    gemm_points: Sequence[tuple[float, float]],
+    intra: tuple[float, float],
+    inter: tuple[float, float] | None = None,
+    gpus_per_node: int,
+    memory_gb: float,
+    hbm_gb_s: float = 10.0,
+) -> ClusterSpec:
+    """A profile of a measured host (e.g. `cpu-local`): one 'GPU' per rank, one node.
+
+    `gemm_points` from `measure_gemm_rates`; `intra`/`inter` are (alpha s, busbw GB/s) from
+    `fit_alpha_beta`. The measured table drives the GEMM rate; its best point is the peak.
+    """
+    rates = [rate for _, rate in gemm_points]
+    inter = inter or intra
+    return ClusterSpec(
+        name=name,
+        gpus_per_node=gpus_per_node,
+        peak_flops=max(rates),
+        memory_gb=memory_gb,
+        hbm_gb_s=hbm_gb_s,
+        intra_bw_gb_s=intra[1],
+        intra_latency_s=intra[0],
+        inter_bw_gb_s=inter[1],
+        inter_latency_s=inter[0],
+        num_nodes=1,
+        gemm_max_efficiency=1.0,
+        gemm_table=tuple((float(f), float(r)) for f, r in gemm_points),
+    )
+
+
+# ---------------------------------------------------------------- published runs
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PublishedRun:
+    """A published large-cluster measurement the simulator is compared with."""
+
+    source: str  # paper and table
+    layers: int
+    hidden: int
+    heads: int
+    seq: int = 2048
+    vocab: int = 51200
+    tp: int
+    pp: int
+    gpus: int
+    global_batch: int
+    micro: int = 1  # not given in Table 1; 1 as in the paper's Table 2 PTD-P rows
+    tflops_per_gpu: float  # reported, recomputation FLOPs included (96 B s l h^2 ... formula)
+
+
+def _narayanan(source: str, rows: list[tuple[int, ...]]) -> list[PublishedRun]:
+    keys = ("heads", "hidden", "layers", "tp", "pp", "gpus", "global_batch", "tflops_per_gpu")
+    return [PublishedRun(source=source, **dict(zip(keys, row))) for row in rows]
+
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM" (SC21, arXiv:2104.04473), on Selene (DGX A100 80GB, 8 x 200 Gb/s HDR IB per node),
+# activation recomputation on, s = 2048, V = 51200.
+# Table 1 (weak scaling): heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU.
+# Table 2 (PTD-P rows of the ZeRO-3 comparison): 175B at tp 8 x pp 12 and 530B at tp 8 x pp 35.
+PUBLISHED_A100_RUNS: list[PublishedRun] = _narayanan("Narayanan 2021 Table 1", [
+    (24, 2304, 24, 1, 1, 32, 512, 137), (32, 3072, 30, 2, 1, 64, 512, 138),
+    (32, 4096, 36, 4, 1, 128, 512, 142), (48, 6144, 40, 8, 1, 256, 1024, 135),
+    (64, 8192, 48, 8, 2, 512, 1536, 138), (80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (96, 12288, 80, 8, 8, 1536, 2304, 148), (128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (128, 20480, 105, 8, 35, 2520, 2520, 163), (160, 25600, 128, 8, 64, 3072, 3072, 163),
+]) + _narayanan("Narayanan 2021 Table 2", [
+    (96, 12288, 96, 8, 12, 384, 1536, 153), (96, 12288, 96, 8, 12, 768, 1536, 149),
+    (96, 12288, 96, 8, 12, 1536, 1536, 141), (128, 20480, 105, 8, 35, 560, 2240, 171),
+    (128, 20480, 105, 8, 35, 1120, 2240, 167), (128, 20480, 105, 8, 35, 2240, 2240, 159),
+])
+# The two rows the dgx-a100-80gb GEMM curve was fitted to (the others are held out).
+A100_CALIBRATION_ROWS = (0, 9)

@@ -1,0 +1,151 @@
+"""The objective: one trial = one real engine run, measured at steady state.
+
+Invalid combinations end at once as PRUNED with the validation reason (no process starts).
+Intermediate values (tokens/s per step after warm-up) feed the pruner; a pruned trial's ranks
+are stopped. Crash and hang end as FAIL, CUDA out-of-memory as PRUNED with reason "oom"; the
+reason is the trial's user attribute `reason` and the study goes on.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from engine.config import RunConfig, replace
+from engine.errors import ConfigError
+from engine.launch import RunResult, launch
+from tuning.space import SearchSpace
+
+THROUGHPUT = "throughput"
+PARETO = "throughput+val_loss"
+
+
+@dataclass(slots=True)
+class TrialOutcome:
+    state: optuna.trial.TrialState
+    values: list[float] | None
+    reason: str | None = None
+
+
+def median_ci(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Median and a distribution-free ~95% confidence interval from order statistics
+    (Conover, Practical Nonparametric Statistics, the binomial interval for a quantile)."""
+    xs = sorted(values)
+    n = len(xs)
+    med = statistics.median(xs)
+    if n < 3:
+        return med, xs[0], xs[-1]
+    half = z * math.sqrt(n) / 2
+    lo = max(0, int(math.floor(n / 2 - half)))
+    hi = min(n - 1, int(math.ceil(n / 2 + half)) - 1)
+    return med, xs[lo], xs[hi]
+
+
+class Objective:
+    """Runs trials of `space` on top of `base`; used through `evaluate(trial)` by the study loop."""
+
+    def __init__(self, base: RunConfig, space: SearchSpace, *, home: str | Path | None = None,
+                 objective: str = THROUGHPUT, warmup_steps: int = 1, memory_limit_gb: float | None = None,
+                 trial_timeout_s: float | None = 600.0, extra_env: dict[str, str] | None = None) -> None:
+        self.base, self.space, self.home = base, space, home
+        self.objective, self.warmup = objective, warmup_steps
+        self.memory_limit_gb, self.timeout = memory_limit_gb, trial_timeout_s
+        self.extra_env = extra_env
+
+    def config_for(self, trial: optuna.trial.BaseTrial) -> RunConfig:
+        """The validated config of a trial (raises ConfigError)."""
+        overrides = self.space.to_overrides(self.space.suggest(trial), self.base)
+        overrides.setdefault("profile.warmup_steps", self.warmup)
+        if self.objective == PARETO:
+            overrides["train.eval_interval"] = overrides.get("train.steps", self.base.train.steps)
+        return replace(self.base, overrides)
+
+    def evaluate(self, trial: optuna.trial.Trial) -> TrialOutcome:
+        try:
+            cfg = self.config_for(trial)
+        except ConfigError as exc:
+            return self._prune(trial, f"invalid: {exc}")
+        trial.set_user_attr("config", cfg.to_dict())
+        over = self._memory_over(cfg)
+        if over:
+            return self._prune(trial, over)
+        run_id = f"{cfg.name}-{trial.study.study_name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
+        trial.set_user_attr("run_id", run_id)
+        try:
+            result = launch(cfg, home=self.home, run_id=run_id, timeout_s=self.timeout,
+                            parent=f"study:{trial.study.study_name}#{trial.number}", raise_on_failure=False,
+                            on_progress=self._reporter(trial), extra_env=self.extra_env)
+        except optuna.TrialPruned as exc:
+            return self._prune(trial, f"pruned at step {exc}")
+        return self._outcome(trial, result)
+
+    def _memory_over(self, cfg: RunConfig) -> str | None:
+        if self.memory_limit_gb is None:
+            return None
+        from engine.memory import estimate_memory
+
+        est = sum(estimate_memory(cfg).values()) / 2**30
+        trial_note = f"estimated {est:.2f} GiB per rank > memory limit {self.memory_limit_gb:.2f} GiB"
+        return trial_note if est > self.memory_limit_gb else None
+
+    def _reporter(self, trial: optuna.trial.Trial):
+        if self.objective != THROUGHPUT:
+            return None  # Optuna reports intermediate values only for single-objective studies
+
+        def report(step: dict[str, Any]) -> None:
+            if step["step"] < self.warmup or "tokens_per_s" not in step:
+                return
+            trial.report(step["tokens_per_s"], step["step"])
+            if trial.should_prune():
+                raise optuna.TrialPruned(step["step"])
+
+        return report
+
+    def _prune(self, trial: optuna.trial.Trial, reason: str) -> TrialOutcome:
+        trial.set_user_attr("reason", reason)
+        return TrialOutcome(optuna.trial.TrialState.PRUNED, None, reason)
+
+    def _outcome(self, trial: optuna.trial.Trial, result: RunResult) -> TrialOutcome:
+        if result.status != "completed":
+            error = result.error or "unknown failure"
+            if "OutOfMemoryError" in error or "out of memory" in error:
+                return self._prune(trial, "oom")
+            reason = "timeout" if "timed out" in error else f"crash (rank {result.error_rank}): {error.splitlines()[0]}"
+            trial.set_user_attr("reason", reason)
+            return TrialOutcome(optuna.trial.TrialState.FAIL, None, reason)
+        steady = [s["tokens_per_s"] for s in result.steps[self.warmup:] if "tokens_per_s" in s]
+        if not steady:
+            return self._prune(trial, "no steady-state steps: train.steps <= warmup")
+        med, lo, hi = median_ci(steady)
+        for key, value in {"tokens_per_s": med, "tokens_per_s_ci_low": lo, "tokens_per_s_ci_high": hi,
+                           "mfu": result.summary.get("mfu"), "final_loss": result.final_loss,
+                           "val_loss": result.summary.get("val_loss"),
+                           "wire_ratio": result.summary.get("ratio")}.items():
+            if value is not None:
+                trial.set_user_attr(key, value)
+        self._attach_breakdown(trial, result.run_id)
+        if self.objective == PARETO:
+            val = result.summary.get("val_loss")
+            if val is None:
+                return self._prune(trial, "no val loss recorded")
+            return TrialOutcome(optuna.trial.TrialState.COMPLETE, [med, val])
+        return TrialOutcome(optuna.trial.TrialState.COMPLETE, [med])
+
+    def _attach_breakdown(self, trial: optuna.trial.Trial, run_id: str) -> None:
+        """Mean compute / exposed communication / bubble per step (rank-averaged), so users see why."""
+        from profilers.store import RunStore
+
+        table = RunStore.open_home(self.home).breakdown_table(run_id)
+        table = table[table["step"] >= self.warmup]
+        if table.empty:
+            return
+        mean = table.mean(numeric_only=True)
+        trial.set_user_attr("compute_s", float(mean.get("forward", 0) + mean.get("backward", 0)))
+        trial.set_user_attr("comm_exposed_s", float(mean.get("comm_exposed", 0)))
+        trial.set_user_attr("bubble_s", float(mean.get("bubble", 0)))
+        trial.set_user_attr("step_time_s", float(mean.get("total", 0)))

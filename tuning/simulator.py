@@ -1,0 +1,463 @@
+"""Analytical performance model of one training iteration of a GPT model (pure functions).
+
+`simulate(model, cluster, par)` prices one configuration; `evaluate_arrays` prices many at once
+(numpy arrays of parallel settings, used by `tuning.search`). Both run the same arithmetic, so
+the scalar and vectorised answers agree by construction; `simulate` adds validation.
+
+Sources (docs/simulator.md gives the equations):
+- FLOPs per layer and per iteration: Narayanan et al. 2021, sec. 5.1 (formulas.md).
+- Pipeline bubble (p-1)/m and (p-1)/(v m): same paper, sec. 2.2.
+- Tensor-parallel all-reduces per layer: Shoeybi et al. 2019; sequence parallel: Korthikanti
+  et al. 2022.
+- Model-state memory by ZeRO stage: Rajbhandari et al. 2020; activations: Korthikanti et al.
+  2022, eqs. 1-3 and sec. 4.2.3 (interleaved first stage).
+- Collective times: alpha-beta model with nccl-tests bus factors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tuning.hardware import GB, ClusterSpec
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# Adam step traffic per parameter: fp32 master, momentum, variance read + written (24 B),
+# the gradient read and the 16-bit weight written (4 B). The step is memory-bound.
+OPTIMIZER_BYTES_PER_PARAM = 28.0
+# Non-GEMM kernels (norms, softmax, dropout, GeLU, residuals) are memory-bound: forward moves
+# about the bytes of activations it produces, backward twice that (roofline assumption).
+NONGEMM_BWD_FACTOR = 2.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelSpec:
+    """A GPT model; names follow the run config's `model.*` keys (hidden = model.d_model)."""
+
+    layers: int  # transformer blocks (model.layers)
+    hidden: int  # hidden size h (model.d_model)
+    heads: int  # attention heads a (model.heads)
+    seq: int  # sequence length s (model.seq_len)
+    vocab: int  # vocabulary size V (model.vocab)
+
+    @property
+    def params(self) -> int:
+        """Parameters: 12 l h^2 + 13 l h + V h + s h (Narayanan et al. 2021, sec. 5.1)."""
+        lyr, h = self.layers, self.hidden
+        return 12 * lyr * h * h + 13 * lyr * h + self.vocab * h + self.seq * h
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelSpec:
+    """One parallel configuration; names follow `parallel.*` and `batch.*` of the run config."""
+
+    dp: int = 1  # data-parallel degree
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree
+    virtual: int = 1  # model chunks per pipeline rank (>1 means the interleaved schedule)
+    micro: int = 1  # micro-batch size, samples (batch.micro)
+    global_batch: int = 1  # samples per optimizer step (batch.global)
+    zero: int = 0  # ZeRO stage 0-3
+    recompute: str | bool = "none"  # activation recomputation: none | selective | full (bool ok)
+    sequence_parallel: bool = False  # shard norms/dropout activations over tp
+    compression_ratio: float = 1.0  # dense / wire bytes of the gradient collective
+    co2: bool = False  # CO2: the gradient all-reduce is asynchronous and fully hidden
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
+    dtype_bytes: int = 2  # bytes per parameter, gradient and activation (2 = bf16/fp16)
+    overlap_dp: bool = True  # overlap gradient collectives with backward (DDP buckets)
+    bucket_mb: float = 25.0  # gradient bucket size, MB (the last bucket is never hidden)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):
+            self.recompute = "full" if self.recompute else "none"
+        if self.virtual > 1 and self.schedule == "1f1b":
+            self.schedule = "interleaved"
+
+    @property
+    def gpus(self) -> int:
+        """dp * tp * pp."""
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(kw_only=True, slots=True)
+class SimResult:
+    """Simulated iteration; times in s, memory in GB (1e9 bytes), rates per GPU."""
+
+    iteration_time_s: float
+    breakdown: dict[str, float]  # compute, tp_comm, pp_comm, bubble, dp_comm_exposed, optimizer (s)
+    tokens_per_s: float
+    tflops_per_gpu: float  # executed FLOPs (recomputation included, as Megatron reports) / s / GPU
+    mfu: float  # model FLOPs (no recomputation) / (time * gpus * peak)
+    memory_per_gpu_gb: float  # the most loaded pipeline stage
+    memory_breakdown_gb: dict[str, float]  # params, grads, optimizer, activations
+    fits: bool  # memory_per_gpu_gb <= usable device memory
+    flops_per_iteration: float  # executed FLOPs of one iteration, all GPUs
+    model_flops_per_iteration: float  # without recomputation
+    num_microbatches: int  # per pipeline (gradient accumulation steps)
+    bubble_fraction: float  # bubble time / ideal pipeline time
+    dp_comm_total_s: float  # data-parallel traffic time before overlap
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (used by `workbench simulate --json`)."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+# ---------------------------------------------------------------- validation
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(values: list[int]) -> str:
+    shown = [str(v) for v in values[:8]]
+    return ", ".join(shown[:-1]) + f" or {shown[-1]}" if len(shown) > 1 else shown[0]
+
+
+def validate_parallel(
+    model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *, gpus: int | None = None
+) -> list[str]:
+    """Every reason `par` cannot run `model` on `cluster` (empty when valid)."""
+    reasons = [f"{k}={v} must be >= 1" for k, v in
+               (("parallel.dp", par.dp), ("parallel.tp", par.tp), ("parallel.pp", par.pp),
+                ("parallel.virtual", par.virtual), ("batch.micro", par.micro),
+                ("batch.global", par.global_batch)) if v < 1]
+    if reasons:
+        return reasons
+    if gpus is not None and par.gpus != gpus:
+        reasons.append(f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {par.gpus} != gpus({gpus})")
+    if cluster.total_gpus is not None and par.gpus > cluster.total_gpus:
+        reasons.append(f"{par.gpus} GPUs asked but cluster {cluster.name} has {cluster.total_gpus}")
+    if model.heads % par.tp:
+        reasons.append(f"parallel.tp={par.tp} must divide model.heads={model.heads}; "
+                       f"try {_choices(_divisors(model.heads))}")
+    if model.hidden % model.heads:
+        reasons.append(f"model.heads={model.heads} must divide model.d_model={model.hidden}")
+    chunks = par.pp * par.virtual
+    if model.layers % chunks:
+        reasons.append(f"model.layers={model.layers} must be divisible by parallel.pp * "
+                       f"parallel.virtual = {par.pp} * {par.virtual} = {chunks}")
+    if par.global_batch % (par.dp * par.micro):
+        reasons.append(f"batch.global={par.global_batch} must be divisible by parallel.dp * "
+                       f"batch.micro = {par.dp} * {par.micro} = {par.dp * par.micro}")
+    elif par.schedule == "interleaved" and (par.global_batch // (par.dp * par.micro)) % par.pp:
+        reasons.append(f"interleaved schedule needs the micro-batch count "
+                       f"{par.global_batch // (par.dp * par.micro)} divisible by parallel.pp={par.pp}")
+    reasons += _validate_knobs(model, par)
+    return reasons
+
+
+def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
+    reasons = []
+    if par.zero not in (0, 1, 2, 3):
+        reasons.append(f"parallel.zero={par.zero} must be 0, 1, 2 or 3")
+    if par.recompute not in RECOMPUTE:
+        reasons.append(f"recompute={par.recompute!r} must be one of {RECOMPUTE}")
+    if par.schedule not in SCHEDULES:
+        reasons.append(f"parallel.schedule={par.schedule!r} must be one of {SCHEDULES}")
+    if par.virtual > 1 and par.schedule != "interleaved":
+        reasons.append(f"parallel.virtual={par.virtual} needs parallel.schedule='interleaved'")
+    if par.virtual > 1 and par.pp == 1:
+        reasons.append(f"parallel.virtual={par.virtual} needs parallel.pp > 1")
+    if par.sequence_parallel and model.seq % par.tp:
+        reasons.append(f"sequence parallel needs parallel.tp={par.tp} to divide model.seq_len={model.seq}")
+    if par.compression_ratio < 1.0:
+        reasons.append(f"compression_ratio={par.compression_ratio} must be >= 1")
+    if par.dtype_bytes not in (1, 2, 4):
+        reasons.append(f"dtype_bytes={par.dtype_bytes} must be 1, 2 or 4")
+    return reasons
+
+
+# ---------------------------------------------------------------- vectorised model
+
+def _arrays(par: ParallelSpec) -> dict[str, np.ndarray]:
+    """One configuration as the 0-d arrays `evaluate_arrays` takes."""
+    return {
+        "tp": np.asarray(par.tp), "pp": np.asarray(par.pp), "dp": np.asarray(par.dp),
+        "virtual": np.asarray(par.virtual), "micro": np.asarray(par.micro),
+        "global_batch": np.asarray(par.global_batch), "zero": np.asarray(par.zero),
+        "recompute": np.asarray(RECOMPUTE.index(str(par.recompute))),
+        "sequence_parallel": np.asarray(par.sequence_parallel),
+        "compression_ratio": np.asarray(float(par.compression_ratio)),
+        "co2": np.asarray(par.co2), "schedule": np.asarray(SCHEDULES.index(par.schedule)),
+        "dtype_bytes": np.asarray(par.dtype_bytes), "overlap_dp": np.asarray(par.overlap_dp),
+        "bucket_mb": np.asarray(float(par.bucket_mb)),
+    }
+
+
+def _collective(nbytes: np.ndarray, factor: np.ndarray, bw_gb_s: np.ndarray,
+                alpha_s: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """alpha + bytes * factor / busbw (formulas.md); zero for a group of one."""
+    return np.where(n > 1, alpha_s + nbytes * factor / (bw_gb_s * GB), 0.0)
+
+
+def _link(cluster: ClusterSpec, gpus: int, intra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    inter_bw, inter_lat = cluster.inter_link(gpus)
+    return (np.where(intra, cluster.intra_bw_gb_s, inter_bw),
+            np.where(intra, cluster.intra_latency_s, inter_lat))
+
+
+def _activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per layer and micro-batch, bytes (Korthikanti et al. 2022, eqs. 1-3, 16-bit based)."""
+    t, sp = c["tp"], c["sequence_parallel"]
+    sbh = m.seq * c["micro"] * m.hidden * c["dtype_bytes"] / 2.0
+    attn = 5.0 * m.heads * m.seq / (m.hidden * t)  # softmax/dropout of the s x s scores
+    linear = np.where(sp, 34.0 / t, 10.0 + 24.0 / t)  # sp shards the 10 sbh of norms/dropout
+    full = sbh * (linear + attn)
+    stored = np.select(
+        [c["recompute"] == 2, c["recompute"] == 1],
+        [2.0 * sbh / np.where(sp, t, 1), sbh * linear],  # full keeps the layer input only
+        full,
+    )
+    return {"full": full, "attn": sbh * attn, "stored": stored}
+
+
+def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
+                   act: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per micro-batch on the slowest (last) stage: forward, backward, recompute seconds."""
+    t, b, s, h = c["tp"], c["micro"], m.seq, m.hidden
+    # Forward GEMMs of one layer per GPU (Narayanan et al. 2021: 24 b s h^2 + 4 b s^2 h, / t).
+    dense = [6 * b * s * h * h / t, 2 * b * s * h * h / t, 8 * b * s * h * h / t, 8 * b * s * h * h / t]
+    attn = [2 * b * s * s * h / t, 2 * b * s * s * h / t]  # Q K^T and scores x V, batched over heads
+    t_dense = sum(f / cl.gemm_rate(f) for f in dense)
+    t_attn = sum(f / cl.gemm_rate(f) for f in attn)
+    logit = 2 * b * s * h * m.vocab / t
+    t_logit = logit / cl.gemm_rate(logit)
+    hbm = cl.hbm_gb_s * GB
+    fwd_layer = t_dense + t_attn + act["full"] / hbm
+    bwd_layer = 2.0 * (t_dense + t_attn) + NONGEMM_BWD_FACTOR * act["full"] / hbm
+    rc = c["recompute"]
+    re_layer = np.select([rc == 2, rc == 1], [fwd_layer, t_attn + act["attn"] / hbm], 0.0)
+    per_stage = m.layers / c["pp"]
+    return {
+        "fwd": per_stage * fwd_layer + t_logit,
+        "bwd": per_stage * (bwd_layer + re_layer) + 2.0 * t_logit,
+    }
+
+
+def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per micro-batch: tensor-parallel collectives and pipeline send/recv, seconds."""
+    t, b = c["tp"], c["micro"]
+    act = b * m.seq * m.hidden * c["dtype_bytes"]
+    bw, lat = _link(cl, gpus, t <= cl.gpus_per_node)
+    # 2 all-reduces forward + 2 backward per layer (Shoeybi et al. 2019), 2 more when the full
+    # recomputation replays the forward; sp turns each into reduce-scatter + all-gather.
+    n_ar = 4 + 2 * (c["recompute"] == 2)
+    per_ar = np.where(c["sequence_parallel"],
+                      2 * _collective(act, (t - 1) / t, bw, lat, t),
+                      _collective(act, 2 * (t - 1) / t, bw, lat, t))
+    tp = m.layers / c["pp"] * n_ar * per_ar
+    # One activation out and one gradient back per chunk boundary; with the scatter/gather
+    # optimisation each tp rank sends 1/t of it (Narayanan et al. 2021, sec. 4.1).
+    pbw, plat = _link(cl, gpus, np.full(np.shape(t), gpus <= cl.gpus_per_node))
+    p2p = np.where(c["pp"] > 1, plat + act / t / (pbw * GB), 0.0)
+    return {"tp": tp, "pp": 2.0 * c["virtual"] * p2p}
+
+
+def _stage_params(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
+    """Parameters per GPU of the first stage (it also holds the embeddings)."""
+    per_layer = 12.0 * m.hidden**2 + 13.0 * m.hidden
+    return m.layers / c["pp"] * per_layer / c["tp"] + m.vocab * m.hidden / c["tp"] + m.seq * m.hidden
+
+
+def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
+             psi: np.ndarray, times: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Data-parallel / ZeRO traffic per iteration: total and exposed seconds.
+
+    ZeRO-0 all-reduces gradients once; ZeRO-1 reduce-scatters them once and all-gathers the
+    updated parameters; ZeRO-2 reduce-scatters every micro-batch (gradients stay sharded);
+    ZeRO-3 also all-gathers parameters before forward and backward of every micro-batch. With
+    one micro-batch this is 2, 2, 2 and 3 x Psi(n-1)/n bytes (ZeRO-3 = 1.5x, Rajbhandari 2020).
+    Overlap: a gradient collective hides under the backward it follows, all but the last bucket;
+    a ZeRO-3 gather hides under forward/backward by prefetch, all but the first layer's share.
+    """
+    d, zero, nmb = c["dp"], c["zero"], c["num_mb"]
+    bw, lat = _link(cl, gpus, c["tp"] * d <= cl.gpus_per_node)
+    frac = (d - 1) / d
+    grad_bytes = psi * c["dtype_bytes"] / c["compression_ratio"]
+    all_reduce = _collective(grad_bytes, 2 * frac, bw, lat, d)
+    reduce_scatter = _collective(grad_bytes, frac, bw, lat, d)
+    gather = _collective(psi * c["dtype_bytes"], frac, bw, lat, d)
+    last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
+    first_layer = c["pp"] / m.layers
+    ovl = c["overlap_dp"]
+
+    def hide(cost: np.ndarray, window: np.ndarray, floor: np.ndarray) -> np.ndarray:
+        return np.where(ovl, np.maximum(cost - window, cost * floor), cost)
+
+    # Each compute window hides at most one stream of traffic: ZeRO-3's backward gather and
+    # gradient reduce-scatter share the backward (so faster compute can never cost more).
+    sync = np.where(zero == 0, all_reduce, reduce_scatter)
+    once = hide(sync, times["bwd"], last_bucket)
+    rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2, every micro-batch
+    z3_mb = (hide(gather, times["fwd"], first_layer)
+             + hide(gather + reduce_scatter, times["bwd"], np.maximum(first_layer, last_bucket)))
+    grad_exposed = np.select([zero == 3, zero == 2], [0.0, nmb * rs_mb], once)
+    grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
+    final_gather = np.where((zero == 1) | (zero == 2), gather, 0.0)  # after the step: exposed
+    z3 = zero == 3
+    total = np.select([z3, zero == 2], [nmb * (2 * gather + reduce_scatter), nmb * reduce_scatter], sync)
+    exposed = grad_exposed + final_gather + np.where(z3, nmb * z3_mb, 0.0)
+    return {"total": total + final_gather, "exposed": exposed}
+
+
+def _memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndarray,
+            act: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Bytes per GPU on the most loaded stage (ZeRO: Rajbhandari et al. 2020)."""
+    d, zero, db = c["dp"], c["zero"], c["dtype_bytes"]
+    opt_bytes = np.where(db == 4, 8.0, 12.0)  # fp32: momentum + variance; 16-bit: + fp32 master
+    params = psi * db / np.where(zero >= 3, d, 1)
+    grads = psi * db / np.where(zero >= 2, d, 1)
+    optimizer = psi * opt_bytes / np.where(zero >= 1, d, 1)
+    p, v, nmb = c["pp"], c["virtual"], c["num_mb"]
+    # 1F1B keeps min(p, m) micro-batches in flight on the first stage, GPipe all m; the
+    # interleaved schedule (1 + (p-1)/(p v)) times more (Korthikanti et al. 2022, sec. 4.2.3).
+    in_flight = np.where(p == 1, 1, np.where(c["schedule"] == 1, nmb, np.minimum(nmb, p)))
+    in_flight = in_flight * np.where(v > 1, 1 + (p - 1) / (p * v), 1.0)
+    logits = 4.0 * c["micro"] * m.seq * m.vocab / c["tp"]  # fp32 logits for the loss
+    per_stage = m.layers / p
+    first = per_stage * in_flight * act["stored"] + np.where(p == 1, logits, 0.0)
+    last = per_stage * act["stored"] + logits
+    working = np.where(c["recompute"] == 2, act["full"], 0.0)  # one layer replayed in backward
+    activations = np.maximum(first, last) + working
+    # ZeRO-3 holds the gathered current and prefetched layer and one layer's full gradients.
+    layer = (12.0 * m.hidden**2 + 13.0 * m.hidden) / c["tp"] * db
+    params = params + np.where((zero == 3) & (d > 1), 2.0 * layer, 0.0)
+    grads = grads + np.where((zero == 3) & (d > 1), layer, 0.0)
+    total = params + grads + optimizer + activations
+    return {"params": params, "grads": grads, "optimizer": optimizer,
+            "activations": activations, "total": total,
+            "fits": total <= cl.memory_gb * cl.usable_memory_fraction * GB}
+
+
+def _flops(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(executed, model) FLOPs per iteration (Narayanan et al. 2021, sec. 5.1).
+
+    Per sample and layer, forward: 24 s h^2 + 4 s^2 h; logits 2 s h V; backward is twice the
+    forward. Full recomputation replays each layer's forward (-> the 96 B s l h^2 (1 + s/6h +
+    V/16lh) formula); selective replays only the attention core (4 s^2 h).
+    """
+    s, h, lyr = m.seq, m.hidden, m.layers
+    layer = 24.0 * s * h * h + 4.0 * s * s * h
+    model = c["global_batch"] * (3.0 * lyr * layer + 3.0 * 2.0 * s * h * m.vocab)
+    extra = np.select([c["recompute"] == 2, c["recompute"] == 1], [lyr * layer, lyr * 4.0 * s * s * h], 0.0)
+    return model + c["global_batch"] * extra, model
+
+
+def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
+                    cols: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Price many configurations at once; `cols` holds equal-length arrays of ParallelSpec fields.
+
+    Codes: recompute 0 none / 1 selective / 2 full (RECOMPUTE); schedule 0 1f1b / 1 gpipe /
+    2 interleaved (SCHEDULES). No validation: pass valid rows (see `tuning.search`).
+    """
+    c = {k: np.asarray(v) for k, v in cols.items()}
+    c["num_mb"] = c["global_batch"] // (c["dp"] * c["micro"])
+    nmb, p, v = c["num_mb"], c["pp"], c["virtual"]
+    act = _activation_bytes(model, c)
+    times = _compute_times(model, cluster, c, act)
+    comm = _tp_pp_comm(model, cluster, gpus, c)
+    psi = _stage_params(model, c)
+    dp = _dp_comm(model, cluster, gpus, c, psi, times)
+    mem = _memory(model, cluster, c, psi, act)
+    per_mb = times["fwd"] + times["bwd"] + comm["tp"] + comm["pp"]
+    out = {
+        "compute_s": nmb * (times["fwd"] + times["bwd"]),
+        "tp_comm_s": nmb * comm["tp"],
+        "pp_comm_s": nmb * comm["pp"],
+        "bubble_s": (p - 1) / v * per_mb,  # (p-1)/(v m) of the m micro-batches' time
+        "dp_comm_exposed_s": dp["exposed"],
+        "optimizer_s": psi / np.where(c["zero"] >= 1, c["dp"], 1) * OPTIMIZER_BYTES_PER_PARAM
+        / (cluster.hbm_gb_s * GB),
+    }
+    iteration = sum(out.values())
+    executed, model_flops = _flops(model, c)
+    total_gpus = c["dp"] * c["tp"] * p
+    out.update({
+        "iteration_time_s": iteration,
+        "tokens_per_s": c["global_batch"] * model.seq / iteration,
+        "tflops_per_gpu": executed / (iteration * total_gpus) / 1e12,
+        "mfu": model_flops / (iteration * total_gpus * cluster.peak_flops),
+        "memory_per_gpu_gb": mem["total"] / GB, "fits": mem["fits"],
+        "mem_params_gb": mem["params"] / GB, "mem_grads_gb": mem["grads"] / GB,
+        "mem_optimizer_gb": mem["optimizer"] / GB, "mem_activations_gb": mem["activations"] / GB,
+        "num_microbatches": nmb, "bubble_fraction": (p - 1) / (v * nmb),
+        "dp_comm_total_s": dp["total"], "flops_per_iteration": executed,
+        "model_flops_per_iteration": model_flops, "params_per_gpu": psi,
+    })
+    return out
+
+
+_BREAKDOWN = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
+_MEMORY = ("params", "grads", "optimizer", "activations")
+
+
+def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
+             gpus: int | None = None) -> SimResult:
+    """Simulate one iteration of `par`; raises ValueError listing every reason it is invalid."""
+    reasons = validate_parallel(model, cluster, par, gpus=gpus)
+    if reasons:
+        raise ValueError("invalid parallel config: " + "; ".join(reasons))
+    r = {k: np.asarray(v).item() for k, v in evaluate_arrays(model, cluster, par.gpus, _arrays(par)).items()}
+    return SimResult(
+        iteration_time_s=r["iteration_time_s"],
+        breakdown={k: r[f"{k}_s"] for k in _BREAKDOWN},
+        tokens_per_s=r["tokens_per_s"], tflops_per_gpu=r["tflops_per_gpu"], mfu=r["mfu"],
+        memory_per_gpu_gb=r["memory_per_gpu_gb"],
+        memory_breakdown_gb={k: r[f"mem_{k}_gb"] for k in _MEMORY},
+        fits=bool(r["fits"]), flops_per_iteration=r["flops_per_iteration"],
+        model_flops_per_iteration=r["model_flops_per_iteration"],
+        num_microbatches=int(r["num_microbatches"]), bubble_fraction=r["bubble_fraction"],
+        dp_comm_total_s=r["dp_comm_total_s"],
+        extra={"params_per_gpu": r["params_per_gpu"], "params_total": model.params},
+    )
+
+
+# ---------------------------------------------------------------- run config mapping
+
+_PRECISION_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+
+def _compression_ratio(comm: dict[str, Any], hidden: int) -> float:
+    """Dense / wire bytes of the engine's gradient compressors (comm.* keys)."""
+    name = comm.get("compressor", "none")
+    if name in ("fp16", "bf16"):
+        return 2.0  # fp32 gradients sent as 16-bit
+    if name == "int8":
+        return 4.0
+    if name in ("topk", "randk"):
+        return 1.0 / (2.0 * float(comm.get("density", 0.01)))  # value + int32 index per kept entry
+    if name == "powersgd":
+        # A GPT layer's weights (h x 3h, h x h, h x 4h, 4h x h): 12 h^2 dense vs r (n + m) = 16 r h.
+        return max(1.0, 12.0 * hidden / (16.0 * int(comm.get("rank", 4))))
+    return 1.0
+
+
+def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
+    """Map a plain nested run-config dict (engine/config.py key names) to the simulator's inputs.
+
+    Reads model.{layers,d_model,heads,seq_len,vocab}, parallel.{dp,tp,pp,zero,virtual,schedule,
+    sequence_parallel}, batch.{global,micro}, train.activation_checkpointing, precision,
+    comm.{compressor,density,rank}, co2.enabled, ddp.bucket_cap_mb; missing keys take the
+    engine's defaults.
+    """
+    mdl, par, batch = cfg.get("model", {}), cfg.get("parallel", {}), cfg.get("batch", {})
+    train, comm, ddp = cfg.get("train", {}), cfg.get("comm", {}), cfg.get("ddp", {})
+    model = ModelSpec(layers=int(mdl.get("layers", 2)), hidden=int(mdl.get("d_model", 64)),
+                      heads=int(mdl.get("heads", 4)), seq=int(mdl.get("seq_len", 64)),
+                      vocab=int(mdl.get("vocab", 256)))
+    spec = ParallelSpec(
+        dp=int(par.get("dp", 1)), tp=int(par.get("tp", 1)), pp=int(par.get("pp", 1)),
+        virtual=int(par.get("virtual", 1)), zero=int(par.get("zero", 0)),
+        schedule=str(par.get("schedule", "1f1b")),
+        sequence_parallel=bool(par.get("sequence_parallel", False)),
+        micro=int(batch.get("micro", 4)), global_batch=int(batch.get("global", 8)),
+        recompute=bool(train.get("activation_checkpointing", False)),
+        dtype_bytes=_PRECISION_BYTES.get(str(cfg.get("precision", "fp32")), 4),
+        compression_ratio=_compression_ratio(comm, model.hidden),
+        co2=bool(cfg.get("co2", {}).get("enabled", False)),
+        bucket_mb=float(ddp.get("bucket_cap_mb", 25.0)),
+    )
+    return model, spec

@@ -1,0 +1,201 @@
+"""Search spaces: which knobs to tune, read from YAML, sampled define-by-run through Optuna.
+
+```yaml
+world_size: 4                      # dp*tp*pp of every trial (for parallel.layout)
+params:
+  parallel.layout: {layouts: [dp, tp, pp]}   # every (dp, tp, pp) whose product is world_size
+  batch.micro: {choices: [1, 2, 4]}
+  batch.accum: {choices: [1, 2, 4]}          # sets batch.micro = global / (dp * accum)
+  comm.compressor: {choices: [none, topk, powersgd]}
+  comm.density: {low: 0.001, high: 0.1, log: true, when: {comm.compressor: [topk, randk]}}
+  comm.rank: {low: 1, high: 8, when: {comm.compressor: [powersgd]}}
+fixed: {train.steps: 8}            # applied to every trial
+```
+A param is `choices: [...]`, or `low/high` (int when both are ints, `log`, `step`), or
+`layouts`. `when` makes it conditional on earlier params. Unknown keys are errors that name
+the param, like config errors.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import RunConfig, apply_overrides, from_dict
+from engine.errors import ConfigError
+
+_SPEC_KEYS = {"choices", "low", "high", "log", "step", "layouts", "when"}
+LIVE_KEYS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps", "link.latency_us",
+             "batch.micro", "batch.accum", "train.lr")
+
+
+def layouts(world_size: int) -> list[str]:
+    """Every dp*tp*pp factorisation of world_size, as 'dp2-tp1-pp2' strings."""
+    out = []
+    for dp, tp in itertools.product(range(1, world_size + 1), repeat=2):
+        if world_size % (dp * tp) == 0:
+            out.append(f"dp{dp}-tp{tp}-pp{world_size // (dp * tp)}")
+    return out
+
+
+def parse_layout(name: str) -> dict[str, int]:
+    dp, tp, pp = (int(part[2:]) for part in name.split("-"))
+    return {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp}
+
+
+@dataclass(slots=True)
+class Param:
+    key: str
+    choices: list[Any] | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    when: dict[str, list[Any]] = field(default_factory=dict)
+
+    def active(self, chosen: dict[str, Any]) -> bool:
+        return all(chosen.get(k) in v for k, v in self.when.items())
+
+    def suggest(self, trial) -> Any:
+        if self.choices is not None:
+            return trial.suggest_categorical(self.key, self.choices)
+        if isinstance(self.low, int) and isinstance(self.high, int) and not isinstance(self.step, float):
+            return trial.suggest_int(self.key, self.low, self.high, log=self.log, step=int(self.step or 1))
+        return trial.suggest_float(self.key, float(self.low), float(self.high), log=self.log,
+                                   step=None if self.log else self.step)
+
+    def grid(self) -> list[Any]:
+        if self.choices is not None:
+            return list(self.choices)
+        if isinstance(self.low, int) and isinstance(self.high, int):
+            return list(range(self.low, self.high + 1, int(self.step or 1)))
+        raise ConfigError(f"params.{self.key}", f"{self.low}..{self.high}", "a grid needs choices or an int range")
+
+
+@dataclass(slots=True)
+class SearchSpace:
+    params: list[Param]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    world_size: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_yaml(cls, source: str | Path) -> SearchSpace:
+        """From a YAML file path or YAML text."""
+        text = Path(source).read_text() if isinstance(source, Path) or (
+            isinstance(source, str) and "\n" not in source and Path(source).is_file()) else str(source)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError("space", str(source)[:60], f"is not valid YAML: {exc}".replace("\n", " ")) from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SearchSpace:
+        if not isinstance(data, dict):
+            raise ConfigError("space", data, "must be a mapping with 'params'")
+        unknown = set(data) - {"params", "fixed", "world_size"}
+        if unknown:
+            raise ConfigError(f"space.{sorted(unknown)[0]}", "…", "unknown key; known: params, fixed, world_size")
+        world = data.get("world_size")
+        if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+            raise ConfigError("space.world_size", world, "must be a positive integer")
+        params = [_param(k, v, world) for k, v in (data.get("params") or {}).items()]
+        fixed = data.get("fixed") or {}
+        if not isinstance(fixed, dict):
+            raise ConfigError("space.fixed", fixed, "must be a mapping of config keys to values")
+        space = cls(params=params, fixed=dict(fixed), world_size=world, raw=data)
+        space._check_keys()
+        return space
+
+    def _check_keys(self) -> None:
+        """Every tuned or fixed key must be a config key (checked against the defaults)."""
+        probe = {k: v for k, v in self.fixed.items()}
+        for p in self.params:
+            if p.key in ("parallel.layout", "batch.accum"):
+                continue
+            probe.setdefault(p.key, p.grid()[0] if p.choices else p.low)
+        try:
+            from_dict(apply_overrides({}, [f"{k}={_yaml(v)}" for k, v in probe.items()]))
+        except ConfigError as exc:
+            if "unknown key" in exc.rule or "must be" in exc.rule and "mapping" in exc.rule:
+                raise ConfigError(f"space: {exc.field}", exc.value, exc.rule) from None
+
+    def suggest(self, trial) -> dict[str, Any]:
+        """Sample this trial's overrides (dotted config keys), conditionals included."""
+        chosen: dict[str, Any] = {}
+        for p in self.params:
+            if p.active(chosen):
+                chosen[p.key] = p.suggest(trial)
+        return chosen
+
+    def to_overrides(self, chosen: dict[str, Any], base: RunConfig) -> dict[str, Any]:
+        """Turn sampled values (with pseudo-keys) into config overrides."""
+        out = dict(self.fixed)
+        for key, value in chosen.items():
+            if key == "parallel.layout":
+                out.update(parse_layout(value))
+            elif key != "batch.accum":
+                out[key] = value
+        if "batch.accum" in chosen:
+            dp = out.get("parallel.dp", base.parallel.dp)
+            glob = out.get("batch.global", base.batch.global_)
+            accum = chosen["batch.accum"]
+            if glob % (dp * accum):
+                raise ConfigError("batch.accum", accum, f"batch.global={glob} is not divisible by dp*accum = {dp}*{accum}")
+            out["batch.micro"] = glob // (dp * accum)
+        return out
+
+    def grid(self) -> list[dict[str, Any]]:
+        """Every combination (conditionals respected), for exhaustive search."""
+        combos: list[dict[str, Any]] = [{}]
+        for p in self.params:
+            nxt = []
+            for c in combos:
+                nxt += [{**c, p.key: v} for v in p.grid()] if p.active(c) else [c]
+            combos = nxt
+        return combos
+
+    def live_only(self) -> bool:
+        return all(p.key in LIVE_KEYS for p in self.params)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.raw, sort_keys=False)
+
+
+def _yaml(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _param(key: str, spec: Any, world: int | None) -> Param:
+    where = f"params.{key}"
+    if not isinstance(spec, dict):
+        raise ConfigError(where, spec, "must be a mapping like {choices: [...]} or {low: .., high: ..}")
+    unknown = set(spec) - _SPEC_KEYS
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}", "…", f"unknown key; known: {', '.join(sorted(_SPEC_KEYS))}")
+    when = spec.get("when") or {}
+    if not isinstance(when, dict) or not all(isinstance(v, list) for v in when.values()):
+        raise ConfigError(f"{where}.when", when, "must map earlier params to lists of values")
+    if "layouts" in spec:
+        if world is None:
+            raise ConfigError(where, spec, "layouts needs space.world_size")
+        return Param(key, choices=layouts(world), when=when)
+    if "choices" in spec:
+        choices = spec["choices"]
+        if not isinstance(choices, list) or not choices:
+            raise ConfigError(f"{where}.choices", choices, "must be a non-empty list")
+        return Param(key, choices=choices, when=when)
+    low, high = spec.get("low"), spec.get("high")
+    for name, v in (("low", low), ("high", high)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ConfigError(f"{where}.{name}", v, "must be a number (or give choices)")
+    if low > high:
+        raise ConfigError(f"{where}.low", low, f"must be <= high={high}")
+    log = bool(spec.get("log", False))
+    if log and low <= 0:
+        raise ConfigError(f"{where}.low", low, "must be > 0 with log: true")
+    return Param(key, low=low, high=high, log=log, step=spec.get("step"), when=when)

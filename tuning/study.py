@@ -1,0 +1,210 @@
+"""Studies on an Optuna storage: create or resume, run trials with ask/tell, survive dead workers.
+
+SQLite in the workbench home by default; a PostgreSQL/MySQL URL lets `workbench tune` run on
+several nodes against one study. Every running trial sends heartbeats, so a killed worker's trial
+is marked FAIL by the next worker (`fail_stale_trials`) and nothing else is lost.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from engine.config import RunConfig
+from profilers.store import default_home
+from tuning.objective import PARETO, THROUGHPUT, Objective
+from tuning.space import SearchSpace
+
+SAMPLERS = ("tpe", "cmaes", "random", "grid")
+PRUNERS = ("median", "hyperband", "none")
+HEARTBEAT_S = 5
+GRACE_S = 15
+
+Event = Callable[[str, dict[str, Any]], None]
+
+
+def default_storage(home: str | Path | None = None) -> str:
+    path = Path(home) if home else default_home()
+    path.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path.resolve() / 'studies.db'}"
+
+
+def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s: int = HEARTBEAT_S,
+                 grace_s: int = GRACE_S) -> optuna.storages.RDBStorage:
+    url = url or default_storage(home)
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        kwargs["connect_args"] = {"timeout": 60}  # several workers share one file: wait for the lock
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
+                                      grace_period=grace_s)
+
+
+def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    if name == "cmaes":
+        # CMA-ES handles the numeric knobs; categorical ones fall back to independent sampling
+        return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+    if name in ("random", "grid"):  # grid = every combination enqueued, then taken in order
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"sampler={name!r} must be one of {', '.join(SAMPLERS)}")
+
+
+def make_pruner(name: str, warmup_steps: int) -> optuna.pruners.BasePruner:
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=warmup_steps + 1)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=warmup_steps + 1)
+    return optuna.pruners.NopPruner()
+
+
+def load_study(name: str, storage: str | None = None, *, sampler: str = "tpe", seed: int | None = None,
+               objective: str = THROUGHPUT, pruner: str = "median", warmup_steps: int = 1,
+               create: bool = True, home: str | Path | None = None) -> optuna.Study:
+    """Create the study or resume it; directions follow the objective."""
+    directions = ["maximize", "minimize"] if objective == PARETO else ["maximize"]
+    store = make_storage(storage, home)
+    if not create:
+        return optuna.load_study(study_name=name, storage=store, sampler=make_sampler(sampler, seed),
+                                 pruner=make_pruner(pruner, warmup_steps))
+    return optuna.create_study(study_name=name, storage=store, directions=directions, load_if_exists=True,
+                               sampler=make_sampler(sampler, seed), pruner=make_pruner(pruner, warmup_steps))
+
+
+def list_studies(storage: str | None = None, home: str | Path | None = None) -> list[dict[str, Any]]:
+    out = []
+    for s in optuna.get_all_study_summaries(make_storage(storage, home), include_best_trial=True):
+        study = optuna.load_study(study_name=s.study_name, storage=make_storage(storage, home))
+        counts = {st.name: 0 for st in TrialState}
+        for t in study.get_trials(deepcopy=False):
+            counts[t.state.name] += 1
+        best = s.best_trial.values if s.best_trial is not None else None
+        out.append({"name": s.study_name, "n_trials": s.n_trials, "states": counts, "best_values": best,
+                    "directions": [d.name.lower() for d in s.directions], "created": s.datetime_start,
+                    "paused": bool(study.user_attrs.get("paused", False))})
+    return out
+
+
+class _Heartbeat:
+    """Record heartbeats of a running trial (ask/tell does not, unlike study.optimize)."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.trial.Trial, interval: float) -> None:
+        self.storage, self.trial_id, self.interval = study._storage, trial._trial_id, interval
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="trial-heartbeat")
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception:  # a storage hiccup must not kill the trial
+                pass
+
+    def __enter__(self) -> _Heartbeat:
+        self.storage.record_heartbeat(self.trial_id)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+
+
+@dataclass(slots=True)
+class StudySummary:
+    study_name: str
+    storage: str
+    counts: dict[str, int] = field(default_factory=dict)
+    best_value: Any = None
+    best_params: dict[str, Any] | None = None
+    best_trial: int | None = None
+    confirmed_best: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"study": self.study_name, "storage": self.storage, "counts": self.counts,
+                "best_value": self.best_value, "best_params": self.best_params, "best_trial": self.best_trial,
+                "confirmed_best": self.confirmed_best}
+
+
+def enqueue_grid(study: optuna.Study, space: SearchSpace) -> int:
+    """For the grid sampler: enqueue every combination once (only into a study with no trials)."""
+    if study.get_trials(deepcopy=False):
+        return 0
+    combos = space.grid()
+    for params in combos:
+        study.enqueue_trial(params, skip_if_exists=True)
+    return len(combos)
+
+
+def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, timeout_s: float | None = None,
+               on_event: Event | None = None, stop_when: Callable[[], bool] | None = None) -> None:
+    """This worker's share of the study: n_trials asked and told, one after another."""
+    import time
+
+    started = time.time()
+    emit = on_event or (lambda *_: None)
+    for _ in range(n_trials):
+        if timeout_s is not None and time.time() - started > timeout_s:
+            break
+        if stop_when is not None and stop_when():
+            break
+        optuna.storages.fail_stale_trials(study)
+        trial = study.ask()
+        emit("trial_start", {"number": trial.number, "params": trial.params})
+        with _Heartbeat(study, trial, HEARTBEAT_S):
+            outcome = objective.evaluate(trial)
+        if outcome.state == TrialState.COMPLETE:
+            study.tell(trial, outcome.values)
+        else:
+            study.tell(trial, state=outcome.state)
+        emit("trial_end", {"number": trial.number, "state": outcome.state.name, "values": outcome.values,
+                           "reason": outcome.reason})
+
+
+def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats: int = 1) -> int | None:
+    """Re-run the best `top` configs and pick the best by median of all measurements, so noise
+    does not choose the winner; recorded as study user attributes."""
+    from engine.config import from_dict
+    from engine.launch import launch
+    from tuning.objective import median_ci
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if len(t.values) == 1]
+    if not done:
+        return None
+    ranked = sorted(done, key=lambda t: t.values[0], reverse=True)[:top]
+    table: dict[str, list[float]] = {}
+    for t in ranked:
+        cfg: RunConfig = from_dict(t.user_attrs["config"])
+        values = [t.values[0]]
+        for _ in range(repeats):
+            result = launch(cfg, home=objective.home, raise_on_failure=False, parent=f"study:{study.study_name}#{t.number}:remeasure")
+            steady = [s["tokens_per_s"] for s in result.steps[objective.warmup:] if "tokens_per_s" in s]
+            if steady:
+                values.append(median_ci(steady)[0])
+        table[str(t.number)] = values
+    best = max(table, key=lambda k: statistics.median(table[k]))
+    study.set_user_attr("remeasured", table)
+    study.set_user_attr("confirmed_best", int(best))
+    return int(best)
+
+
+def summarize(study: optuna.Study, storage: str) -> StudySummary:
+    counts: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        counts[t.state.name] = counts.get(t.state.name, 0) + 1
+    summary = StudySummary(study.study_name, storage, counts, confirmed_best=study.user_attrs.get("confirmed_best"))
+    if counts.get("COMPLETE"):
+        if len(study.directions) == 1:
+            best = study.best_trial
+            summary.best_value, summary.best_params, summary.best_trial = best.value, best.params, best.number
+        else:
+            front = study.best_trials
+            summary.best_value = [t.values for t in front]
+            summary.best_params = {str(t.number): t.params for t in front}
+    return summary

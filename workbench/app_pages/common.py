@@ -1,0 +1,265 @@
+"""Shared pieces of the pages: the store handle, cached run data as DataFrames, run charts.
+
+Data comes from the run store as DataFrames (`run_data`), and `workbench.plots` draws it. The
+store handle is a `st.cache_resource` (one per home); data that changes is `st.cache_data` with a
+short ttl, so a live panel polling every second or two reads SQLite at most once per tick.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from profilers.store import RunStore, default_home
+from workbench import plots
+
+LIVE_TTL_S = 1.0
+REFRESH_S = 1.5
+STATUS_ICONS = {"running": "🟢", "completed": "✅", "failed": "❌", "interrupted": "⏹️"}
+
+
+def home() -> Path:
+    """The workbench home of this session ($WORKBENCH_HOME, else ./.workbench)."""
+    return default_home()
+
+
+@st.cache_resource
+def _store(path: str) -> RunStore:
+    return RunStore.open_home(path)
+
+
+def store() -> RunStore:
+    """The run store of the current home (one shared handle per home)."""
+    return _store(str(home()))
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def runs_table(home_path: str, limit: int = 200) -> pd.DataFrame:
+    """The newest runs, one row each: id, name, status, ranks, layout, emulated, created, error."""
+    rows = _store(home_path).runs(limit=limit)
+    out = []
+    for r in rows:
+        lay = r.get("layout") or {}
+        out.append({"run_id": r["run_id"], "name": r["name"], "status": r["status"],
+                    "ranks": r["world_size"],
+                    "layout": f"dp{lay.get('dp', '?')} tp{lay.get('tp', '?')} pp{lay.get('pp', '?')}",
+                    "emulated": bool(r.get("emulated")),
+                    "created": pd.to_datetime(r.get("created") or 0, unit="s"),
+                    "error": r.get("error") or ""})
+    return pd.DataFrame(out, columns=["run_id", "name", "status", "ranks", "layout", "emulated",
+                                      "created", "error"])
+
+
+def _frame(records: Any) -> pd.DataFrame:
+    return records if isinstance(records, pd.DataFrame) else pd.DataFrame(records)
+
+
+def comm_frame(raw: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step, op): bytes per call ``size(B)`` and ``busbw(GB/s)`` from comm records."""
+    if raw.empty:
+        return pd.DataFrame(columns=["rank", "step", "op", "size(B)", "busbw(GB/s)"])
+    ops = raw[raw["name"].str.contains("/", regex=False)].copy()
+    parts = ops["name"].str.split("/", n=1, expand=True)
+    ops["op"], ops["field"] = parts[0], parts[1]
+    wide = ops.pivot_table(index=["rank", "step", "op"], columns="field", values="value",
+                           aggfunc="sum").reset_index()
+    if "bytes" not in wide or "busbw(GB/s)" not in wide:
+        return pd.DataFrame(columns=["rank", "step", "op", "size(B)", "busbw(GB/s)"])
+    count = wide["count"].clip(lower=1) if "count" in wide else 1.0
+    wide["size(B)"] = wide["bytes"] / count
+    return wide[["rank", "step", "op", "size(B)", "busbw(GB/s)"]]
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def run_data(home_path: str, run_id: str) -> dict[str, Any]:
+    """Everything the run charts draw, as plain frames (steps, evals, breakdown, comm, ...)."""
+    s = _store(home_path)
+    steps = pd.DataFrame(s.latest_steps(run_id, n=10_000_000))
+    if steps.empty:
+        steps = pd.DataFrame(columns=["step", "time", "ranks"])
+    memory = _frame(s.metrics(run_id, kind="memory", as_frame=True))
+    if not memory.empty:
+        memory = memory.groupby(["rank", "name"], as_index=False)["value"].max()
+    return {
+        "run": s.run(run_id),
+        "steps": steps,
+        "evals": _frame(s.metrics(run_id, kind="eval", name="val_loss", rank=0, as_frame=True)),
+        "breakdown": s.breakdown_table(run_id),
+        "comm": comm_frame(_frame(s.metrics(run_id, kind="comm", as_frame=True))),
+        "gpu": _frame(s.metrics(run_id, kind="gpu", as_frame=True)),
+        "host": _frame(s.metrics(run_id, kind="host", as_frame=True)),
+        "memory": memory,
+        "segments": s.segments(run_id),
+        "read_at": time.time(),
+    }
+
+
+def empty_runs_message() -> None:
+    """What to do when the store holds no run."""
+    st.info("No runs yet: launch one on the **Run** page, or from a shell "
+            "`workbench run examples/tiny.yaml` (same WORKBENCH_HOME).")
+
+
+def run_label(row: pd.Series) -> str:
+    """``icon run_id · name · layout`` for pickers."""
+    badge = " · emulated link" if row["emulated"] else ""
+    return f"{STATUS_ICONS.get(row['status'], '')} {row['run_id']} · {row['status']} · {row['layout']}{badge}"
+
+
+def run_header(run: dict[str, Any]) -> None:
+    """Status, layout, emulated-link badge and the failure reason of one run."""
+    lay = run.get("layout") or {}
+    cols = st.columns(4)
+    cols[0].metric("status", f"{STATUS_ICONS.get(run['status'], '')} {run['status']}")
+    cols[1].metric("ranks", run["world_size"])
+    cols[2].metric("layout", f"dp{lay.get('dp', '?')} · tp{lay.get('tp', '?')} · pp{lay.get('pp', '?')}")
+    cols[3].metric("link", "emulated" if run.get("emulated") else "real")
+    if run.get("emulated"):
+        st.warning("Emulated link: communication was slowed to the configured bandwidth and latency "
+                   "(link.*); timings are not this machine's real network.", icon="🐢")
+    if run.get("error"):
+        rank = run.get("error_rank")
+        where = f" on rank {rank}" if rank is not None else ""
+        st.error(f"Run failed{where}:\n\n```\n{run['error'][-3000:]}\n```")
+
+
+def headline(data: dict[str, Any]) -> None:
+    """The latest step's figures as metrics."""
+    steps = data["steps"]
+    cols = st.columns(4)
+    if steps.empty:
+        cols[0].metric("step", "–")
+        return
+    last = steps.iloc[-1]
+
+    def fmt(key: str, spec: str, scale: float = 1.0) -> str:
+        value = last.get(key)
+        return "n/a" if value is None or pd.isna(value) else format(value * scale, spec)
+
+    cols[0].metric("step", int(last["step"]))
+    cols[1].metric("loss", fmt("loss", ".4f"))
+    cols[2].metric("tokens/s", fmt("tokens_per_s", ",.0f"))
+    cols[3].metric("MFU", fmt("mfu", ".2f", 100.0) + (" %" if pd.notna(last.get("mfu", None)) else ""))
+
+
+UNIT_LABELS = {"%": "percent (%)", "GiB": "memory (GiB)", "B/s": "throughput (B/s)", "W": "power (W)",
+               "C": "temperature (°C)", "MHz": "clock (MHz)"}
+
+
+def timeline_figures(samples: pd.DataFrame, what: str) -> list[Any]:
+    """One timeline per unit (names carry their unit, e.g. ``cpu(%)``): never mixed axes."""
+    if samples.empty:
+        return []
+    units = samples["name"].str.extract(r"\(([^()]*)\)$")[0].fillna("")
+    figs = []
+    for unit in sorted(units.unique()):
+        rows = samples[units == unit]
+        figs.append(plots.fig_timeline(rows, f"{what} timeline ({unit or 'no unit'})",
+                                       UNIT_LABELS.get(unit, unit or "value")))
+    return figs
+
+
+def run_charts(data: dict[str, Any], key: str) -> None:
+    """Every chart of one run, two per row; a chart without data says what it waits for."""
+    steps, table = data["steps"], data["breakdown"]
+    charts = [plots.fig_loss(steps, data["evals"]) if len(steps) else
+              plots.empty_figure("Loss", "waiting for the first step"),
+              plots.fig_throughput(steps) if len(steps) else
+              plots.empty_figure("Throughput and MFU", "waiting for the first step")]
+    if len(table):
+        charts += [plots.fig_breakdown_ranks(table, int(table["step"].max())),
+                   plots.fig_breakdown_steps(table)]
+    else:
+        charts.append(plots.empty_figure("Step-time breakdown", "no breakdown records yet "
+                                         "(profile.enabled must be true)"))
+    charts.append(plots.fig_busbw(data["comm"]) if len(data["comm"]) else
+                  plots.empty_figure("Collective bus bandwidth", "no collective records"))
+    charts.append(plots.fig_memory(data["memory"]) if len(data["memory"]) else
+                  plots.empty_figure("Memory per rank", "no memory records yet"))
+    if len(data["host"]):
+        charts += timeline_figures(data["host"], "Host")
+    else:
+        charts.append(plots.empty_figure("Host timeline", "no host samples (profile.host_interval_s)"))
+    charts += timeline_figures(data["gpu"], "GPU")
+    if data["segments"]:
+        charts.append(plots.fig_segments(steps, data["segments"]))
+    for i in range(0, len(charts), 2):
+        cols = st.columns(2)
+        for col, fig in zip(cols, charts[i:i + 2]):
+            col.plotly_chart(fig, use_container_width=True, key=f"{key}-{i}-{fig.layout.title.text}")
+
+
+# -- studies ---------------------------------------------------------------------------------
+def storage_url(home_path: str) -> str:
+    """The Optuna storage of a home (tuning.study.default_storage: SQLite ``studies.db``)."""
+    from tuning.study import default_storage
+
+    return default_storage(home_path)
+
+
+def _has_studies(home_path: str) -> bool:
+    return (Path(home_path) / "studies.db").exists()
+
+
+@st.cache_resource
+def _optuna_storage(url: str) -> Any:
+    import optuna
+
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+
+
+@st.cache_data(ttl=2.0, show_spinner=False)
+def studies_table(home_path: str) -> pd.DataFrame:
+    """One row per study: name, directions, trials, counts by state, best values."""
+    columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "best"]
+    if not _has_studies(home_path):
+        return pd.DataFrame(columns=columns)
+    import optuna
+    from optuna.trial import TrialState
+
+    rows = []
+    storage = _optuna_storage(storage_url(home_path))
+    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        study_id = storage.get_study_id_from_name(s.study_name)
+        counts = {state: 0 for state in TrialState}
+        for t in storage.get_all_trials(study_id, deepcopy=False):
+            counts[t.state] += 1
+        best = None
+        if counts[TrialState.COMPLETE] and len(s.directions) == 1:
+            best = optuna.load_study(study_name=s.study_name, storage=storage).best_value
+        rows.append({"study": s.study_name, "directions": " / ".join(d.name.lower() for d in s.directions),
+                     "trials": s.n_trials, "complete": counts[TrialState.COMPLETE],
+                     "running": counts[TrialState.RUNNING], "pruned": counts[TrialState.PRUNED],
+                     "failed": counts[TrialState.FAIL], "best": best})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def load_study(home_path: str, name: str) -> Any:
+    """The named study on this home's storage (read handle)."""
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=_optuna_storage(storage_url(home_path)))
+
+
+@st.cache_data(ttl=2.0, show_spinner=False)
+def trials_frame(home_path: str, name: str) -> pd.DataFrame:
+    """One row per trial: number, state, value(s), params, reason, run id, duration (s)."""
+    study = load_study(home_path, name)
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        row: dict[str, Any] = {"number": t.number, "state": t.state.name}
+        values = t.values or []
+        if len(study.directions) == 1:
+            row["tokens/s"] = values[0] if values else None
+        else:
+            row["tokens/s"] = values[0] if values else None
+            row["val_loss"] = values[1] if len(values) > 1 else None
+        row.update({f"param:{k}": v for k, v in t.params.items()})
+        row["reason"] = t.user_attrs.get("reason", "")
+        row["run_id"] = t.user_attrs.get("run_id") or (t.user_attrs.get("segment") or {}).get("run_id")
+        row["duration(s)"] = t.duration.total_seconds() if t.duration else None
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,151 @@
+"""Run: edit a config (form or YAML), launch it in the background, watch it live, stop it."""
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+import yaml
+
+from workbench import ui_state
+from workbench.app_pages import common
+
+COMPRESSORS = ["none", "fp16", "bf16", "int8", "topk", "randk", "powersgd"]
+
+
+def form_config() -> dict[str, Any]:
+    """The key fields of a run config as widgets; returns the nested config dict."""
+    c = st.columns(4)
+    name = c[0].text_input("Name", "tiny")
+    layers = c[1].number_input("Layers", 1, 96, 2)
+    d_model = c[2].number_input("d_model", 8, 8192, 32, step=8)
+    heads = c[3].number_input("Heads", 1, 128, 2)
+    c = st.columns(4)
+    seq_len = c[0].number_input("Sequence length", 8, 8192, 32, step=8)
+    dp = c[1].number_input("dp", 1, 64, 2)
+    tp = c[2].number_input("tp", 1, 64, 1)
+    pp = c[3].number_input("pp", 1, 64, 1)
+    c = st.columns(4)
+    global_batch = c[0].number_input("Global batch", 1, 65536, 8)
+    micro = c[1].number_input("Micro batch", 1, 4096, 4)
+    steps = c[2].number_input("Steps", 1, 1_000_000, 15)
+    lr = c[3].number_input("Learning rate", 1e-6, 1.0, 3e-3, format="%.4g")
+    c = st.columns(4)
+    compressor = c[0].selectbox("Compressor", COMPRESSORS)
+    gbps = c[1].number_input("Emulated link (Gbit/s, 0 = real)", 0.0, 10_000.0, 0.0)
+    latency = c[2].number_input("Emulated latency (µs)", 0.0, 100_000.0, 0.0)
+    zero = c[3].selectbox("ZeRO stage", [0, 1, 2, 3])
+    return {"name": name, "model": {"layers": layers, "d_model": d_model, "heads": heads,
+                                    "seq_len": seq_len, "vocab": 256},
+            "data": {"source": "text"},
+            "parallel": {"dp": dp, "tp": tp, "pp": pp, "zero": zero},
+            "batch": {"global": global_batch, "micro": micro},
+            "train": {"steps": steps, "lr": float(lr)},
+            "comm": {"compressor": compressor},
+            "link": {"gbps": float(gbps), "latency_us": float(latency)}}
+
+
+def editor() -> str:
+    """The config as YAML: from the form, or edited / uploaded by hand."""
+    mode = st.radio("Edit with", ["Form", "YAML"], horizontal=True, key="edit_mode")
+    if mode == "Form":
+        text = yaml.safe_dump(form_config(), sort_keys=False)
+        with st.expander("YAML of this form"):
+            st.code(text, language="yaml")
+        return text
+    upload = st.file_uploader("Upload a YAML config", type=["yaml", "yml"])
+    if upload is not None:
+        st.session_state["yaml_text"] = upload.getvalue().decode()
+    if "yaml_text" not in st.session_state:
+        st.session_state["yaml_text"] = (ui_state.REPO_ROOT / "examples" / "tiny.yaml").read_text()
+    return st.text_area("Run config (YAML)", key="yaml_text", height=260)
+
+
+def launch_panel() -> None:
+    """Editor, inline validation errors and the Launch button."""
+    text = editor()
+    config, errors = ui_state.parse_config(text)
+    for err in errors:
+        st.error(f"**{err.field}** = `{err.value!r}`: {err.rule}")
+    if config is not None:
+        world = config["parallel"]["dp"] * config["parallel"]["tp"] * config["parallel"]["pp"]
+        st.caption(f"valid · {world} rank(s) · {config['train']['steps']} steps")
+    if st.button("Launch run", type="primary", disabled=config is None):
+        job = ui_state.launch_run(config, home=common.home())
+        st.session_state["run_job"] = job.job_id
+        st.session_state.pop("run_pick", None)
+        st.toast(f"Launched {job.name} (pid {job.pid})")
+
+
+def pending_job() -> ui_state.Job | None:
+    """This session's launch whose run has not registered in the store yet."""
+    job_id = st.session_state.get("run_job")
+    for job in ui_state.load_jobs(common.home()):
+        if job.job_id == job_id and ui_state.resolve_run_id(job, common.store(), common.home()) is None:
+            return job
+    return None
+
+
+def pending_panel() -> None:
+    """Polls until the launched run registers, then reruns the page to show it."""
+    job = pending_job()
+    if job is None:
+        if st.session_state.pop("run_pending", False):
+            common.runs_table.clear()
+            st.session_state.pop("run_pick", None)  # show the run just launched
+            st.rerun(scope="app")
+        return
+    st.session_state["run_pending"] = True
+    if ui_state.is_alive(job.pid):
+        st.info(f"Starting `{job.name}` (pid {job.pid})…")
+    else:
+        st.session_state["run_pending"] = False
+        st.session_state.pop("run_job", None)
+        log = open(job.log_path, errors="replace").read()[-3000:]
+        st.error(f"The launcher exited before registering a run:\n\n```\n{log}\n```")
+
+
+def stop_button(run: dict[str, Any]) -> None:
+    if run["status"] != "running":
+        return
+    job = ui_state.job_for_run(run["run_id"], common.store(), common.home())
+    if job is None:
+        st.caption("Started outside this dashboard: stop it where it runs (Ctrl-C).")
+        return
+    if st.button("Stop run", type="secondary", key=f"stop-{run['run_id']}"):
+        with st.spinner("Stopping every rank…"):
+            ui_state.stop_job(job, store=common.store())
+        common.run_data.clear()
+        common.runs_table.clear()
+        st.rerun()
+
+
+def live_panel(run_id: str) -> None:
+    """Header, headline figures and every chart of the run; polled while it runs."""
+    home = str(common.home())
+    data = common.run_data(home, run_id)
+    run = data["run"]
+    if run is None:
+        st.warning(f"Run `{run_id}` disappeared from the store.")
+        return
+    common.run_header(run)
+    stop_button(run)
+    common.headline(data)
+    common.run_charts(data, key=f"run-{run_id}")
+    was_running = st.session_state.get(f"running-{run_id}", False)
+    st.session_state[f"running-{run_id}"] = run["status"] == "running"
+    if was_running and run["status"] != "running":
+        st.rerun(scope="app")  # the run ended: leave polling mode
+
+
+st.title("Run")
+with st.expander("New run", expanded=True):
+    launch_panel()
+st.fragment(run_every=1.0 if pending_job() else None)(pending_panel)()
+runs = common.runs_table(str(common.home()))
+if runs.empty:
+    common.empty_runs_message()
+    st.stop()
+labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
+RUN_ID = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="run_pick")
+STATUS = runs.loc[runs["run_id"] == RUN_ID, "status"].iloc[0]
+st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID)

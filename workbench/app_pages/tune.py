@@ -1,0 +1,239 @@
+"""Tune: define a search space, start/pause/resume/stop background workers, watch the study."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+import yaml
+
+from engine.errors import ConfigError
+from workbench import plots, ui_state
+from workbench.app_pages import common
+
+DEFAULT_SPACE = """\
+# Every trial runs the base config with these keys changed (dotted config keys).
+world_size: 2
+params:
+  batch.micro: {choices: [2, 4]}
+  comm.compressor: {choices: [none, fp16]}
+  train.lr: {low: 0.001, high: 0.01, log: true}
+fixed: {train.steps: 6}
+"""
+DEFAULT_BASE = """\
+name: tune
+model: {layers: 2, d_model: 32, heads: 2, seq_len: 32, vocab: 256}
+data: {source: text}
+parallel: {dp: 2}
+batch: {global: 8, micro: 4}
+train: {steps: 6, lr: 3.0e-3}
+"""
+MAX_TABLE_ROWS = 1000
+
+
+def _control() -> tuple[Any, str]:
+    try:
+        from tuning import control
+    except ImportError as exc:
+        return None, f"tuning.control is not importable ({exc}); studies can be browsed, not started"
+    return control, ""
+
+
+def _space_errors(text: str) -> list[str]:
+    from tuning.space import SearchSpace
+
+    try:
+        SearchSpace.from_yaml(text)
+    except ConfigError as exc:
+        return [str(e) for e in getattr(exc, "errors", [exc])]
+    except (ValueError, TypeError) as exc:
+        return [f"space: {exc}"]
+    return []
+
+
+def start_form(home: str, name: str, control: Any) -> None:
+    """Space and base config editors with inline errors, and the start/continue button."""
+    left, right = st.columns(2)
+    space_text = left.text_area("Search space (YAML)", DEFAULT_SPACE, height=230, key="space_yaml")
+    base_text = right.text_area("Base run config (YAML)", DEFAULT_BASE, height=230, key="base_yaml")
+    errors = _space_errors(space_text)
+    _, cfg_errors = ui_state.parse_config(base_text)
+    for e in errors:
+        left.error(e)
+    for e in cfg_errors:
+        right.error(f"{e.field}: {e.rule} (got {e.value!r})")
+    c1, c2, c3 = st.columns([1, 1, 2])
+    n_trials = c1.number_input("Trials", 1, 10_000, 3, key="n_trials")
+    jobs = c2.number_input("Worker processes", 1, 8, 1, key="n_jobs")
+    c3.caption("Starting again on an existing study continues it with the space above: edit the "
+               "space between trials to tune live.")
+    ok = not errors and not cfg_errors and control is not None and bool(name.strip())
+    if st.button("Start / continue study", type="primary", disabled=not ok):
+        pids = control.start_workers(name.strip(), space_text, base_text,
+                                     storage=common.storage_url(home), n_trials=int(n_trials),
+                                     jobs=int(jobs), home=home)
+        st.session_state["tune_study"] = name.strip()
+        common.studies_table.clear()
+        st.success(f"Started {len(pids)} worker(s) for study `{name.strip()}`: pids {pids}")
+
+
+def controls(home: str, name: str, control: Any) -> list[int]:
+    """Pause / resume / stop buttons and the workers' state; returns the running worker pids."""
+    if control is None:
+        return []
+    storage = common.storage_url(home)
+    pids = control.running_workers(name, home=home)
+    paused = control.is_paused(name, storage)
+    st.caption(f"workers running: {pids or 'none'} · {'paused' if paused else 'active'}")
+    c1, c2, c3 = st.columns(3)
+    if c1.button("Pause", disabled=paused):
+        control.pause(name, storage)
+        st.rerun()
+    if c2.button("Resume", disabled=not paused):
+        control.resume(name, storage)
+        st.rerun()
+    if c3.button("Stop workers", disabled=not pids):
+        control.stop_workers(name, home=home)
+        st.rerun()
+    return pids
+
+
+@st.cache_data(ttl=5.0, show_spinner=False)
+def study_figures(home: str, name: str, n_done: int) -> list[Any]:
+    """optuna.visualization figures of a study (recomputed when its finished-trial count moves)."""
+    import optuna
+    import optuna.visualization as vis
+    from optuna.trial import TrialState
+
+    study = common.load_study(home, name)
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    figs: list[Any] = []
+    if len(study.directions) == 1:
+        figs.append(plots.label_optuna(vis.plot_optimization_history(study),
+                                       "Optimisation history", "throughput (tokens/s)"))
+    else:
+        figs.append(plots.label_optuna(vis.plot_pareto_front(study, target_names=[
+            "throughput (tokens/s)", "val loss (nats/token)"]), "Pareto front", "val loss (nats/token)"))
+    target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
+    params = {k for t in done for k in t.params}
+    if done and params:
+        figs.append(plots.label_optuna(vis.plot_parallel_coordinate(
+            study, target=target, target_name="tokens/s"), "Parallel coordinates (tokens/s)", "tokens/s"))
+    if len(done) >= 2 and len(params) > 1:
+        # fANOVA on thousands of trials takes seconds; PED-ANOVA answers in milliseconds
+        evaluator = optuna.importance.PedAnovaImportanceEvaluator() if len(done) > 500 else None
+        figs.append(plots.label_optuna(vis.plot_param_importances(
+            study, target=target, target_name="tokens/s", evaluator=evaluator),
+            "Parameter importances for tokens/s", "parameter"))
+    return figs
+
+
+def study_panel(home: str, name: str) -> None:
+    """Counts, figures and the trial table of one study."""
+    trials = common.trials_frame(home, name)
+    if trials.empty:
+        st.info("No trials yet: workers are starting, or start them above.")
+        return
+    counts = trials["state"].value_counts()
+    cols = st.columns(5)
+    for col, state in zip(cols, ("COMPLETE", "RUNNING", "PRUNED", "FAIL", "WAITING")):
+        col.metric(state.lower(), int(counts.get(state, 0)))
+    figs = study_figures(home, name, int(counts.get("COMPLETE", 0)) + int(counts.get("PRUNED", 0)))
+    for i in range(0, len(figs), 2):
+        for col, fig in zip(st.columns(2), figs[i:i + 2]):
+            col.plotly_chart(fig, use_container_width=True, key=f"study-{name}-{i}-{fig.layout.title.text}")
+    st.subheader("Trials")
+    shown = trials.sort_values("number", ascending=False).head(MAX_TABLE_ROWS)
+    if len(trials) > MAX_TABLE_ROWS:
+        st.caption(f"newest {MAX_TABLE_ROWS} of {len(trials)} trials")
+    st.dataframe(shown, hide_index=True, use_container_width=True)
+
+
+def drill_down(home: str, name: str) -> None:
+    """Pick a trial and see its run's charts (the trial's run_id links to the run store)."""
+    trials = common.trials_frame(home, name)
+    linked = trials.dropna(subset=["run_id"]) if "run_id" in trials else trials.iloc[0:0]
+    if linked.empty:
+        st.caption("No trial has a run yet.")
+        return
+    options = [f"trial {n} · {s} · {r}" for n, s, r in zip(linked["number"], linked["state"], linked["run_id"])]
+    pick = st.selectbox("Trial", options, key="drill_trial")
+    run_id = pick.rsplit(" · ", 1)[-1]
+    if common.store().run(run_id) is None:
+        st.warning(f"Run `{run_id}` is not in this home's run store.")
+        return
+    data = common.run_data(home, run_id)
+    common.run_header(data["run"])
+    common.run_charts(data, key=f"drill-{run_id}")
+
+
+def segments_panel(home: str, name: str) -> None:
+    """A live in-job study: the trials share one run; draw it with each trial's segment marked."""
+    trials = common.trials_frame(home, name)
+    if "run_id" not in trials:
+        return
+    shared = trials["run_id"].value_counts()
+    shared = [r for r in shared[shared >= 2].index if common.store().segments(r)]
+    if not shared:
+        st.caption("No live in-job study here: its trials would share one run, split into segments.")
+        return
+    run_id = st.selectbox("In-job run", shared, key="segments_run")
+    data = common.run_data(home, run_id)
+    st.plotly_chart(plots.fig_segments(data["steps"], data["segments"]), use_container_width=True,
+                    key=f"segments-{run_id}")
+    st.dataframe(pd.DataFrame(data["segments"]), hide_index=True, use_container_width=True)
+
+
+def enqueue_form(home: str, name: str, control: Any) -> None:
+    """Queue a hand-picked config (params as YAML) as the study's next trial."""
+    text = st.text_area("Params to try next (YAML mapping of the space's keys)",
+                        "batch.micro: 4\ncomm.compressor: none\ntrain.lr: 0.003\n", key="enqueue_yaml")
+    if st.button("Enqueue trial", disabled=control is None):
+        try:
+            params = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            st.error(f"not valid YAML: {exc}")
+            return
+        if not isinstance(params, dict):
+            st.error("params must be a mapping, e.g. `batch.micro: 4`")
+            return
+        control.enqueue(name, common.storage_url(home), params)
+        common.trials_frame.clear()
+        st.success(f"Enqueued {params}")
+
+
+st.title("Tune")
+HOME = str(common.home())
+CONTROL, WHY = _control()
+if WHY:
+    st.warning(WHY)
+studies = common.studies_table(HOME)
+names = list(studies["study"])
+default = st.session_state.get("tune_study")
+choice = st.selectbox("Study", ["(new study)", *names],
+                      index=(names.index(default) + 1) if default in names else (1 if names else 0))
+name = st.text_input("New study name", f"study-{time.strftime('%H%M%S')}") if choice == "(new study)" else choice
+with st.expander("Search space, base config and start", expanded=not names):
+    start_form(HOME, name, CONTROL)
+if choice == "(new study)":
+    if not names:
+        st.info("No studies yet: edit the space above and press **Start / continue study**, "
+                "or run `workbench tune SPACE.yaml` from a shell (same WORKBENCH_HOME).")
+    st.stop()
+
+workers = controls(HOME, name, CONTROL)
+
+
+@st.fragment(run_every=2.0 if workers else None)
+def live() -> None:
+    study_panel(HOME, name)
+
+
+live()
+with st.expander("Drill down: a trial's run"):
+    drill_down(HOME, name)
+with st.expander("Live in-job segments"):
+    segments_panel(HOME, name)
+with st.expander("Enqueue a config by hand"):
+    enqueue_form(HOME, name, CONTROL)
