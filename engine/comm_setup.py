@@ -78,8 +78,7 @@ class CommMonitor:
             emit(step, "comm", "all_reduce/count", float(len(self.buckets)))
             emit(step, "comm", "all_reduce/time(s)", busy)
             if busy > 0:
-                emit(step, "comm", "all_reduce/busbw(GB/s)",
-                     busbw("all_reduce", nbytes, busy, self.group_size) / 1e9)
+                emit(step, "comm", "all_reduce/busbw(GB/s)", busbw("all_reduce", nbytes, busy, self.group_size))
         dense = self.dense_bytes or sum(b for b, _, _ in self.buckets)
         wire = self.wire_bytes or dense
         self.total_wire += wire

@@ -145,6 +145,14 @@ class ProfileConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LiveConfig:
+    """Live in-job tuning: every `every` steps rank 0 takes new knob values from the tuner."""
+
+    every: int = 0  # steps per segment; 0 = off
+    wait_s: float = 120.0  # how long rank 0 waits for the tuner's next knobs at a boundary
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """One training run."""
 
@@ -159,6 +167,7 @@ class RunConfig:
     co2: CO2Config = field(default_factory=CO2Config)
     link: LinkConfig = field(default_factory=LinkConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    live: LiveConfig = field(default_factory=LiveConfig)
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     backend: str = "auto"  # auto | gloo | nccl
 

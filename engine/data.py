@@ -66,6 +66,8 @@ def build_splits(data: DataConfig, model: ModelConfig, *, seed: int) -> Splits:
         tokens = torch.randint(0, model.vocab, (SYNTHETIC_TOKENS,), generator=g)
     else:
         raw = stdlib_corpus() if data.source == "text" else _files_corpus(data.path or "")
+        if not raw:
+            raise ValueError(f"data.path={data.path!r}: no readable text (0 bytes found)")
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
     n_val = max(int(tokens.numel() * data.val_fraction), model.seq_len + 2)
     if tokens.numel() - n_val < model.seq_len + 2:
@@ -90,12 +92,13 @@ def local_batch(ds: TokenDataset, *, global_batch: int, dp: int, dp_rank: int, s
     return ds.windows(starts[dp_rank * per_rank:(dp_rank + 1) * per_rank])
 
 
-def val_batches(ds: TokenDataset, *, micro: int, n: int, dp: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed validation micro-batches (evenly spaced windows), sharded over dp."""
-    total = micro * n * dp
-    starts = torch.linspace(0, len(ds) - 1, total).long()
-    mine = starts[dp_rank::dp]
-    return [ds.windows(mine[i * micro:(i + 1) * micro]) for i in range(n)]
+def val_batches(ds: TokenDataset, *, global_batch: int, n: int, dp: int,
+                dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` fixed validation batches (evenly spaced windows) of global_batch samples each, this dp
+    rank's slice of each: the same samples whatever the layout."""
+    starts = torch.linspace(0, len(ds) - 1, global_batch * n).long().view(n, global_batch)
+    per_rank = global_batch // dp
+    return [ds.windows(row[dp_rank * per_rank:(dp_rank + 1) * per_rank]) for row in starts]
 
 
 def load_entry(entry: str):

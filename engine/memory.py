@@ -81,29 +81,25 @@ def _activation_bytes(cfg: RunConfig, stage: int) -> float:
 
 
 def estimate_memory(cfg: RunConfig, *, pp_rank: int | None = None) -> dict[str, float]:
-    """Analytic bytes one rank holds: params, grads, optimizer, activations, model_state, total.
+    """Analytic bytes one rank holds: {params, grads, optimizer, activations}; the values sum to the total.
 
     ZeRO over dp = N (Rajbhandari et al. 2020, fp32 Adam): stage 0: 4+4+8 Psi; stage 1:
     optimizer / N; stage 2: + grads / N; stage 3: + params / N. Stage 2 here is FSDP2 without
     reshard-after-forward, whose parameters are sharded at rest too (params / N between steps;
-    `params_gathered` gives the full 4 Psi held from forward to backward). Psi is the parameter
-    count of the rank's pipeline stage after tensor-parallel splitting. `pp_rank=None` reports
-    the pipeline stage with the largest total.
+    the full 4 Psi are held only from forward to backward, which this does not count). Psi is
+    the parameter count of the rank's pipeline stage after tensor-parallel splitting.
+    `pp_rank=None` reports the pipeline stage with the largest total.
     """
     stages = range(cfg.parallel.pp) if pp_rank is None else [pp_rank]
-    return max((_estimate_stage(cfg, s) for s in stages), key=lambda d: d["total"])
+    return max((_estimate_stage(cfg, s) for s in stages), key=lambda d: sum(d.values()))
 
 
 def _estimate_stage(cfg: RunConfig, stage: int) -> dict[str, float]:
     psi, n, zero = _stage_params(cfg, stage), cfg.parallel.dp, cfg.parallel.zero
-    params = FP32 * psi / (n if zero >= 2 else 1)
-    grads = FP32 * psi / (n if zero >= 2 else 1)
-    optimizer = 2 * FP32 * psi / (n if zero >= 1 else 1)
-    activations = _activation_bytes(cfg, stage)
-    model_state = params + grads + optimizer
-    return {"params": params, "grads": grads, "optimizer": optimizer, "model_state": model_state,
-            "activations": activations, "params_gathered": FP32 * psi if zero < 3 else params,
-            "total": model_state + activations, "pp_stage": float(stage)}
+    return {"params": FP32 * psi / (n if zero >= 2 else 1),
+            "grads": FP32 * psi / (n if zero >= 2 else 1),
+            "optimizer": 2 * FP32 * psi / (n if zero >= 1 else 1),
+            "activations": _activation_bytes(cfg, stage)}
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -119,7 +115,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> Any:
 
 
 def measure_model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state this rank stores right now.
+    """Bytes of {params, grads, optimizer} this rank stores right now (same keys as `estimate_memory`).
 
     Local shards only: DTensor (TP, FSDP2) parameters and gradients count `to_local()`; tied
     weights count once; ZeroRedundancyOptimizer counts its local partition. Call it after
@@ -140,5 +136,4 @@ def measure_model_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if optimizer is not None:
         for state in _optimizer_state(optimizer).values():
             opt += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return {"params": float(params), "grads": float(grads), "optimizer": float(opt),
-            "model_state": float(params + grads + opt)}
+    return {"params": float(params), "grads": float(grads), "optimizer": float(opt)}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import RunConfig
 from engine.mesh import ParallelDims
@@ -43,13 +44,13 @@ class Parallelized:
             m.train(mode)
 
 
-def _ddp(model: nn.Module, cfg: RunConfig, group) -> nn.Module:
+def _data_parallel(model: nn.Module, cfg: RunConfig, mesh) -> nn.Module:
     from engine.parallel.data import apply_data_parallel
 
     d = cfg.ddp
-    return apply_data_parallel(model, process_group=group, bucket_cap_mb=d.bucket_cap_mb,
-                               gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
-                               find_unused_parameters=d.find_unused_parameters,
+    return apply_data_parallel(model, process_group=mesh["dp"].get_group(), dp_mesh=mesh["dp"],
+                               bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
+                               static_graph=d.static_graph, find_unused_parameters=d.find_unused_parameters,
                                broadcast_buffers=d.broadcast_buffers)
 
 
@@ -59,56 +60,64 @@ def _no_sync_of(module: nn.Module) -> Callable[[], contextlib.AbstractContextMan
     return lambda: no_sync_context(module)
 
 
-def parallelize(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
-                comm_hook_factory: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> Parallelized:
-    """Apply TP, activation checkpointing, then PP or ZeRO/DDP, in that order.
-
-    `comm_hook_factory(ddp_module, dp_group)` registers the comm hook (compression, link emulation,
-    profiling) on a DDP module and returns its states; the train loop owns it.
-    """
+def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh) -> None:
     p = cfg.parallel
-    model.to(device)
-    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
-    if p.pp > 1:
-        return _pipeline(model, cfg, dims, mesh, device=device, dp_group=dp_group)
-    # TP first: ZeRO/FSDP2 shards the DTensors TP produced (torchtitan order)
     if p.tp > 1:
         from engine.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
-    # checkpointing before sharding/wrapping so wrappers see the recomputing blocks
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
-    if p.zero > 0 and dims.dp > 1:
+
+
+def parallelize(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
+                comm_hook_factory: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> Parallelized:
+    """Apply TP, activation checkpointing, then PP and ZeRO/DP, in that order.
+
+    `comm_hook_factory(ddp_module, dp_group)` registers the comm hook (compression, link emulation,
+    recording) on a DDP module and returns its states; the train loop owns it.
+    """
+    p = cfg.parallel
+    model.to(device)
+    if p.pp > 1:
+        return _pipeline(model, cfg, dims, mesh, device=device)
+    # TP first: ZeRO/FSDP2 then shards the DTensors TP produced (torchtitan's order); checkpointing
+    # before wrapping so the wrappers see the recomputing blocks
+    _tp_and_checkpointing(model, cfg, mesh)
+    if dims.dp == 1 or cfg.co2.enabled:
+        # one replica, or CO2: each rank keeps a plain module and CO2 synchronises parameters itself
+        return Parallelized(modules=[model], forward=model)
+    if p.zero > 0:
         from engine.parallel.zero import apply_zero
 
         wrapped = apply_zero(model, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward)
-        return Parallelized(modules=[wrapped], forward=wrapped, no_sync=_no_sync_of(wrapped))
-    if dims.dp > 1 and not cfg.co2.enabled:
-        wrapped = _ddp(model, cfg, dp_group)
-        hooks = comm_hook_factory(wrapped, dp_group) if comm_hook_factory else {}
-        return Parallelized(modules=[wrapped], forward=wrapped, no_sync=wrapped.no_sync, hooks=hooks)
-    # dp=1, or CO2: each rank keeps a plain module; CO2 synchronises parameters itself
-    return Parallelized(modules=[model], forward=model)
+    else:
+        wrapped = _data_parallel(model, cfg, mesh)
+    hooks: dict[str, Any] = {}
+    if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
+        hooks = comm_hook_factory(wrapped, mesh["dp"].get_group())
+    return Parallelized(modules=[wrapped], forward=wrapped, no_sync=_no_sync_of(wrapped), hooks=hooks)
 
 
-def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
-              dp_group) -> Parallelized:
+def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device) -> Parallelized:
+    """Stages first, then per chunk: TP, checkpointing, ZeRO-2/3 over dp (torchtitan applies its
+    parallelize function per model part); plain dp averages gradients after the schedule."""
     from engine.parallel.pipeline import allreduce_grads, build_pipeline
 
     p = cfg.parallel
+
+    def per_chunk(chunk: nn.Module) -> nn.Module:
+        _tp_and_checkpointing(chunk, cfg, mesh)
+        if dims.dp > 1 and p.zero > 0:
+            from engine.parallel.zero import apply_zero
+
+            return apply_zero(chunk, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward)
+        return chunk
+
     pipe = build_pipeline(model, mesh["pp"], schedule=p.schedule, virtual=p.virtual, layer_split=p.layer_split,
-                          n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device)
-    if p.tp > 1:
-        from engine.parallel.tensor import apply_tensor_parallel
+                          n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device, parallelize=per_chunk)
+    dp_group = mesh["dp"].get_group() if dims.dp > 1 and p.zero == 0 else None
 
-        for m in pipe.modules:
-            apply_tensor_parallel(m, mesh["tp"], sequence_parallel=p.sequence_parallel)
-    for m in pipe.modules:
-        if hasattr(m, "set_activation_checkpointing"):
-            m.set_activation_checkpointing(cfg.train.activation_checkpointing)
-
-    def after_backward() -> None:
-        pipe.sync_tied_grads()
+    def after_backward() -> None:  # the schedule already summed the tied embedding/head gradients
         if dp_group is not None:
             allreduce_grads(pipe.modules, dp_group)
 

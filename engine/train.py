@@ -180,25 +180,34 @@ class Trainer:
         from engine.parallel.data import clip_grad_norm
 
         max_norm = self.cfg.train.grad_clip
-        norm = clip_grad_norm(list(self.par.parameters()), max_norm if max_norm > 0 else float("inf"))
+        pipe = self.par.pipeline
+        pp_group = self.mesh["pp"].get_group() if pipe is not None else None
+        tied_copy = [m.head.weight for m in pipe.modules if _unwrap(m).head is not None] \
+            if pipe is not None and not pipe.is_first else []
+        norm = clip_grad_norm(list(self.par.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy)
         return float(norm)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean val loss over fixed validation micro-batches (all ranks take part)."""
+        """Mean val loss over fixed validation batches (all ranks take part)."""
         c, par = self.cfg, self.par
         par.train(False)
-        batches = val_batches(self.splits.val, micro=c.batch.micro, n=c.train.eval_batches, dp=self.dims.dp,
-                              dp_rank=self.coords["dp"])
+        batches = val_batches(self.splits.val, global_batch=c.batch.global_, n=c.train.eval_batches,
+                              dp=self.dims.dp, dp_rank=self.coords["dp"])
         total = 0.0
-        for xs, ys in batches:
-            xs, ys = xs.to(self.device), ys.to(self.device)
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
-                if par.pipeline is not None:
-                    total += float(par.pipeline.eval_loss(xs, ys) or 0.0)
-                else:
-                    total += loss_fn(par.forward(xs), ys).item()
+                total += self._eval_batch(x, y)
         return self._sync_loss(total / len(batches))
+
+    def _eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        pipe, micro = self.par.pipeline, self.cfg.batch.micro
+        if pipe is not None:
+            loss = pipe.evaluate(x if pipe.is_first else None, y if pipe.is_last else None)
+            return float(loss) if loss is not None else 0.0
+        chunks = range(0, x.shape[0], micro)
+        return sum(loss_fn(self.par.forward(x[i:i + micro]), y[i:i + micro]).item() for i in chunks) / len(chunks)
 
     # ------------------------------------------------------------------ loop
     def run(self, on_boundary: Callable[["Trainer", int], None] | None = None) -> Iterator[StepMetrics]:
@@ -245,6 +254,11 @@ class Trainer:
         from engine.comm_setup import apply_live_knobs
 
         apply_live_knobs(self, knobs)
+
+
+def _unwrap(module):
+    """The GPT chunk inside a wrapper (FSDP2 modifies in place; DDP keeps it as .module)."""
+    return getattr(module, "module", module)
 
 
 def _move(timer: StepTimer, src: str, dst: str, seconds: float) -> None:

@@ -52,6 +52,9 @@ def _model_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("model.d_model", m.d_model, f"must be divisible by model.heads={m.heads}")
     if m.entry is not None and not re.fullmatch(r"[\w.]+:\w+", m.entry):
         yield ConfigError("model.entry", m.entry, "must look like 'package.module:function'")
+    if m.entry is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        yield ConfigError("model.entry", m.entry, "a user model runs with data parallel and ZeRO only: "
+                          "set parallel.tp=1 and parallel.pp=1")
     if cfg.data.source in ("text", "files") and m.entry is None and 0 < m.vocab < 256:
         yield ConfigError("model.vocab", m.vocab, f"must be >= 256 for byte-level data.source={cfg.data.source}")
 
@@ -153,6 +156,11 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _positive("comm.adaptive_interval", c.adaptive_interval)
     if c.adaptive and c.compressor not in ("topk", "powersgd"):
         yield ConfigError("comm.adaptive", True, "needs comm.compressor=topk or powersgd")
+    if c.compressor != "none" and (p.tp > 1 or p.pp > 1):
+        yield ConfigError("comm.compressor", c.compressor, "needs parallel.tp=1 and parallel.pp=1 "
+                          "(compressors are DDP comm hooks; DP over TP/PP does not use DDP)")
+    if p.zero == 1 and p.pp > 1:
+        yield ConfigError("parallel.zero", 1, "use ZeRO stage 2 or 3 with parallel.pp > 1 (stage 1 shards a DDP optimizer)")
     if c.compressor != "none" and p.zero > 0:
         yield ConfigError("comm.compressor", c.compressor, "needs parallel.zero=0 (compressors are DDP comm hooks)")
     yield from _positive("co2.tau", o.tau)
@@ -179,6 +187,8 @@ def _run_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _choice("backend", cfg.backend, ("auto", "gloo", "nccl"))
     if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", cfg.name):
         yield ConfigError("name", cfg.name, "must be 1-64 letters, digits, '_', '.' or '-'")
+    yield from _positive("live.every", cfg.live.every, allow_zero=True)
+    yield from _positive("live.wait_s", cfg.live.wait_s)
     pr = cfg.profile
     yield from _positive("profile.nvml_interval_s", pr.nvml_interval_s, allow_zero=True)
     yield from _positive("profile.host_interval_s", pr.host_interval_s, allow_zero=True)

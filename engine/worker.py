@@ -103,10 +103,22 @@ def main(argv: list[str] | None = None) -> int:
 
         from engine.faults import from_env
 
+        from engine.live import KnobChannel, StopRun
+
         fault = from_env()
         trainer = Trainer(cfg, device=device, emit=client.emit, run_dir=run_dir)
-        boundary = (lambda t, step: fault.maybe_fire(rank, step)) if fault else None
-        for _ in trainer.run(on_boundary=boundary):
+        channel = KnobChannel(run_dir, cfg.live.every, cfg.live.wait_s) if cfg.live.every else None
+
+        def boundary(t, step: int) -> None:
+            if fault:
+                fault.maybe_fire(rank, step)
+            if channel:
+                channel(t, step)
+
+        try:
+            for _ in trainer.run(on_boundary=boundary):
+                pass
+        except StopRun:
             pass
         ok = True
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher with its rank

@@ -6,6 +6,7 @@ is marked FAIL by the next worker (`fail_stale_trials`) and nothing else is lost
 """
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 from collections.abc import Callable
@@ -35,9 +36,12 @@ def default_storage(home: str | Path | None = None) -> str:
     return f"sqlite:///{path.resolve() / 'studies.db'}"
 
 
-def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s: int = HEARTBEAT_S,
-                 grace_s: int = GRACE_S) -> optuna.storages.RDBStorage:
+def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s: int | None = None,
+                 grace_s: int | None = None) -> optuna.storages.RDBStorage:
+    """An RDB storage with heartbeats (WORKBENCH_HEARTBEAT_S / WORKBENCH_GRACE_S override the defaults)."""
     url = url or default_storage(home)
+    heartbeat_s = heartbeat_s or int(os.environ.get("WORKBENCH_HEARTBEAT_S", HEARTBEAT_S))
+    grace_s = grace_s or int(os.environ.get("WORKBENCH_GRACE_S", GRACE_S))
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"timeout": 60}  # several workers share one file: wait for the lock
@@ -143,7 +147,8 @@ def enqueue_grid(study: optuna.Study, space: SearchSpace) -> int:
 
 
 def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, timeout_s: float | None = None,
-               on_event: Event | None = None, stop_when: Callable[[], bool] | None = None) -> None:
+               on_event: Event | None = None, stop_when: Callable[[], bool] | None = None,
+               before_trial: Callable[[], None] | None = None) -> None:
     """This worker's share of the study: n_trials asked and told, one after another."""
     import time
 
@@ -154,10 +159,12 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
             break
         if stop_when is not None and stop_when():
             break
+        if before_trial is not None:
+            before_trial()
         optuna.storages.fail_stale_trials(study)
         trial = study.ask()
         emit("trial_start", {"number": trial.number, "params": trial.params})
-        with _Heartbeat(study, trial, HEARTBEAT_S):
+        with _Heartbeat(study, trial, study._storage.get_heartbeat_interval() or HEARTBEAT_S):
             outcome = objective.evaluate(trial)
         if outcome.state == TrialState.COMPLETE:
             study.tell(trial, outcome.values)

@@ -201,7 +201,18 @@ def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.
     raise typer.Exit(subprocess.call(cmd))
 
 
+def _register() -> None:
+    from workbench import cli_sim, cli_tune
+
+    app.command()(cli_tune.tune)
+    app.command()(cli_tune.studies)
+    app.command()(cli_tune.export)
+    app.command()(cli_sim.simulate)
+    app.command()(cli_sim.calibrate)
+
+
 def main() -> None:
+    _register()
     try:
         app()
     except ConfigError as exc:

@@ -1,0 +1,116 @@
+"""Engine DP step time vs a minimal hand-written torch DDP loop: same model, world, batch.
+
+Both run in the same rank processes, interleaved in rounds (engine block, then minimal block),
+and the ratio of medians is printed. The engine runs as users run it: profilers and telemetry on.
+
+    python bench/ddp_overhead.py [--world 2] [--rounds 6] [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from engine.config import load_config  # noqa: E402
+from engine.data import build_splits, local_batch  # noqa: E402
+from engine.model import build_model, loss_fn  # noqa: E402
+
+# the small GPT of shared/reference/platform.md
+OVERRIDES = ["model.layers=4", "model.d_model=256", "model.heads=4", "model.seq_len=128", "model.vocab=256",
+             "batch.micro=8", "train.lr=0.001", "train.warmup_steps=0", "profile.nvml_interval_s=0"]
+
+
+def minimal_step(model, opt, x, y, micro: int) -> float:
+    """The hand-written loop: accumulate with no_sync, clip, step (what nanoGPT's train.py does)."""
+    accum = x.shape[0] // micro
+    total = 0.0
+    for i in range(accum):
+        xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+        ctx = model.no_sync() if i < accum - 1 else torch.enable_grad()
+        with ctx:
+            loss = loss_fn(model(xs), ys) / accum
+            loss.backward()
+        total += loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    from engine.train import Trainer
+    from profilers.telemetry import TelemetryClient
+
+    cfg = load_config(None, OVERRIDES + [f"parallel.dp={world}", f"batch.global={args.global_batch}",
+                                         f"train.steps={10**6}"])
+    client = TelemetryClient(None, "bench", rank, store_path=Path(out).parent / "runs.db")
+    engine = Trainer(cfg, device=torch.device("cpu"), emit=client.emit)
+    model = DistributedDataParallel(build_model(cfg.model, seed=0), bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                                    gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+    splits = build_splits(cfg.data, cfg.model, seed=0)
+    eng_times, min_times, step = [], [], 0
+    for rnd in range(args.rounds + 1):  # round 0 is warm-up for both
+        for _ in range(args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.train_step(step)
+            if rnd:
+                eng_times.append(time.perf_counter() - t0)
+            step += 1
+        for _ in range(args.steps):
+            x, y = local_batch(splits.train, global_batch=cfg.batch.global_, dp=world, dp_rank=rank, seed=0, step=step)
+            dist.barrier()
+            t0 = time.perf_counter()
+            minimal_step(model, opt, x, y, cfg.batch.micro)
+            if rnd:
+                min_times.append(time.perf_counter() - t0)
+            step += 1
+    client.close()
+    if rank == 0:
+        Path(out).write_text(f"{statistics.median(eng_times)} {statistics.median(min_times)} {len(eng_times)}")
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=32)
+    args = ap.parse_args()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.txt")
+        mp.start_processes(rank_main, args=(args.world, port, args, out), nprocs=args.world, start_method="spawn")
+        eng, mini, n = Path(out).read_text().split()
+    eng, mini = float(eng), float(mini)
+    print(f"world={args.world} global_batch={args.global_batch} steps measured per side={n} (interleaved rounds)")
+    print(f"engine DP step (median):  {eng * 1000:8.1f} ms")
+    print(f"minimal DDP step (median): {mini * 1000:8.1f} ms")
+    print(f"ratio engine/minimal: {eng / mini:.3f}  (target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()

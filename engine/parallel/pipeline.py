@@ -1,0 +1,364 @@
+"""Pipeline parallelism: stages from a layer split, run by `torch.distributed.pipelining` schedules.
+
+`build_pipeline` cuts a full `GPT` into stage chunks the torchtitan way (deep-copy the model per
+chunk, delete the blocks the chunk does not own, set `tok_emb`/`pos_emb` to None except on the
+first chunk and `ln_f`/`head` to None except on the last), wraps each chunk in a
+`PipelineStage` and drives them with GPipe, 1F1B or interleaved 1F1B. Rank r of the pp group
+holds chunks r, r + pp, r + 2 pp, ... (Narayanan et al. 2021, section 2.2).
+
+Tied embeddings across stages follow Megatron-LM's embedding group: the first stage owns
+`tok_emb.weight`, the last stage owns `head.weight`, two Parameters initialised identically;
+after backward their gradients are summed over a group of exactly those two ranks, so both
+apply the same update and stay identical.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    _Action,
+    _ComputationType,
+    _format_pipeline_order,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.model import GPT
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual: int = 1) -> float:
+    """Idle fraction of a pipeline step relative to its ideal compute time.
+
+    (p-1)/m for GPipe and 1F1B, (p-1)/(v m) for interleaved 1F1B with v chunks per rank
+    (Narayanan et al. 2021, section 2.2; formulas.md "Pipeline bubble").
+    """
+    _check_schedule(schedule)
+    if pp < 1 or n_microbatches < 1 or virtual < 1:
+        raise ValueError(f"need pp, n_microbatches, virtual >= 1; got {pp=}, {n_microbatches=}, {virtual=}")
+    chunks = virtual if schedule == "interleaved" else 1
+    return (pp - 1) / (chunks * n_microbatches)
+
+
+def stage_layers(layers: int, pp: int, virtual: int = 1, layer_split: list[int] | None = None) -> list[list[int]]:
+    """The block indices held by each of the pp * virtual chunks, in stage-index order.
+
+    Chunk s runs on pp rank s % pp. An even split needs pp * virtual to divide `layers`;
+    `layer_split` gives the number of blocks per chunk explicitly (pp * virtual entries).
+    """
+    chunks = pp * virtual
+    if layer_split is None:
+        if layers % chunks:
+            raise ValueError(f"model.layers={layers} is not divisible by pp*virtual = {pp}*{virtual} = {chunks}; "
+                             "give parallel.layer_split")
+        layer_split = [layers // chunks] * chunks
+    if len(layer_split) != chunks or sum(layer_split) != layers or min(layer_split) < 1:
+        raise ValueError(f"parallel.layer_split={layer_split} needs {chunks} entries >= 1 summing to "
+                         f"model.layers={layers}")
+    starts = [sum(layer_split[:i]) for i in range(chunks)]
+    return [list(range(start, start + n)) for start, n in zip(starts, layer_split)]
+
+
+def describe_schedule(schedule: str, pp: int, n_microbatches: int, virtual: int = 1) -> str:
+    """The schedule as torch's step x rank grid of `_Action`s (`1F0`: stage 1 forward of micro-batch 0).
+
+    Each rank runs its actions in the order the schedule executes them; an action is placed at
+    the first unit time step where the rank is free and its inputs are ready (forward after the
+    previous stage's forward, backward after the next stage's backward), so empty cells are
+    the bubble. Computed without processes.
+    """
+    _check_schedule(schedule)
+    num_stages = pp * (virtual if schedule == "interleaved" else 1)
+    if schedule == "interleaved":
+        rounds = max(1, n_microbatches // pp)
+        fake = SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=n_microbatches,
+                               microbatches_per_round=n_microbatches // rounds)
+        orders = {r: [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r) if a]
+                  for r in range(pp)}
+    else:
+        orders = {r: _single_stage_order(schedule, r, pp, n_microbatches) for r in range(pp)}
+    return _format_pipeline_order(_unit_time_grid(orders, num_stages))
+
+
+def _single_stage_order(schedule: str, stage: int, pp: int, m: int) -> list[_Action]:
+    """GPipe: all forwards then all backwards; 1F1B: pp-1-stage warm-up forwards, then F/B pairs."""
+    fwd = [_Action(stage, _ComputationType.FORWARD, i) for i in range(m)]
+    bwd = [_Action(stage, _ComputationType.FULL_BACKWARD, i) for i in range(m)]
+    if schedule == "gpipe":
+        return fwd + bwd
+    warmup = min(pp - 1 - stage, m)
+    order = fwd[:warmup]
+    for i in range(m - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[m - warmup:]
+
+
+def _unit_time_grid(orders: dict[int, list[_Action]], num_stages: int) -> dict[int, list[_Action | None]]:
+    finished: dict[tuple[int, str, int | None], int] = {}
+    grid: dict[int, list[_Action | None]] = {r: [] for r in orders}
+    position = dict.fromkeys(orders, 0)
+    step = 0
+    while any(position[r] < len(orders[r]) for r in orders):
+        placed = []
+        for rank, actions in orders.items():
+            action = actions[position[rank]] if position[rank] < len(actions) else None
+            ready = action is not None and all(finished.get(dep, step) < step for dep in _deps(action, num_stages))
+            grid[rank].append(action if ready else None)
+            if ready:
+                placed.append(action)
+                position[rank] += 1
+        if not placed:
+            raise RuntimeError(f"schedule deadlocks at step {step}: {_format_pipeline_order(grid)}")
+        finished.update({(a.stage_index, a.computation_type.value, a.microbatch_index): step for a in placed})
+        step += 1
+    return grid
+
+
+def _deps(action: _Action, num_stages: int) -> list[tuple[int, str, int | None]]:
+    s, mb = action.stage_index, action.microbatch_index
+    forward = _ComputationType.FORWARD.value
+    if action.computation_type == _ComputationType.FORWARD:
+        return [(s - 1, forward, mb)] if s > 0 else []
+    later = [(s + 1, _ComputationType.FULL_BACKWARD.value, mb)] if s < num_stages - 1 else []
+    return [(s, forward, mb)] + later
+
+
+class _Clock:
+    """Seconds this rank spent in its own stage compute during the current step."""
+
+    def __init__(self) -> None:
+        self.compute_s = 0.0
+        self.backward_s = 0.0
+
+    def timed(self, fn: Callable[..., Any], *args: Any, backward: bool = False, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            self.compute_s += seconds
+            if backward:
+                self.backward_s += seconds
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage that times its forward and backward calls (the compute of this rank)."""
+
+    def __init__(self, *args: Any, clock: _Clock, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clock = clock
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        return self._clock.timed(super().forward_maybe_with_nosync, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        return self._clock.timed(super().backward_maybe_with_nosync, backward_type, bwd_kwargs,
+                                 last_backward=last_backward, backward=True)
+
+    def _compute_outputs(self, *args: torch.Tensor, module: nn.Module, **kwargs: Any) -> Any:
+        # shape inference only: through DDP's forward it would arm the reducer outside no_sync,
+        # which then records every parameter twice and fails its bucket rebuild (torch 2.13)
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        return super()._compute_outputs(*args, module=module, **kwargs)
+
+
+class Pipeline:
+    """This rank's pipeline stages and schedule.
+
+    Timing (`last_timing`): `total_s` is the wall time of the schedule step; `compute_s` is the
+    time spent inside this rank's stage forward calls (`forward_maybe_with_nosync`), backward
+    calls (`backward_maybe_with_nosync`, i.e. the autograd pass of the stage, including DDP's
+    reduction on the last micro-batch when a stage is DDP-wrapped) and the loss on the last
+    stage, measured by subclassing `PipelineStage`; `bubble_s = total_s - compute_s` is the
+    time this rank waited on its neighbours (pipeline fill/drain plus exposed p2p transfers).
+    Stage-module hooks are not used because shape inference also runs the module (a forward
+    and backward on placeholder tensors, on the first step and after switching between
+    `step` and `evaluate`); that one-off pass counts as bubble in the step it happens.
+    """
+
+    def __init__(self, *, stages: list[_TimedStage], schedule: Any, n_microbatches: int,
+                 clock: _Clock, embedding_group: dist.ProcessGroup | None) -> None:
+        self.stages = stages
+        self.schedule = schedule
+        self.n_microbatches = n_microbatches
+        self.modules: list[nn.Module] = [s.submod for s in stages]
+        self.is_first = any(s.is_first for s in stages)
+        self.is_last = any(s.is_last for s in stages)
+        self._clock = clock
+        self._embedding_group = embedding_group
+        self._tied_synced = True
+        self.last_timing: dict[str, float] = {"compute_s": 0.0, "bubble_s": 0.0, "total_s": 0.0}
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward + backward of all micro-batches of this rank's local batch; then the tied-grad sync.
+
+        `inputs` is read on the first stage and `targets` on the last (others may pass None).
+        Returns, on the last stage, the mean over micro-batches of the mean token loss (equal to
+        the full-batch mean loss); None elsewhere. Gradients are those of that mean loss.
+        """
+        losses: list[torch.Tensor] | None = [] if self.is_last else None
+        args = (inputs,) if self.is_first else ()
+        self._clock.compute_s = self._clock.backward_s = 0.0
+        start = time.perf_counter()
+        self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+        total = time.perf_counter() - start
+        self._record(total)
+        self._tied_synced = False
+        self.sync_tied_grads()
+        return torch.stack(losses).sum().detach() if losses else None
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward-only pass over the micro-batches; the mean loss on the last stage, else None."""
+        losses: list[torch.Tensor] | None = [] if self.is_last else None
+        args = (inputs,) if self.is_first else ()
+        self.schedule.eval(*args, target=targets if self.is_last else None, losses=losses)
+        return torch.stack(losses).sum().detach() if losses else None
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tok_emb / head weight gradients over the first and last stage ranks.
+
+        `step` calls it; a second call in the same step does nothing (summing twice would
+        double the gradient). Must run on every rank of the embedding group.
+        """
+        if self._tied_synced or self._embedding_group is None:
+            return
+        self._tied_synced = True
+        for weight in self._tied_weights():
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(_local(weight.grad), group=self._embedding_group)
+
+    def _tied_weights(self) -> list[nn.Parameter]:
+        weights = []
+        for module in self.modules:
+            gpt = _unwrap(module)
+            if gpt.tok_emb is not None:
+                weights.append(gpt.tok_emb.weight)
+            if gpt.head is not None:
+                weights.append(gpt.head.weight)
+        return weights
+
+    def _record(self, total: float) -> None:
+        compute = min(self._clock.compute_s, total)
+        self.last_timing = {"compute_s": compute, "bubble_s": total - compute, "total_s": total,
+                            "backward_s": min(self._clock.backward_s, compute)}
+
+
+def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
+                   layer_split: list[int] | None = None, n_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   device: torch.device | str = "cpu",
+                   parallelize: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
+    """Split `model` into this rank's stage chunks and build the schedule over the pp axis.
+
+    `pp_mesh` is the 1-D pp submesh of this rank (`mesh["pp"]`). `parallelize(chunk)`, if
+    given, is applied to each chunk before its stage is built (tensor parallel first, then
+    DDP/FSDP, as torchtitan applies its parallelize_fn per model part), so the stage calls the
+    wrapped module. Must be called on every rank of the world (it creates the embedding groups).
+    """
+    _check_schedule(schedule)
+    group = pp_mesh.get_group()
+    pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks_per_rank = virtual if schedule == "interleaved" else 1
+    plan = stage_layers(model.cfg.layers, pp, chunks_per_rank, layer_split)
+    num_stages, clock = len(plan), _Clock()
+    stages = []
+    for stage_index in range(pp_rank, num_stages, pp):
+        chunk = _build_chunk(model, plan[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1)
+        if parallelize is not None:
+            chunk = parallelize(chunk)
+        stages.append(_TimedStage(chunk, stage_index, num_stages, torch.device(device), group=group, clock=clock))
+
+    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # schedules sum micro-batch gradients; 1/m makes them those of the mean loss
+        return clock.timed(loss_fn, output, target) / n_microbatches
+
+    if schedule == "interleaved":
+        runner = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    else:
+        runner = _SCHEDULE_CLASSES[schedule](stages[0], n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    return Pipeline(stages=stages, schedule=runner, n_microbatches=n_microbatches, clock=clock,
+                    embedding_group=_embedding_group(group) if pp > 1 else None)
+
+
+@torch.no_grad()
+def allreduce_grads(modules: list[nn.Module], dp_group: dist.ProcessGroup | None) -> None:
+    """Average the gradients of the stage modules over the dp group (one flat all_reduce).
+
+    The explicit alternative to wrapping each stage in DDP through `parallelize` (which
+    `PipelineStage` supports: `no_sync` until the last micro-batch); use one or the other.
+    DTensor (tensor-parallel) gradients are averaged through their local shards.
+    """
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return
+    grads = [_local(p.grad) for m in modules for p in m.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    # AVG is a gloo-supported op; PREMUL_SUM is not (platform.md)
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=dp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (shares storage with it), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _build_chunk(model: GPT, layer_ids: list[int], *, first: bool, last: bool) -> GPT:
+    """A deep copy of `model` holding only `layer_ids` (block names kept) and the ends it owns."""
+    chunk = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    for name in list(chunk.layers.keys()):
+        if name not in keep:
+            del chunk.layers[name]
+    if not first:
+        chunk.tok_emb = None
+        chunk.pos_emb = None
+    if not last:
+        chunk.ln_f = None
+        chunk.head = None
+    return chunk
+
+
+def _embedding_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """Megatron's embedding group: this pipeline's first and last stage ranks.
+
+    Every rank learns every pipeline's (first, last) pair, then all ranks create all groups in
+    the same order, as `dist.new_group` requires; a rank gets back the group it belongs to.
+    """
+    ranks = dist.get_process_group_ranks(pp_group)
+    pairs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, (ranks[0], ranks[-1]))
+    mine = None
+    for pair in sorted(set(pairs)):
+        group = dist.new_group(list(pair))
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+def _unwrap(module: nn.Module) -> GPT:
+    """The GPT chunk inside a DDP wrapper (FSDP2 and TP modify the module in place)."""
+    return module.module if hasattr(module, "module") and isinstance(module.module, GPT) else module
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")

@@ -1,0 +1,156 @@
+"""ZeRO (Rajbhandari et al. 2020) sharded data parallelism over the dp mesh axis.
+
+stage 1: optimizer states sharded. DDP + `ZeroRedundancyOptimizer(AdamW)`; with tensor
+         parallelism, FSDP2 `replicate` + `DTensorZeroOptimizer` (below).
+stage 2: + gradients sharded. FSDP2 `fully_shard(reshard_after_forward=False)`: the FSDP2
+         equivalent of ZeRO-2. Unlike DeepSpeed's ZeRO-2, parameters are still sharded at
+         rest (between steps): they are all-gathered once before forward and kept unsharded
+         until backward has used them, so there is no all-gather in backward (same traffic
+         as ZeRO-2: reduce-scatter of gradients + one all-gather of parameters per step) but
+         full parameters are resident only from forward to backward.
+stage 3: + parameters sharded. FSDP2 `fully_shard` per block and on the root with
+         `reshard_after_forward=True`: each block is re-gathered in backward (1.5x traffic).
+
+Composes with tensor parallelism: FSDP2 shards the dp sub-mesh of a model already
+parallelized over the tp sub-mesh of the same (pp, dp, tp) mesh (2-D FSDP+TP).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import AdamW, Optimizer
+
+from engine.parallel.data import apply_data_parallel
+
+logger = logging.getLogger(__name__)
+
+
+def apply_zero(model: nn.Module, dp_mesh: DeviceMesh, *, stage: int, reshard_after_forward: bool = True,
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Apply ZeRO `stage` (1-3) over the 1-D `dp_mesh`; pair it with `build_optimizer(stage=...)`.
+
+    Stage 1 returns a DDP wrapper (or, with TP, `model` under FSDP2 `replicate`); stages 2 and
+    3 shard `model` in place and return it. Stage 3 honours `reshard_after_forward` (False
+    makes it stage 2 with per-block communication groups); stage 2 always keeps parameters
+    after forward. The root `fully_shard` holds the tied embedding/head weight, so the tie
+    survives (sharding the embedding alone would split it from the head). `mp_policy` is
+    FSDP2's `MixedPrecisionPolicy` (stages 2-3).
+    """
+    if stage == 1:
+        if mp_policy is not None:
+            logger.warning("apply_zero: mp_policy applies to stages 2-3 (FSDP2); stage 1 ignores it")
+        return apply_data_parallel(model, process_group=dp_mesh.get_group(), dp_mesh=dp_mesh)
+    if stage not in (2, 3):
+        raise ValueError(f"parallel.zero={stage}: apply_zero takes stage 1, 2 or 3; "
+                         "stage 0 is plain data parallel (apply_data_parallel)")
+    reshard = reshard_after_forward if stage == 3 else False
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if stage == 3:
+        for block in getattr(model, "layers", {}).values():
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only (norms and biases undecayed), as nanoGPT's configure_optimizers."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, *, stage: int, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                    weight_decay: float = 0.0, process_group: dist.ProcessGroup | None = None) -> Optimizer:
+    """AdamW for `model` under ZeRO `stage` (0-3); `process_group` is the dp group (stage 1).
+
+    Stages 0, 2 and 3: plain AdamW, which under FSDP2 steps on the local shards of the DTensor
+    parameters, so its states are sharded too. Stage 1: AdamW states sharded over
+    `process_group`, by `ZeroRedundancyOptimizer` or, for DTensor parameters,
+    `DTensorZeroOptimizer`.
+    """
+    groups = _param_groups(model, weight_decay)
+    if stage != 1:
+        return AdamW(groups, lr=lr, betas=betas)
+    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+        return DTensorZeroOptimizer(groups, optimizer_class=AdamW, process_group=process_group,
+                                    lr=lr, betas=betas)
+    # imported here: torch.distributed.optim scripts its functional optimizers on import (~1.4 s)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, process_group=process_group,
+                                   lr=lr, betas=betas)
+
+
+def _partition(params: list[torch.Tensor], num_ranks: int) -> list[int]:
+    """Owner index per parameter: largest first onto the least-loaded rank (as ZeroRedundancyOptimizer)."""
+    load = [0] * num_ranks
+    owner = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -_local(params[i]).numel()):
+        r = load.index(min(load))
+        owner[i] = r
+        load[r] += _local(params[i]).numel()
+    return owner
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class DTensorZeroOptimizer(Optimizer):
+    """ZeRO-1 for DTensor parameters: each dp rank steps the parameters it owns, then broadcasts them.
+
+    Written because `ZeroRedundancyOptimizer` broadcasts `param.data`, and `c10d.broadcast_`
+    has no DTensor sharding rule in torch 2.13. Gradients must already be averaged over the
+    dp group (FSDP2 `replicate`). The inner optimizer (`self.optim`, as in
+    ZeroRedundancyOptimizer) holds the states of the owned parameters only; one broadcast per
+    owner rank carries the updated local shards. `state_dict()` is this rank's shard.
+    """
+
+    def __init__(self, params: Iterable[Any], *, optimizer_class: Callable[..., Optimizer],
+                 process_group: dist.ProcessGroup | None, **defaults: Any) -> None:
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self._ranks = ranks
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        owner = dict(zip(map(id, all_params), _partition(all_params, len(ranks))))
+        me = ranks.index(dist.get_rank())
+        self._owned_by = [[p for p in all_params if owner[id(p)] == r] for r in range(len(ranks))]
+        local_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [p for p in g["params"] if owner[id(p)] == me]} for g in self.param_groups]
+        self.optim = optimizer_class(local_groups, **defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the owned parameters with the current hyperparameters, then share them."""
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})
+        loss = self.optim.step(closure)
+        for r, owned in enumerate(self._owned_by):
+            if not owned:
+                continue
+            shards = [_local(p) for p in owned]
+            flat = _flatten_dense_tensors(shards)
+            dist.broadcast(flat, src=self._ranks[r], group=self.process_group)
+            for shard, new in zip(shards, _unflatten_dense_tensors(flat, shards)):
+                shard.copy_(new)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state of this rank's shard."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a shard saved by `state_dict()` on the same rank and layout."""
+        self.optim.load_state_dict(state_dict)

@@ -1,0 +1,479 @@
+"""Collective communication: bus bandwidth math, a recording profiler, and a size sweep.
+
+Bandwidths follow the nccl-tests definitions (nccl-tests doc/PERFORMANCE.md, see
+shared/reference/formulas.md): ``algbw = bytes / time`` and ``busbw = algbw x factor`` with,
+for n ranks, all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1)/n, where
+``bytes`` is the *total* size (all_gather output, reduce_scatter input, all_to_all input per
+rank); broadcast, reduce, send and recv 1. GB/s here are 1e9 bytes per second, as in nccl-tests.
+
+`CollectiveProfiler` records every collective issued through ``torch.distributed`` while it
+is enabled, by replacing the functions of ``torch.distributed`` with timing wrappers. DDP's
+bucket all-reduces do not go through Python, so they are recorded by a DDP comm hook
+(`CollectiveProfiler.allreduce_hook`, or any hook wrapped by `CollectiveProfiler.wrap_comm_hook`).
+Not seen: functional collectives (``torch.distributed._functional_collectives``, used by
+DTensor/tensor parallel), which dispatch to C++ ops without a Python entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+CANONICAL: dict[str, str] = {
+    "all_reduce": "all_reduce", "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast", "reduce": "reduce",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all", "send": "send",
+    "recv": "recv", "isend": "send", "irecv": "recv", "sendrecv": "sendrecv",
+    "ddp_bucket": "all_reduce",
+}
+"""torch.distributed function name (or sweep name) -> the nccl-tests op it is costed as."""
+
+PATCHED: tuple[str, ...] = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "send", "recv", "isend", "irecv",
+    "all_to_all", "all_to_all_single",
+)
+"""The torch.distributed functions the profiler wraps (barrier is deliberately left out)."""
+
+# (argument name, position) of the tensor(s) whose size is the nccl-tests "bytes" of each op
+_BYTES_ARG: dict[str, tuple[str, int]] = {
+    "all_reduce": ("tensor", 0), "all_gather": ("tensor_list", 0),
+    "all_gather_into_tensor": ("output_tensor", 0), "all_gather_single": ("output_tensor", 0),
+    "reduce_scatter": ("input_list", 1), "reduce_scatter_tensor": ("input", 1),
+    "reduce_scatter_single": ("input", 1), "broadcast": ("tensor", 0), "reduce": ("tensor", 0),
+    "send": ("tensor", 0), "recv": ("tensor", 0), "isend": ("tensor", 0), "irecv": ("tensor", 0),
+    "all_to_all": ("input_tensor_list", 1), "all_to_all_single": ("input", 1),
+}
+_P2P = ("send", "recv", "isend", "irecv")
+_ASYNC_ALWAYS = ("isend", "irecv")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """The nccl-tests bus bandwidth factor of ``op`` over ``n`` ranks (doc/PERFORMANCE.md)."""
+    kind = CANONICAL.get(op, op)
+    if n < 1:
+        raise ValueError(f"group size n={n} must be >= 1")
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if kind in ("broadcast", "reduce", "send", "recv", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; known: {', '.join(sorted(CANONICAL))}")
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in GB/s (1e9 B/s): bytes / time; 0 for a zero time."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def busbw(op: str, nbytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth in GB/s: ``algbw x bus_factor(op, n)`` (nccl-tests definitions)."""
+    return algbw(nbytes, seconds) * bus_factor(op, n)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        return _first_tensor(value[0])
+    return None
+
+
+# Perf_counter for precise intervals, mapped onto Unix time so ranks' records line up.
+_PC0, _EPOCH0 = time.perf_counter(), time.time()
+
+
+def now() -> float:
+    """Unix seconds with perf_counter resolution (the clock of every collective record)."""
+    return _EPOCH0 + (time.perf_counter() - _PC0)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pending:
+    """A collective whose end is a CUDA event, resolved at `CollectiveProfiler.drain`."""
+
+    op: str
+    nbytes: int
+    group_size: int
+    start: float
+    start_event: Any
+    end_event: Any = None
+
+
+_local = threading.local()
+
+
+@contextmanager
+def _suppressed() -> Iterator[None]:
+    """Inside a recording hook: the collectives it issues are already accounted for."""
+    previous = getattr(_local, "suppress", False)
+    _local.suppress = True
+    try:
+        yield
+    finally:
+        _local.suppress = previous
+
+
+@dataclass(kw_only=True, slots=True)
+class _Patches:
+    originals: dict[tuple[Any, str], Callable[..., Any]] = field(default_factory=dict)
+    active: CollectiveProfiler | None = None
+
+
+_PATCHES = _Patches()
+_PATCH_LOCK = threading.Lock()
+
+
+class CollectiveProfiler:
+    """Records op, bytes, group size, start, end, algbw and busbw of each collective.
+
+    Overhead budget: two clock reads, one dict and a group-size lookup per collective (a few
+    microseconds), and one CUDA event pair per collective on GPU; no synchronisation until
+    `drain`, which resolves CUDA events once per step.
+    """
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self._done: deque[dict[str, Any]] = deque()
+        self._pending: deque[_Pending] = deque()
+        self._wire = [0.0, 0.0]
+        self._lock = threading.Lock()
+        self._want = enabled
+        self.enabled = False
+        if enabled:
+            self.enable()
+
+    # -- patching ----------------------------------------------------------------------------
+    def enable(self) -> None:
+        """Install the wrappers in torch.distributed and make this the recording profiler."""
+        with _PATCH_LOCK:
+            if _PATCHES.active not in (None, self):
+                raise RuntimeError("another CollectiveProfiler is enabled in this process; "
+                                   "disable it first")
+            if not _PATCHES.originals:
+                _install()
+            _PATCHES.active = self
+        self.enabled = True
+
+    def disable(self) -> None:
+        """Restore torch.distributed's own functions; recorded events stay until `drain`."""
+        with _PATCH_LOCK:
+            if _PATCHES.active is self:
+                _uninstall()
+                _PATCHES.active = None
+        self.enabled = False
+
+    def __enter__(self) -> CollectiveProfiler:
+        self.enable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
+    # -- recording ---------------------------------------------------------------------------
+    def _finish(self, op: str, nbytes: int, group_size: int, start: float, end: float) -> None:
+        seconds = max(end - start, 0.0)
+        self._done.append({
+            "op": op, "bytes": int(nbytes), "group_size": int(group_size), "start": start,
+            "end": end, "time": seconds, "algbw": algbw(nbytes, seconds),
+            "busbw": busbw(op, nbytes, seconds, max(group_size, 1)),
+        })
+
+    def _begin(self, op: str, nbytes: int, group_size: int, tensor: torch.Tensor | None
+               ) -> tuple[float, _Pending | None]:
+        start = now()
+        if tensor is not None and tensor.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return start, _Pending(op=op, nbytes=nbytes, group_size=group_size, start=start,
+                                   start_event=event)
+        return start, None
+
+    def _end(self, op: str, nbytes: int, group_size: int, start: float,
+             pending: _Pending | None) -> None:
+        if pending is None:
+            self._finish(op, nbytes, group_size, start, now())
+            return
+        # on the current stream, which the collective's work has been joined to: this event
+        # completes when the collective does
+        pending.end_event = torch.cuda.Event(enable_timing=True)
+        pending.end_event.record()
+        self._pending.append(pending)
+
+    def _record_call(self, name: str, original: Callable[..., Any], names: list[str],
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            op, nbytes, group_size, tensor, is_async = _describe(name, names, args, kwargs)
+        except Exception as exc:  # never let profiling break a collective
+            log.debug("collective profiler could not describe %s: %s", name, exc)
+            return original(*args, **kwargs)
+        start, pending = self._begin(op, nbytes, group_size, tensor)
+        with _suppressed():  # send() runs isend().wait(): record the outer call only
+            result = original(*args, **kwargs)
+        if not is_async or result is None:
+            self._end(op, nbytes, group_size, start, pending)
+            return result
+        def _on_done(_: Any = None) -> None:
+            self._end(op, nbytes, group_size, start, pending)
+
+        try:
+            result.get_future().add_done_callback(_on_done)
+        except RuntimeError:  # gloo point-to-point works have no future: end at wait()
+            return _TimedWork(result, _on_done)
+        return result
+
+    def record_wire(self, wire_bytes: float, dense_bytes: float) -> None:
+        """A compression hook reports what it put on the wire versus the dense gradient."""
+        with self._lock:
+            self._wire[0] += wire_bytes
+            self._wire[1] += dense_bytes
+
+    # -- DDP comm hooks ----------------------------------------------------------------------
+    def allreduce_hook(self) -> Callable[[Any, Any], torch.futures.Future]:
+        """A DDP comm hook equal to DDP's default (average by all-reduce) that records it.
+
+        Register with ``ddp.register_comm_hook(process_group_or_None, hook)``.
+        """
+        def hook(state: Any, bucket: Any) -> torch.futures.Future:
+            group = state if isinstance(state, dist.ProcessGroup) else None
+            tensor = bucket.buffer()
+            n = dist.get_world_size(group)
+            nbytes = tensor.numel() * tensor.element_size()
+            start, pending = self._begin("all_reduce", nbytes, n, tensor)
+            with _suppressed():
+                work = dist.all_reduce(tensor.div_(n), group=group, async_op=True)
+
+            def done(fut: torch.futures.Future) -> torch.Tensor:
+                self._end("all_reduce", nbytes, n, start, pending)
+                return fut.value()[0]
+
+            return work.get_future().then(done)
+
+        return _annotated(hook)
+
+    def wrap_comm_hook(self, hook: Callable[[Any, Any], torch.futures.Future]
+                       ) -> Callable[[Any, Any], torch.futures.Future]:
+        """Wrap any DDP comm hook: records a ``ddp_bucket`` event per bucket (dense bytes,
+        hook start to future completion); the collectives it issues are recorded as
+        themselves, and a compressor reports its wire bytes through `record_wire`."""
+        def wrapped(state: Any, bucket: Any) -> torch.futures.Future:
+            tensor = bucket.buffer()
+            group = getattr(state, "process_group", state)
+            group = group if isinstance(group, dist.ProcessGroup) else None
+            n = dist.get_world_size(group)
+            nbytes = tensor.numel() * tensor.element_size()
+            start, pending = self._begin("ddp_bucket", nbytes, n, tensor)
+            fut = hook(state, bucket)
+
+            def done(f: torch.futures.Future) -> Any:
+                self._end("ddp_bucket", nbytes, n, start, pending)
+                return f.value()
+
+            return fut.then(done)
+
+        wrapped.__name__ = getattr(hook, "__name__", "hook")
+        return _annotated(wrapped)
+
+    # -- reading -----------------------------------------------------------------------------
+    def drain(self) -> list[dict[str, Any]]:
+        """Every collective completed since the last drain, oldest first.
+
+        Each is ``{op, bytes, group_size, start, end, time, algbw, busbw}`` (Unix seconds,
+        seconds, GB/s). CUDA-timed ones are resolved here (one event synchronise).
+        """
+        with self._lock:
+            while self._pending and self._pending[0].end_event is not None:
+                p = self._pending.popleft()
+                p.end_event.synchronize()
+                seconds = p.start_event.elapsed_time(p.end_event) / 1000.0
+                self._finish(p.op, p.nbytes, p.group_size, p.start, p.start + seconds)
+            count = len(self._done)
+            events = [self._done.popleft() for _ in range(count)]
+        return sorted(events, key=lambda e: e["start"])
+
+    def drain_wire(self) -> tuple[float, float]:
+        """(wire_bytes, dense_bytes) reported by compression hooks since the last call."""
+        with self._lock:
+            wire, self._wire = self._wire, [0.0, 0.0]
+        return wire[0], wire[1]
+
+    def step_metrics(self, events: Sequence[dict[str, Any]] | None = None) -> dict[str, float]:
+        """Telemetry values of one step: ``{op}/bytes``, ``{op}/time(s)``, ``{op}/count``,
+        ``{op}/busbw(GB/s)`` per op, plus ``wire_bytes`` and ``dense_bytes`` when reported.
+        Drains the profiler when ``events`` is not given."""
+        events = self.drain() if events is None else events
+        out: dict[str, float] = {}
+        for op, agg in aggregate(events).items():
+            for key in ("bytes", "time(s)", "count", "busbw(GB/s)"):
+                out[f"{op}/{key}"] = agg[key]
+        wire, dense = self.drain_wire()
+        if dense:
+            out["wire_bytes"], out["dense_bytes"] = wire, dense
+        return out
+
+
+class _TimedWork(dist.Work):
+    """A Work without a future (gloo send/recv): the collective ends when ``wait()`` returns."""
+
+    def __init__(self, inner: dist.Work, on_done: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner, self._on_done = inner, on_done
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        result = self._inner.wait(*args, **kwargs)
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            done()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _annotated(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """DDP's register_comm_hook checks real annotation objects (postponed ones are strings)."""
+    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    return hook
+
+
+def aggregate(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per op: total ``bytes``, ``time(s)`` (sum of durations), ``count``, ``busbw(GB/s)``
+    (bus bytes over total time, i.e. time-weighted) and ``exposed(s)`` (union of intervals)."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for event in events:
+        groups[event["op"]].append(event)
+    out = {}
+    for op, items in groups.items():
+        seconds = sum(e["time"] for e in items)
+        bus_bytes = sum(e["busbw"] * e["time"] for e in items) * 1e9
+        out[op] = {"bytes": float(sum(e["bytes"] for e in items)), "time(s)": seconds,
+                   "count": float(len(items)),
+                   "busbw(GB/s)": bus_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                   "exposed(s)": union_time(items)}
+    return out
+
+
+def union_time(events: Sequence[dict[str, Any]], start: float | None = None,
+               end: float | None = None) -> float:
+    """Seconds covered by at least one event's [start, end], optionally clipped to a window
+    (e.g. the communication left after backward compute ended: ``union_time(ev, t_bwd)``)."""
+    spans = sorted((max(e["start"], start if start is not None else e["start"]),
+                    min(e["end"], end if end is not None else e["end"])) for e in events)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            total += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
+def _describe(name: str, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[str, int, int, torch.Tensor | None, bool]:
+    def get(arg: str, default: Any = None) -> Any:
+        if arg in kwargs:
+            return kwargs[arg]
+        index = names.index(arg) if arg in names else len(args)
+        return args[index] if index < len(args) else default
+
+    arg, position = _BYTES_ARG[name]
+    payload = kwargs.get(arg, args[position] if position < len(args) else None)
+    if name in _P2P:
+        group_size = 2
+    else:
+        group_size = dist.get_world_size(get("group"))
+    is_async = name in _ASYNC_ALWAYS or bool(get("async_op", False))
+    tensor = _first_tensor(payload)
+    return CANONICAL[name], _nbytes(payload), group_size, tensor, is_async
+
+
+def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    import inspect
+
+    names = list(inspect.signature(original).parameters)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        profiler = _PATCHES.active
+        if profiler is None or getattr(_local, "suppress", False):
+            return original(*args, **kwargs)
+        return profiler._record_call(name, original, names, args, kwargs)
+
+    wrapper.__name__ = name
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _install() -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in PATCHED:
+        original = getattr(c10d, name, None)
+        if original is None:  # e.g. all_gather_single exists only in newer torch
+            continue
+        wrapper = _make_wrapper(name, original)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is original:
+                _PATCHES.originals[(module, name)] = original
+                setattr(module, name, wrapper)
+
+
+def _uninstall() -> None:
+    for (module, name), original in _PATCHES.originals.items():
+        setattr(module, name, original)
+    _PATCHES.originals.clear()
+
+
+# The sweep lives in commbench.py; it is part of this module's public API.
+from profilers.commbench import (  # noqa: E402  (commbench imports the math above)
+    SWEEP_OPS, commbench, format_busbw_table, spawn_commbench, sweep_sizes)
+
+__all__ = ["CANONICAL", "PATCHED", "SWEEP_OPS", "CollectiveProfiler", "aggregate", "algbw",
+           "bus_factor", "busbw", "commbench", "format_busbw_table", "now", "spawn_commbench",
+           "sweep_sizes", "union_time"]

@@ -1,0 +1,130 @@
+"""StepTimer: where one training step's time goes, per rank.
+
+Phases: data, forward, backward, optimizer, comm_exposed, bubble, other. ``other`` is the step
+time minus the named phases, so the parts always add up to the step time. A phase may be
+entered several times in a step (one forward per micro-batch): its times add up.
+
+On CPU the timer uses ``time.perf_counter``. On CUDA it records a pair of CUDA events per phase
+and resolves them lazily in `StepTimer.end_step`, which synchronises once on the step's end
+event; nothing in the hot path synchronises. With ``cuda_events=False`` on CUDA it falls back
+to perf_counter plus a ``torch.cuda.synchronize()`` at every phase boundary: exact wall times,
+at the cost of serialising the host with the device.
+
+Overhead budget: two perf_counter calls (or two event records) per phase, a few microseconds
+per step; one device synchronise per step on CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "comm_exposed", "bubble",
+                           "other")
+"""Named phases of a step, in display order; ``other`` is computed, never timed."""
+
+
+def as_metrics(breakdown: dict[str, float]) -> dict[str, float]:
+    """Phase seconds as telemetry names with their unit: ``{"forward(s)": 0.12, ...}``."""
+    return {f"{phase}(s)": seconds for phase, seconds in breakdown.items()}
+
+
+class StepTimer:
+    """Per-step phase breakdown in seconds; see the module docstring."""
+
+    def __init__(self, device: torch.device | str = "cpu", *, cuda_events: bool = True,
+                 enabled: bool = True) -> None:
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._events = self._cuda and cuda_events
+        self._sync = self._cuda and not cuda_events
+        self._host: dict[str, float] = defaultdict(float)
+        self._pairs: list[tuple[str, Any, Any]] = []
+        self._t0 = 0.0
+        self._start_event: Any = None
+        self._in_step = False
+        self.step_time = 0.0
+        """The last step's total time in seconds (the sum of `end_step`'s values)."""
+
+    def start_step(self) -> None:
+        """Begin a step: the clock for ``other`` and the step time starts here."""
+        if not self.enabled:
+            return
+        self._host.clear()
+        self._pairs.clear()
+        self._in_step = True
+        if self._events:
+            self._start_event = self._event()
+        else:
+            self._barrier()
+            self._t0 = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the enclosed code as phase ``name`` (adds up if entered several times)."""
+        if not (self.enabled and self._in_step):
+            yield
+            return
+        if name == "other":
+            raise ValueError("phase 'other' is computed as step time minus the named phases")
+        if self._events:
+            start = self._event()
+            try:
+                yield
+            finally:
+                self._pairs.append((name, start, self._event()))
+            return
+        self._barrier()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._barrier()
+            self._host[name] += time.perf_counter() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add time measured elsewhere (e.g. exposed communication) to phase ``name``."""
+        if self.enabled and self._in_step:
+            if name == "other":
+                raise ValueError("phase 'other' is computed as step time minus the named phases")
+            self._host[name] += float(seconds)
+
+    def end_step(self) -> dict[str, float]:
+        """End the step and return ``{phase: seconds}`` for every phase, ``other`` included.
+
+        The values add up to the step time (`step_time`). ``other`` is negative only if
+        time passed to `add` overlaps timed phases.
+        """
+        if not (self.enabled and self._in_step):
+            return {}
+        self._in_step = False
+        if self._events:
+            end = self._event()
+            end.synchronize()  # the one synchronise per step: resolves every event before it
+            total = self._start_event.elapsed_time(end) / 1000.0
+            for name, start, stop in self._pairs:
+                self._host[name] += start.elapsed_time(stop) / 1000.0
+        else:
+            self._barrier()
+            total = time.perf_counter() - self._t0
+        out = {phase: 0.0 for phase in PHASES}
+        out.update(self._host)
+        named = sum(v for k, v in out.items() if k != "other")
+        out["other"] = total - named
+        self.step_time = total
+        return out
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _barrier(self) -> None:
+        if self._sync:
+            torch.cuda.synchronize(self.device)

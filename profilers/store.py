@@ -1,0 +1,540 @@
+"""The run store: SQLite in WAL mode, one file (`runs.db`) under the workbench home.
+
+Writers (the telemetry server, the launcher) and readers (dashboard, CLI, tuner) may open the
+same file from several processes and threads at once: WAL lets readers run while one writer
+commits, ``busy_timeout`` makes a second writer wait instead of failing, and every batch of
+records is one transaction, so a reader sees whole batches or nothing. Each thread (and each
+process after a fork) gets its own connection, opened lazily on first use: constructing a
+`RunStore` does no I/O.
+
+Schema history (``PRAGMA user_version``): 1 = runs + metrics; 2 adds ``runs.parent`` and the
+``segments`` table of live-tuning segments. An older file is migrated on open; a newer one is
+refused with a `StoreError`, never written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from profilers.records import Record
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+STORE_FILENAME = "runs.db"
+STATUSES = ("running", "completed", "failed", "interrupted")
+FINAL_STATUSES = ("completed", "failed", "interrupted")
+BUSY_TIMEOUT_MS = 30_000
+_JSON_FIELDS = ("config", "layout", "host", "versions", "summary")
+_RUN_FIELDS = (
+    "name", "status", "config", "world_size", "layout", "host", "versions", "emulated", "parent",
+    "created", "started", "ended", "error", "error_rank", "summary",
+)
+PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "bubble", "other")
+
+_V1 = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL
+        CHECK (status IN ('running', 'completed', 'failed', 'interrupted')),
+    config TEXT, world_size INTEGER, layout TEXT, host TEXT, versions TEXT,
+    emulated INTEGER NOT NULL DEFAULT 0, created REAL, started REAL, ended REAL,
+    error TEXT, error_rank INTEGER, summary TEXT);
+CREATE INDEX IF NOT EXISTS runs_created ON runs (created);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, created);
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id TEXT NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL, kind TEXT NOT NULL,
+    name TEXT NOT NULL, value REAL, time REAL);
+CREATE INDEX IF NOT EXISTS metrics_kind_step ON metrics (run_id, kind, step, name);
+CREATE INDEX IF NOT EXISTS metrics_name ON metrics (run_id, name, step);
+"""
+_V2 = """
+ALTER TABLE runs ADD COLUMN parent TEXT;
+CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent);
+CREATE TABLE IF NOT EXISTS segments (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, start_step INTEGER NOT NULL,
+    end_step INTEGER, trial_number INTEGER, params TEXT, value REAL, time REAL);
+CREATE INDEX IF NOT EXISTS segments_run ON segments (run_id, start_step);
+"""
+MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+"""``MIGRATIONS[i]`` takes a store from schema version i to i + 1."""
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(RuntimeError):
+    """A run store that cannot be opened, read or written; names the file, the cause and a fix."""
+
+    def __init__(self, path: Path | str, cause: str, hint: str = "") -> None:
+        self.path = Path(path)
+        self.cause = cause
+        self.hint = hint
+        super().__init__(f"run store {self.path}: {cause}" + (f"; {hint}" if hint else ""))
+
+
+def default_home() -> Path:
+    """The workbench home: ``$WORKBENCH_HOME`` if set, else ``./.workbench`` (absolute)."""
+    home = os.environ.get("WORKBENCH_HOME") or ".workbench"
+    return Path(home).expanduser().absolute()
+
+
+def _hint(message: str) -> str:
+    text = message.lower()
+    if "full" in text:
+        return "the disk (or its quota) is full: free space or choose another --home"
+    if "readonly" in text or "read-only" in text or "unable to open" in text:
+        return "check that the folder exists and is writable, or choose another --home / WORKBENCH_HOME"
+    if "locked" in text or "busy" in text:
+        return f"another process held the write lock for over {BUSY_TIMEOUT_MS // 1000} s"
+    if "not a database" in text or "malformed" in text:
+        return "the file is not a workbench run store (or is damaged): move it aside"
+    return ""
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, default=str, sort_keys=True)
+
+
+def _decode_run(row: sqlite3.Row) -> dict[str, Any]:
+    out = dict(row)
+    for field in _JSON_FIELDS:
+        if out.get(field) is not None:
+            out[field] = json.loads(out[field])
+    out["emulated"] = bool(out.get("emulated"))
+    return out
+
+
+class RunStore:
+    """Runs, metrics and tuning segments in one SQLite file (WAL); safe across processes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser().absolute()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[tuple[threading.Thread, sqlite3.Connection]] = []
+        self._pid = os.getpid()
+
+    @classmethod
+    def open_home(cls, home: str | Path | None = None) -> RunStore:
+        """The store ``runs.db`` under ``home`` (default: `default_home()`)."""
+        folder = Path(home).expanduser() if home is not None else default_home()
+        return cls(folder / STORE_FILENAME)
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (RunStore, (str(self.path),))
+
+    def __repr__(self) -> str:
+        return f"RunStore({str(self.path)!r})"
+
+    # -- connections -------------------------------------------------------------------------
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, f"{type(exc).__name__}: {exc}", _hint(str(exc))) from exc
+
+    def _conn(self) -> sqlite3.Connection:
+        if os.getpid() != self._pid:  # after fork: never share the parent's connections
+            self._local = threading.local()
+            self._all, self._pid = [], os.getpid()
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._open()
+            self._local.conn = conn
+            with self._lock:
+                self._prune()
+                self._all.append((threading.current_thread(), conn))
+        return conn
+
+    def _prune(self) -> None:
+        """Close the connections of threads that have ended (Streamlit reruns, sampler threads)."""
+        alive = []
+        for thread, conn in self._all:
+            if thread.is_alive():
+                alive.append((thread, conn))
+            else:
+                conn.close()
+        self._all = alive
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(self.path, f"cannot create folder {self.path.parent}: {exc.strerror}",
+                             _hint("unable to open")) from exc
+        with self._errors():
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000,
+                                   isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise StoreError(self.path, f"journal_mode is {mode}, WAL is required",
+                                     "the file system must support shared memory (not NFS)")
+                conn.execute("PRAGMA synchronous = NORMAL")
+                self._migrate(conn)
+            except BaseException:
+                conn.close()
+                raise
+        return conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise StoreError(self.path, f"schema version {version} is newer than this workbench "
+                             f"supports ({SCHEMA_VERSION})",
+                             "upgrade the workbench, or choose another --home")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # re-read under the write lock: another process may have migrated meanwhile
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for step in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[step].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {max(version, SCHEMA_VERSION)}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE takes the lock up front, honouring busy_timeout)."""
+        conn = self._conn()
+        with self._errors():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        conn = self._conn()
+        with self._errors():
+            return conn.execute(sql, params).fetchall()
+
+    def schema_version(self) -> int:
+        """The schema version of the file (after any migration on open)."""
+        return int(self._query("PRAGMA user_version")[0][0])
+
+    def journal_mode(self) -> str:
+        """The file's journal mode (``wal`` for every store this class opened)."""
+        return str(self._query("PRAGMA journal_mode")[0][0]).lower()
+
+    def close(self) -> None:
+        """Close every connection this object opened (any thread); it reopens lazily if used."""
+        with self._lock:
+            conns, self._all = [c for _, c in self._all], []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
+        self._local = threading.local()
+
+    def __enter__(self) -> RunStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writer API --------------------------------------------------------------------------
+    def create_run(self, run_id: str, *, name: str, config: dict[str, Any], world_size: int,
+                   layout: dict[str, Any] | None = None, host: dict[str, Any] | None = None,
+                   versions: dict[str, Any] | None = None, emulated: bool = False,
+                   parent: str | None = None) -> None:
+        """Insert a run with status ``running`` (``created`` and ``started`` = now)."""
+        now = time.time()
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO runs (run_id, name, status, config, world_size, layout, host, "
+                "versions, emulated, parent, created, started) "
+                "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, name, _dumps(config), int(world_size), _dumps(layout), _dumps(host),
+                 _dumps(versions), int(bool(emulated)), parent, now, now))
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        """Set columns of a run, e.g. ``update_run(rid, layout={...}, started=t)``.
+
+        Dict/list columns (config, layout, host, versions, summary) are stored as JSON.
+        Raises ValueError for an unknown column or status and KeyError for an unknown run.
+        """
+        unknown = sorted(set(fields) - set(_RUN_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown run field(s) {unknown}; allowed: {', '.join(_RUN_FIELDS)}")
+        if "status" in fields and fields["status"] not in STATUSES:
+            raise ValueError(f"status={fields['status']!r} must be one of {', '.join(STATUSES)}")
+        if not fields:
+            return
+        values = [_dumps(v) if k in _JSON_FIELDS else (int(v) if k == "emulated" else v)
+                  for k, v in fields.items()]
+        assignments = ", ".join(f"{k} = ?" for k in fields)
+        with self._write() as conn:
+            cursor = conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?",
+                                  (*values, run_id))
+            if cursor.rowcount == 0:
+                raise KeyError(f"no run {run_id!r} in {self.path}")
+
+    def finish_run(self, run_id: str, status: str, *, error: str | None = None,
+                   error_rank: int | None = None, summary: dict[str, Any] | None = None) -> None:
+        """Mark a run completed, failed or interrupted (``ended`` = now), with the reason."""
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"status={status!r} must be one of {', '.join(FINAL_STATUSES)}")
+        fields: dict[str, Any] = {"status": status, "ended": time.time(), "error": error,
+                                  "error_rank": error_rank}
+        if summary is not None:
+            fields["summary"] = summary
+        self.update_run(run_id, **fields)
+
+    def write(self, records: Sequence[Record]) -> int:
+        """Append a batch of records in one transaction; returns how many were written."""
+        if not records:
+            return 0
+        rows = [r.to_row() if isinstance(r, Record) else Record.from_row(r).to_row()
+                for r in records]
+        with self._write() as conn:
+            conn.executemany("INSERT INTO metrics (run_id, rank, step, kind, name, value, time) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        return len(rows)
+
+    def add_segment(self, run_id: str, *, start_step: int, end_step: int | None = None,
+                    trial_number: int | None = None, params: dict[str, Any] | None = None,
+                    value: float | None = None) -> int:
+        """Record a live-tuning segment (steps start..end run with ``params``); returns its id."""
+        with self._write() as conn:
+            cursor = conn.execute(
+                "INSERT INTO segments (run_id, start_step, end_step, trial_number, params, value, "
+                "time) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (run_id, int(start_step), end_step, trial_number, _dumps(params), value,
+                 time.time()))
+            return int(cursor.lastrowid or 0)
+
+    def end_segment(self, segment_id: int, *, end_step: int, value: float | None = None) -> None:
+        """Close an open segment with its last step and its measured objective value."""
+        with self._write() as conn:
+            conn.execute("UPDATE segments SET end_step = ?, value = ? WHERE id = ?",
+                         (int(end_step), value, int(segment_id)))
+
+    def delete_run(self, run_id: str) -> None:
+        """Remove a run with its metrics and segments."""
+        with self._write() as conn:
+            for table in ("metrics", "segments", "runs"):
+                conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+
+    # -- reader API --------------------------------------------------------------------------
+    def runs(self, limit: int = 100, status: str | None = None,
+             parent: str | None = None) -> list[dict[str, Any]]:
+        """The newest runs first, optionally only one status or the children of ``parent``."""
+        where, params = [], []
+        if status is not None:
+            where.append("status = ?")
+            params.append(status)
+        if parent is not None:
+            where.append("parent = ?")
+            params.append(parent)
+        sql = "SELECT * FROM runs" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self._query(sql + " ORDER BY created DESC LIMIT ?", (*params, int(limit)))
+        return [_decode_run(r) for r in rows]
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        """One run's row (JSON columns decoded), or None."""
+        rows = self._query("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        return _decode_run(rows[0]) if rows else None
+
+    def latest_steps(self, run_id: str, n: int = 50) -> list[dict[str, Any]]:
+        """The last ``n`` steps of ``kind='step'`` records, oldest first.
+
+        Each dict holds ``step``, ``time`` (latest record time), ``ranks`` (how many ranks
+        reported) and every step metric by its stored name (``loss``, ``step_time(s)``, ...),
+        averaged over the ranks that reported it.
+        """
+        rows = self._query(
+            "SELECT step, name, AVG(value) AS value, MAX(time) AS time, COUNT(DISTINCT rank) AS "
+            "ranks FROM metrics WHERE run_id = ? AND kind = 'step' AND step IN (SELECT DISTINCT "
+            "step FROM metrics WHERE run_id = ? AND kind = 'step' ORDER BY step DESC LIMIT ?) "
+            "GROUP BY step, name ORDER BY step", (run_id, run_id, int(n)))
+        steps: dict[int, dict[str, Any]] = {}
+        for row in rows:
+            entry = steps.setdefault(row["step"], {"step": row["step"], "time": 0.0, "ranks": 0})
+            entry[row["name"]] = row["value"]
+            entry["time"] = max(entry["time"], row["time"] or 0.0)
+            entry["ranks"] = max(entry["ranks"], row["ranks"])
+        return list(steps.values())
+
+    def metrics(self, run_id: str, kind: str | None = None, name: str | None = None,
+                rank: int | None = None, since_step: int | None = None,
+                as_frame: bool = False) -> list[Record] | pd.DataFrame:
+        """Records of a run filtered by kind/name/rank/step (> since_step), in step order."""
+        where, params = ["run_id = ?"], [run_id]
+        for column, value in (("kind", kind), ("name", name), ("rank", rank)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if since_step is not None:
+            where.append("step > ?")
+            params.append(int(since_step))
+        rows = self._query("SELECT run_id, rank, step, kind, name, value, time FROM metrics "
+                           f"WHERE {' AND '.join(where)} ORDER BY step, rank, time, rowid", params)
+        records = [Record.from_row(tuple(r)) for r in rows]
+        if not as_frame:
+            return records
+        import pandas as pd
+
+        columns = ["run_id", "rank", "step", "kind", "name", "value", "time"]
+        return pd.DataFrame([r.to_row() for r in records], columns=columns)
+
+    def step_breakdown(self, run_id: str, step: int) -> dict[int, dict[str, float]]:
+        """``{rank: {phase: seconds}}`` of one step (phase names without the ``(s)`` unit)."""
+        rows = self._query("SELECT rank, name, value FROM metrics WHERE run_id = ? AND "
+                           "kind = 'breakdown' AND step = ? ORDER BY rank, rowid", (run_id, step))
+        out: dict[int, dict[str, float]] = defaultdict(dict)
+        for row in rows:
+            out[row["rank"]][_phase(row["name"])] = row["value"]
+        return dict(out)
+
+    def breakdown_table(self, run_id: str) -> pd.DataFrame:
+        """One row per (step, rank): a column per phase in seconds plus ``total``."""
+        import pandas as pd
+
+        rows = self._query("SELECT step, rank, name, value FROM metrics WHERE run_id = ? AND "
+                           "kind = 'breakdown' ORDER BY step, rank", (run_id,))
+        table: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+        for row in rows:
+            table[(row["step"], row["rank"])][_phase(row["name"])] = row["value"]
+        extra = sorted({p for v in table.values() for p in v} - set(PHASES))
+        columns = ["step", "rank", *PHASES, *extra, "total"]
+        data = [[step, rank, *(v.get(p, 0.0) for p in (*PHASES, *extra)), sum(v.values())]
+                for (step, rank), v in sorted(table.items())]
+        return pd.DataFrame(data, columns=columns)
+
+    def comm_totals(self, run_id: str) -> dict[str, dict[str, float]]:
+        """Per collective op over the whole run: bytes and time per rank, count and busbw.
+
+        ``bytes`` and ``time(s)`` are summed over steps and averaged over ranks; ``busbw(GB/s)``
+        is time-weighted (sum of busbw x time over sum of time), which equals the bus bytes over
+        the total time (nccl-tests definitions, see collectives.py).
+        """
+        rows = self._query("SELECT rank, step, name, value FROM metrics WHERE run_id = ? AND "
+                           "kind = 'comm' AND name LIKE '%/%'", (run_id,))
+        per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        ranks: dict[str, set[int]] = defaultdict(set)
+        cells: dict[tuple[str, int, int], dict[str, float]] = defaultdict(dict)
+        for row in rows:
+            op, _, field = row["name"].partition("/")
+            cells[(op, row["rank"], row["step"])][field] = row["value"]
+            ranks[op].add(row["rank"])
+        for (op, _, _), cell in cells.items():
+            agg = per[op]
+            seconds = cell.get("time(s)", 0.0)
+            agg["bytes"] += cell.get("bytes", 0.0)
+            agg["time(s)"] += seconds
+            agg["count"] += cell.get("count", 1.0)
+            agg["_bus_seconds"] += cell.get("busbw(GB/s)", 0.0) * seconds
+        out = {}
+        for op, agg in per.items():
+            n = max(len(ranks[op]), 1)
+            out[op] = {"bytes": agg["bytes"] / n, "time(s)": agg["time(s)"] / n,
+                       "count": agg["count"] / n, "ranks": float(n),
+                       "busbw(GB/s)": agg["_bus_seconds"] / agg["time(s)"] if agg["time(s)"] else 0.0}
+        return out
+
+    def wire_totals(self, run_id: str) -> dict[str, float]:
+        """Compressed bytes on the wire vs dense bytes over the run (summed over ranks)."""
+        rows = self._query("SELECT name, SUM(value) AS total FROM metrics WHERE run_id = ? AND "
+                           "kind = 'comm' AND name IN ('wire_bytes', 'dense_bytes') GROUP BY name",
+                           (run_id,))
+        totals = {r["name"]: float(r["total"]) for r in rows}
+        wire, dense = totals.get("wire_bytes", 0.0), totals.get("dense_bytes", 0.0)
+        return {"wire_bytes": wire, "dense_bytes": dense,
+                "ratio": wire / dense if dense else 1.0}
+
+    def peak_memory(self, run_id: str) -> dict[int, float]:
+        """``{rank: GiB}``: the highest CUDA peak allocated, else the highest (peak) RSS."""
+        rows = self._query("SELECT rank, name, MAX(value) AS peak FROM metrics WHERE run_id = ? "
+                           "AND kind = 'memory' AND name IN ('peak_allocated(GiB)', "
+                           "'peak_rss(GiB)', 'rss(GiB)') GROUP BY rank, name", (run_id,))
+        preference = {"peak_allocated(GiB)": 0, "peak_rss(GiB)": 1, "rss(GiB)": 2}
+        best: dict[int, tuple[int, float]] = {}
+        for row in rows:
+            rank, rank_pref = row["rank"], preference[row["name"]]
+            if rank not in best or rank_pref < best[rank][0]:
+                best[rank] = (rank_pref, float(row["peak"]))
+        return {rank: value for rank, (_, value) in sorted(best.items())}
+
+    def segments(self, run_id: str) -> list[dict[str, Any]]:
+        """The live-tuning segments of a run, in step order (params decoded)."""
+        rows = self._query("SELECT * FROM segments WHERE run_id = ? ORDER BY start_step, id",
+                           (run_id,))
+        out = [dict(r) for r in rows]
+        for seg in out:
+            seg["params"] = json.loads(seg["params"]) if seg["params"] else {}
+        return out
+
+    def run_summary(self, run_id: str) -> dict[str, Any]:
+        """Headline figures of one run (what `compare` puts in a column)."""
+        info = self.run(run_id)
+        if info is None:
+            raise KeyError(f"no run {run_id!r} in {self.path}")
+        steps = self.latest_steps(run_id, n=1_000_000)
+        times = [s["step_time(s)"] for s in steps if "step_time(s)" in s]
+        tput = [s["tokens_per_s"] for s in steps if "tokens_per_s" in s]
+        losses = [s["loss"] for s in steps if "loss" in s]
+        peak = self.peak_memory(run_id)
+        out: dict[str, Any] = {
+            "name": info["name"], "status": info["status"], "world_size": info["world_size"],
+            "emulated": info["emulated"], "steps": len(steps),
+            "duration(s)": (info["ended"] - info["started"]) if info["ended"] and info["started"]
+            else None,
+            "final_loss": losses[-1] if losses else None,
+            # the first step includes warm-up (allocation, DDP bucket rebuild): median is robust
+            "median_step_time(s)": statistics.median(times) if times else None,
+            "mean_tokens_per_s": statistics.fmean(tput) if tput else None,
+            "peak_memory(GiB)": max(peak.values()) if peak else None,
+        }
+        table = self.breakdown_table(run_id)
+        for phase in PHASES:
+            out[f"mean_{phase}(s)"] = float(table[phase].mean()) if len(table) else None
+        for op, agg in self.comm_totals(run_id).items():
+            out[f"{op}/bytes"] = agg["bytes"]
+            out[f"{op}/busbw(GB/s)"] = agg["busbw(GB/s)"]
+        for key, value in _flatten(info.get("config") or {}, "config").items():
+            out[key] = value
+        return out
+
+    def compare(self, run_ids: Sequence[str]) -> pd.DataFrame:
+        """Runs side by side: one column per run id, one row per summary figure/config key."""
+        import pandas as pd
+
+        columns = {rid: self.run_summary(rid) for rid in run_ids}
+        frame = pd.DataFrame(columns)
+        return frame.reindex(list(dict.fromkeys(k for s in columns.values() for k in s)))
+
+
+def _phase(name: str) -> str:
+    return name[:-3] if name.endswith("(s)") else name
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}"))
+        return out
+    return {prefix: json.dumps(value) if isinstance(value, list) else value}
+

@@ -1,0 +1,171 @@
+"""Telemetry: real rank processes ship batches to one TelemetryServer writing the run store."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from profilers.records import Record
+from profilers.store import RunStore
+from profilers.telemetry import TelemetryClient, TelemetryServer
+
+STEPS, PER_STEP = 30, 8
+
+
+def _rank(address: str, rank: int, go_path: str) -> None:
+    client = TelemetryClient(address, "run", rank, flush_interval=0.05)
+    for step in range(STEPS):
+        for i in range(PER_STEP):
+            client.emit(step, "step", f"m{i}", step * 10 + i)
+        time.sleep(0.03)
+    deadline = time.time() + 30
+    while not os.path.exists(go_path) and time.time() < deadline:  # stay open until told
+        time.sleep(0.02)
+    client.close()
+
+
+def _poll(store: RunStore, until: int, timeout: float = 20.0) -> list[int]:
+    counts, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        counts.append(len(store.metrics("run")))
+        if counts[-1] >= until:
+            break
+        time.sleep(0.05)
+    return counts
+
+
+def test_two_ranks_all_records_arrive_and_rows_grow_live(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "runs.db")
+    server = TelemetryServer(store)
+    address = server.start()
+    go = tmp_path / "go"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(address, r, str(go))) for r in range(2)]
+    for p in procs:
+        p.start()
+    total = 2 * STEPS * PER_STEP
+    counts = _poll(store, total)
+    alive_at_end = all(p.is_alive() for p in procs)
+    go.touch()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    server.stop()
+    # every record arrived while the clients were still open, and the reader saw it grow
+    assert counts[-1] == total and alive_at_end
+    growing = sorted(set(c for c in counts if 0 < c < total))
+    assert len(growing) >= 3, counts
+    records = store.metrics("run")
+    assert len(records) == total
+    assert {(r.rank, r.step, r.name) for r in records} == {
+        (rank, step, f"m{i}") for rank in range(2) for step in range(STEPS)
+        for i in range(PER_STEP)}
+    assert all(r.value == r.step * 10 + int(r.name[1:]) for r in records)
+    assert server.records_written == total
+
+
+def test_finished_step_visible_within_one_second(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "runs.db")
+    with TelemetryServer(store) as server:
+        client = TelemetryClient(server.address, "run", 0)  # default flush_interval
+        lags = []
+        for step in range(3):
+            emitted = time.time()
+            client.emit(step, "step", "loss", 1.0)
+            while not store.metrics("run", since_step=step - 1):
+                assert time.time() - emitted < 5.0
+                time.sleep(0.01)
+            lags.append(time.time() - emitted)
+        client.close()
+    assert max(lags) < 1.0, lags
+
+
+def _killed_rank(address: str, progress_path: str) -> None:
+    client = TelemetryClient(address, "run", 0, flush_interval=0.02)
+    step = 0
+    while True:  # runs until SIGKILL
+        client.emit(step, "step", "loss", float(step))
+        step += 1
+        time.sleep(0.005)
+        tmp = progress_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(client.delivered))
+        os.replace(tmp, progress_path)
+
+
+def test_sigkilled_client_keeps_flushed_batches(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "runs.db")
+    server = TelemetryServer(store)
+    address = server.start()
+    progress = tmp_path / "delivered"
+    proc = mp.get_context("spawn").Process(target=_killed_rank, args=(address, str(progress)))
+    proc.start()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if progress.exists() and int(progress.read_text() or 0) >= 200:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    delivered = int(progress.read_text())
+    server.stop()
+    steps = sorted(r.step for r in store.metrics("run"))
+    assert delivered >= 200
+    # every acknowledged batch survived the kill, once and in order: a prefix 0..k of steps
+    assert len(steps) >= delivered
+    assert steps == list(range(len(steps)))
+
+
+def test_server_stop_drains_unacknowledged_batches(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "runs.db")
+    server = TelemetryServer(store)
+    host, port = server.start().split(":")
+    sock = socket.create_connection((host, int(port)))
+    lines = [json.dumps({"seq": s, "records": [["run", 1, s, "step", "loss", 0.5, 1.0]] * 4})
+             for s in range(50)]
+    sock.sendall(("\n".join(lines) + "\n").encode())
+    server.stop()
+    sock.close()
+    assert len(store.metrics("run")) == 200
+
+
+def test_direct_store_fallback_without_server(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    with TelemetryClient(None, "solo", 3, store_path=path, flush_interval=0.05) as client:
+        client.emit_many(0, "breakdown", {"forward(s)": 0.1, "backward(s)": 0.2})
+        client.record("host", "cpu(%)", 50.0)
+    got = RunStore(path).metrics("solo")
+    assert sorted((r.step, r.name, r.value, r.rank) for r in got) == [
+        (-1, "cpu(%)", 50.0, 3), (0, "backward(s)", 0.2, 3), (0, "forward(s)", 0.1, 3)]
+
+
+def test_unreachable_server_never_raises_into_training() -> None:
+    with socket.socket() as sock:  # a port with nobody listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = TelemetryClient(f"127.0.0.1:{port}", "run", 0, flush_interval=0.05)
+    client.emit(0, "step", "loss", 1.0)
+    client.emit(1, "step", "loss", "not a number")  # type: ignore[arg-type]
+    assert client.dropped == 1
+    assert client.flush() is False
+    t0 = time.time()
+    client.close()
+    assert time.time() - t0 < 5.0
+    assert client.delivered == 0
+
+
+def test_bad_address_is_rejected_up_front() -> None:
+    with pytest.raises(ValueError, match="must be 'host:port'"):
+        TelemetryClient("localhost", "run", 0)
+
+
+def test_record_wire_format_round_trip() -> None:
+    record = Record("r", 1, 2, "comm", "all_reduce/bytes", 4096.0, 12.5)
+    assert Record.from_row(json.loads(json.dumps(record.to_list()))) == record

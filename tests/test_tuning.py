@@ -1,0 +1,225 @@
+"""Optuna studies over real runs: end to end, invalid combinations, crashes, a killed tuner,
+parallel workers (SQLite and PostgreSQL), export reproducibility and live in-job tuning."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from engine.config import from_dict, load_config
+from engine.launch import launch
+from profilers.store import RunStore
+from tuning.export import export_trial
+from tuning.objective import Objective, median_ci
+from tuning.space import SearchSpace, layouts
+from tuning.study import load_study, run_trials
+
+pytestmark = pytest.mark.xdist_group("launch")
+
+BASE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "train.steps=4",
+        "batch.global=8", "batch.micro=4", "parallel.dp=2", "train.warmup_steps=0",
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.timeout_s=30"]
+SPACE = {"params": {"batch.micro": {"choices": [2, 4]}, "ddp.bucket_cap_mb": {"choices": [1, 25]}}}
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _base():
+    return load_config(None, BASE)
+
+
+def _study(tmp_path, name=None, **kw):
+    return load_study(name or f"s-{uuid.uuid4().hex[:6]}", f"sqlite:///{tmp_path}/studies.db", seed=0, **kw)
+
+
+def test_space_parsing_and_errors():
+    assert layouts(4) == ["dp1-tp1-pp4", "dp1-tp2-pp2", "dp1-tp4-pp1", "dp2-tp1-pp2", "dp2-tp2-pp1", "dp4-tp1-pp1"]
+    sp = SearchSpace.from_yaml("examples/space.yaml")
+    grid = sp.grid()
+    assert all(("comm.rank" in g) == (g["comm.compressor"] == "powersgd") for g in grid)
+    assert len(grid) == 3 * 3 * 2 * (1 + 1 + 2)  # layouts x micro x bucket x (none, fp16, powersgd x 2 ranks)
+    with pytest.raises(Exception, match=r"params.batch.micro.low.*must be a number"):
+        SearchSpace.from_dict({"params": {"batch.micro": {"low": "a", "high": 2}}})
+    with pytest.raises(Exception, match=r"unknown key"):
+        SearchSpace.from_dict({"params": {"batch.mikro": {"choices": [1]}}})
+    with pytest.raises(Exception, match=r"layouts needs space.world_size"):
+        SearchSpace.from_dict({"params": {"parallel.layout": {"layouts": ["dp"]}}})
+
+
+def test_median_ci_brackets_the_median():
+    med, lo, hi = median_ci([float(x) for x in range(1, 22)])
+    assert med == 11 and lo < med < hi and lo >= 1 and hi <= 21
+
+
+def test_four_trial_study_end_to_end(tmp_path):
+    study = _study(tmp_path)
+    obj = Objective(_base(), SearchSpace.from_dict(SPACE), home=tmp_path, warmup_steps=1)
+    run_trials(study, obj, 4)
+    trials = study.get_trials()
+    assert len(trials) == 4
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(done) >= 2  # the median pruner may stop late trials, never the first two
+    store = RunStore.open_home(tmp_path)
+    for t in done:
+        run = store.run(t.user_attrs["run_id"])
+        assert run["status"] == "completed" and run["parent"].startswith(f"study:{study.study_name}#")
+        assert t.values[0] > 0 and t.user_attrs["tokens_per_s_ci_low"] <= t.values[0] <= t.user_attrs["tokens_per_s_ci_high"]
+        assert t.user_attrs["step_time_s"] > 0 and "comm_exposed_s" in t.user_attrs
+
+
+def test_invalid_combination_never_launches(tmp_path):
+    space = SearchSpace.from_dict({"params": {"batch.micro": {"choices": [3]}}})  # 8 % (2*3) != 0
+    study = _study(tmp_path)
+    run_trials(study, Objective(_base(), space, home=tmp_path), 2)
+    for t in study.get_trials():
+        assert t.state == TrialState.PRUNED
+        assert "batch.global=8: is not divisible by dp*micro = 2*3" in t.user_attrs["reason"]
+        assert "run_id" not in t.user_attrs
+    assert RunStore.open_home(tmp_path).runs() == []
+    assert not (tmp_path / "runs").exists()
+
+
+def test_crashing_trial_fails_with_reason_and_study_goes_on(tmp_path):
+    space = SearchSpace.from_dict({"params": {"data.path": {"choices": ["/nonexistent/corpus"]}}})
+    study = _study(tmp_path, sampler="random")
+    study.enqueue_trial({"data.path": "/nonexistent/corpus"})
+    base = load_config(None, BASE + ["data.source=files", "data.path=/nonexistent/corpus"])
+    obj = Objective(base, space, home=tmp_path)
+    run_trials(study, obj, 1)
+    good = Objective(_base(), SearchSpace.from_dict({"params": {"batch.micro": {"choices": [4]}}}), home=tmp_path)
+    run_trials(study, good, 1)
+    first, second = study.get_trials()
+    assert first.state == TrialState.FAIL
+    assert first.user_attrs["reason"].startswith("crash (rank ") and "no readable text" in first.user_attrs["reason"]
+    assert second.state == TrialState.COMPLETE
+
+
+def _tune_cmd(tmp_path, space_path, base_path, study, trials, storage):
+    return [sys.executable, "-m", "workbench.cli", "tune", str(space_path), "--base", str(base_path),
+            "--trials", str(trials), "--study", study, "--storage", storage, "--json", "--pruner", "none"]
+
+
+def _files(tmp_path):
+    space_path, base_path = tmp_path / "space.yaml", tmp_path / "base.yaml"
+    space_path.write_text(yaml.safe_dump(SPACE))
+    base_path.write_text(yaml.safe_dump(_base().to_dict()))
+    return space_path, base_path
+
+
+def _env(tmp_path):
+    return {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_HEARTBEAT_S": "1", "WORKBENCH_GRACE_S": "3"}
+
+
+def test_killed_tuner_resumes_with_completed_trials_kept(tmp_path):
+    space_path, base_path = _files(tmp_path)
+    storage = f"sqlite:///{tmp_path}/studies.db"
+    proc = subprocess.Popen(_tune_cmd(tmp_path, space_path, base_path, "resume", 6, storage), env=_env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 180
+    study = None
+    while time.time() < deadline:
+        time.sleep(0.5)
+        try:
+            study = optuna.load_study(study_name="resume", storage=storage)
+        except KeyError:
+            continue
+        states = [t.state for t in study.get_trials()]
+        if states.count(TrialState.COMPLETE) >= 1 and states[-1] == TrialState.RUNNING:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)  # the tuner and its running trial's ranks
+    proc.wait()
+    before = {t.number: t.values for t in study.get_trials() if t.state == TrialState.COMPLETE}
+    assert before
+    time.sleep(4)  # past the grace period: the killed trial's heartbeat is stale
+    out = subprocess.run(_tune_cmd(tmp_path, space_path, base_path, "resume", 2, storage), env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    trials = optuna.load_study(study_name="resume", storage=storage).get_trials()
+    numbers = [t.number for t in trials]
+    assert len(numbers) == len(set(numbers))
+    after = {t.number: t.values for t in trials if t.state == TrialState.COMPLETE}
+    assert all(after[n] == v for n, v in before.items())  # completed trials kept as they were
+    stale = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(stale) == 1  # the trial running when the tuner died
+    assert len(after) == len(before) + 2
+    assert all(t.state != TrialState.RUNNING for t in trials)
+
+
+def _pg_available() -> str | None:
+    try:
+        import sqlalchemy
+
+        with sqlalchemy.create_engine(PG_URL).connect():
+            return None
+    except Exception as exc:  # noqa: BLE001
+        return f"no PostgreSQL server answers at {PG_URL}: {type(exc).__name__}"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_workers_share_one_study(tmp_path, backend):
+    if backend == "postgresql" and (reason := _pg_available()):
+        pytest.skip(reason)
+    space_path, base_path = _files(tmp_path)
+    study = f"two-{uuid.uuid4().hex[:8]}"
+    storage = f"sqlite:///{tmp_path}/studies.db" if backend == "sqlite" else PG_URL
+    procs = [subprocess.Popen(_tune_cmd(tmp_path, space_path, base_path, study, 2, storage), env=_env(tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    trials = optuna.load_study(study_name=study, storage=storage).get_trials()
+    assert sorted(t.number for t in trials) == [0, 1, 2, 3]
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    run_ids = [t.user_attrs["run_id"] for t in trials]
+    assert len(set(run_ids)) == 4
+    summary = json.loads(outs[0][0])
+    assert summary["study"] == study and "COMPLETE" in summary["counts"]
+    if backend == "postgresql":
+        optuna.delete_study(study_name=study, storage=storage)
+
+
+def test_exported_yaml_reproduces_the_trial_loss(tmp_path):
+    study = _study(tmp_path)
+    run_trials(study, Objective(_base(), SearchSpace.from_dict({"params": {"batch.micro": {"choices": [2, 4]}}}),
+                                home=tmp_path), 1)
+    text = export_trial(study, fmt="yaml")
+    cfg = from_dict(yaml.safe_load(text))
+    again = launch(cfg, home=tmp_path)
+    best = study.best_trial
+    store = RunStore.open_home(tmp_path)
+    original = {r.step: r.value for r in store.metrics(best.user_attrs["run_id"], kind="step", name="loss", rank=0)}
+    rerun = {s["step"]: s["loss"] for s in again.steps}
+    assert rerun[3] == original[3]  # exactly: same config, same seed, same data
+    for fmt in ("torchrun", "json", "megatron", "deepspeed"):
+        assert export_trial(study, fmt=fmt).strip()
+    assert "--micro-batch-size" in export_trial(study, fmt="megatron")
+    assert json.loads(export_trial(study, fmt="deepspeed"))["train_batch_size"] == 8
+
+
+def test_live_in_job_study_records_segments(tmp_path):
+    from tuning.live import LiveTuner
+
+    study = _study(tmp_path, sampler="random")
+    space = SearchSpace.from_dict({"params": {"train.lr": {"low": 0.0005, "high": 0.005, "log": True},
+                                              "batch.micro": {"choices": [2, 4]}}})
+    base = load_config(None, BASE + ["train.schedule=constant"])
+    tuner = LiveTuner(study, space, base, segments=4, segment_steps=3, home=tmp_path)
+    result = tuner.run()
+    assert result.status == "completed" and len(result.steps) == 12
+    trials = study.get_trials()
+    assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+    segs = RunStore.open_home(tmp_path).segments(tuner.run_id)
+    assert [(s["start_step"], s["end_step"]) for s in segs] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert [s["trial_number"] for s in segs] == [t.number for t in trials]
+    assert all(s["value"] == t.values[0] for s, t in zip(segs, trials))
+    # the knobs really changed on the ranks: the recorded lr follows each segment's trial
+    lrs = {r.step: r.value for r in RunStore.open_home(tmp_path).metrics(tuner.run_id, kind="step", name="lr", rank=0)}
+    for s, t in zip(segs, trials):
+        assert lrs[s["start_step"]] == pytest.approx(t.params["train.lr"], rel=1e-6)

@@ -1,0 +1,153 @@
+"""`workbench simulate` (one config, or a Frontier-style search) and `workbench calibrate`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from workbench.cli import _print_json, console, fail
+
+MODEL_PRESETS = {  # Narayanan et al. 2021 Table 1 shapes (seq 2048, vocab 51200)
+    "22b": "layers=48,hidden=6144,heads=64,seq=2048,vocab=51200",
+    "175b": "layers=96,hidden=12288,heads=96,seq=2048,vocab=51200",
+    "1t": "layers=128,hidden=25600,heads=160,seq=2048,vocab=51200",
+}
+MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
+CONFIG_KEYS = {"tp": int, "pp": int, "dp": int, "micro": int, "global_batch": int, "zero": int,
+               "virtual": int, "recompute": str, "sequence_parallel": bool, "compression_ratio": float,
+               "co2": bool, "schedule": str}
+
+
+def parse_pairs(text: str, allowed: dict[str, type], where: str) -> dict[str, Any]:
+    """'a=1,b=2' -> {'a': 1, 'b': 2}; errors name the option, the key and the rule."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in item:
+            raise typer.BadParameter(f"{where}: '{item}' must look like key=value")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        if key not in allowed:
+            raise typer.BadParameter(f"{where}: unknown key '{key}'; known: {', '.join(allowed)}")
+        kind = allowed[key]
+        try:
+            out[key] = raw.lower() in ("1", "true", "yes") if kind is bool else kind(raw)
+        except ValueError:
+            raise typer.BadParameter(f"{where}: {key}={raw!r} must be {kind.__name__}") from None
+    return out
+
+
+def _model(text: str):
+    from tuning.simulator import ModelSpec
+
+    spec = parse_pairs(MODEL_PRESETS.get(text.lower(), text), {k: int for k in MODEL_KEYS}, "--model")
+    missing = [k for k in MODEL_KEYS if k not in spec]
+    if missing:
+        raise typer.BadParameter(f"--model: missing {', '.join(missing)} (or name a preset: {', '.join(MODEL_PRESETS)})")
+    return ModelSpec(**spec)
+
+
+def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
+             gpus: int = typer.Option(..., help="Total GPUs"),
+             model: str = typer.Option(..., help="layers=..,hidden=..,heads=..,seq=..,vocab=.. or 22b|175b|1t"),
+             config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=..,virtual=..]"),
+             search: bool = typer.Option(False, help="Enumerate every valid config instead of one"),
+             global_batch: int = typer.Option(1536, help="Global batch for --search"),
+             top: int = typer.Option(10, help="Best configs shown by --search"),
+             optuna_trials: int = typer.Option(0, help="Also run Optuna over the simulator"),
+             report: Optional[Path] = typer.Option(None, help="Write an HTML report (tables + plotly figures)"),
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """Predict iteration time, throughput and memory on a cluster we do not have."""
+    from tuning.hardware import load_cluster
+    from tuning.simulator import ParallelSpec
+    from tuning.simulator import simulate as sim
+
+    try:
+        spec = load_cluster(cluster)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        fail(f"--cluster={cluster!r}: {exc}")
+    mdl = _model(model)
+    if search:
+        _search(mdl, spec, gpus, global_batch, top, optuna_trials, report, as_json)
+        return
+    if not config:
+        fail("--config is required unless --search is given")
+    par = ParallelSpec(**parse_pairs(config, CONFIG_KEYS, "--config"))
+    try:
+        result = sim(mdl, spec, par, gpus=gpus)
+    except ValueError as exc:
+        fail(str(exc))
+    out = result.to_dict()
+    out.update({"model_params": mdl.params, "cluster": spec.name, "gpus": gpus})
+    if as_json:
+        _print_json(out)
+        return
+    t = Table(title=f"{mdl.params / 1e9:.1f}B params on {gpus} GPUs ({spec.name})")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits"):
+        t.add_row(key, f"{out[key]:.4g}" if isinstance(out[key], float) else str(out[key]))
+    for key, value in out["breakdown"].items():
+        t.add_row(f"  {key} (s)", f"{value:.4g}")
+    console.print(t)
+
+
+def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: int, report: Optional[Path],
+            as_json: bool) -> None:
+    import time
+
+    from tuning.search import best_configs, enumerate_configs, optuna_search, sensitivities
+
+    start = time.perf_counter()
+    df = enumerate_configs(mdl, spec, gpus, global_batch)
+    seconds = time.perf_counter() - start
+    best = best_configs(df, top)
+    sens = sensitivities(df)
+    out: dict[str, Any] = {"configs": len(df), "fit": int(df.fits.sum()), "seconds": seconds,
+                           "best": best.to_dict(orient="records"),
+                           "sensitivities": {k: v.to_dict(orient="records") for k, v in sens.items()}}
+    if optuna_trials:
+        study = optuna_search(mdl, spec, gpus, global_batch=global_batch, n_trials=optuna_trials, seed=0)
+        out["optuna_best"] = {"value": study.best_value, "params": study.best_params}
+    if report:
+        from workbench.sim_report import write_report
+
+        write_report(report, df, best, sens, title=f"{mdl.params / 1e9:.0f}B on {gpus} GPUs ({spec.name})")
+    if as_json:
+        _print_json(out)
+        return
+    console.print(f"{len(df):,} valid configs ({out['fit']:,} fit in memory) in {seconds:.2f} s")
+    console.print(best.round(3).to_string(index=False), markup=False, highlight=False)
+    for name, table in sens.items():
+        console.print(f"\n[bold]{name}[/]")
+        console.print(table.round(3).to_string(index=False), markup=False, highlight=False)
+    if "optuna_best" in out:
+        console.print(f"\nOptuna over the simulator: {out['optuna_best']}")
+
+
+def calibrate(world: int = typer.Option(2, help="Ranks for the collective sweep"),
+              max_mb: float = typer.Option(64.0, help="Largest all-reduce message, MB"),
+              output: Optional[Path] = typer.Option(None, "-o", "--output", help="Profile file (default: <home>/hardware/cpu-local.yaml)"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Measure this machine (GEMM rate by size, all-reduce alpha-beta) into a hardware profile."""
+    import psutil
+
+    from profilers.collectives import bus_factor, spawn_commbench, sweep_sizes
+    from profilers.store import default_home
+    from tuning.hardware import cluster_to_dict, cpu_profile, fit_alpha_beta, measure_gemm_rates, save_cluster
+
+    gemm = measure_gemm_rates([32, 64, 128, 256, 512, 1024])
+    rows = [r for r in spawn_commbench(world, ["all_reduce"], sweep_sizes(max_bytes=int(max_mb * 2**20)), 5)
+            if r["op"] == "all_reduce"]
+    alpha, beta = fit_alpha_beta([r["bytes"] for r in rows], [r["time_s"] for r in rows],
+                                 bus_factor("all_reduce", world))
+    spec = cpu_profile(name="cpu-local", gemm_points=gemm, intra=(alpha, beta), gpus_per_node=world,
+                       memory_gb=psutil.virtual_memory().total / 2**30 / world)
+    path = save_cluster(spec, output or default_home() / "hardware" / "cpu-local.yaml")
+    data = cluster_to_dict(spec)
+    if as_json:
+        _print_json({"profile": str(path), **data})
+        return
+    console.print(f"GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s; all-reduce alpha {alpha * 1e6:.0f} us, "
+                  f"busbw {beta:.2f} GB/s; profile written to {path}")
+    console.print(f"use it: workbench simulate --cluster {path} ...")

@@ -1,0 +1,238 @@
+"""`workbench tune`, `studies` and `export`: Optuna studies over real runs, from the shell."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from engine.errors import ConfigError
+from workbench.cli import _print_json, console, fail
+
+
+def _base_config(base: Optional[Path], overrides: list[str]):
+    from engine.config import load_config
+
+    return load_config(base, overrides)
+
+
+def _space_watcher(path: Path, objective) -> Any:
+    """Re-read the space between trials when its file changed ("tune live" from the dashboard)."""
+    from tuning.space import SearchSpace
+
+    state = {"mtime": path.stat().st_mtime}
+
+    def reload() -> None:
+        mtime = path.stat().st_mtime
+        if mtime != state["mtime"]:
+            state["mtime"] = mtime
+            try:
+                objective.space = SearchSpace.from_yaml(path)
+                console.print(f"search space reloaded from {path}")
+            except ConfigError as exc:
+                console.print(f"[yellow]space edit ignored:[/] {exc}")
+
+    return reload
+
+
+def _wait_while_paused(study) -> None:
+    while study.user_attrs.get("paused", False):  # read from the storage each time
+        time.sleep(1.0)
+
+
+def tune(space: Path = typer.Argument(..., help="Search space YAML"),
+         trials: int = typer.Option(10, "--trials", help="Trials this command runs (split over --jobs)"),
+         base: Optional[Path] = typer.Option(None, help="Base run config YAML the space modifies"),
+         set_: list[str] = typer.Option([], "--set", help="Override a base config key"),
+         storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the home)"),
+         study: Optional[str] = typer.Option(None, help="Study name (same name on every worker)"),
+         timeout: Optional[float] = typer.Option(None, help="Stop starting trials after this many seconds"),
+         jobs: int = typer.Option(1, help="Worker processes on this machine"),
+         sampler: str = typer.Option("tpe", help="tpe | cmaes | random | grid"),
+         seed: Optional[int] = typer.Option(None, help="Sampler seed (reproducible studies)"),
+         pruner: str = typer.Option("median", help="median | hyperband | none"),
+         objective: str = typer.Option("throughput", help="throughput | throughput+val_loss"),
+         warmup: int = typer.Option(1, help="Steps skipped before measuring"),
+         memory_limit_gb: Optional[float] = typer.Option(None, help="Per-rank memory limit (estimated)"),
+         trial_timeout: float = typer.Option(600.0, help="A trial running longer fails as 'timeout'"),
+         remeasure: int = typer.Option(0, help="Re-run the best K configs before naming the winner"),
+         live: bool = typer.Option(False, help="Tune live knobs inside one run, a segment per trial"),
+         segment_steps: int = typer.Option(5, help="Steps per live segment"),
+         simulate_warm_start: int = typer.Option(0, "--warm-start", help="Enqueue the simulator's top K configs"),
+         as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end")) -> None:
+    """Search the engine's knobs with real runs (Optuna)."""
+    from tuning.objective import Objective
+    from tuning.space import SearchSpace
+    from tuning.study import SAMPLERS, enqueue_grid, load_study, remeasure_best, run_trials, summarize
+
+    if sampler not in SAMPLERS:
+        fail(f"--sampler={sampler!r}: must be one of {', '.join(SAMPLERS)}")
+    if trials < 1 or jobs < 1:
+        fail(f"--trials={trials} and --jobs={jobs} must be >= 1")
+    try:
+        sp = SearchSpace.from_yaml(space)
+        cfg = _base_config(base, set_)
+    except ConfigError as exc:
+        fail(str(exc))
+    name = study or f"study-{space.stem}"
+    st = load_study(name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
+                    warmup_steps=warmup)
+    st.set_user_attr("space", sp.raw)
+    if sampler == "grid":
+        enqueue_grid(st, sp)
+    if simulate_warm_start:
+        from tuning.warmstart import enqueue_simulated
+
+        enqueue_simulated(st, sp, cfg, top=simulate_warm_start)
+    if live:
+        from tuning.live import LiveTuner
+
+        try:
+            result = LiveTuner(st, sp, cfg, segments=trials, segment_steps=segment_steps).run()
+        except ConfigError as exc:
+            fail(str(exc))
+        console.print(f"live run {result.run_id}: {result.status}") if not as_json else None
+    else:
+        obj = Objective(cfg, sp, objective=objective, warmup_steps=warmup, memory_limit_gb=memory_limit_gb,
+                        trial_timeout_s=trial_timeout)
+        children = _spawn_jobs(sys.argv, trials, jobs)
+        mine = trials // jobs + (1 if trials % jobs else 0)
+        _run_with_display(st, obj, mine, timeout, space, as_json)
+        for child in children:
+            child.wait()
+        if remeasure:
+            remeasure_best(st, obj, remeasure)
+    summary = summarize(st, storage or "default sqlite")
+    if as_json:
+        _print_json(summary.to_dict())
+    else:
+        _print_study_table(st, summary)
+
+
+def _spawn_jobs(argv: list[str], trials: int, jobs: int) -> list[subprocess.Popen]:
+    """Extra workers on this machine: the same command with --jobs 1 and their share of trials."""
+    if jobs == 1:
+        return []
+    shares = [trials // jobs + (1 if i < trials % jobs else 0) for i in range(jobs)][1:]
+    args = list(argv[1:])
+    for flag in ("--jobs", "--trials"):
+        while flag in args:
+            i = args.index(flag)
+            del args[i:i + 2]
+    return [subprocess.Popen([sys.executable, "-m", "workbench.cli", *args, "--jobs", "1", "--trials", str(n)],
+                             stdout=subprocess.DEVNULL, env=os.environ.copy()) for n in shares if n > 0]
+
+
+def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, quiet: bool) -> None:
+    from rich.live import Live
+
+    from tuning.study import run_trials
+
+    state: dict[str, Any] = {"done": 0, "current": "-", "best": None, "PRUNED": 0, "FAIL": 0}
+
+    def render() -> Table:
+        t = Table(title=f"study {st.study_name}")
+        for col in ("trial", "current trial", "best tokens/s", "pruned", "failed"):
+            t.add_column(col)
+        best = "-" if state["best"] is None else f"{state['best']:,.0f}"
+        t.add_row(f"{state['done']}/{n}", str(state["current"]), best, str(state["PRUNED"]), str(state["FAIL"]))
+        return t
+
+    def on_event(kind: str, data: dict[str, Any]) -> None:
+        if kind == "trial_start":
+            state["current"] = f"#{data['number']} {data['params']}"
+        else:
+            state["done"] += 1
+            if data["state"] in ("PRUNED", "FAIL"):
+                state[data["state"]] += 1
+            elif data["values"]:
+                state["best"] = max(state["best"] or 0, data["values"][0])
+            state["current"] = f"#{data['number']} {data['state']}" + (f" ({data['reason']})" if data["reason"] else "")
+        if live is not None:
+            live.update(render())
+
+    live = None if quiet else Live(render(), console=console, refresh_per_second=4)
+    reload = _space_watcher(space, obj)
+
+    def before() -> None:
+        _wait_while_paused(st)
+        reload()
+
+    if live is None:
+        run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
+        return
+    with live:
+        run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
+
+
+def _print_study_table(st, summary) -> None:
+    t = Table(title=f"study {st.study_name}: {summary.counts}")
+    for col in ("trial", "state", "values", "params", "reason"):
+        t.add_column(col)
+    for tr in st.get_trials(deepcopy=False):
+        vals = ", ".join(f"{v:,.1f}" for v in tr.values) if tr.values else "-"
+        t.add_row(str(tr.number), tr.state.name, vals, json.dumps(tr.params), str(tr.user_attrs.get("reason", "")))
+    console.print(t)
+    if summary.best_trial is not None:
+        console.print(f"best: trial {summary.best_trial} = {summary.best_value:,.1f} tokens/s; "
+                      f"export with `workbench export {st.study_name}`")
+
+
+def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the studies in a storage."""
+    from tuning.study import list_studies
+
+    rows = list_studies(storage)
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        console.print("No studies yet: try `workbench tune examples/space.yaml --base examples/tiny.yaml --trials 4`.")
+        return
+    t = Table(title="studies")
+    for col in ("study", "trials", "complete", "pruned", "failed", "best"):
+        t.add_column(col)
+    for r in rows:
+        s = r["states"]
+        t.add_row(r["name"], str(r["n_trials"]), str(s["COMPLETE"]), str(s["PRUNED"]), str(s["FAIL"]),
+                  str(r["best_values"]))
+    console.print(t)
+
+
+def export(study: str = typer.Argument(..., help="Study name"),
+           fmt: str = typer.Option("yaml", "--format", help="yaml | torchrun | json | megatron | deepspeed"),
+           trial: Optional[int] = typer.Option(None, help="Trial number (default: the best)"),
+           pareto: bool = typer.Option(False, help="Every trial of the Pareto front"),
+           storage: Optional[str] = typer.Option(None, help="Optuna storage URL"),
+           output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout")) -> None:
+    """Export a study's best config (or a chosen trial, or the Pareto front)."""
+    import optuna
+
+    from tuning.export import FORMATS, export_pareto, export_trial
+    from tuning.study import make_storage
+
+    if fmt not in FORMATS:
+        fail(f"--format={fmt!r}: must be one of {', '.join(FORMATS)}")
+    try:
+        st = optuna.load_study(study_name=study, storage=make_storage(storage))
+    except KeyError:
+        fail(f"study={study!r}: no such study; see `workbench studies`")
+    try:
+        if pareto:
+            text = "".join(f"# trial {n}\n{body}\n" for n, body in export_pareto(st, fmt).items())
+        else:
+            text = export_trial(st, trial, fmt)
+    except ValueError as exc:
+        fail(str(exc))
+    if output:
+        output.write_text(text)
+        console.print(f"wrote {output}")
+    else:
+        sys.stdout.write(text)
