@@ -8,19 +8,17 @@ and the ratio of medians is printed. The engine runs as users run it: profilers 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import run_world, timed  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from engine.config import load_config  # noqa: E402
@@ -49,44 +47,32 @@ def minimal_step(model, opt, x, y, micro: int) -> float:
     return total
 
 
-def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+def measure(rank: int, world: int, args) -> dict:
+    """Interleaved blocks: engine steps, then hand-written steps, `rounds` times (round 0 warms up)."""
     from engine.train import Trainer
     from profilers.telemetry import TelemetryClient
 
     cfg = load_config(None, OVERRIDES + [f"parallel.dp={world}", f"batch.global={args.global_batch}",
                                          f"train.steps={10**6}"])
-    client = TelemetryClient(None, "bench", rank, store_path=Path(out).parent / "runs.db")
-    engine = Trainer(cfg, device=torch.device("cpu"), emit=client.emit)
+    client = TelemetryClient(None, "bench", rank, store_path=Path(args.tmp) / "runs.db")
+    engine = Trainer(cfg, device=torch.device("cpu"), emit=client.emit, flush=client.flush)
     model = DistributedDataParallel(build_model(cfg.model, seed=0), bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                                     gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
     splits = build_splits(cfg.data, cfg.model, seed=0)
     eng_times, min_times, step = [], [], 0
-    for rnd in range(args.rounds + 1):  # round 0 is warm-up for both
+    for rnd in range(args.rounds + 1):
         for _ in range(args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            engine.train_step(step)
-            if rnd:
-                eng_times.append(time.perf_counter() - t0)
+            t = timed(lambda: engine._record(engine.train_step(step)) or engine.flush())
+            eng_times += [t] if rnd else []
             step += 1
         for _ in range(args.steps):
             x, y = local_batch(splits.train, global_batch=cfg.batch.global_, dp=world, dp_rank=rank, seed=0, step=step)
-            dist.barrier()
-            t0 = time.perf_counter()
-            minimal_step(model, opt, x, y, cfg.batch.micro)
-            if rnd:
-                min_times.append(time.perf_counter() - t0)
+            t = timed(lambda: minimal_step(model, opt, x, y, cfg.batch.micro))
+            min_times += [t] if rnd else []
             step += 1
     client.close()
-    if rank == 0:
-        Path(out).write_text(f"{statistics.median(eng_times)} {statistics.median(min_times)} {len(eng_times)}")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    return {"engine": statistics.median(eng_times), "minimal": statistics.median(min_times), "n": len(eng_times)}
 
 
 def main() -> None:
@@ -96,20 +82,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=32)
     args = ap.parse_args()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.txt")
-        mp.start_processes(rank_main, args=(args.world, port, args, out), nprocs=args.world, start_method="spawn")
-        eng, mini, n = Path(out).read_text().split()
-    eng, mini = float(eng), float(mini)
-    print(f"world={args.world} global_batch={args.global_batch} steps measured per side={n} (interleaved rounds)")
-    print(f"engine DP step (median):  {eng * 1000:8.1f} ms")
-    print(f"minimal DDP step (median): {mini * 1000:8.1f} ms")
-    print(f"ratio engine/minimal: {eng / mini:.3f}  (target <= 1.03)")
+        args.tmp = tmp
+        r = run_world(measure, args.world, args)
+    print(f"world={args.world} global_batch={args.global_batch} steps measured per side={r['n']} "
+          f"(interleaved rounds of {args.steps}, medians; load avg {os.getloadavg()[0]:.1f})")
+    print(f"engine DP step (telemetry on): {r['engine'] * 1000:8.1f} ms")
+    print(f"minimal DDP step:              {r['minimal'] * 1000:8.1f} ms")
+    print(f"ratio engine/minimal: {r['engine'] / r['minimal']:.3f}  (target <= 1.03)")
 
 
 if __name__ == "__main__":

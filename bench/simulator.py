@@ -4,10 +4,14 @@ Run: `python bench/simulator.py`. Parts:
 - `print_search_speed()`: configurations of a 1T-parameter GPT on 3,072 GPUs evaluated by the
   vectorised enumeration, and the time it took (target: >= 10,000 configs in <= 60 s, 2 cores).
 - `print_published_comparison()`: simulated vs published TFLOP/s per GPU (Narayanan et al. 2021).
-The simulated-vs-measured table for this machine is a separate part (added by the lead).
+- `print_measured_comparison()`: calibrates this machine (micro-benchmarks only), launches the
+  engine's validation configs (1, 2 and 4 ranks, 2 interleaved rounds) and prints simulated vs
+  measured step time with the median and max |error| (docs/simulator.md, "Validation on this
+  machine"). Takes several minutes on 2 cores.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -57,11 +61,34 @@ def print_published_comparison() -> pd.DataFrame:
     return table
 
 
+def print_measured_comparison(*, rounds: int = 2) -> pd.DataFrame:
+    """Print the simulated-vs-measured step-time table of the engine on this machine."""
+    from tuning.calibration import compare_measured
+
+    start_load = os.getloadavg()
+    table = compare_measured(rounds=rounds, on_row=lambda row: print(json.dumps(row), flush=True))
+    host = table.attrs["host"]
+    print(f"calibration: load1 {host.load1:.1f}, cpus {host.cpus}, non-GEMM {host.nongemm_gb_s:.2f} GB/s, "
+          f"AdamW {host.optimizer_gb_s:.2f} GB/s, overheads "
+          + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in host.overheads.items()))
+    for world, spec in table.attrs["clusters"].items():
+        print(f"  world {world}: GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s per rank, all-reduce "
+              f"alpha {spec.intra_latency_s * 1e3:.2f} ms, busbw {spec.intra_bw_gb_s:.2f} GB/s")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table.round({"measured_s": 4, "simulated_s": 4, "error_pct": 1, "load1": 1}).to_string(index=False))
+    errors = table["error_pct"].abs()
+    print(f"{len(table)} configs: median |error| {errors.median():.1f}%, max {errors.max():.1f}% "
+          f"(target median <= 15%); load1 at start {start_load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    return table
+
+
 def main() -> None:
     """Run every part of the simulator benchmark."""
     print_search_speed()
     print()
     print_published_comparison()
+    print()
+    print_measured_comparison()
 
 
 if __name__ == "__main__":

@@ -24,12 +24,15 @@ Emit = Callable[[int, str, str, float], None]
 
 
 class CommMonitor:
-    """Per-step accounting of a DDP model's bucket all-reduces (bytes, wire bytes, timing)."""
+    """Per-step accounting of a DDP model's gradient buckets: when the last one was launched
+    (for exposed communication) and the dense vs wire bytes. Timing of the collectives
+    themselves is the CollectiveProfiler's (profilers/collectives.py)."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.last_launch = 0.0
-        self.buckets: list[tuple[int, float, float]] = []  # (dense bytes, launch, done)
+        self.buckets = 0
+        self.bucket_bytes = 0
         self.wire_bytes = 0
         self.dense_bytes = 0
         self.total_wire = 0
@@ -39,83 +42,88 @@ class CommMonitor:
 
     def begin_backward(self) -> None:
         self.last_launch = time.perf_counter()
+        self.buckets = 0
 
     def exposed_tail(self) -> float:
         """Seconds backward() kept running after the last bucket was launched."""
-        if not self.buckets:
-            return 0.0
-        return max(0.0, time.perf_counter() - self.last_launch)
+        return max(0.0, time.perf_counter() - self.last_launch) if self.buckets else 0.0
 
     def on_bytes(self, wire: int, dense: int) -> None:
         self.wire_bytes += wire
         self.dense_bytes += dense
 
-    def wrap(self, hook: Callable) -> Callable:
-        """A DDP comm hook that times `hook` from launch to completion of its future."""
+    def track(self, hook: Callable) -> Callable:
+        """Wrap a DDP comm hook to note each bucket's launch."""
 
-        def recording_hook(state, bucket):  # no annotations: DDP rejects a string-typed `bucket`
-            launch = time.perf_counter()
-            self.last_launch = launch
-            nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
-            fut = hook(state, bucket)
+        def tracking_hook(state, bucket):  # no annotations: DDP rejects a string-typed `bucket`
+            self.last_launch = time.perf_counter()
+            self.buckets += 1
+            self.bucket_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+            return hook(state, bucket)
 
-            def done(f: torch.futures.Future) -> torch.Tensor:
-                self.buckets.append((nbytes, launch, time.perf_counter()))
-                return f.value()
-
-            return fut.then(done)
-
-        return recording_hook
+        return tracking_hook
 
     def record(self, step: int, emit: Emit) -> None:
-        """Emit this step's totals and reset."""
-        from profilers.collectives import busbw
-
-        if self.buckets:
-            nbytes = sum(b for b, _, _ in self.buckets)
-            busy = sum(end - start for _, start, end in self.buckets)
-            emit(step, "comm", "all_reduce/bytes", float(nbytes))
-            emit(step, "comm", "all_reduce/count", float(len(self.buckets)))
-            emit(step, "comm", "all_reduce/time(s)", busy)
-            if busy > 0:
-                emit(step, "comm", "all_reduce/busbw(GB/s)", busbw("all_reduce", nbytes, busy, self.group_size))
-        dense = self.dense_bytes or sum(b for b, _, _ in self.buckets)
-        wire = self.wire_bytes or dense
+        """Emit this step's dense and wire bytes and reset."""
+        dense = self.dense_bytes or self.bucket_bytes
+        wire = self.wire_bytes if self.dense_bytes else dense
         self.total_wire += wire
         self.total_dense += dense
         emit(step, "comm", "wire_bytes", float(wire))
         emit(step, "comm", "dense_bytes", float(dense))
-        self.buckets.clear()
-        self.wire_bytes = self.dense_bytes = 0
+        self.bucket_bytes = self.wire_bytes = self.dense_bytes = 0
 
 
 def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any]:
-    """Register compression + link emulation + recording as one comm hook on a DDP module."""
+    """Register compression + link emulation + bucket tracking (+ recording) as one DDP comm hook."""
     cfg: RunConfig = trainer.cfg
     n = dist.get_world_size(group)
     monitor = CommMonitor(n)
-    state, hook = _compression_hook(cfg, group, monitor)
+    state, hook = _compression_hook(cfg, ddp, group, monitor)
     if cfg.link.gbps > 0:
         from engine.comm.link import LinkEmulator
 
-        monitor.link = LinkEmulator(cfg.link.gbps, cfg.link.latency_us)
-        hook = monitor.link.wrap_hook(hook)
+        monitor.link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
+        # the cost reads monitor.link at each bucket, so a live tuner can change the link
+        hook = monitor.link.wrap_hook(hook, group_size=n, cost=_link_cost(monitor, n))
     if cfg.profile.enabled or cfg.comm.compressor != "none" or cfg.link.gbps > 0:
-        ddp.register_comm_hook(state, monitor.wrap(hook))
-    trainer.comm = monitor
+        hook = monitor.track(hook)
+        if trainer.collectives.enabled:
+            hook = trainer.collectives.wrap_comm_hook(hook)
+        ddp.register_comm_hook(state, hook)
+        trainer.comm = monitor
     return {"monitor": monitor, "compressor": state}
 
 
-def _compression_hook(cfg: RunConfig, group, monitor: CommMonitor) -> tuple[Any, Callable]:
+def _link_cost(monitor: CommMonitor, n: int) -> Callable[[Any, dist.GradBucket], float]:
+    """Seconds a bucket spends on the emulated link: its real wire bytes when compressed."""
+
+    def cost(state: Any, bucket: dist.GradBucket) -> float:
+        link = monitor.link
+        if link is None:
+            return 0.0
+        last = getattr(state, "last_cost", {}).get(bucket.index())
+        if last is not None:  # a compressor's (wire bytes, collectives) of this bucket
+            return link.wire_delay(*last)
+        buf = bucket.buffer()
+        dense = buf.numel() * 4  # fp32 gradients
+        ratio = state.wire_bytes / state.dense_bytes if getattr(state, "dense_bytes", 0) else 1.0
+        return link.delay_for("all_reduce", dense * ratio, n)
+
+    return cost
+
+
+def _compression_hook(cfg: RunConfig, ddp: torch.nn.Module, group, monitor: CommMonitor) -> tuple[Any, Callable]:
     c = cfg.comm
     if c.compressor == "none":
         return group, default_hooks.allreduce_hook
     if c.adaptive:
-        from engine.comm.adaptive import make_adaptive_hook
+        from engine.comm.adaptive import AdaptiveCompressor, adaptive_hook
 
-        state, hook = make_adaptive_hook(c.compressor, process_group=group, density=c.density, rank=c.rank,
-                                         error_budget=c.error_budget, interval=c.adaptive_interval,
-                                         seed=cfg.train.seed, on_bytes=monitor.on_bytes)
+        state: Any = AdaptiveCompressor(ddp.module.named_parameters(), process_group=group,
+                                        default_level=c.density, error_budget=c.error_budget,
+                                        interval=c.adaptive_interval, on_bytes=monitor.on_bytes)
+        hook: Callable = adaptive_hook
     else:
         from engine.comm.compress import make_comm_hook
 
@@ -144,12 +152,11 @@ def install_co2(trainer: Trainer, par: Parallelized) -> None:
 
     o = cfg.co2
     monitor = CommMonitor(trainer.dims.dp)
-    trainer.comm = None  # CO2 does no per-step backward communication
+    trainer.comm = monitor  # no backward communication under CO2: only its wire bytes are counted
     trainer.co2 = CO2(par.modules[0], par.optimizer, process_group=trainer.mesh["dp"].get_group(), tau=o.tau,
                       outer_lr=o.outer_lr, outer_momentum=o.outer_momentum, clip=o.clip,
                       staleness_penalty=o.staleness_penalty, on_bytes=monitor.on_bytes,
                       link=_link_of(cfg))
-    trainer.co2_monitor = monitor
 
 
 def _link_of(cfg: RunConfig):
@@ -157,7 +164,7 @@ def _link_of(cfg: RunConfig):
         return None
     from engine.comm.link import LinkEmulator
 
-    return LinkEmulator(cfg.link.gbps, cfg.link.latency_us)
+    return LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
 
 
 LIVE_KNOBS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps", "link.latency_us",
@@ -177,8 +184,13 @@ def apply_live_knobs(trainer: Trainer, knobs: dict[str, Any]) -> None:
     if monitor is not None and monitor.compressor_state is not None and hasattr(monitor.compressor_state, "set_level"):
         monitor.compressor_state.set_level(density=cfg.comm.density, rank=cfg.comm.rank)
     if monitor is not None and monitor.link is not None:
-        monitor.link.set(cfg.link.gbps, cfg.link.latency_us)
+        from engine.comm.link import LinkEmulator
+
+        monitor.link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us) if cfg.link.gbps > 0 else None
     if trainer.co2 is not None:
         trainer.co2.set_knobs(tau=cfg.co2.tau, outer_lr=cfg.co2.outer_lr)
+    adaptive = getattr(monitor, "compressor_state", None)
+    if adaptive is not None and hasattr(adaptive, "chosen_levels"):
+        adaptive.default_level = cfg.comm.density
     for name, value in knobs.items():
-        trainer.emit(trainer.current_step if hasattr(trainer, "current_step") else -1, "knob", name, float(value))
+        trainer.emit(getattr(trainer, "current_step", -1), "knob", name, float(value))

@@ -93,23 +93,48 @@ def _die_with_parent() -> None:
 _EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
 
 
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
+_PEER_ERRORS = ("Terminated: terminated by the launcher", "Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
                 "Socket Timeout", "NCCL communicator was aborted")
 
 
+_TIMEOUT_ERRORS = ("Timed out", "timed out")
+
+
+def _hung_rank(errors: list[dict[str, Any]], log: str) -> RankFailure | None:
+    """A hang: some ranks timed out waiting in a collective, and a rank that reported nothing of its
+    own was stopped by the launcher afterwards; that silent rank is the root cause."""
+    waited = [e for e in errors if any(p in e["reason"] for p in _TIMEOUT_ERRORS)]
+    if not waited:
+        return None
+    reported = {e["rank"] for e in errors}
+    stopped = {e["rank"] for e in errors if e["reason"].startswith("Terminated:")}
+    stopped |= {int(m.group(1)) for m in _EXIT_RE.finditer(log)
+                if int(m.group(1)) not in reported and int(m.group(2)) == -signal.SIGTERM}
+    stopped -= {e["rank"] for e in waited}
+    if not stopped:
+        return None
+    first, rank = min(waited, key=lambda e: e["time"]), min(stopped)
+    where = next((e["traceback"] for e in errors if e["rank"] == rank), "")  # where it was stuck
+    return RankFailure(rank, f"hung: rank {first['rank']} timed out waiting for it in a collective "
+                       f"({first['reason'].splitlines()[0][-160:]}); the launcher stopped it", where)
+
+
 def _first_failure(run_dir: Path, log: str) -> RankFailure:
-    """The root cause: a rank's own error first, then a rank killed by a signal (from torchrun's
-    report), then errors that only echo a dead peer; earliest first within each."""
+    """The root cause: a rank's own error first, then a hung rank, then a rank killed by a signal (from
+    torchrun's report), then errors that only echo a dead or hung peer; earliest first within each."""
     errors = []
     for path in run_dir.glob("error-rank*.json"):
         try:
             errors.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
-    own = [e for e in errors if not any(p in e["reason"] for p in _PEER_ERRORS)]
+    own = [e for e in errors if not any(p in e["reason"] for p in _PEER_ERRORS + _TIMEOUT_ERRORS)]
     if own:
         first = min(own, key=lambda e: e["time"])
         return RankFailure(first["rank"], first["reason"], first["traceback"])
+    hung = _hung_rank(errors, log)
+    if hung is not None:
+        return hung
     for m in _EXIT_RE.finditer(log):
         code = int(m.group(2))
         if code < 0:
@@ -208,6 +233,9 @@ def _result(store, run_id: str, status: str, cfg: RunConfig, run_dir: Path, star
     summary.update(store.wire_totals(run_id))
     for rec in store.metrics(run_id, kind="eval", name="val_loss", rank=0):
         summary["val_loss"] = rec.value
+    traces = sorted(str(p) for p in (run_dir / "traces").glob("*.json*"))
+    if traces:
+        summary["traces"] = traces
     return RunResult(run_id=run_id, status=status, world_size=cfg.world_size, run_dir=run_dir, steps=ordered,
                      error=str(failure) if failure else None, error_rank=failure.rank if failure else None,
                      wall_s=time.time() - started, summary=summary)

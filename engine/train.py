@@ -23,6 +23,7 @@ from engine.device import peak_flops
 from engine.mesh import ParallelDims
 from engine.model import build_model, flops_per_token, loss_fn
 from engine.parallelize import Parallelized, parallelize
+from profilers.collectives import CollectiveProfiler
 from profilers.steps import StepTimer
 
 Emit = Callable[[int, str, str, float], None]
@@ -57,9 +58,11 @@ class Trainer:
     """One rank's training. Needs an initialised process group when world_size > 1."""
 
     def __init__(self, cfg: RunConfig, *, device: torch.device, emit: Emit | None = None,
-                 run_dir: Path | None = None) -> None:
+                 flush: Callable[[], object] | None = None, run_dir: Path | None = None) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
         self.emit: Emit = emit or (lambda *a: None)
+        # called after each step's records: a killed rank loses no completed step
+        self.flush: Callable[[], object] = flush or (lambda: None)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
                                  dist.get_world_size() if dist.is_initialized() else 1)
@@ -68,6 +71,8 @@ class Trainer:
         self.start_step = 0
         self.timer = StepTimer(device, enabled=cfg.profile.enabled)
         self.comm = None  # set by the comm hook factory
+        # records every torch.distributed collective (and DDP buckets) once enabled
+        self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
         self.par: Parallelized = self._build()
         self.splits: Splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
         self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
@@ -165,6 +170,8 @@ class Trainer:
             par.after_backward()
             grad_norm = self._clip()
             par.optimizer.step()
+            if step == self.start_step and self.cfg.profile.enabled:
+                self._record_memory_accounting(step)  # after the step: grads and optimizer state exist
             par.optimizer.zero_grad(set_to_none=True)
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
@@ -175,6 +182,20 @@ class Trainer:
         mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) if self.peak else None
         return StepMetrics(step=step, loss=loss, step_time_s=step_time, tokens_per_s=tps, lr=lr,
                            grad_norm=grad_norm, mfu=mfu, breakdown=breakdown)
+
+    def _record_memory_accounting(self, step: int) -> None:
+        """Measured model-state bytes of this rank next to the analytic estimate (GiB)."""
+        from engine.memory import estimate_memory, measure_model_state
+
+        measured: dict[str, float] = {}
+        for i, module in enumerate(self.par.modules):
+            for key, value in measure_model_state(module, self.par.optimizer if i == 0 else None).items():
+                measured[key] = measured.get(key, 0.0) + value
+        estimate = estimate_memory(self.cfg, pp_rank=self.coords["pp"])
+        for key, value in measured.items():
+            self.emit(step, "memory", f"{key}(GiB)", value / 2**30)
+        for key, value in estimate.items():
+            self.emit(step, "memory", f"estimate_{key}(GiB)", value / 2**30)
 
     def _clip(self) -> float:
         from engine.parallel.data import clip_grad_norm
@@ -212,13 +233,33 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def run(self, on_boundary: Callable[["Trainer", int], None] | None = None) -> Iterator[StepMetrics]:
         c = self.cfg
+        trace = None
+        if c.profile.trace_steps:
+            from profilers.trace import TraceWindow
+
+            a, b = c.profile.trace_steps
+            trace = TraceWindow(a, b, (self.run_dir or Path(".")) / "traces", self.rank)
+        try:
+            yield from self._loop(on_boundary, trace)
+            if self.co2 is not None:
+                self.co2.flush()  # apply the last outer round, still in flight
+        finally:
+            if trace is not None:
+                trace.close()
+            self.collectives.disable()
+
+    def _loop(self, on_boundary, trace) -> Iterator[StepMetrics]:
+        c = self.cfg
         for step in range(self.start_step, c.train.steps):
             if on_boundary is not None:
                 on_boundary(self, step)
+            if trace is not None:
+                trace.step(step)
             m = self.train_step(step)
             if c.train.eval_interval and ((step + 1) % c.train.eval_interval == 0 or step + 1 == c.train.steps):
                 m.val_loss = self.evaluate()
             self._record(m)
+            self.flush()
             if c.train.checkpoint_interval and (step + 1) % c.train.checkpoint_interval == 0:
                 ckpt.save(self, step + 1, self._checkpoint_dir())
             yield m
@@ -241,6 +282,10 @@ class Trainer:
             e(s, "breakdown", f"{phase}(s)", seconds)
         if self.comm is not None:
             self.comm.record(s, e)
+        if self.collectives.enabled:
+            for name, value in self.collectives.step_metrics().items():
+                if name not in ("wire_bytes", "dense_bytes"):  # the CommMonitor's, per step
+                    e(s, "comm", name, value)
         if self.cfg.profile.enabled:
             from profilers.memory import peak_memory
 

@@ -5,6 +5,7 @@ exists). `validate()` raises them all at once so a user fixes a config in one pa
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from engine.config import RunConfig
 
 MAX_WORLD_SIZE = 65536
+MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout) overflows far above this
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -31,7 +33,9 @@ def _try(n: int) -> str:
 
 
 def _positive(field: str, value: float, *, allow_zero: bool = False) -> Iterator[ConfigError]:
-    if value < 0 or (value == 0 and not allow_zero):
+    if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
+        yield ConfigError(field, value, "must be a finite number")
+    elif value < 0 or (value == 0 and not allow_zero):
         yield ConfigError(field, value, "must be >= 0" if allow_zero else "must be > 0")
 
 
@@ -135,6 +139,8 @@ def _train_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _positive("train.steps", t.steps)
     yield from _positive("train.lr", t.lr)
     yield from _positive("train.timeout_s", t.timeout_s)
+    if math.isfinite(t.timeout_s) and t.timeout_s > MAX_TIMEOUT_S:
+        yield ConfigError("train.timeout_s", t.timeout_s, f"must be <= {MAX_TIMEOUT_S} (one year)")
     for name in ("seed", "warmup_steps", "weight_decay", "grad_clip", "eval_interval", "checkpoint_interval"):
         yield from _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     yield from _positive("train.eval_batches", t.eval_batches)
@@ -154,8 +160,8 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _positive("comm.rank", c.rank)
     yield from _positive("comm.error_budget", c.error_budget)
     yield from _positive("comm.adaptive_interval", c.adaptive_interval)
-    if c.adaptive and c.compressor not in ("topk", "powersgd"):
-        yield ConfigError("comm.adaptive", True, "needs comm.compressor=topk or powersgd")
+    if c.adaptive and c.compressor != "topk":
+        yield ConfigError("comm.adaptive", True, "needs comm.compressor=topk (L-GreCo over Top-k densities)")
     if c.compressor != "none" and (p.tp > 1 or p.pp > 1):
         yield ConfigError("comm.compressor", c.compressor, "needs parallel.tp=1 and parallel.pp=1 "
                           "(compressors are DDP comm hooks; DP over TP/PP does not use DDP)")

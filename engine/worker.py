@@ -9,6 +9,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -75,12 +76,21 @@ def _samplers(cfg, client, local_rank: int) -> list:
     return out
 
 
+class Terminated(Exception):
+    """The launcher stopped this rank (SIGTERM), usually because another rank failed."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated("terminated by the launcher (SIGTERM)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="engine.worker")
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    signal.signal(signal.SIGTERM, _on_sigterm)  # unwind through `finally`: telemetry is flushed
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     external = not os.environ.get("WORKBENCH_TELEMETRY")
     run_id = os.environ.get("WORKBENCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.live import KnobChannel, StopRun
 
         fault = from_env()
-        trainer = Trainer(cfg, device=device, emit=client.emit, run_dir=run_dir)
+        trainer = Trainer(cfg, device=device, emit=client.emit, flush=client.flush, run_dir=run_dir)
         channel = KnobChannel(run_dir, cfg.live.every, cfg.live.wait_s) if cfg.live.every else None
 
         def boundary(t, step: int) -> None:

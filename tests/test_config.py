@@ -69,7 +69,7 @@ RULES = [
     (["comm.rank=0"], "comm.rank", r"must be > 0"),
     (["comm.error_budget=0"], "comm.error_budget", r"must be > 0"),
     (["comm.adaptive_interval=0"], "comm.adaptive_interval", r"must be > 0"),
-    (["comm.adaptive=true", "comm.compressor=fp16"], "comm.adaptive", r"needs comm.compressor=topk or powersgd"),
+    (["comm.adaptive=true", "comm.compressor=fp16"], "comm.adaptive", r"needs comm.compressor=topk \(L-GreCo"),
     (["comm.compressor=topk", "parallel.zero=2"], "comm.compressor", r"needs parallel.zero=0"),
     (["comm.compressor=fp16", "parallel.tp=2"], "comm.compressor", r"needs parallel.tp=1 and parallel.pp=1"),
     (["parallel.zero=1", "parallel.pp=2", "batch.global=16"], "parallel.zero", r"use ZeRO stage 2 or 3"),

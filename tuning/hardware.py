@@ -54,6 +54,12 @@ class ClusterSpec:
     gemm_half_flops: float = 1e9  # GEMM size (FLOPs) reaching half of the max efficiency
     gemm_table: tuple[tuple[float, float], ...] = ()  # measured (GEMM FLOPs, FLOP/s); overrides the curve
     usable_memory_fraction: float = 0.95  # share of memory_gb usable (context, allocator slack)
+    # Host-side framework time, measured on CPU hosts (tuning/calibration.py); 0 on GPU presets,
+    # where kernels are launched asynchronously and this time hides behind device work.
+    overhead_layer_s: float = 0.0  # per transformer layer and micro-batch, forward + backward, s
+    overhead_microbatch_s: float = 0.0  # per micro-batch besides the layers (embedding, loss), s
+    overhead_step_s: float = 0.0  # per optimizer step (clip, zero_grad, loss sync, data), s
+    optimizer_gb_s: float = 0.0  # effective bandwidth of the optimizer step, GB/s; 0 = hbm_gb_s
 
     @property
     def total_gpus(self) -> int | None:
@@ -211,19 +217,22 @@ def save_cluster(spec: ClusterSpec, path: str | Path) -> Path:
 # ---------------------------------------------------------------- calibration fits
 
 def fit_alpha_beta(
-    sizes_bytes: Sequence[float], times_s: Sequence[float], factor: float | Sequence[float]
+    sizes_bytes: Sequence[float], times_s: Sequence[float], factor: float | Sequence[float],
+    *, relative: bool = False,
 ) -> tuple[float, float]:
     """Least-squares alpha-beta fit of `time = alpha + bytes * factor / busbw`.
 
     `factor` is the nccl-tests bus factor of the op (all_reduce 2(n-1)/n, ...), one value or one
     per sample. Returns (alpha in s, busbw in GB/s). alpha is clamped at 0 (then the slope is
-    refitted through the origin), since a negative latency only fits noise.
+    refitted through the origin), since a negative latency only fits noise. `relative=True`
+    minimises relative errors (weights 1/time), so small, latency-bound messages count as much
+    as large ones (what small models on a CPU host send).
     """
     x = np.asarray(sizes_bytes, dtype=float) * np.asarray(factor, dtype=float)
     t = np.asarray(times_s, dtype=float)
     if x.size < 2 or np.ptp(x) == 0:
         raise ValueError("fit_alpha_beta needs at least two distinct message sizes")
-    slope, alpha = np.polyfit(x, t, 1)
+    slope, alpha = np.polyfit(x, t, 1, w=1.0 / t if relative else None)
     if alpha < 0 or slope <= 0:
         alpha = 0.0
         slope = float(np.dot(x, t) / np.dot(x, x))
@@ -284,11 +293,14 @@ def cpu_profile(
     gpus_per_node: int,
     memory_gb: float,
     hbm_gb_s: float = 10.0,
+    overheads: dict[str, float] | None = None,
 ) -> ClusterSpec:
     """A profile of a measured host (e.g. `cpu-local`): one 'GPU' per rank, one node.
 
     `gemm_points` from `measure_gemm_rates`; `intra`/`inter` are (alpha s, busbw GB/s) from
     `fit_alpha_beta`. The measured table drives the GEMM rate; its best point is the peak.
+    `overheads` sets the host-side fields (`overhead_layer_s`, `overhead_microbatch_s`,
+    `overhead_step_s`, `optimizer_gb_s`) measured by `tuning.calibration`.
     """
     rates = [rate for _, rate in gemm_points]
     inter = inter or intra
@@ -305,6 +317,7 @@ def cpu_profile(
         num_nodes=1,
         gemm_max_efficiency=1.0,
         gemm_table=tuple((float(f), float(r)) for f, r in gemm_points),
+        **{k: float(v) for k, v in (overheads or {}).items()},
     )
 
 

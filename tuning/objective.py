@@ -51,11 +51,13 @@ class Objective:
 
     def __init__(self, base: RunConfig, space: SearchSpace, *, home: str | Path | None = None,
                  objective: str = THROUGHPUT, warmup_steps: int = 1, memory_limit_gb: float | None = None,
-                 trial_timeout_s: float | None = 600.0, extra_env: dict[str, str] | None = None) -> None:
+                 trial_timeout_s: float | None = 600.0, extra_env: dict[str, str] | None = None,
+                 cluster=None) -> None:
         self.base, self.space, self.home = base, space, home
         self.objective, self.warmup = objective, warmup_steps
         self.memory_limit_gb, self.timeout = memory_limit_gb, trial_timeout_s
         self.extra_env = extra_env
+        self.cluster = cluster  # a calibrated hardware profile: predictions are recorded per trial
 
     def config_for(self, trial: optuna.trial.BaseTrial) -> RunConfig:
         """The validated config of a trial (raises ConfigError)."""
@@ -71,6 +73,12 @@ class Objective:
         except ConfigError as exc:
             return self._prune(trial, f"invalid: {exc}")
         trial.set_user_attr("config", cfg.to_dict())
+        if self.cluster is not None:  # multi-fidelity: the simulator's figure next to the measured one
+            from tuning.warmstart import predict_tokens_per_s
+
+            predicted = predict_tokens_per_s(cfg, self.cluster)
+            if predicted is not None:
+                trial.set_user_attr("predicted_tokens_per_s", predicted)
         over = self._memory_over(cfg)
         if over:
             return self._prune(trial, over)

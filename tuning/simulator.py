@@ -231,9 +231,13 @@ def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     rc = c["recompute"]
     re_layer = np.select([rc == 2, rc == 1], [fwd_layer, t_attn + act["attn"] / hbm], 0.0)
     per_stage = m.layers / c["pp"]
+    # Host-side framework time (eager dispatch, autograd; 0 on GPU presets), split 1:2 between
+    # forward and backward as the GEMMs are; full recomputation replays the forward's share.
+    ovh = per_stage * cl.overhead_layer_s + cl.overhead_microbatch_s
+    re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
     return {
-        "fwd": per_stage * fwd_layer + t_logit,
-        "bwd": per_stage * (bwd_layer + re_layer) + 2.0 * t_logit,
+        "fwd": per_stage * fwd_layer + t_logit + ovh / 3.0,
+        "bwd": per_stage * (bwd_layer + re_layer) + 2.0 * t_logit + 2.0 * ovh / 3.0 + re_ovh,
     }
 
 
@@ -370,7 +374,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
         "bubble_s": (p - 1) / v * per_mb,  # (p-1)/(v m) of the m micro-batches' time
         "dp_comm_exposed_s": dp["exposed"],
         "optimizer_s": psi / np.where(c["zero"] >= 1, c["dp"], 1) * OPTIMIZER_BYTES_PER_PARAM
-        / (cluster.hbm_gb_s * GB),
+        / ((cluster.optimizer_gb_s or cluster.hbm_gb_s) * GB) + cluster.overhead_step_s,
     }
     iteration = sum(out.values())
     executed, model_flops = _flops(model, c)

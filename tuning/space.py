@@ -17,7 +17,8 @@ the param, like config errors.
 """
 from __future__ import annotations
 
-import itertools
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import yaml
 
 from engine.config import RunConfig, apply_overrides, from_dict
 from engine.errors import ConfigError
+from engine.validate import MAX_WORLD_SIZE
 
 _SPEC_KEYS = {"choices", "low", "high", "log", "step", "layouts", "when"}
 LIVE_KEYS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps", "link.latency_us",
@@ -35,14 +37,22 @@ LIVE_KEYS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps"
 def layouts(world_size: int) -> list[str]:
     """Every dp*tp*pp factorisation of world_size, as 'dp2-tp1-pp2' strings."""
     out = []
-    for dp, tp in itertools.product(range(1, world_size + 1), repeat=2):
-        if world_size % (dp * tp) == 0:
+    for dp in _divisors(world_size):  # divisors, not every (dp, tp) pair: O(d(n)^2), not O(n^2)
+        for tp in _divisors(world_size // dp):
             out.append(f"dp{dp}-tp{tp}-pp{world_size // (dp * tp)}")
     return out
 
 
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def parse_layout(name: str) -> dict[str, int]:
-    dp, tp, pp = (int(part[2:]) for part in name.split("-"))
+    match = re.fullmatch(r"dp(\d+)-tp(\d+)-pp(\d+)", str(name))
+    if not match:
+        raise ConfigError("parallel.layout", name, "must look like 'dp2-tp1-pp1' (or use layouts: [dp, tp, pp])")
+    dp, tp, pp = (int(g) for g in match.groups())
     return {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp}
 
 
@@ -101,9 +111,12 @@ class SearchSpace:
         if unknown:
             raise ConfigError(f"space.{sorted(unknown)[0]}", "…", "unknown key; known: params, fixed, world_size")
         world = data.get("world_size")
-        if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
-            raise ConfigError("space.world_size", world, "must be a positive integer")
-        params = [_param(k, v, world) for k, v in (data.get("params") or {}).items()]
+        if world is not None and (not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD_SIZE):
+            raise ConfigError("space.world_size", world, f"must be a positive integer <= {MAX_WORLD_SIZE}")
+        raw_params = data.get("params") or {}
+        if not isinstance(raw_params, dict):
+            raise ConfigError("space.params", raw_params, "must be a mapping of config keys to specs")
+        params = [_param(k, v, world) for k, v in raw_params.items()]
         fixed = data.get("fixed") or {}
         if not isinstance(fixed, dict):
             raise ConfigError("space.fixed", fixed, "must be a mapping of config keys to values")
@@ -129,7 +142,13 @@ class SearchSpace:
         chosen: dict[str, Any] = {}
         for p in self.params:
             if p.active(chosen):
-                chosen[p.key] = p.suggest(trial)
+                try:
+                    chosen[p.key] = p.suggest(trial)
+                except ConfigError:
+                    raise
+                except (ValueError, TypeError, ArithmeticError) as exc:  # Optuna refused the range
+                    raise ConfigError(f"params.{p.key}", p.choices if p.choices is not None else
+                                      f"{p.low}..{p.high} step {p.step}", f"cannot be sampled: {exc}") from None
         return chosen
 
     def to_overrides(self, chosen: dict[str, Any], base: RunConfig) -> dict[str, Any]:
@@ -144,6 +163,9 @@ class SearchSpace:
             dp = out.get("parallel.dp", base.parallel.dp)
             glob = out.get("batch.global", base.batch.global_)
             accum = chosen["batch.accum"]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (dp, glob, accum)):
+                raise ConfigError("batch.accum", accum, f"needs positive integers batch.global={glob!r}, "
+                                  f"parallel.dp={dp!r} and batch.accum")
             if glob % (dp * accum):
                 raise ConfigError("batch.accum", accum, f"batch.global={glob} is not divisible by dp*accum = {dp}*{accum}")
             out["batch.micro"] = glob // (dp * accum)
@@ -188,14 +210,25 @@ def _param(key: str, spec: Any, world: int | None) -> Param:
         choices = spec["choices"]
         if not isinstance(choices, list) or not choices:
             raise ConfigError(f"{where}.choices", choices, "must be a non-empty list")
+        if key == "parallel.layout":
+            for choice in choices:
+                parse_layout(choice)
         return Param(key, choices=choices, when=when)
-    low, high = spec.get("low"), spec.get("high")
+    low, high, step = spec.get("low"), spec.get("high"), spec.get("step")
     for name, v in (("low", low), ("high", high)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise ConfigError(f"{where}.{name}", v, "must be a number (or give choices)")
+        if not _is_number(v):
+            raise ConfigError(f"{where}.{name}", v, "must be a finite number (or give choices)")
     if low > high:
         raise ConfigError(f"{where}.low", low, f"must be <= high={high}")
     log = bool(spec.get("log", False))
     if log and low <= 0:
         raise ConfigError(f"{where}.low", low, "must be > 0 with log: true")
-    return Param(key, low=low, high=high, log=log, step=spec.get("step"), when=when)
+    if step is not None and (not _is_number(step) or step <= 0):
+        raise ConfigError(f"{where}.step", step, "must be > 0 (or be left out)")
+    if step is not None and log:  # Optuna samples a log range without a step
+        raise ConfigError(f"{where}.step", step, "cannot be combined with log: true")
+    return Param(key, low=low, high=high, log=log, step=step, when=when)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))

@@ -89,7 +89,10 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     if simulate_warm_start:
         from tuning.warmstart import enqueue_simulated
 
-        enqueue_simulated(st, sp, cfg, top=simulate_warm_start)
+        try:
+            enqueue_simulated(st, sp, cfg, top=simulate_warm_start)
+        except ConfigError as exc:
+            fail(str(exc))
     if live:
         from tuning.live import LiveTuner
 
@@ -99,8 +102,10 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
             fail(str(exc))
         console.print(f"live run {result.run_id}: {result.status}") if not as_json else None
     else:
+        from tuning.warmstart import local_profile
+
         obj = Objective(cfg, sp, objective=objective, warmup_steps=warmup, memory_limit_gb=memory_limit_gb,
-                        trial_timeout_s=trial_timeout)
+                        trial_timeout_s=trial_timeout, cluster=local_profile())
         children = _spawn_jobs(sys.argv, trials, jobs)
         mine = trials // jobs + (1 if trials % jobs else 0)
         _run_with_display(st, obj, mine, timeout, space, as_json)

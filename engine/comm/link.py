@@ -1,0 +1,179 @@
+"""Alpha-beta emulation of a slower link, so one machine can show how a run behaves on one.
+
+time(op, bytes) = latency + bytes x bus_factor(op, n) / bandwidth (alpha-beta model with the
+nccl-tests bus factors, /work/shared/reference/formulas.md). The emulator only ever adds
+waiting: a collective that already took longer than the model says is not delayed further.
+"""
+
+import heapq
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
+CostFn = Callable[[Any, dist.GradBucket], float]
+
+_BUS_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "p2p")
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """Bytes on the busiest link per byte of the op's buffer (nccl-tests doc/PERFORMANCE.md).
+
+    all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n with bytes = the total
+    (gathered) size; broadcast, reduce and point-to-point (send/recv) 1. A group of one rank
+    puts nothing on a wire.
+    """
+    if op not in _BUS_OPS:
+        raise ValueError(f"op={op!r} is not a known collective; use one of {', '.join(_BUS_OPS)}")
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkEmulator:
+    """A link of `gbps` gigabits per second and `latency_us` microseconds per collective."""
+
+    gbps: float
+    """Bus bandwidth of the emulated link in Gbit/s (1 Gbit = 1e9 bits)."""
+    latency_us: float = 0.0
+    """Fixed cost (alpha) per collective in microseconds."""
+
+    def __post_init__(self) -> None:
+        if self.gbps <= 0:
+            raise ValueError(f"link.gbps={self.gbps} must be > 0; e.g. 1, 10, 80 or 800")
+        if self.latency_us < 0:
+            raise ValueError(f"link.latency_us={self.latency_us} must be >= 0")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bandwidth in bytes per second."""
+        return self.gbps * 1e9 / 8.0
+
+    def delay_for(self, op: str, nbytes: float, group_size: int) -> float:
+        """Seconds `op` on a buffer of `nbytes` takes over this link among `group_size` ranks."""
+        if group_size <= 1:
+            return 0.0
+        return self.latency_us * 1e-6 + nbytes * bus_factor(op, group_size) / self.bytes_per_s
+
+    def wire_delay(self, wire_bytes: float, num_ops: int = 1) -> float:
+        """Seconds for `num_ops` collectives that put `wire_bytes` (bus factors applied) on the link."""
+        if wire_bytes <= 0 and num_ops <= 0:
+            return 0.0
+        return num_ops * self.latency_us * 1e-6 + wire_bytes / self.bytes_per_s
+
+    def wrap_hook(self, hook: HookFn, *, group_size: int, cost: CostFn | None = None) -> HookFn:
+        """Wrap a DDP comm hook so each bucket's future completes no earlier than start + delay.
+
+        The delay runs on a timer thread, so backward keeps going while the "link" is busy, as it
+        would on a real slow link. `cost(state, bucket)` gives the delay in seconds once the real
+        collective is done (so compressed hooks can report their real wire bytes); by default it
+        is a dense fp32-sized all_reduce of the bucket.
+        """
+
+        def default_cost(_state: Any, bucket: dist.GradBucket) -> float:
+            buf = bucket.buffer()
+            return self.delay_for("all_reduce", buf.numel() * buf.element_size(), group_size)
+
+        cost_fn = cost or default_cost
+
+        def emulated_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            start = time.perf_counter()
+            inner = hook(state, bucket)
+            out: torch.futures.Future = torch.futures.Future()
+
+            def on_done(fut: torch.futures.Future) -> None:
+                try:
+                    value = fut.value()
+                    deadline = start + cost_fn(state, bucket)
+                except Exception as exc:  # noqa: BLE001 - forwarded to DDP through the future
+                    out.set_exception(exc)
+                    return
+                _timer().complete_at(deadline, out, value)
+
+            inner.add_done_callback(on_done)
+            return out
+
+        return emulated_hook
+
+    def emulated(
+        self,
+        work_or_fn: Any,
+        *,
+        op: str,
+        nbytes: float,
+        group_size: int,
+        started_at: float | None = None,
+    ) -> Any:
+        """Run (a callable) or wait for (a Work / Future) a collective, then sleep what is left.
+
+        The total time from `started_at` (default: now) is at least `delay_for(op, nbytes, n)`;
+        only the time beyond what the real collective took is slept. Returns what the callable
+        returned (or the waited object).
+        """
+        start = time.perf_counter() if started_at is None else started_at
+        result = work_or_fn() if callable(work_or_fn) and not _is_waitable(work_or_fn) else work_or_fn
+        if _is_waitable(result):
+            result.wait()
+        remaining = start + self.delay_for(op, nbytes, group_size) - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return result
+
+
+def _is_waitable(obj: Any) -> bool:
+    return isinstance(obj, (dist.Work, torch.futures.Future))
+
+
+class _Timer:
+    """One daemon thread that completes futures at their deadlines (earliest first)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, torch.futures.Future, Any]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="link-emulator", daemon=True)
+        self._thread.start()
+
+    def complete_at(self, deadline: float, fut: torch.futures.Future, value: Any) -> None:
+        if deadline <= time.perf_counter():
+            fut.set_result(value)
+            return
+        with self._cond:
+            heapq.heappush(self._heap, (deadline, next(self._seq), fut, value))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                deadline, _, fut, value = self._heap[0]
+                wait = deadline - time.perf_counter()
+                if wait > 0:
+                    self._cond.wait(timeout=wait)
+                    continue
+                heapq.heappop(self._heap)
+            fut.set_result(value)
+
+
+_TIMER: _Timer | None = None
+_TIMER_LOCK = threading.Lock()
+
+
+def _timer() -> _Timer:
+    global _TIMER
+    with _TIMER_LOCK:
+        if _TIMER is None:
+            _TIMER = _Timer()
+        return _TIMER

@@ -1,0 +1,115 @@
+"""Profiling through the real engine: breakdown per step per rank, DDP collectives covering every
+gradient byte, a reader seeing rows grow during a run, a killed run keeping its steps, memory
+accounting next to the estimate, and the torch.profiler trace window."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine.config import load_config
+from engine.errors import RankFailure
+from engine.launch import launch
+from engine.model import build_model
+from profilers.store import RunStore
+
+pytestmark = pytest.mark.xdist_group("launch")
+
+TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "batch.global=8",
+        "batch.micro=2", "parallel.dp=2", "train.warmup_steps=0", "profile.nvml_interval_s=0",
+        "profile.host_interval_s=0.2", "train.timeout_s=30"]
+
+
+def test_two_rank_run_records_breakdown_collectives_memory_and_trace(tmp_path):
+    cfg = load_config(None, TINY + ["train.steps=4", "profile.trace_steps=[1, 2]", "ddp.bucket_cap_mb=0.05"])
+    result = launch(cfg, home=tmp_path)
+    store = RunStore.open_home(tmp_path)
+    table = store.breakdown_table(result.run_id)
+    assert sorted(zip(table["step"], table["rank"])) == [(s, r) for s in range(4) for r in range(2)]
+    # the parts add up to the step time within 2%
+    for rec in store.metrics(result.run_id, kind="step", name="step_time(s)"):
+        row = table[(table["step"] == rec.step) & (table["rank"] == rec.rank)].iloc[0]
+        assert abs(row["total"] - rec.value) <= 0.02 * rec.value
+    grad_bytes = 4 * sum(p.numel() for p in build_model(cfg.model, seed=0).parameters())
+    per_step: dict[tuple[int, int], dict[str, float]] = {}
+    for rec in store.metrics(result.run_id, kind="comm"):
+        per_step.setdefault((rec.step, rec.rank), {})[rec.name] = rec.value
+    for key, values in per_step.items():
+        # every gradient byte went through a DDP bucket, and the buckets through all_reduce
+        assert values["ddp_bucket/bytes"] == grad_bytes, key
+        if key[0] >= 1:  # DDP rebuilds its buckets to bucket_cap_mb after the first step
+            assert values["ddp_bucket/count"] > 1, key
+        assert values["all_reduce/bytes"] >= grad_bytes
+        assert values["all_reduce/busbw(GB/s)"] > 0
+    totals = store.comm_totals(result.run_id)
+    assert totals["ddp_bucket"]["bytes"] == 4 * grad_bytes
+    memory = {(r.rank, r.name): r.value for r in store.metrics(result.run_id, kind="memory")}
+    for rank in range(2):
+        for part in ("params", "grads", "optimizer"):
+            measured, estimate = memory[(rank, f"{part}(GiB)")], memory[(rank, f"estimate_{part}(GiB)")]
+            assert abs(measured - estimate) <= 0.05 * estimate, (part, measured, estimate)
+        assert memory[(rank, "estimate_activations(GiB)")] > 0
+    host = store.metrics(result.run_id, kind="host")
+    assert {r.name for r in host} >= {"cpu(%)", "rss(GiB)"}
+    traces = result.summary["traces"]
+    assert len(traces) == 2  # one per rank
+    events = json.loads(open(traces[0]).read())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names)  # the model's GEMMs
+    assert any("all_reduce" in n for n in names)  # and DDP's gloo all-reduce
+
+
+def test_reader_sees_rows_grow_while_the_run_goes_on(tmp_path):
+    cfg = load_config(None, TINY + ["train.steps=40", "model.layers=4", "model.d_model=64"])
+    store = RunStore.open_home(tmp_path)
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(r=launch(cfg, home=tmp_path, run_id="live-run")))
+    thread.start()
+    seen = []
+    while thread.is_alive():
+        run = store.run("live-run")
+        if run is not None and run["status"] == "running":
+            steps = store.latest_steps("live-run", n=1)
+            if steps:
+                seen.append(steps[-1]["step"])
+        time.sleep(0.2)
+    thread.join()
+    assert box["r"].status == "completed"
+    growth = sorted(set(seen))
+    assert len(growth) >= 3  # several distinct steps seen while the run was still running
+
+
+def test_killed_run_keeps_completed_steps_and_is_marked_failed(tmp_path):
+    cfg = load_config(None, TINY + ["train.steps=8"])
+    with pytest.raises(RankFailure):
+        launch(cfg, home=tmp_path, run_id="killed", extra_env={"WORKBENCH_FAULT": "rank=1,step=5,kind=kill"})
+    store = RunStore.open_home(tmp_path)
+    run = store.run("killed")
+    assert run["status"] == "failed" and run["error_rank"] == 1 and "SIGKILL" in run["error"]
+    table = store.breakdown_table("killed")
+    for rank in range(2):
+        assert sorted(table[table["rank"] == rank]["step"]) == [0, 1, 2, 3, 4]
+
+
+def test_show_and_runs_json(tmp_path):
+    cfg = load_config(None, TINY + ["train.steps=3"])
+    result = launch(cfg, home=tmp_path)
+    env = {"WORKBENCH_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "show", result.run_id, "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["status"] == "completed" and report["config"]["parallel"]["dp"] == 2
+    assert {row["rank"] for row in report["breakdown"]} == {0, 1}
+    assert report["collectives"]["all_reduce"]["busbw(GB/s)"] > 0
+    assert set(report["peak_memory_gib"]) == {"0", "1"} or set(report["peak_memory_gib"]) == {0, 1}
+    runs = subprocess.run([sys.executable, "-m", "workbench.cli", "runs", "--json"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert [r["run_id"] for r in json.loads(runs.stdout)] == [result.run_id]
+    missing = subprocess.run([sys.executable, "-m", "workbench.cli", "show", "nope"], capture_output=True,
+                             text=True, env=env, timeout=120)
+    assert missing.returncode == 2 and "no such run" in missing.stderr and "Traceback" not in missing.stderr
