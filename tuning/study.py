@@ -45,8 +45,37 @@ def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"timeout": 60}  # several workers share one file: wait for the lock
+    import inspect
+
+    # optuna 4.9 renamed failed_trial_callback; pyproject allows older versions too
+    params = inspect.signature(optuna.storages.RDBStorage).parameters
+    callback = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
     return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
-                                      grace_period=grace_s)
+                                      grace_period=grace_s, **{callback: _interrupt_run(home)})
+
+
+def _interrupt_run(home: str | Path | None) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
+    """When a stale trial is failed, mark its run interrupted too: its launcher died with the worker,
+    so nobody else will ever finish that row (it would say "running" forever)."""
+
+    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        from profilers.store import RunStore, StoreError
+
+        run_id = trial.user_attrs.get("run_id")
+        if not run_id:
+            return
+        store = RunStore.open_home(home)
+        try:
+            run = store.run(run_id)
+            if run is not None and run["status"] == "running":
+                store.finish_run(run_id, "interrupted", error=f"the tuner running trial {trial.number} of study "
+                                 f"{study.study_name} stopped sending heartbeats (killed?)")
+        except StoreError:
+            pass  # a store we cannot write must not stop the study
+        finally:
+            store.close()
+
+    return callback
 
 
 def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:

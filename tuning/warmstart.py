@@ -19,11 +19,11 @@ from tuning.space import SearchSpace
 MAX_CANDIDATES = 2000
 
 
-def local_profile(home: str | Path | None = None):
-    """The calibrated profile of this machine (`workbench calibrate`), or None."""
+def local_profile(world: int, home: str | Path | None = None):
+    """The calibrated profile of this machine for `world` ranks (`workbench calibrate --world`), or None."""
     from tuning.hardware import load_cluster
 
-    path = (Path(home) if home else default_home()) / "hardware" / "cpu-local.yaml"
+    path = (Path(home) if home else default_home()) / "hardware" / f"cpu-local-{world}.yaml"
     return load_cluster(path) if path.is_file() else None
 
 
@@ -56,9 +56,11 @@ def rank_space(space: SearchSpace, base: RunConfig, cluster, *, seed: int = 0) -
 def enqueue_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *, top: int,
                       home: str | Path | None = None) -> list[dict[str, Any]]:
     """Enqueue the simulator's best `top` configs; needs a calibrated profile of this machine."""
-    cluster = local_profile(home)
+    world = space.world_size or base.world_size
+    cluster = local_profile(world, home)
     if cluster is None:
-        raise ConfigError("--warm-start", top, "needs this machine's hardware profile: run `workbench calibrate` first")
+        raise ConfigError("--warm-start", top, f"needs this machine's hardware profile: run "
+                          f"`workbench calibrate --world {world}` first")
     chosen = [params for _, params in rank_space(space, base, cluster)[:top]]
     for params in chosen:
         study.enqueue_trial(params, skip_if_exists=True)

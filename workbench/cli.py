@@ -70,6 +70,8 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
             result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout)
     except RankFailure as exc:
         fail(str(exc), code=1)
+    except KeyboardInterrupt:
+        fail("interrupted: every rank was stopped and the run is marked interrupted in the store", code=130)
     if as_json:
         _print_json(_run_json(result))
     else:

@@ -125,29 +125,21 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         console.print(f"\nOptuna over the simulator: {out['optuna_best']}")
 
 
-def calibrate(world: int = typer.Option(2, help="Ranks for the collective sweep"),
-              max_mb: float = typer.Option(64.0, help="Largest all-reduce message, MB"),
-              output: Optional[Path] = typer.Option(None, "-o", "--output", help="Profile file (default: <home>/hardware/cpu-local.yaml)"),
+def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
+              output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                                    help="Profile file (default: <home>/hardware/cpu-local-WORLD.yaml)"),
               as_json: bool = typer.Option(False, "--json")) -> None:
-    """Measure this machine (GEMM rate by size, all-reduce alpha-beta) into a hardware profile."""
-    import psutil
-
-    from profilers.collectives import bus_factor, spawn_commbench, sweep_sizes
+    """Measure this machine (GEMM rates at the engine's shapes, memory-bound ops, AdamW,
+    framework overhead, gloo all-reduce alpha-beta) into a hardware profile for the simulator."""
     from profilers.store import default_home
-    from tuning.hardware import cluster_to_dict, cpu_profile, fit_alpha_beta, measure_gemm_rates, save_cluster
+    from tuning.calibration import calibrate_local
+    from tuning.hardware import cluster_to_dict, save_cluster
 
-    gemm = measure_gemm_rates([32, 64, 128, 256, 512, 1024])
-    rows = [r for r in spawn_commbench(world, ["all_reduce"], sweep_sizes(max_bytes=int(max_mb * 2**20)), 5)
-            if r["op"] == "all_reduce"]
-    alpha, beta = fit_alpha_beta([r["bytes"] for r in rows], [r["time_s"] for r in rows],
-                                 bus_factor("all_reduce", world))
-    spec = cpu_profile(name="cpu-local", gemm_points=gemm, intra=(alpha, beta), gpus_per_node=world,
-                       memory_gb=psutil.virtual_memory().total / 2**30 / world)
-    path = save_cluster(spec, output or default_home() / "hardware" / "cpu-local.yaml")
-    data = cluster_to_dict(spec)
+    spec = calibrate_local(world)
+    path = save_cluster(spec, output or default_home() / "hardware" / f"cpu-local-{world}.yaml")
     if as_json:
-        _print_json({"profile": str(path), **data})
+        _print_json({"profile": str(path), **cluster_to_dict(spec)})
         return
-    console.print(f"GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s; all-reduce alpha {alpha * 1e6:.0f} us, "
-                  f"busbw {beta:.2f} GB/s; profile written to {path}")
+    console.print(f"GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s per rank; all-reduce alpha "
+                  f"{spec.intra_latency_s * 1e6:.0f} us, busbw {spec.intra_bw_gb_s:.2f} GB/s; written to {path}")
     console.print(f"use it: workbench simulate --cluster {path} ...")

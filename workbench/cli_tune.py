@@ -105,7 +105,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         from tuning.warmstart import local_profile
 
         obj = Objective(cfg, sp, objective=objective, warmup_steps=warmup, memory_limit_gb=memory_limit_gb,
-                        trial_timeout_s=trial_timeout, cluster=local_profile())
+                        trial_timeout_s=trial_timeout, cluster=local_profile(sp.world_size or cfg.world_size))
         children = _spawn_jobs(sys.argv, trials, jobs)
         mine = trials // jobs + (1 if trials % jobs else 0)
         _run_with_display(st, obj, mine, timeout, space, as_json)

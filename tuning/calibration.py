@@ -1,0 +1,355 @@
+"""Calibrate the simulator on this machine (CPU, gloo) and map engine run configs onto it.
+
+`calibrate_local(world)` measures what the simulator's CPU model needs with micro-benchmarks
+only: GEMM rates at the engine's shapes (forward + both backward GEMMs of a linear layer), the
+bandwidth of the memory-bound kernels (LayerNorm, GELU, residual add), the AdamW step rate, a
+gloo all-reduce alpha-beta fit, and the framework overhead (eager dispatch and autograd) fitted
+from tiny in-process training runs of the engine's model (d_model 32, seq 16) that are not in
+the validation set. `predict_run(cfg, cluster)` prices an engine `RunConfig` on that profile:
+fp32 (4 bytes), one "GPU" per rank, one node. `compare_measured` launches real runs and
+returns the simulated-vs-measured table (bench/simulator.py prints it, docs/simulator.md
+records it). No parameter is ever fitted to the validation configs.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tuning.hardware import ClusterSpec, cpu_profile, fit_alpha_beta
+from tuning.simulator import SimResult, from_run_config, simulate
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+OPTIMIZER_BYTES_PER_PARAM = 28.0  # the simulator's AdamW traffic per parameter (simulator.py)
+CALIBRATION_TOKENS = (64, 128, 256, 512, 1024, 2048)  # GEMM rows b*s swept by calibration
+CALIBRATION_HIDDEN = (64, 128, 256)  # d_model values swept (the engine's range here)
+OVERHEAD_RUNS = ((1, 1), (3, 1), (1, 3), (3, 3))  # (layers, micro-batches) of the tiny fit runs
+
+
+BASE_OVERRIDES: list[str] = [
+    "train.steps=7", "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
+    "data.source=synthetic", "train.warmup_steps=0",
+]
+"""Overrides every validation run shares: 7 steps (1 warm-up + 6 steady), samplers and eval off."""
+
+VALIDATION_CONFIGS: dict[str, list[str]] = {
+    "1r l2 d64 s64 b8/m4": ["model.layers=2", "model.d_model=64", "model.seq_len=64",
+                            "batch.global=8", "batch.micro=4"],
+    "1r l4 d256 s128 b8/m8": ["model.layers=4", "model.d_model=256", "model.seq_len=128",
+                              "batch.global=8", "batch.micro=8"],
+    "1r l3 d128 s128 b16/m4": ["model.layers=3", "model.d_model=128", "model.seq_len=128",
+                               "batch.global=16", "batch.micro=4"],
+    "dp2 l4 d128 s64 b16/m8": ["parallel.dp=2", "model.layers=4", "model.d_model=128", "model.seq_len=64",
+                               "batch.global=16", "batch.micro=8"],
+    "dp2 l2 d256 s128 b16/m4": ["parallel.dp=2", "model.layers=2", "model.d_model=256", "model.seq_len=128",
+                                "batch.global=16", "batch.micro=4"],
+    "tp2 l4 d128 s64 b8/m4": ["parallel.tp=2", "model.layers=4", "model.d_model=128", "model.seq_len=64",
+                              "batch.global=8", "batch.micro=4"],
+    "pp2 1f1b l4 d128 s128 b16/m4": ["parallel.pp=2", "parallel.schedule=1f1b", "model.layers=4",
+                                     "model.d_model=128", "model.seq_len=128", "batch.global=16",
+                                     "batch.micro=4"],
+    "pp2 gpipe l4 d128 s64 b8/m2": ["parallel.pp=2", "parallel.schedule=gpipe", "model.layers=4",
+                                    "model.d_model=128", "model.seq_len=64", "batch.global=8",
+                                    "batch.micro=2"],
+    "zero1 dp2 l4 d128 s64 b16/m8": ["parallel.dp=2", "parallel.zero=1", "model.layers=4",
+                                     "model.d_model=128", "model.seq_len=64", "batch.global=16",
+                                     "batch.micro=8"],
+    "zero3 dp2 l2 d128 s128 b8/m4": ["parallel.dp=2", "parallel.zero=3", "model.layers=2",
+                                     "model.d_model=128", "model.seq_len=128", "batch.global=8",
+                                     "batch.micro=4"],
+    "dp4 l2 d128 s64 b16/m4": ["parallel.dp=4", "model.layers=2", "model.d_model=128", "model.seq_len=64",
+                               "batch.global=16", "batch.micro=4"],
+    "dp2 tp2 l4 d128 s64 b16/m4": ["parallel.dp=2", "parallel.tp=2", "model.layers=4", "model.d_model=128",
+                                   "model.seq_len=64", "batch.global=16", "batch.micro=4"],
+    "pp4 1f1b l4 d64 s64 b16/m2": ["parallel.pp=4", "parallel.schedule=1f1b", "model.layers=4",
+                                   "model.d_model=64", "model.seq_len=64", "batch.global=16",
+                                   "batch.micro=2"],
+    "dp2 pp2 l4 d128 s64 b16/m4": ["parallel.dp=2", "parallel.pp=2", "model.layers=4", "model.d_model=128",
+                                   "model.seq_len=64", "batch.global=16", "batch.micro=4"],
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class HostProfile:
+    """Single-process micro-benchmark results of this host (one thread, fp32)."""
+
+    gemm_points: list[tuple[float, float]]  # (forward GEMM FLOPs, fwd+bwd FLOP/s), binned
+    nongemm_gb_s: float  # LayerNorm + GELU + add, bytes read and written / s
+    optimizer_gb_s: float  # AdamW: 28 bytes per parameter / seconds per parameter
+    overheads: dict[str, float]  # overhead_layer_s, overhead_microbatch_s, overhead_step_s
+    cpus: int  # cores this process may run on
+    load1: float  # 1-minute load average when the measurement started
+    measured_at: float = field(default_factory=time.time)  # Unix seconds
+
+
+def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3) -> float:
+    """Median seconds per call over `repeats` batches of calls lasting about `min_time_s` each."""
+    fn()  # warm-up: allocation and kernel choice
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_time_s or calls < 1:
+        fn()
+        calls += 1
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def _bin_points(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merge points into factor-2 FLOP bins: (geometric mean size, median rate) per bin."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for flops, rate in points:
+        bins.setdefault(round(float(np.log2(flops))), []).append((flops, rate))
+    return [(float(np.exp(np.mean(np.log([f for f, _ in pts])))), statistics.median(r for _, r in pts))
+            for _, pts in sorted(bins.items())]
+
+
+def measure_linear_gemms(*, tokens: Sequence[int] = CALIBRATION_TOKENS,
+                         hiddens: Sequence[int] = CALIBRATION_HIDDEN, vocab: int = 256,
+                         mlp_ratio: int = 4) -> list[tuple[float, float]]:
+    """Rates of the engine's linear-layer GEMMs: y = x W^T, dx = dy W, dW = dy^T x (fp32).
+
+    Shapes: rows M = b*s tokens, (K, N) = (h, h), (h, 4h), (4h, h) and (h, V), as in the GPT
+    blocks and the tied head. Returns (forward FLOPs 2MKN, 3 x 2MKN / time of the three GEMMs),
+    binned by size: the simulator prices backward as twice forward at the same rate.
+    """
+    import torch
+
+    points = []
+    for h in hiddens:
+        for rows in tokens:
+            for k, n in ((h, h), (h, mlp_ratio * h), (mlp_ratio * h, h), (h, vocab)):
+                x, w, dy = torch.randn(rows, k), torch.randn(n, k), torch.randn(rows, n)
+                seconds = _time_call(lambda: (x @ w.T, dy @ w, dy.T @ x))
+                flops = 2.0 * rows * k * n
+                points.append((flops, 3.0 * flops / seconds))
+    return _bin_points(points)
+
+
+def measure_nongemm_bandwidth(*, elements: Sequence[int] = (1 << 15, 1 << 17, 1 << 19),
+                              width: int = 128) -> float:
+    """GB/s of the memory-bound kernels of a block: LayerNorm, GELU and the residual add (fp32).
+
+    Bytes count each tensor read and written once: 8 per element for LayerNorm and GELU, 12
+    for the add. Median over activation sizes spanning the engine's (b*s*h).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    rates = []
+    for n in elements:
+        x, y = torch.randn(n // width, width), torch.randn(n // width, width)
+        seconds = _time_call(lambda: (F.layer_norm(x, (width,)), F.gelu(x), x + y))
+        rates.append(28.0 * n / seconds / 1e9)
+    return statistics.median(rates)
+
+
+def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21), tensors: int = 8) -> float:
+    """Effective GB/s of `torch.optim.AdamW.step` on fp32 parameters (28 bytes per parameter).
+
+    The slope of step time over parameter count (least squares over `sizes`) gives the per-
+    parameter cost; the per-tensor constant is left to the overhead fit.
+    """
+    import torch
+
+    times = []
+    for total in sizes:
+        params = [torch.nn.Parameter(torch.randn(total // tensors)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        times.append(_time_call(opt.step, min_time_s=0.02))
+    slope = float(np.polyfit(np.asarray(sizes, dtype=float), np.asarray(times), 1)[0])
+    slope = slope if slope > 0 else times[-1] / sizes[-1]
+    return OPTIMIZER_BYTES_PER_PARAM / slope / 1e9
+
+
+def _tiny_overrides(layers: int, microbatches: int) -> list[str]:
+    """A calibration run of the engine's model where compute is small next to dispatch."""
+    return ["model.layers=%d" % layers, "model.d_model=32", "model.heads=4", "model.seq_len=16",
+            "batch.micro=1", "batch.global=%d" % microbatches, "train.steps=8", "data.source=synthetic",
+            "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0"]
+
+
+def measure_overheads(base: ClusterSpec, *, runs: Sequence[tuple[int, int]] = OVERHEAD_RUNS) -> dict[str, float]:
+    """Fit the framework overhead from tiny in-process training runs of the engine (1 rank).
+
+    Each run's median steady step time minus what `base` (no overheads) predicts for it is the
+    host-side time; least squares over the runs fits residual = step + m (microbatch + l layer)
+    with l layers and m micro-batches (negative terms are dropped and the rest refitted).
+    """
+    import torch
+
+    from engine.config import load_config
+    from engine.train import Trainer
+
+    rows, residuals = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per rank, as the launcher runs them
+    try:
+        for layers, mbs in runs:
+            cfg = load_config(None, _tiny_overrides(layers, mbs))
+            steps = [m.step_time_s for m in Trainer(cfg, device=torch.device("cpu")).run()]
+            measured = statistics.median(steps[2:])
+            residuals.append(measured - predict_run(cfg, base).iteration_time_s)
+            rows.append([1.0, mbs, mbs * layers])
+    finally:
+        torch.set_num_threads(threads)
+    names = ["overhead_step_s", "overhead_microbatch_s", "overhead_layer_s"]
+    a, r = np.asarray(rows, dtype=float), np.asarray(residuals)
+    keep = list(range(3))
+    while True:
+        coef = np.linalg.lstsq(a[:, keep], r, rcond=None)[0]
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = dict.fromkeys(names, 0.0)
+    out.update({names[k]: max(float(c), 0.0) for k, c in zip(keep, coef)})
+    return out
+
+
+def measure_host() -> HostProfile:
+    """Run every single-process micro-benchmark (about 10 s on an idle 2-core host)."""
+    import torch
+
+    load1 = os.getloadavg()[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gemm = measure_linear_gemms()
+        nongemm = measure_nongemm_bandwidth()
+        optimizer = measure_optimizer_rate()
+    finally:
+        torch.set_num_threads(threads)
+    host = HostProfile(gemm_points=gemm, nongemm_gb_s=nongemm, optimizer_gb_s=optimizer,
+                       overheads={}, cpus=len(os.sched_getaffinity(0)), load1=load1)
+    base = _profile(host, world=1, allreduce=(0.0, 1.0), overheads=False)
+    host.overheads = measure_overheads(base)
+    return host
+
+
+def measure_allreduce(world: int, *, max_bytes: int = 16 << 20, iters: int = 5) -> tuple[float, float]:
+    """(alpha s, busbw GB/s) of gloo all_reduce over `world` processes (commbench, relative fit)."""
+    from profilers.collectives import bus_factor, spawn_commbench, sweep_sizes
+
+    rows = [r for r in spawn_commbench(world, ["all_reduce"], sweep_sizes(4096, max_bytes, 4), iters)
+            if r["op"] == "all_reduce"]
+    return fit_alpha_beta([r["size"] for r in rows], [r["time(s)"] for r in rows],
+                          bus_factor("all_reduce", world), relative=True)
+
+
+def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], share: float = 1.0,
+             overheads: bool = True) -> ClusterSpec:
+    # Ranks time-share the cores (with each other and with other users): each rank's compute
+    # and host-side work runs at `share` of the single-process rate (cpu_share).
+    ovh = {k: v / share for k, v in host.overheads.items()} if overheads else {}
+    return cpu_profile(
+        name=f"cpu-local-{world}", gemm_points=[(f, r * share) for f, r in host.gemm_points],
+        intra=allreduce, gpus_per_node=world, memory_gb=_memory_gb() / world,
+        hbm_gb_s=host.nongemm_gb_s * share,
+        overheads={**ovh, "optimizer_gb_s": host.optimizer_gb_s * share},
+    )
+
+
+def _memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        return 8.0
+
+
+def calibrate_local(world: int, *, host: HostProfile | None = None,
+                    allreduce: tuple[float, float] | None = None, share: float | None = None) -> ClusterSpec:
+    """A `cpu-local-{world}` profile: `world` ranks ("GPUs") on this one node, fp32 rates.
+
+    Measures what is not given: the host (`measure_host`) and the gloo all-reduce at `world`
+    ranks (`measure_allreduce`; unused at world 1). The CPU share per rank defaults to
+    `cpu_share` with the load other users put on the host while it was measured.
+    """
+    if world < 1:
+        raise ValueError(f"world={world} must be >= 1")
+    host = host or measure_host()
+    if allreduce is None:
+        allreduce = measure_allreduce(world) if world > 1 else (0.0, 1.0)
+    if share is None:  # the 1-min load while measuring counted our own benchmark as 1 task
+        share = cpu_share(world, cpus=host.cpus, background=host.load1 - 1.0)
+    return _profile(host, world=world, allreduce=allreduce, share=share)
+
+
+def predict_run(cfg: Any, cluster: ClusterSpec) -> SimResult:
+    """Simulate one engine `RunConfig` on `cluster`: one "GPU" per rank, fp32 unless bf16."""
+    model, par = from_run_config(cfg.to_dict())
+    return simulate(model, cluster, par, gpus=cfg.world_size)
+
+
+def cpu_share(world: int, *, cpus: int, background: float) -> float:
+    """Compute share of each of `world` ranks relative to the single calibration process.
+
+    Runnable tasks share the cores evenly (the Linux CFS ideal): with `background` tasks of
+    other users, a process gets min(1, cpus / (background + n)) of a core when n of ours run.
+    The host was measured with n = 1, the ranks run with n = world.
+    """
+    def alone(n: int) -> float:
+        return min(1.0, cpus / (max(background, 0.0) + n))
+
+    return alone(world) / alone(1)
+
+
+def measure_run(cfg: Any, *, home: str | Path | None = None) -> dict[str, Any]:
+    """Launch one real run; its median steady step time (s), every step time and the load."""
+    from engine.launch import launch
+
+    load1 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="calib-") as tmp:
+        result = launch(cfg, home=home or tmp)
+    return {"step_time_s": float(result.summary["step_time_s"]),
+            "steps": [s["step_time_s"] for s in result.steps], "load1": load1}
+
+
+def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int = 2,
+                     host: HostProfile | None = None,
+                     on_row: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
+    """Simulated vs measured step time of engine configs on this machine.
+
+    Calibrates first (host micro-benchmarks, then per world size the CPU share and the gloo
+    all-reduce), then launches every config `rounds` times, interleaved (round 1 of every
+    config, then round 2, ...) so slow phases of a shared machine spread over all of them.
+    Columns: config, world, measured_s (median over rounds of each run's median steady step),
+    simulated_s, error_pct ((sim - meas) / meas), load1 (mean 1-min load during its runs).
+    """
+    import pandas as pd
+
+    from engine.config import load_config
+
+    configs = configs or VALIDATION_CONFIGS
+    cfgs = {name: load_config(None, BASE_OVERRIDES + ov) for name, ov in configs.items()}
+    host = host or measure_host()
+    clusters = {w: calibrate_local(w, host=host) for w in sorted({c.world_size for c in cfgs.values()})}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfgs}
+    for _ in range(rounds):
+        for name, cfg in cfgs.items():
+            runs[name].append(measure_run(cfg))
+            if on_row is not None:
+                on_row({"config": name, **runs[name][-1]})
+    rows = []
+    for name, cfg in cfgs.items():
+        measured = statistics.median(r["step_time_s"] for r in runs[name])
+        simulated = predict_run(cfg, clusters[cfg.world_size]).iteration_time_s
+        rows.append({"config": name, "world": cfg.world_size, "measured_s": measured,
+                     "simulated_s": simulated, "error_pct": 100.0 * (simulated - measured) / measured,
+                     "load1": statistics.mean(r["load1"] for r in runs[name])})
+    table = pd.DataFrame(rows)
+    table.attrs.update(host=host, clusters=clusters)
+    return table
