@@ -173,15 +173,18 @@ def show(run_id: str = typer.Argument(..., help="Run id (see `workbench runs`)")
 @app.command()
 def commbench(world: int = typer.Option(2, help="Ranks"),
               max_mb: float = typer.Option(256.0, help="Largest message in MB"),
-              ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,send_recv",
+              ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,sendrecv",
                                       help="Comma-separated collectives"),
               iters: int = typer.Option(5, help="Timed iterations per size"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Sweep collective sizes from 1 KB and print bus bandwidth like nccl-tests."""
-    from profilers.collectives import format_busbw_table, spawn_commbench, sweep_sizes
+    from profilers.collectives import SWEEP_OPS, format_busbw_table, spawn_commbench, sweep_sizes
 
     if world < 2:
         fail(f"--world={world}: needs at least 2 ranks")
+    unknown = [op for op in ops.split(",") if op not in SWEEP_OPS]
+    if unknown:
+        fail(f"--ops={ops!r}: unknown {', '.join(unknown)}; choose from {', '.join(SWEEP_OPS)}")
     rows = spawn_commbench(world, ops.split(","), sweep_sizes(max_bytes=int(max_mb * 2**20)), iters)
     if as_json:
         _print_json(rows)
@@ -215,11 +218,24 @@ def _register() -> None:
 
 def main() -> None:
     _register()
+    import errno
+
+    from profilers.store import StoreError
+
     try:
         app()
     except ConfigError as exc:
         err.print(f"error: {exc}")
         sys.exit(2)
+    except StoreError as exc:  # full disk, read-only home, a store from a newer workbench
+        err.print(f"error: {exc}", highlight=False, markup=False)
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            raise
+        err.print(f"error: {exc.filename or ''}: {exc.strerror}; check that the folder exists and is writable, "
+                  "or choose another --home / WORKBENCH_HOME", highlight=False, markup=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
