@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import datetime
 import itertools
-import os
 import random
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from parallel_harness import run_ranks
 
-from engine.comm.adaptive import apply_adaptive, lowrank_errors, measure_errors, solve_levels, topk_errors
-from engine.comm.compress import densify, error_feedback, k_for
+from engine.comm.adaptive import (
+    apply_adaptive,
+    lowrank_errors,
+    measure_errors,
+    solve_levels,
+    topk_errors,
+)
+from engine.comm.compress import error_feedback, k_for
 
 WORLD = 2
 
@@ -141,29 +143,13 @@ def _run(rank: int, levels: tuple[float, ...], default: float) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    results = {"adaptive": _run(rank, (0.001, 0.01, 0.05, 0.2), 0.05), "lossless": _run(rank, (1.0,), 1.0)}
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+def _all_runs(rank: int, world: int) -> dict:
+    return {"adaptive": _run(rank, (0.001, 0.01, 0.05, 0.2), 0.05), "lossless": _run(rank, (1.0,), 1.0)}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("adaptive")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return {r: torch.load(out / f"rank{r}.pt") for r in range(WORLD)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def runs() -> dict:
+    return dict(enumerate(run_ranks(WORLD, _all_runs)))
 
 
 @pytest.mark.slow

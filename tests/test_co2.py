@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from parallel_harness import run_ranks
 
 from engine.comm.co2 import CO2
 
 WORLD = 2
 STEPS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mlp() -> torch.nn.Module:
@@ -112,23 +100,13 @@ def _link_run(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    results = {"sync": _sync_vs_dp(rank), "async": _async_run(rank), "link": _link_run(rank)}
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+def _all_runs(rank: int, world: int) -> dict:
+    return {"sync": _sync_vs_dp(rank), "async": _async_run(rank), "link": _link_run(rank)}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("co2")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return {r: torch.load(out / f"rank{r}.pt") for r in range(WORLD)}
+def runs() -> dict:
+    return dict(enumerate(run_ranks(WORLD, _all_runs)))
 
 
 @pytest.mark.slow

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from parallel_harness import run_ranks
 
 from engine.comm.compress import (
     apply_compression,
@@ -110,20 +106,6 @@ def test_unknown_compressor_message() -> None:
 # ---- 2-rank gloo DDP ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
-
-
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -195,22 +177,15 @@ def _run_powersgd(rank: int) -> dict:
     return {"steps": out, "dense_per_step": state.dense_bytes // 5}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    _init(rank, port)
+def _all_cases(rank: int, world: int) -> dict:
     results = {f"{c}@{d}": _run_case(rank, c, d) for c, d in CASES}
     results["powersgd"] = _run_powersgd(rank)
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    return results
 
 
 @pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("compress")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return {r: torch.load(out / f"rank{r}.pt") for r in range(WORLD)}
+def ddp_results() -> dict:
+    return dict(enumerate(run_ranks(WORLD, _all_cases)))
 
 
 def _max_err(result: dict, step: int) -> float:

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from parallel_harness import run_ranks
 
 from engine.comm.compress import apply_compression
 from engine.comm.link import LinkEmulator, bus_factor
@@ -119,20 +114,11 @@ def test_emulated_sleeps_only_the_remainder() -> None:
 # ---- 2-rank gloo DDP ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 NUMEL_BYTES = 4 * (32 * 64 + 64 + 64 * 16 + 16)
 TARGET = 0.15  # seconds the dense bucket takes on the emulated link
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+def _link_steps(rank: int, world: int) -> dict:
     link = LinkEmulator(gbps=NUMEL_BYTES * 8 / 1e9 / TARGET)
     times = {}
     for compressor in ("none", "fp16"):
@@ -147,18 +133,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             ddp(x).sum().backward()  # DDP waits for the bucket's future at the end of backward
             took.append(time.perf_counter() - start)
         times[compressor] = {"took": took, "wire": state.wire_bytes, "dense": state.dense_bytes}
-    torch.save(times, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    return times
 
 
 @pytest.mark.slow
-def test_ddp_step_waits_for_the_emulated_link(tmp_path: Path) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt")
+def test_ddp_step_waits_for_the_emulated_link() -> None:
+    for res in run_ranks(2, _link_steps):
         assert min(res["none"]["took"]) >= TARGET
         assert min(res["fp16"]["took"]) >= TARGET / 2  # half the bytes, half the wait
         assert res["fp16"]["wire"] * 2 == res["none"]["wire"]
