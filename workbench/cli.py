@@ -56,7 +56,14 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (multi-node)"),
         timeout: Optional[float] = typer.Option(None, help="Stop every rank after this many seconds")) -> None:
     """Train one config on dp*tp*pp ranks and record its telemetry."""
+    import signal
+
     from engine.launch import launch
+
+    def on_term(signum, frame):  # a stop from the dashboard: end the ranks, mark the run interrupted
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
 
     try:
         cfg = _load(config, set_)

@@ -189,7 +189,7 @@ def run_charts(data: dict[str, Any], key: str) -> None:
     for i in range(0, len(charts), 2):
         cols = st.columns(2)
         for col, fig in zip(cols, charts[i:i + 2]):
-            col.plotly_chart(fig, use_container_width=True, key=f"{key}-{i}-{fig.layout.title.text}")
+            col.plotly_chart(fig, width="stretch", key=f"{key}-{i}-{fig.layout.title.text}")
 
 
 # -- studies ---------------------------------------------------------------------------------
@@ -211,55 +211,62 @@ def _optuna_storage(url: str) -> Any:
     return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
 
 
+def studies_db(home_path: str) -> Path:
+    """The SQLite file behind `storage_url` (fast read path of `studies.py`)."""
+    return Path(storage_url(home_path).removeprefix("sqlite:///"))
+
+
 @st.cache_data(ttl=2.0, show_spinner=False)
 def studies_table(home_path: str) -> pd.DataFrame:
-    """One row per study: name, directions, trials, counts by state, best values."""
+    """One row per study: name, directions, trials, counts by state, best first objective."""
+    from workbench.app_pages import studies
+
     columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "best"]
     if not _has_studies(home_path):
         return pd.DataFrame(columns=columns)
-    import optuna
-    from optuna.trial import TrialState
-
     rows = []
-    storage = _optuna_storage(storage_url(home_path))
-    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        study_id = storage.get_study_id_from_name(s.study_name)
-        counts = {state: 0 for state in TrialState}
-        for t in storage.get_all_trials(study_id, deepcopy=False):
-            counts[t.state] += 1
-        best = None
-        if counts[TrialState.COMPLETE] and len(s.directions) == 1:
-            best = optuna.load_study(study_name=s.study_name, storage=storage).best_value
-        rows.append({"study": s.study_name, "directions": " / ".join(d.name.lower() for d in s.directions),
-                     "trials": s.n_trials, "complete": counts[TrialState.COMPLETE],
-                     "running": counts[TrialState.RUNNING], "pruned": counts[TrialState.PRUNED],
-                     "failed": counts[TrialState.FAIL], "best": best})
+    for s in studies.summaries(studies_db(home_path)):
+        c = s["counts"]
+        rows.append({"study": s["study"], "directions": " / ".join(s["directions"]),
+                     "trials": sum(c.values()), "complete": c.get("COMPLETE", 0),
+                     "running": c.get("RUNNING", 0), "pruned": c.get("PRUNED", 0),
+                     "failed": c.get("FAIL", 0), "best": s["best"]})
     return pd.DataFrame(rows, columns=columns)
 
 
 def load_study(home_path: str, name: str) -> Any:
-    """The named study on this home's storage (read handle)."""
+    """The named study on this home's storage (a live handle, for writes and export)."""
     import optuna
 
     return optuna.load_study(study_name=name, storage=_optuna_storage(storage_url(home_path)))
 
 
 @st.cache_data(ttl=2.0, show_spinner=False)
+def study_trials(home_path: str, name: str) -> tuple[list[str], list[Any]]:
+    """(directions, FrozenTrials) of a study, read in one pass (Optuna's own reader as fallback)."""
+    from workbench.app_pages import studies
+
+    try:
+        return studies.read_trials(studies_db(home_path), name)
+    except (KeyError, ValueError, LookupError, __import__("sqlite3").Error):
+        study = load_study(home_path, name)
+        return [d.name.lower() for d in study.directions], study.get_trials(deepcopy=False)
+
+
+@st.cache_data(ttl=2.0, show_spinner=False)
 def trials_frame(home_path: str, name: str) -> pd.DataFrame:
     """One row per trial: number, state, value(s), params, reason, run id, duration (s)."""
-    study = load_study(home_path, name)
+    directions, trials = study_trials(home_path, name)
     rows = []
-    for t in study.get_trials(deepcopy=False):
-        row: dict[str, Any] = {"number": t.number, "state": t.state.name}
+    for t in trials:
         values = t.values or []
-        if len(study.directions) == 1:
-            row["tokens/s"] = values[0] if values else None
-        else:
-            row["tokens/s"] = values[0] if values else None
+        row: dict[str, Any] = {"number": t.number, "state": t.state.name,
+                               "tokens/s": values[0] if values else None}
+        if len(directions) > 1:
             row["val_loss"] = values[1] if len(values) > 1 else None
         row.update({f"param:{k}": v for k, v in t.params.items()})
         row["reason"] = t.user_attrs.get("reason", "")
-        row["run_id"] = t.user_attrs.get("run_id") or (t.user_attrs.get("segment") or {}).get("run_id")
+        row["run_id"] = t.user_attrs.get("run_id")
         row["duration(s)"] = t.duration.total_seconds() if t.duration else None
         rows.append(row)
     return pd.DataFrame(rows)

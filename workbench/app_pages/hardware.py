@@ -56,7 +56,7 @@ def live() -> None:
         for key, value in sample.items():
             gpu, _, field = key.partition("/")
             rows.setdefault(gpu, {})[field] = value
-        st.dataframe(pd.DataFrame.from_dict(rows, orient="index"), use_container_width=True)
+        st.dataframe(pd.DataFrame.from_dict(rows, orient="index"), width="stretch")
     mem = psutil.virtual_memory()
     net = _net_rates()
     cols = st.columns(4)
@@ -73,7 +73,7 @@ st.title("Hardware")
 FACTS = _static_facts()
 st.subheader("GPUs")
 if FACTS["gpus"]:
-    st.dataframe(pd.DataFrame(FACTS["gpus"]), hide_index=True, use_container_width=True)
+    st.dataframe(pd.DataFrame(FACTS["gpus"]), hide_index=True, width="stretch")
 else:
     st.info(f"No NVIDIA GPU visible ({FACTS['nvml_reason'] or 'NVML unavailable'}): runs use CPU "
             "ranks over gloo; GPU timelines stay empty.")
@@ -83,7 +83,7 @@ st.subheader("Machine and software")
 host = dict(FACTS["host"])
 versions = host.pop("versions", {}) or {}
 left, right = st.columns(2)
-left.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in host.items()}}), use_container_width=True)
-right.dataframe(pd.DataFrame({"version": {k: str(v) for k, v in versions.items()}}), use_container_width=True)
+left.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in host.items()}}), width="stretch")
+right.dataframe(pd.DataFrame({"version": {k: str(v) for k, v in versions.items()}}), width="stretch")
 st.caption("Distributed backends: " + ", ".join(f"{k}: {'yes' if v is True else ('no' if v is False else v)}"
                                                  for k, v in FACTS["backends"].items()))

@@ -20,9 +20,9 @@ st.subheader("Recent runs")
 if runs.empty:
     common.empty_runs_message()
 else:
-    st.dataframe(runs.head(20), hide_index=True, use_container_width=True)
+    st.dataframe(runs.head(20), hide_index=True, width="stretch")
 st.subheader("Studies")
 if studies.empty:
     st.info("No studies yet: start one on the **Tune** page, or `workbench tune SPACE.yaml`.")
 else:
-    st.dataframe(studies, hide_index=True, use_container_width=True)
+    st.dataframe(studies, hide_index=True, width="stretch")

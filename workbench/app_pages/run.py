@@ -127,13 +127,17 @@ def live_panel(run_id: str) -> None:
     if run is None:
         st.warning(f"Run `{run_id}` disappeared from the store.")
         return
-    common.run_header(run)
-    stop_button(run)
+    # containers keep the element count fixed when optional parts come and go between polls
+    with st.container():
+        common.run_header(run)
+    with st.container():
+        stop_button(run)
     common.headline(data)
     common.run_charts(data, key=f"run-{run_id}")
     was_running = st.session_state.get(f"running-{run_id}", False)
     st.session_state[f"running-{run_id}"] = run["status"] == "running"
     if was_running and run["status"] != "running":
+        common.runs_table.clear()
         st.rerun(scope="app")  # the run ended: leave polling mode
 
 

@@ -1,0 +1,184 @@
+"""End to end in a real headless Chromium (Debian `chromium`, driven by Playwright; no browser is
+downloaded): start the app, launch a tiny 2-rank run from the Run page and watch its charts
+update, start a 3-trial study from the Tune page, download the exported YAML. Screenshots go to
+artifacts/ (gitignored)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "artifacts"
+CHROMIUM = shutil.which("chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian package `chromium` "
+                       "(apt-get install -y chromium chromium-driver); no browser is downloaded"),
+    pytest.mark.slow, pytest.mark.xdist_group("dashboard"), pytest.mark.timeout(400),
+]
+
+SPACE = """world_size: 1
+params:
+  batch.micro: {choices: [2, 4]}
+  train.lr: {low: 0.001, high: 0.01, log: true}
+fixed: {train.steps: 3}
+"""
+BASE = """name: btune
+model: {layers: 2, d_model: 32, heads: 2, seq_len: 32, vocab: 256}
+data: {source: text}
+parallel: {dp: 1}
+batch: {global: 8, micro: 4}
+train: {steps: 3, lr: 3.0e-3}
+profile: {host_interval_s: 0.5}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("browser-home")
+    port = _free_port()
+    env = {**os.environ, "WORKBENCH_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    log = open(home / "streamlit.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"),
+                             "--server.address", "127.0.0.1", "--server.port", str(port),
+                             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+                             "--server.fileWatcherType", "none"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("streamlit did not start: " + (home / "streamlit.log").read_text()[-2000:])
+    yield url, home
+    from workbench import ui_state
+
+    for job in ui_state.running_jobs(home):
+        ui_state.stop_job(job, grace_s=2.0)
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(viewport={"width": 1500, "height": 3200}, accept_downloads=True)
+        yield context.new_page()
+        browser.close()
+
+
+def _metric(page, label: str) -> str:
+    box = page.locator('[data-testid="stMetric"]').filter(has_text=label).first
+    return box.locator('[data-testid="stMetricValue"]').inner_text()
+
+
+def _step(page) -> int:
+    value = _metric(page, "step")
+    return int(value) if value.isdigit() else -1
+
+
+def _finished(page) -> int:
+    """Complete + pruned + failed trials shown by the Tune page (0 before the panel appears)."""
+    if page.locator('[data-testid="stMetric"]').filter(has_text="complete").count() == 0:
+        return 0
+    values = [_metric(page, label) for label in ("complete", "pruned", "fail")]
+    return sum(int(v) for v in values if v.isdigit())
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _fill_text_area(page, label: str, text: str) -> None:
+    box = page.get_by_label(label)
+    box.fill(text)
+    box.press("Control+Enter")  # Streamlit commits a text area on Ctrl+Enter or blur
+    page.wait_for_timeout(800)
+
+
+def test_launch_a_run_watch_it_tune_and_export(server, page):
+    try:
+        _scenario(server, page)
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+        raise
+
+
+def _scenario(server, page) -> None:
+    url, home = server
+    page.goto(url)
+    page.get_by_role("heading", name="Workbench overview").wait_for(timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "01-overview.png"), full_page=True)
+
+    # Run page: the form's defaults are a 2-layer d_model 32 model on 2 dp ranks, 15 steps
+    page.goto(f"{url}/run")
+    page.get_by_role("button", name="Launch run").click()
+    # the run registers (status running, no step yet) before its ranks start: the first view
+    # shows "–" or an early step, and the polled charts must move on to a later one
+    page.get_by_text("Throughput and MFU").first.wait_for(timeout=90_000)
+    first = _step(page)
+    page.screenshot(path=str(ARTIFACTS / "02-run-live.png"), full_page=True)
+    _wait_for(lambda: _step(page) > first, 120, "the charts to update with a later step")
+    _wait_for(lambda: "completed" in _metric(page, "status"), 120, "the run to complete")
+    assert int(_metric(page, "step")) == 14
+    assert page.locator(".js-plotly-plot").count() >= 6
+    page.screenshot(path=str(ARTIFACTS / "03-run-done.png"), full_page=True)
+
+    # Tune page: a 3-trial study of 1-rank, 3-step trials
+    _tune_and_export(url, page)
+
+
+def _tune_and_export(url: str, page) -> None:
+    page.goto(f"{url}/tune")
+    page.get_by_role("heading", name="Tune").wait_for()
+    page.get_by_label("New study name").fill("browser-study")
+    page.get_by_label("New study name").press("Enter")
+    _fill_text_area(page, "Search space (YAML)", SPACE)
+    _fill_text_area(page, "Base run config (YAML)", BASE)
+    page.get_by_role("button", name="Start / continue study").click()
+    _wait_for(lambda: _finished(page) == 3, 240, "3 finished trials")
+    assert int(_metric(page, "complete")) >= 1  # the median pruner may stop a slow one
+    page.get_by_text("Optimisation history").first.wait_for(timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "04-tune.png"), full_page=True)
+
+    # Export page: download the best trial's YAML
+    page.goto(f"{url}/export")
+    page.get_by_role("heading", name="Export").wait_for()
+    with page.expect_download(timeout=30_000) as info:
+        page.get_by_role("button", name=re.compile("YAML config")).click()
+    target = ARTIFACTS / "best.yaml"
+    info.value.save_as(str(target))
+    text = target.read_text()
+    assert "model:" in text and "parallel:" in text and "d_model: 32" in text
+    page.screenshot(path=str(ARTIFACTS / "05-export.png"), full_page=True)

@@ -1,0 +1,85 @@
+"""Export: the best (or any) trial's config as YAML, torchrun command, JSON, Megatron args, DeepSpeed."""
+from __future__ import annotations
+
+import json
+
+import streamlit as st
+import yaml
+
+from workbench.app_pages import common
+
+FORMATS = {  # format: (label, file suffix, mime)
+    "yaml": ("YAML config", "yaml", "application/x-yaml"),
+    "torchrun": ("torchrun command", "sh", "text/x-shellscript"),
+    "json": ("JSON config", "json", "application/json"),
+    "megatron": ("Megatron-LM arguments", "txt", "text/plain"),
+    "deepspeed": ("DeepSpeed JSON", "deepspeed.json", "application/json"),
+}
+
+
+def _best_numbers(study) -> list[int]:
+    from optuna.trial import TrialState
+
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return []
+    if len(study.directions) == 1:
+        return [study.best_trial.number]
+    return [t.number for t in study.best_trials]
+
+
+def study_export(home: str) -> None:
+    """Pick a study and one of its completed trials; one download button per format."""
+    try:
+        from tuning.export import export_trial
+    except ImportError as exc:
+        st.warning(f"tuning.export is not importable ({exc}): trial export is unavailable.")
+        return
+    studies = common.studies_table(home)
+    if studies.empty:
+        st.info("No studies yet: start one on the **Tune** page, then export its best trial here.")
+        return
+    name = st.selectbox("Study", list(studies["study"]))
+    study = common.load_study(home, name)
+    trials = common.trials_frame(home, name)
+    done = trials[trials["state"] == "COMPLETE"] if len(trials) else trials
+    if done.empty:
+        st.info("This study has no completed trial yet.")
+        return
+    best = _best_numbers(study)
+    numbers = [int(n) for n in done.sort_values("tokens/s", ascending=False)["number"]]
+    trial = st.selectbox("Trial", numbers, format_func=lambda n: f"trial {n}" + (" (best)" if n in best else ""))
+    cols = st.columns(len(FORMATS))
+    for col, (fmt, (label, suffix, mime)) in zip(cols, FORMATS.items()):
+        try:
+            text = export_trial(study, trial, fmt=fmt)
+        except Exception as exc:  # one format failing must not hide the others
+            col.error(f"{label}: {exc}")
+            continue
+        col.download_button(f"⬇ {label}", text, file_name=f"{name}-trial{trial}.{suffix}", mime=mime,
+                            key=f"dl-{fmt}")
+    with st.expander("Preview (YAML)"):
+        st.code(export_trial(study, trial, fmt="yaml"), language="yaml")
+
+
+def run_export(home: str) -> None:
+    """Any recorded run's config as YAML or JSON (what `workbench run` would repeat)."""
+    runs = common.runs_table(home)
+    if runs.empty:
+        common.empty_runs_message()
+        return
+    labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
+    run_id = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="export_run")
+    config = (common.store().run(run_id) or {}).get("config") or {}
+    left, right = st.columns(2)
+    left.download_button("⬇ run config (YAML)", yaml.safe_dump(config, sort_keys=False),
+                         file_name=f"{run_id}.yaml", mime="application/x-yaml", key="dl-run-yaml")
+    right.download_button("⬇ run config (JSON)", json.dumps(config, indent=2), file_name=f"{run_id}.json",
+                          mime="application/json", key="dl-run-json")
+
+
+st.title("Export")
+HOME = str(common.home())
+st.subheader("From a study")
+study_export(HOME)
+st.subheader("From a run")
+run_export(HOME)
