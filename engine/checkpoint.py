@@ -13,15 +13,18 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 if TYPE_CHECKING:
     from engine.train import Trainer
 
-_FULL = StateDictOptions(full_state_dict=True)
+
+
+def _dcp():
+    """torch.distributed.checkpoint and .optim, imported on first use (about 1.5 s of a rank's start)."""
+    from torch.distributed.checkpoint import state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return state_dict, state_dict.StateDictOptions(full_state_dict=True), ZeroRedundancyOptimizer
 
 
 def _rank() -> int:
@@ -44,13 +47,14 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
                         "optim": par.optimizer.state_dict()}, path.with_suffix(".pt"))
         _barrier()
         return folder / f"step{step:06d}"
+    sd, full, zero1 = _dcp()
     model = par.modules[0]
-    model_sd = get_model_state_dict(model, options=_FULL)
-    if isinstance(par.optimizer, ZeroRedundancyOptimizer):
+    model_sd = sd.get_model_state_dict(model, options=full)
+    if isinstance(par.optimizer, zero1):
         par.optimizer.consolidate_state_dict(to=0)
         optim_sd = par.optimizer.state_dict() if _rank() == 0 else None
     else:
-        optim_sd = get_optimizer_state_dict(model, par.optimizer, options=_FULL)
+        optim_sd = sd.get_optimizer_state_dict(model, par.optimizer, options=full)
     path = folder / f"step{step:06d}.pt"
     if _rank() == 0:
         tmp = path.with_suffix(".tmp")
@@ -73,10 +77,11 @@ def load(trainer: Trainer, path: str | Path) -> int:
         par.optimizer.load_state_dict(data["optim"])
         return int(data["step"])
     data = torch.load(p, weights_only=True, map_location="cpu")
+    sd, full, zero1 = _dcp()
     model = par.modules[0]
-    set_model_state_dict(model, data["model"], options=_FULL)
-    if isinstance(par.optimizer, ZeroRedundancyOptimizer):
+    sd.set_model_state_dict(model, data["model"], options=full)
+    if isinstance(par.optimizer, zero1):
         par.optimizer.load_state_dict(data["optim"])
     else:
-        set_optimizer_state_dict(model, par.optimizer, data["optim"], options=_FULL)
+        sd.set_optimizer_state_dict(model, par.optimizer, data["optim"], options=full)
     return int(data["step"])

@@ -86,6 +86,8 @@ class LinkEmulator:
             return self.delay_for("all_reduce", buf.numel() * buf.element_size(), group_size)
 
         cost_fn = cost or default_cost
+        link_free = [0.0]  # one link: a bucket's transfer starts when the previous one is done
+        lock = threading.Lock()
 
         def emulated_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             start = time.perf_counter()
@@ -95,10 +97,13 @@ class LinkEmulator:
             def on_done(fut: torch.futures.Future) -> None:
                 try:
                     value = fut.value()
-                    deadline = start + cost_fn(state, bucket)
+                    seconds = cost_fn(state, bucket)
                 except Exception as exc:  # noqa: BLE001 - forwarded to DDP through the future
                     out.set_exception(exc)
                     return
+                with lock:
+                    deadline = max(start, link_free[0]) + seconds
+                    link_free[0] = deadline
                 _timer().complete_at(deadline, out, value)
 
             inner.add_done_callback(on_done)

@@ -18,20 +18,27 @@ import contextlib
 import inspect
 import logging
 import math
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
 
 
+def is_dtensor(t: object) -> bool:
+    """isinstance(t, DTensor) without importing DTensor (about 1 s of a rank's start): when the
+    module was never imported, nothing can be a DTensor."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def _has_dtensor_params(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def apply_data_parallel(model: nn.Module, *, process_group: dist.ProcessGroup | None = None,
@@ -94,7 +101,7 @@ def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of `grads`, all of one kind and one mesh, reduced over that mesh."""
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     # a DTensor norm is Partial over sharded axes (and over Partial grads): full_tensor() reduces it
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
@@ -117,7 +124,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))  # tied weights appear once
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        key = p.grad.device_mesh if is_dtensor(p.grad) else None
         groups.setdefault(key, []).append(p)
     squares = [_group_norm([p.grad for p in ps]).float() ** 2 for ps in groups.values()]
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
