@@ -235,7 +235,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(path, value, "must be a number in floating-point range") from None
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -279,7 +282,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", str(path), "file not found")
     try:
         data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: an int beyond Python's digit limit
         raise ConfigError("config", str(path), f"is not valid YAML: {exc}".replace("\n", " ")) from None
     if data is None:
         return {}

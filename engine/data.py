@@ -101,6 +101,25 @@ def val_batches(ds: TokenDataset, *, global_batch: int, n: int, dp: int,
     return [ds.windows(row[dp_rank * per_rank:(dp_rank + 1) * per_rank]) for row in starts]
 
 
+@dataclass(slots=True)
+class MapDataset:
+    """A user's dataset of (input, target) tensor pairs, read with the same batch indexing."""
+
+    items: object  # anything with __len__ and __getitem__ -> (input, target)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens (elements) per sample, for tokens/s."""
+        return int(self.items[0][0].numel())
+
+    def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.items[int(i)] for i in starts]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
 def load_entry(entry: str):
     """Import a user's `module:function` (only when model.entry names it) and call it.
 

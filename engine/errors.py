@@ -2,12 +2,21 @@
 from __future__ import annotations
 
 
+def _shown(value: object, limit: int = 1000) -> str:
+    """repr() of a config value, shortened (an int of over 4,300 digits cannot even be repr'd)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 class ConfigError(ValueError):
     """A config value breaks a rule. The message names the field, the value and the rule."""
 
     def __init__(self, field: str, value: object, rule: str) -> None:
         self.field, self.value, self.rule = field, value, rule
-        super().__init__(f"{field}={value!r}: {rule}")
+        super().__init__(f"{field}={_shown(value)}: {rule}")
 
 
 class ConfigErrors(ConfigError):
@@ -25,7 +34,7 @@ class RankFailure(RuntimeError):
 
     def __init__(self, rank: int | None, reason: str, traceback: str = "") -> None:
         self.rank, self.reason, self.traceback = rank, reason, traceback
-        where = f"rank {rank}" if rank is not None else "a rank"
+        where = f"rank {rank}" if rank is not None else "the run"  # a timeout or a store failure: no one rank
         msg = f"{where} failed: {reason}"
         if traceback:
             msg += f"\n--- traceback of {where} ---\n{traceback.rstrip()}"

@@ -183,7 +183,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)
         try:
-            status = _wait(proc, store, run_id, started, timeout_s, on_progress)
+            status = _wait(proc, store, run_id, started, timeout_s, on_progress, server)
         except BaseException as exc:  # Ctrl-C, or the caller stopped the run (a pruned trial)
             _kill_session(proc)
             server.stop()
@@ -195,7 +195,11 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
             _kill_session(proc)
             server.stop()
     log_text = (run_dir / "launcher.log").read_text(errors="replace")
-    if status == "timeout":
+    if server.error is not None and status != "timeout":  # e.g. a full disk: never a silent loss
+        status, failure = "failed", RankFailure(None, f"the run store could not take this run's telemetry "
+                                                f"({server.records_failed} records not stored): {server.error}; "
+                                                "the run was stopped")
+    elif status == "timeout":
         status, failure = "failed", RankFailure(None, f"timed out after {timeout_s:.0f} s; every rank was stopped")
     elif status == "failed":
         failure = _first_failure(run_dir, log_text)
@@ -207,9 +211,11 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
 
 
 def _wait(proc: subprocess.Popen, store, run_id: str, started: float, timeout_s: float | None,
-          on_progress: Progress | None) -> str:
+          on_progress: Progress | None, server) -> str:
     last_step = -1
     while proc.poll() is None:
+        if server.error is not None:
+            return "store_error"
         if timeout_s is not None and time.time() - started > timeout_s:
             return "timeout"
         if on_progress is not None:

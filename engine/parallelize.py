@@ -66,10 +66,11 @@ def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh) -> None:
         from engine.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    if hasattr(model, "set_activation_checkpointing"):  # a user's model (model.entry) may not have it
+        model.set_activation_checkpointing(cfg.train.activation_checkpointing)
 
 
-def parallelize(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
+def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
                 comm_hook_factory: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> Parallelized:
     """Apply TP, activation checkpointing, then PP and ZeRO/DP, in that order.
 

@@ -73,11 +73,18 @@ class Trainer:
         self.comm = None  # set by the comm hook factory
         # records every torch.distributed collective (and DDP buckets) once enabled
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
+        self.user_dataset = None
         self.par: Parallelized = self._build()
-        self.splits: Splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
-        self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
+        if self.user_dataset is not None:
+            # a user's model trains on its own dataset (validated on it too: it brings no split)
+            self.splits = Splits(self.user_dataset, self.user_dataset)
+            self.tokens_per_step = cfg.batch.global_ * self.user_dataset.seq_len
+            self.flops_per_step = None  # unknown architecture: MFU reads n/a
+        else:
+            self.splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
+            self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
+            self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = peak_flops(device)
-        self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         if cfg.train.resume_from:
             self.start_step = ckpt.load(self, cfg.train.resume_from)
 
@@ -85,7 +92,14 @@ class Trainer:
     def _build(self) -> Parallelized:
         from engine.comm_setup import install_comm, build_optimizer
 
-        model = build_model(self.cfg.model, seed=self.cfg.train.seed)
+        if self.cfg.model.entry:  # imported only because the config names it
+            from engine.data import MapDataset, load_entry
+
+            torch.manual_seed(self.cfg.train.seed)  # the same initial weights on every rank
+            model, dataset = load_entry(self.cfg.model.entry)
+            self.user_dataset = MapDataset(dataset)
+        else:
+            model = build_model(self.cfg.model, seed=self.cfg.train.seed)
         factory = None
         if self.dims.world_size > 1:
             factory = lambda ddp, group: install_comm(self, ddp, group)  # noqa: E731
@@ -179,7 +193,8 @@ class Trainer:
         step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
         loss = self._sync_loss(loss)
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
-        mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) if self.peak else None
+        mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) \
+            if self.peak and self.flops_per_step else None
         return StepMetrics(step=step, loss=loss, step_time_s=step_time, tokens_per_s=tps, lr=lr,
                            grad_norm=grad_norm, mfu=mfu, breakdown=breakdown)
 
@@ -191,7 +206,7 @@ class Trainer:
         for i, module in enumerate(self.par.modules):
             for key, value in measure_model_state(module, self.par.optimizer if i == 0 else None).items():
                 measured[key] = measured.get(key, 0.0) + value
-        estimate = estimate_memory(self.cfg, pp_rank=self.coords["pp"])
+        estimate = {} if self.user_dataset is not None else estimate_memory(self.cfg, pp_rank=self.coords["pp"])
         for key, value in measured.items():
             self.emit(step, "memory", f"{key}(GiB)", value / 2**30)
         for key, value in estimate.items():

@@ -59,6 +59,8 @@ def _model_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     if m.entry is not None and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         yield ConfigError("model.entry", m.entry, "a user model runs with data parallel and ZeRO only: "
                           "set parallel.tp=1 and parallel.pp=1")
+    if m.entry is not None and cfg.train.activation_checkpointing:
+        yield ConfigError("train.activation_checkpointing", True, "applies to the built-in GPT only, not model.entry")
     if cfg.data.source in ("text", "files") and m.entry is None and 0 < m.vocab < 256:
         yield ConfigError("model.vocab", m.vocab, f"must be >= 256 for byte-level data.source={cfg.data.source}")
 

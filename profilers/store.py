@@ -177,6 +177,7 @@ class RunStore:
             conn.row_factory = sqlite3.Row
             try:
                 conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                self._refuse_newer(conn)  # before WAL: switching the journal mode rewrites the header
                 mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
                     raise StoreError(self.path, f"journal_mode is {mode}, WAL is required",
@@ -188,14 +189,18 @@ class RunStore:
                 raise
         return conn
 
-    def _migrate(self, conn: sqlite3.Connection) -> None:
+    def _refuse_newer(self, conn: sqlite3.Connection) -> int:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version == SCHEMA_VERSION:
-            return
         if version > SCHEMA_VERSION:
             raise StoreError(self.path, f"schema version {version} is newer than this workbench "
                              f"supports ({SCHEMA_VERSION})",
                              "upgrade the workbench, or choose another --home")
+        return version
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        version = self._refuse_newer(conn)
+        if version == SCHEMA_VERSION:
+            return
         conn.execute("BEGIN IMMEDIATE")
         try:
             # re-read under the write lock: another process may have migrated meanwhile

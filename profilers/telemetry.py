@@ -49,6 +49,8 @@ class TelemetryServer:
         self.port = port
         self.records_written = 0
         self.batches_written = 0
+        self.records_failed = 0
+        self.error: str | None = None  # the first commit failure (full disk, read-only store), for the launcher
         self._queue: queue.Queue[object] = queue.Queue()
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
@@ -184,6 +186,8 @@ class TelemetryServer:
         except Exception as exc:  # the writer must survive a full disk: it just acks nothing
             log.error("telemetry: could not write %d records: %s", len(records), exc)
             committed = False
+            self.records_failed += len(records)
+            self.error = self.error or str(exc)
         self.records_written += len(records) if committed else 0
         for recs, conn, meta in items:  # type: ignore[misc]
             if recs is None:

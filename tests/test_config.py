@@ -89,6 +89,8 @@ RULES = [
     (["live.every=-1"], "live.every", r"must be >= 0"),
     (["live.wait_s=0"], "live.wait_s", r"must be > 0"),
     (["model.entry=mymod:build", "parallel.tp=2"], "model.entry", r"data parallel and ZeRO only"),
+    (["model.entry=mymod:build", "train.activation_checkpointing=true"], "train.activation_checkpointing",
+     r"built-in GPT only"),
     (["profile.nvml_interval_s=-1"], "profile.nvml_interval_s", r"must be >= 0"),
     (["profile.host_interval_s=-1"], "profile.host_interval_s", r"must be >= 0"),
     (["profile.warmup_steps=-1"], "profile.warmup_steps", r"must be >= 0"),

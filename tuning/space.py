@@ -216,8 +216,10 @@ def _param(key: str, spec: Any, world: int | None) -> Param:
         return Param(key, choices=choices, when=when)
     low, high, step = spec.get("low"), spec.get("high"), spec.get("step")
     for name, v in (("low", low), ("high", high)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ConfigError(f"{where}.{name}", v, "must be a number (or give choices)")
         if not _is_number(v):
-            raise ConfigError(f"{where}.{name}", v, "must be a finite number (or give choices)")
+            raise ConfigError(f"{where}.{name}", v, "must be a finite number")
     if low > high:
         raise ConfigError(f"{where}.low", low, f"must be <= high={high}")
     log = bool(spec.get("log", False))

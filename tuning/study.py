@@ -6,10 +6,11 @@ is marked FAIL by the next worker (`fail_stale_trials`) and nothing else is lost
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,31 @@ def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s
     # optuna 4.9 renamed failed_trial_callback; pyproject allows older versions too
     params = inspect.signature(optuna.storages.RDBStorage).parameters
     callback = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
-                                      grace_period=grace_s, **{callback: _interrupt_run(home)})
+    with _schema_lock(url):
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
+                                          grace_period=grace_s, **{callback: _interrupt_run(home)})
+
+
+@contextlib.contextmanager
+def _schema_lock(url: str) -> Iterator[None]:
+    """Serialize opening one SQLite study file across processes: Optuna creates its tables and version
+    row without a lock, and workers started together fail with "table ... already exists"."""
+    if not url.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    try:
+        handle = open(url.removeprefix("sqlite:///") + ".lock", "a")
+    except OSError:  # a read-only folder: nobody can create the tables there anyway
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _interrupt_run(home: str | Path | None) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:

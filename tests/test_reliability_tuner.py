@@ -1,0 +1,191 @@
+"""Tuner faults and concurrent workers lose nothing.
+
+- A tuner running two workers (`--jobs 2`) is killed with SIGKILL twice in the middle of trials and
+  restarted: the trials that were running become FAIL (and their runs `interrupted`), every completed
+  trial is kept as it was, trial numbers stay unique and gap-free, and no rank outlives its tuner.
+- A trial whose rank is SIGKILLed fails with the rank and the reason; an out-of-memory error inside a
+  trial prunes it with reason "oom"; the study goes on to a completed trial after both.
+- Four `workbench tune` processes share one SQLite study and one run store for 40 trials: every
+  trial has its own run, complete with all its steps; numbers 0..39; the counts add up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from engine.config import load_config
+from profilers.store import RunStore
+from tuning.objective import Objective
+from tuning.space import SearchSpace
+from tuning.study import load_study, run_trials
+
+pytestmark = pytest.mark.xdist_group("launch")
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "train.steps=3",
+        "batch.global=8", "batch.micro=4", "parallel.dp=1", "train.warmup_steps=0", "train.timeout_s=30",
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0"]
+SPACE = {"params": {"batch.micro": {"choices": [2, 4, 8]}, "ddp.bucket_cap_mb": {"choices": [1, 25]}}}
+STEP_NAMES = {"loss", "step_time(s)", "tokens_per_s", "lr", "grad_norm"}
+WORKERS, TRIALS_EACH = 4, 10
+
+
+def _files(tmp_path: Path, steps: int = 3) -> tuple[Path, Path]:
+    space_path, base_path = tmp_path / "space.yaml", tmp_path / "base.yaml"
+    space_path.write_text(yaml.safe_dump(SPACE))
+    base_path.write_text(yaml.safe_dump(load_config(None, BASE + [f"train.steps={steps}"]).to_dict()))
+    return space_path, base_path
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_HEARTBEAT_S": "1", "WORKBENCH_GRACE_S": "3",
+            "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
+
+
+def _tune(space: Path, base: Path, study: str, storage: str, trials: int, jobs: int = 1) -> list[str]:
+    return [sys.executable, "-m", "workbench.cli", "tune", str(space), "--base", str(base), "--trials", str(trials),
+            "--jobs", str(jobs), "--study", study, "--storage", storage, "--json", "--pruner", "none",
+            "--sampler", "random"]
+
+
+def _trials(study: str, storage: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name=study, storage=storage).get_trials()
+    except KeyError:
+        return []
+
+
+def _workbench_processes(home: Path) -> list[str]:
+    """Live tuners, launchers or ranks working in `home` (their command lines name its files)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if str(home) in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid != os.getpid():
+                found.append(f"{proc.info['pid']}: {cmdline[:160]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _errors(stderr: str) -> str:
+    """A worker's stderr without Optuna's experimental-feature warnings."""
+    return "\n".join(line for line in stderr.splitlines() if "warn" not in line.lower())[-4000:]
+
+
+def _kill_mid_trial(cmd: list[str], env: dict[str, str], study: str, storage: str, *, completed_before: int,
+                    home: Path) -> None:
+    """Start a tuner, wait until a new trial completed and another is running, SIGKILL its process group."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        time.sleep(0.5)
+        states = [t.state for t in _trials(study, storage)]
+        if states.count(TrialState.COMPLETE) > completed_before and TrialState.RUNNING in states:
+            break
+    assert time.time() < deadline, "the tuner never reached a running trial"
+    os.killpg(proc.pid, signal.SIGKILL)  # the tuner and its --jobs child; ranks follow by PDEATHSIG
+    proc.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and _workbench_processes(home):
+        time.sleep(0.3)
+    assert _workbench_processes(home) == []  # no orphaned launcher or rank keeps running
+
+
+def test_tuner_killed_twice_with_two_jobs_resumes_losing_nothing(tmp_path):
+    space, base = _files(tmp_path)
+    storage, study, env = f"sqlite:///{tmp_path}/studies.db", "killed-twice", _env(tmp_path)
+    cmd = _tune(space, base, study, storage, trials=8, jobs=2)
+    kept: dict[int, list[float]] = {}
+    for _ in range(2):
+        _kill_mid_trial(cmd, env, study, storage, completed_before=len(kept), home=tmp_path)
+        done = {t.number: t.values for t in _trials(study, storage) if t.state == TrialState.COMPLETE}
+        assert all(done[n] == v for n, v in kept.items())  # completed trials survive each kill unchanged
+        kept = done
+        time.sleep(4)  # past the 3 s grace: the killed trials' heartbeats are stale
+    out = subprocess.run(_tune(space, base, study, storage, trials=2), env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    trials = _trials(study, storage)
+    assert sorted(t.number for t in trials) == list(range(len(trials)))  # unique, no gaps
+    assert all(t.state != TrialState.RUNNING for t in trials)
+    done = {t.number: t.values for t in trials if t.state == TrialState.COMPLETE}
+    assert all(done[n] == v for n, v in kept.items()) and len(done) == len(kept) + 2
+    stale = [t for t in trials if t.state == TrialState.FAIL]
+    assert 2 <= len(stale) <= 4  # each kill left one or two (two jobs) running trials behind
+    store = RunStore.open_home(tmp_path)
+    for t in trials:
+        run = store.run(t.user_attrs["run_id"]) if "run_id" in t.user_attrs else None
+        if t.state == TrialState.COMPLETE:
+            assert run is not None and run["status"] == "completed"
+        elif run is not None and run["status"] != "completed":  # completed: killed between run end and tell
+            # a stale trial's run is closed, never left "running" forever
+            assert run["status"] == "interrupted" and "stopped sending heartbeats" in run["error"], run
+    assert [r for r in store.runs(limit=1000) if r["status"] == "running"] == []
+    print(f"\nkilled twice: {len(trials)} trials, {len(done)} complete, {len(stale)} stale -> FAIL")
+
+
+def test_crashed_and_oom_trials_do_not_stop_the_study(tmp_path):
+    study = load_study("faults", f"sqlite:///{tmp_path}/studies.db", sampler="random", seed=0, pruner="none")
+    space = SearchSpace.from_dict({"params": {"batch.micro": {"choices": [4]}}})
+    base = load_config(None, BASE)
+    for fault in ("rank=0,step=1,kind=kill", "rank=0,step=1,kind=oom", None):
+        run_trials(study, Objective(base, space, home=tmp_path, extra_env={"WORKBENCH_FAULT": fault} if fault
+                                    else None), 1)
+    killed, oom, good = study.get_trials()
+    assert killed.state == TrialState.FAIL
+    assert killed.user_attrs["reason"].startswith("crash (rank 0): rank 0 failed: killed by signal 9 (SIGKILL)")
+    assert oom.state == TrialState.PRUNED and oom.user_attrs["reason"] == "oom"
+    assert good.state == TrialState.COMPLETE and good.values[0] > 0
+    store = RunStore.open_home(tmp_path)
+    assert [store.run(t.user_attrs["run_id"])["status"] for t in (killed, oom, good)] == ["failed", "failed",
+                                                                                         "completed"]
+    assert "OutOfMemoryError" in store.run(oom.user_attrs["run_id"])["error"]
+    for t in (killed, oom):  # step 0 finished before each fault: its records are kept
+        assert {r.name for r in store.metrics(t.user_attrs["run_id"], kind="step", rank=0) if r.step == 0} >= STEP_NAMES
+
+
+@pytest.mark.timeout(900)  # 40 real runs: ~2.5 min on 2 idle cores, more on a shared machine
+def test_four_workers_share_one_study_and_one_store(tmp_path):
+    space, base = _files(tmp_path, steps=2)
+    storage, study, env = f"sqlite:///{tmp_path}/studies.db", "four", _env(tmp_path)
+    started = time.time()
+    procs = [subprocess.Popen(_tune(space, base, study, storage, trials=TRIALS_EACH), env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(WORKERS)]
+    outs = [p.communicate(timeout=540) for p in procs]
+    wall = time.time() - started
+    assert all(p.returncode == 0 for p in procs), [_errors(err) for _, err in outs]
+    total = WORKERS * TRIALS_EACH
+    trials = _trials(study, storage)
+    assert sorted(t.number for t in trials) == list(range(total))
+    assert all(t.state == TrialState.COMPLETE for t in trials), [(t.number, t.state, t.user_attrs) for t in trials]
+    run_ids = [t.user_attrs["run_id"] for t in trials]
+    assert len(set(run_ids)) == total
+    store = RunStore.open_home(tmp_path)
+    runs = {r["run_id"]: r for r in store.runs(limit=10 * total)}
+    assert set(runs) == set(run_ids)  # no run without a trial, no trial without a run
+    for t in trials:
+        run = runs[t.user_attrs["run_id"]]
+        assert run["status"] == "completed" and run["parent"] == f"study:{study}#{t.number}"
+        seen: dict[int, set[str]] = {}
+        for rec in store.metrics(run["run_id"], kind="step"):
+            seen.setdefault(rec.step, set()).add(rec.name)
+        assert sorted(seen) == [0, 1] and all(names >= STEP_NAMES for names in seen.values())
+        assert run["config"]["batch"]["micro"] == t.params["batch.micro"]  # the run is the trial's config
+    for out, _ in outs:  # every worker's own summary agrees with the study
+        summary = json.loads(out)
+        assert summary["study"] == study and sum(summary["counts"].values()) <= total
+    assert _workbench_processes(tmp_path) == []
+    print(f"\nfour workers: {total} trials, {len(runs)} runs, wall {wall:.1f} s")
