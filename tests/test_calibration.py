@@ -94,6 +94,29 @@ def test_overheads_add_per_layer_microbatch_and_step() -> None:
                for f in ("overhead_layer_s", "overhead_microbatch_s", "overhead_step_s", "optimizer_gb_s"))
 
 
+def test_tensor_parallel_and_fsdp_overheads_apply_only_to_their_layouts() -> None:
+    def time(*overrides: str, **overheads: float) -> float:
+        return _predict(*overrides, **overheads)[1].iteration_time_s
+
+    cfg, res = _predict("parallel.tp=2")
+    per_layer_mb = cfg.model.layers * res.num_microbatches  # tp=2 keeps every micro-batch on each rank
+    assert time("parallel.tp=2", overhead_tp_layer_s=1e-3) - time("parallel.tp=2") == \
+        pytest.approx(1e-3 * per_layer_mb, rel=1e-6)
+    z3 = ("parallel.dp=2", "parallel.zero=3")
+    _, res3 = _predict(*z3)
+    assert time(*z3, overhead_fsdp_layer_s=1e-3) - time(*z3) == \
+        pytest.approx(1e-3 * cfg.model.layers * res3.num_microbatches, rel=1e-6)
+    # plain dp pays neither
+    assert time("parallel.dp=2", overhead_tp_layer_s=1e-3, overhead_fsdp_layer_s=1e-3) == \
+        pytest.approx(time("parallel.dp=2"))
+
+
+def test_pipeline_uses_the_measured_p2p_alpha_when_given() -> None:
+    slow = _predict("parallel.pp=2", p2p_latency_s=5e-3, p2p_bw_gb_s=1.0)[1].breakdown["pp_comm"]
+    fast = _predict("parallel.pp=2", p2p_latency_s=1e-4, p2p_bw_gb_s=1.0)[1].breakdown["pp_comm"]
+    assert slow > fast > 0
+
+
 def test_cpu_share() -> None:
     assert cpu_share(1, cpus=2, background=3.0) == 1.0
     assert cpu_share(2, cpus=2, background=0.0) == 1.0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import torch
 
 from engine.config import load_config
@@ -27,7 +26,6 @@ OVERRIDES = ["model.entry=wb_user_model:build", "train.steps=5", "batch.global=8
              "train.eval_interval=5"]
 
 
-@pytest.mark.xdist_group("launch")
 def test_user_model_trains_on_two_ranks_like_one(tmp_path, monkeypatch):
     (tmp_path / "wb_user_model.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -12,6 +12,7 @@ records it). No parameter is ever fitted to the validation configs.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -89,6 +90,8 @@ class HostProfile:
     cpus: int  # cores this process may run on
     load1: float  # 1-minute load average when the measurement started
     measured_at: float = field(default_factory=time.time)  # Unix seconds
+    parallel: dict[str, float] | None = None  # TP / FSDP per-layer overheads at 2 ranks (+ "share")
+    p2p: tuple[float, float] | None = None  # send/recv (alpha s, GB/s) at 2 ranks
 
 
 def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3) -> float:
@@ -250,6 +253,36 @@ def measure_allreduce(world: int, *, max_bytes: int = 16 << 20, iters: int = 5) 
                           bus_factor("all_reduce", world), relative=True)
 
 
+def measure_p2p(*, max_bytes: int = 4 << 20, iters: int = 5) -> tuple[float, float]:
+    """(alpha s, GB/s) of a gloo send/recv between 2 processes: what a pipeline stage boundary costs."""
+    from profilers.collectives import spawn_commbench, sweep_sizes
+
+    rows = [r for r in spawn_commbench(2, ["sendrecv"], sweep_sizes(4096, max_bytes, 4), iters)
+            if r["op"] == "sendrecv"]
+    return fit_alpha_beta([r["size"] for r in rows], [r["time(s)"] for r in rows], 1.0, relative=True)
+
+
+def measure_parallel_overheads(profile: ClusterSpec, *, layers: tuple[int, int] = (1, 3),
+                               microbatches: int = 4) -> dict[str, float]:
+    """Extra host time per layer and micro-batch of tensor parallelism (DTensor dispatch) and of
+    FSDP2 (ZeRO-2/3 hooks), from tiny 2-rank runs of the engine (d_model 32, seq 16: dispatch
+    dominates): the growth of (measured - predicted) step time from `layers[0]` to `layers[1]`
+    layers, divided by the added layer-micro-batches. `profile` is the 2-rank profile without them.
+    """
+    from engine.config import load_config
+
+    out = {}
+    for key, extra in (("overhead_tp_layer_s", ["parallel.tp=2"]),
+                       ("overhead_fsdp_layer_s", ["parallel.dp=2", "parallel.zero=3"])):
+        residual = []
+        for n in layers:
+            cfg = load_config(None, _tiny_overrides(n, microbatches * (2 if "parallel.dp=2" in extra else 1)) + extra)
+            measured = measure_run(cfg)["step_time_s"]
+            residual.append(measured - predict_run(cfg, profile).iteration_time_s)
+        out[key] = max(0.0, (residual[1] - residual[0]) / ((layers[1] - layers[0]) * microbatches))
+    return out
+
+
 def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], share: float = 1.0,
              overheads: bool = True) -> ClusterSpec:
     # Ranks time-share the cores (with each other and with other users): each rank's compute
@@ -271,7 +304,8 @@ def _memory_gb() -> float:
 
 
 def calibrate_local(world: int, *, host: HostProfile | None = None,
-                    allreduce: tuple[float, float] | None = None, share: float | None = None) -> ClusterSpec:
+                    allreduce: tuple[float, float] | None = None, share: float | None = None,
+                    parallel: bool = True) -> ClusterSpec:
     """A `cpu-local-{world}` profile: `world` ranks ("GPUs") on this one node, fp32 rates.
 
     Measures what is not given: the host (`measure_host`) and the gloo all-reduce at `world`
@@ -285,7 +319,23 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
         allreduce = measure_allreduce(world) if world > 1 else (0.0, 1.0)
     if share is None:  # the 1-min load while measuring counted our own benchmark as 1 task
         share = cpu_share(world, cpus=host.cpus, background=host.load1 - 1.0)
-    return _profile(host, world=world, allreduce=allreduce, share=share)
+    profile = _profile(host, world=world, allreduce=allreduce, share=share)
+    if world == 1 or not parallel:
+        return profile
+    if host.parallel is None:  # measured once at 2 ranks, scaled to `world` by the CPU share
+        two = _profile(host, world=2, allreduce=measure_allreduce(2), share=cpu_share(2, cpus=host.cpus,
+                                                                                      background=host.load1 - 1.0))
+        host.parallel = {**measure_parallel_overheads(two), "share": two_share(host)}
+        host.p2p = measure_p2p()
+    scale = host.parallel["share"] / share
+    return dataclasses.replace(
+        profile, overhead_tp_layer_s=host.parallel["overhead_tp_layer_s"] * scale,
+        overhead_fsdp_layer_s=host.parallel["overhead_fsdp_layer_s"] * scale,
+        p2p_latency_s=host.p2p[0], p2p_bw_gb_s=host.p2p[1] * share)
+
+
+def two_share(host: HostProfile) -> float:
+    return cpu_share(2, cpus=host.cpus, background=host.load1 - 1.0)
 
 
 def predict_run(cfg: Any, cluster: ClusterSpec) -> SimResult:

@@ -60,6 +60,10 @@ class ClusterSpec:
     overhead_microbatch_s: float = 0.0  # per micro-batch besides the layers (embedding, loss), s
     overhead_step_s: float = 0.0  # per optimizer step (clip, zero_grad, loss sync, data), s
     optimizer_gb_s: float = 0.0  # effective bandwidth of the optimizer step, GB/s; 0 = hbm_gb_s
+    overhead_tp_layer_s: float = 0.0  # extra per layer and micro-batch when tp > 1 (DTensor dispatch), s
+    overhead_fsdp_layer_s: float = 0.0  # extra per layer and micro-batch under ZeRO-2/3 (FSDP2 hooks), s
+    p2p_latency_s: float = 0.0  # pipeline send/recv alpha, s; 0 = the collective latency of the link
+    p2p_bw_gb_s: float = 0.0  # pipeline send/recv bandwidth, GB/s; 0 = the collective bus bandwidth
 
     @property
     def total_gpus(self) -> int | None:

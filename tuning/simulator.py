@@ -233,7 +233,9 @@ def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     per_stage = m.layers / c["pp"]
     # Host-side framework time (eager dispatch, autograd; 0 on GPU presets), split 1:2 between
     # forward and backward as the GEMMs are; full recomputation replays the forward's share.
-    ovh = per_stage * cl.overhead_layer_s + cl.overhead_microbatch_s
+    layer_ovh = (cl.overhead_layer_s + np.where(c["tp"] > 1, cl.overhead_tp_layer_s, 0.0)
+                 + np.where(c["zero"] >= 2, cl.overhead_fsdp_layer_s, 0.0))
+    ovh = per_stage * layer_ovh + cl.overhead_microbatch_s
     re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
     return {
         "fwd": per_stage * fwd_layer + t_logit + ovh / 3.0,
@@ -256,6 +258,8 @@ def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarra
     # One activation out and one gradient back per chunk boundary; with the scatter/gather
     # optimisation each tp rank sends 1/t of it (Narayanan et al. 2021, sec. 4.1).
     pbw, plat = _link(cl, gpus, np.full(np.shape(t), gpus <= cl.gpus_per_node))
+    if cl.p2p_latency_s > 0:  # a measured send/recv alpha-beta (calibrated hosts)
+        pbw, plat = cl.p2p_bw_gb_s, cl.p2p_latency_s
     p2p = np.where(c["pp"] > 1, plat + act / t / (pbw * GB), 0.0)
     return {"tp": tp, "pp": 2.0 * c["virtual"] * p2p}
 
