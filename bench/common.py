@@ -54,3 +54,19 @@ def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def interleaved_main(measure: Callable[..., Any]) -> tuple[Any, Any]:
+    """The shared CLI of the interleaved A/B benches: parse --world/--rounds/--steps/--global-batch,
+    run `measure(rank, world, args)` on the ranks (args.tmp is a scratch folder); returns (args, result)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=32)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.tmp = tmp
+        return args, run_world(measure, args.world, args)

@@ -7,16 +7,14 @@ and the ratio of medians is printed. The engine runs as users run it: profilers 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import run_world, timed  # noqa: E402
+from common import interleaved_main, timed  # noqa: E402
 
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
@@ -76,15 +74,7 @@ def measure(rank: int, world: int, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--global-batch", type=int, default=32)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        r = run_world(measure, args.world, args)
+    args, r = interleaved_main(measure)
     print(f"world={args.world} global_batch={args.global_batch} steps measured per side={r['n']} "
           f"(interleaved rounds of {args.steps}, medians; load avg {os.getloadavg()[0]:.1f})")
     print(f"engine DP step (telemetry on): {r['engine'] * 1000:8.1f} ms")

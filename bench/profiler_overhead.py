@@ -8,16 +8,14 @@ at each step end. "Off" is the same engine with `profile.enabled=false` and no t
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import run_world, timed  # noqa: E402
+from common import interleaved_main, timed  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -61,15 +59,7 @@ def measure(rank: int, world: int, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--global-batch", type=int, default=32)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        r = run_world(measure, args.world, args)
+    args, r = interleaved_main(measure)
     print(f"world={args.world}, {r['n']} steps per side, interleaved rounds of {args.steps} "
           f"(medians; load avg {os.getloadavg()[0]:.1f})")
     print(f"profilers on:  {r['on'] * 1000:8.1f} ms/step")
