@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-def _shown(value: object, limit: int = 1000) -> str:
+def shown_value(value: object, limit: int = 1000) -> str:
     """repr() of a config value, shortened (an int of over 4,300 digits cannot even be repr'd)."""
     try:
         text = repr(value)
@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, value: object, rule: str) -> None:
         self.field, self.value, self.rule = field, value, rule
-        super().__init__(f"{field}={_shown(value)}: {rule}")
+        super().__init__(f"{field}={shown_value(value)}: {rule}")
 
 
 class ConfigErrors(ConfigError):

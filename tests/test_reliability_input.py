@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import RunConfig, apply_overrides, from_dict, load_config, load_yaml, replace
-from engine.errors import ConfigError, ConfigErrors
+from engine.errors import ConfigError, ConfigErrors, shown_value
 from engine.validate import MAX_WORLD_SIZE, validate
 from tuning.space import SearchSpace
 
@@ -51,7 +51,7 @@ def assert_named(exc: BaseException) -> list[ConfigError]:
         # the field is the dotted key; only an unknown key spelled "" leaves it empty
         assert isinstance(e.field, str) and (e.field or e.rule.startswith("unknown key")), e
         assert isinstance(e.rule, str) and e.rule.strip(), e
-        assert str(e) == f"{e.field}={e.value!r}: {e.rule}"
+        assert str(e) == f"{e.field}={shown_value(e.value)}: {e.rule}"  # repr, shortened past 1,000 chars
     assert str(exc) == "\n".join(str(e) for e in errors)
     return errors
 
