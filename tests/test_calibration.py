@@ -25,7 +25,7 @@ from tuning.calibration import (
     predict_run,
 )
 from tuning.hardware import PRESETS, cpu_profile
-from tuning.simulator import ModelSpec
+from tuning.simulator import ModelSpec, from_run_config, simulate
 
 BASE = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=64", "batch.global=8",
         "batch.micro=4", "train.steps=6", "data.source=synthetic", "profile.host_interval_s=0",
@@ -142,3 +142,12 @@ def test_one_rank_prediction_within_factor_three() -> None:
     # host-side overheads make the prediction larger than the GEMM+memory terms alone
     bare = dataclasses.replace(cluster, overhead_layer_s=0.0, overhead_microbatch_s=0.0, overhead_step_s=0.0)
     assert predict_run(cfg, bare).iteration_time_s <= predicted
+
+
+def test_engine_zero1_is_priced_as_all_reduce_plus_broadcast() -> None:
+    """The engine's ZeRO-1 (ZeroRedundancyOptimizer behind DDP) all-reduces, Megatron's reduce-scatters."""
+    cfg, engine = _predict("parallel.dp=2", "parallel.zero=1")
+    model, par = from_run_config(cfg.to_dict())
+    assert par.zero1_allreduce
+    megatron = simulate(model, _cluster(2), dataclasses.replace(par, zero1_allreduce=False), gpus=2)
+    assert engine.dp_comm_total_s > megatron.dp_comm_total_s > 0

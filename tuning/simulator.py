@@ -68,6 +68,7 @@ class ParallelSpec:
     dtype_bytes: int = 2  # bytes per parameter, gradient and activation (2 = bf16/fp16)
     overlap_dp: bool = True  # overlap gradient collectives with backward (DDP buckets)
     bucket_mb: float = 25.0  # gradient bucket size, MB (the last bucket is never hidden)
+    zero1_allreduce: bool = False  # ZeRO-1 as torch's ZeroRedundancyOptimizer: all-reduce, then broadcast shards
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -184,6 +185,7 @@ def _arrays(par: ParallelSpec) -> dict[str, np.ndarray]:
         "co2": np.asarray(par.co2), "schedule": np.asarray(SCHEDULES.index(par.schedule)),
         "dtype_bytes": np.asarray(par.dtype_bytes), "overlap_dp": np.asarray(par.overlap_dp),
         "bucket_mb": np.asarray(float(par.bucket_mb)),
+        "zero1_allreduce": np.asarray(par.zero1_allreduce),
     }
 
 
@@ -297,7 +299,10 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
 
     # Each compute window hides at most one stream of traffic: ZeRO-3's backward gather and
     # gradient reduce-scatter share the backward (so faster compute can never cost more).
-    sync = np.where(zero == 0, all_reduce, reduce_scatter)
+    # ZeRO-1 reduce-scatters (Megatron's distributed optimizer, DeepSpeed); torch's
+    # ZeroRedundancyOptimizer behind DDP all-reduces the full gradient, then broadcasts the shards
+    z1_ar = (zero == 1) & np.asarray(c.get("zero1_allreduce", False))
+    sync = np.where((zero == 0) | z1_ar, all_reduce, reduce_scatter)
     once = hide(sync, times["bwd"], last_bucket)
     rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2, every micro-batch
     z3_mb = (hide(gather, times["fwd"], first_layer)
@@ -467,5 +472,6 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
         compression_ratio=_compression_ratio(comm, model.hidden),
         co2=bool(cfg.get("co2", {}).get("enabled", False)),
         bucket_mb=float(ddp.get("bucket_cap_mb", 25.0)),
+        zero1_allreduce=True,  # the engine's ZeRO-1 is ZeroRedundancyOptimizer behind DDP
     )
     return model, spec
