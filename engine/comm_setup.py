@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from engine.config import RunConfig
+from engine.config import LIVE_KNOBS, RunConfig
 
 if TYPE_CHECKING:
     from engine.parallelize import Parallelized
@@ -35,8 +35,6 @@ class CommMonitor:
         self.bucket_bytes = 0
         self.wire_bytes = 0
         self.dense_bytes = 0
-        self.total_wire = 0
-        self.total_dense = 0
         self.compressor_state: Any = None
         self.link = None
 
@@ -67,8 +65,6 @@ class CommMonitor:
         """Emit this step's dense and wire bytes and reset."""
         dense = self.dense_bytes or self.bucket_bytes
         wire = self.wire_bytes if self.dense_bytes else dense
-        self.total_wire += wire
-        self.total_dense += dense
         emit(step, "comm", "wire_bytes", float(wire))
         emit(step, "comm", "dense_bytes", float(dense))
         self.bucket_bytes = self.wire_bytes = self.dense_bytes = 0
@@ -167,8 +163,6 @@ def _link_of(cfg: RunConfig):
     return LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
 
 
-LIVE_KNOBS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps", "link.latency_us",
-              "batch.micro", "train.lr")
 
 
 def apply_live_knobs(trainer: Trainer, knobs: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine.errors import ConfigError, ConfigErrors
+from engine.errors import ConfigError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,6 +185,10 @@ class RunConfig:
 
 
 # ---------------------------------------------------------------- dict <-> dataclass
+
+# knobs the engine can change at a step boundary without a restart (live in-job tuning)
+LIVE_KNOBS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps", "link.latency_us",
+              "batch.micro", "train.lr")
 
 _RENAMED = {"global_": "global"}  # Python keyword -> YAML key
 _UNRENAMED = {v: k for k, v in _RENAMED.items()}

@@ -43,15 +43,6 @@ class RunResult:
         return self.steps[-1]["loss"] if self.steps else None
 
 
-def software_versions() -> dict[str, str]:
-    import platform
-
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": str(torch.version.cuda), "workbench": "0.1.0"}
-
-
 def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None) -> list[str]:
     """The exact torchrun command line of a run (also what `workbench export --format torchrun` prints)."""
@@ -153,7 +144,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
            extra_env: dict[str, str] | None = None) -> RunResult:
     """Validate, register the run, start the ranks, stream telemetry into the store, wait."""
-    from profilers.host import host_info
+    from profilers.host import host_info, software_versions
     from profilers.store import RunStore, default_home
     from profilers.telemetry import TelemetryServer
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -123,7 +122,3 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
             allreduce_grads(pipe.modules, dp_group)
 
     return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe, after_backward=after_backward)
-
-
-def world_info() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

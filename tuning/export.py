@@ -121,7 +121,7 @@ def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
 
 
 def report(study: optuna.Study, trial: FrozenTrial, cfg: RunConfig) -> dict[str, Any]:
-    from engine.launch import software_versions
+    from profilers.host import software_versions
     from profilers.host import host_info
 
     counts: dict[str, int] = {}

@@ -25,13 +25,12 @@ from typing import Any
 
 import yaml
 
-from engine.config import RunConfig, apply_overrides, from_dict
+from engine.config import LIVE_KNOBS, RunConfig, apply_overrides, from_dict
 from engine.errors import ConfigError
 from engine.validate import MAX_WORLD_SIZE
 
 _SPEC_KEYS = {"choices", "low", "high", "log", "step", "layouts", "when"}
-LIVE_KEYS = ("comm.density", "comm.rank", "co2.tau", "co2.outer_lr", "link.gbps", "link.latency_us",
-             "batch.micro", "batch.accum", "train.lr")
+LIVE_KEYS = (*LIVE_KNOBS, "batch.accum")  # batch.accum sets batch.micro
 
 
 def layouts(world_size: int) -> list[str]:

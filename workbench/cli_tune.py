@@ -69,7 +69,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     """Search the engine's knobs with real runs (Optuna)."""
     from tuning.objective import Objective
     from tuning.space import SearchSpace
-    from tuning.study import SAMPLERS, enqueue_grid, load_study, remeasure_best, run_trials, summarize
+    from tuning.study import SAMPLERS, enqueue_grid, load_study, remeasure_best, summarize
 
     if sampler not in SAMPLERS:
         fail(f"--sampler={sampler!r}: must be one of {', '.join(SAMPLERS)}")
