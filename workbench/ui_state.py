@@ -172,6 +172,7 @@ def stop_job(job: Job, *, store: RunStore | None = None, grace_s: float = 8.0) -
             proc.kill()
         except psutil.NoSuchProcess:
             continue
+    psutil.wait_procs(tree, timeout=5.0)  # a kill is asynchronous: return once the tree is gone
     if store is not None and job.run_id:
         run = store.run(job.run_id)
         if run is not None and run["status"] == "running":
