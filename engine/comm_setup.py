@@ -28,9 +28,12 @@ class CommMonitor:
     (for exposed communication) and the dense vs wire bytes. Timing of the collectives
     themselves is the CollectiveProfiler's (profilers/collectives.py)."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, mark: Callable[[], Any] = time.perf_counter) -> None:
+        """`mark()` reads the step timer's clock: a CUDA event on the stream the bucket became
+        ready on (GPU time), or perf_counter on CPU."""
         self.group_size = group_size
-        self.last_launch = 0.0
+        self._mark = mark
+        self.last_launch: Any = 0.0
         self.buckets = 0
         self.bucket_bytes = 0
         self.wire_bytes = 0
@@ -39,12 +42,14 @@ class CommMonitor:
         self.link = None
 
     def begin_backward(self) -> None:
-        self.last_launch = time.perf_counter()
+        self.last_launch = self._mark()
         self.buckets = 0
 
-    def exposed_tail(self) -> float:
-        """Seconds backward() kept running after the last bucket was launched."""
-        return max(0.0, time.perf_counter() - self.last_launch) if self.buckets else 0.0
+    def exposed_tail(self, end: Any, seconds: Callable[[Any, Any], float]) -> Callable[[], float]:
+        """Seconds from the last bucket's launch to `end` (backward's end, same clock), as a
+        function to call once the marks can be read (CUDA events: after the step's synchronise)."""
+        start = self.last_launch if self.buckets else None
+        return lambda: max(0.0, seconds(start, end)) if start is not None else 0.0
 
     def on_bytes(self, wire: int, dense: int) -> None:
         self.wire_bytes += wire
@@ -54,7 +59,7 @@ class CommMonitor:
         """Wrap a DDP comm hook to note each bucket's launch."""
 
         def tracking_hook(state, bucket):  # no annotations: DDP rejects a string-typed `bucket`
-            self.last_launch = time.perf_counter()
+            self.last_launch = self._mark()
             self.buckets += 1
             self.bucket_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
             return hook(state, bucket)
@@ -74,7 +79,7 @@ def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any
     """Register compression + link emulation + bucket tracking (+ recording) as one DDP comm hook."""
     cfg: RunConfig = trainer.cfg
     n = dist.get_world_size(group)
-    monitor = CommMonitor(n)
+    monitor = CommMonitor(n, mark=trainer.timer.mark)
     state, hook = _compression_hook(cfg, ddp, group, monitor)
     if cfg.link.gbps > 0:
         from engine.comm.link import LinkEmulator
@@ -186,5 +191,6 @@ def apply_live_knobs(trainer: Trainer, knobs: dict[str, Any]) -> None:
     adaptive = getattr(monitor, "compressor_state", None)
     if adaptive is not None and hasattr(adaptive, "chosen_levels"):
         adaptive.default_level = cfg.comm.density
+        adaptive.levels = sorted(set(adaptive.levels) | {cfg.comm.density})  # the budget's reference level
     for name, value in knobs.items():
         trainer.emit(getattr(trainer, "current_step", -1), "knob", name, float(value))

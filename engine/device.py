@@ -1,13 +1,37 @@
-"""Device, backend and peak-FLOP/s lookup."""
+"""Device, backend, process groups and peak FLOP/s: where every tensor and collective goes.
+
+The one answer to "which device, which group": a tensor that enters a collective lives on
+`comm_device(group)` (CUDA for an NCCL group, CPU for gloo); a host object (a solved plan,
+live knobs, a stop flag) or a host tensor goes through `host_group()`, a CPU-capable group
+of all ranks (the world group itself on gloo, a gloo side group next to NCCL).
+"""
 from __future__ import annotations
 
+import datetime
 import os
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-# Dense 16-bit tensor-core peaks from vendor datasheets (shared/reference/formulas.md); fp32 runs
-# on these GPUs use TF32 at half that rate, which we do not assume: MFU is against the bf16 peak.
-_GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# Dense (no sparsity) bf16 tensor-core peak per device torch sees, from vendor datasheets; the
+# first row whose every pattern is in the lower-cased device name wins (most specific first).
+# fp32 runs use TF32 at half that rate, which we do not assume: MFU is against the bf16 peak.
+# A peak of None marks a device we know but have no datasheet figure for: MFU reads n/a.
+PEAK_BF16: tuple[tuple[tuple[str, ...], float | None], ...] = (
+    (("h200", "nvl"), 836e12),   # nvidia.com/en-us/data-center/h200: H200 NVL 1,671 TFLOPS sparse
+    (("h200",), 989e12),         # nvidia.com/en-us/data-center/h200: H200 SXM 1,979 TFLOPS sparse
+    (("h100", "nvl"), 835e12),   # nvidia.com/en-us/data-center/h100: H100 NVL 1,671 sparse
+    (("h100", "pcie"), 756e12),  # nvidia.com/en-us/data-center/h100: H100 PCIe 1,513 sparse
+    (("h100",), 989e12),         # nvidia.com/en-us/data-center/h100: H100 SXM 1,979 sparse
+    (("a100",), 312e12),         # nvidia.com/en-us/data-center/a100: 312 dense (SXM and PCIe)
+    (("l40s",), 362e12),         # nvidia.com/en-us/data-center/l40s: 733 sparse
+    (("l4",), 121e12),           # nvidia.com/en-us/data-center/l4: 242 sparse
+    (("a10g",), None),           # AWS A10G: NVIDIA publishes no tensor-core figure; not the A10
+    (("a10",), 125e12),          # nvidia.com/en-us/data-center/products/a10-gpu: 250 sparse
+    (("mi300x",), 1307.4e12),    # amd.com Instinct MI300X datasheet: 1,307.4 dense bf16
+    (("mi250x",), 191.5e12),     # amd.com MI250X: 383 per package = 2 GCDs; torch sees one GCD
+)
 
 
 def pick_backend(requested: str) -> str:
@@ -18,10 +42,74 @@ def pick_backend(requested: str) -> str:
 
 
 def pick_device(backend: str, local_rank: int) -> torch.device:
+    """The rank's compute device: its local GPU under NCCL, else the CPU."""
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ process groups
+_HOST: dict[str, Any] = {}
+
+
+def init_distributed(backend: str, *, rank: int, world_size: int, timeout_s: float,
+                     device: torch.device | None = None) -> None:
+    """The world process group on `backend`, and the host group next to it (`init_host_group`)."""
+    kwargs: dict[str, Any] = {}
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device  # NCCL binds the communicator to this rank's GPU eagerly
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    init_host_group(timeout_s=timeout_s)
+
+
+def init_host_group(*, side: bool | None = None, timeout_s: float | None = None) -> Any:
+    """Create the CPU-capable group of all ranks for host objects; every rank calls it once.
+
+    `side=None` makes a gloo side group only where the world group cannot carry CPU tensors
+    (NCCL); `side=True` always does (the device-discipline test uses it to tell the groups apart).
+    """
+    if side is None:
+        side = dist.get_backend() != "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    _HOST["group"] = dist.new_group(backend="gloo", timeout=timeout) if side else dist.group.WORLD
+    return _HOST["group"]
+
+
+def host_group() -> Any:
+    """The group for host objects and host tensors (see the module docstring)."""
+    group = _HOST.get("group")
+    if group is not None:
+        return group
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD  # gloo carries CPU tensors: the world group serves the host too
+    raise RuntimeError("no host group: start ranks with engine.device.init_distributed, "
+                       "or call init_host_group() on every rank after init_process_group")
+
+
+def reset_host_group() -> None:
+    """Forget the host group (after destroy_process_group, before a new world)."""
+    _HOST.clear()
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """The device a tensor must live on to enter `group`'s collectives."""
+    if group is not None and group is _HOST.get("group"):
+        return torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ peak FLOP/s
+def peak_bf16(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a device by its name (`PEAK_BF16`), None when unknown."""
+    name = device_name.lower()
+    for patterns, peak in PEAK_BF16:
+        if all(p in name for p in patterns):
+            return peak
+    return None
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -32,8 +120,5 @@ def peak_flops(device: torch.device) -> float | None:
     if os.environ.get("WORKBENCH_PEAK_FLOPS"):
         return float(os.environ["WORKBENCH_PEAK_FLOPS"])
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in _GPU_PEAK_BF16.items():
-            if key in name:
-                return value
+        return peak_bf16(torch.cuda.get_device_name(device))
     return None

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from engine.device import host_group
+
 if TYPE_CHECKING:
     from engine.train import Trainer
 
@@ -43,7 +45,7 @@ class KnobChannel:
         index = step // self.every
         msg = [self._await_knobs(index, step) if trainer.rank == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(msg, src=0)
+            dist.broadcast_object_list(msg, src=0, group=host_group())  # host objects: the host group
         answer = msg[0]
         if answer.get("stop"):
             raise StopRun(step)

@@ -123,10 +123,12 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _micro_steps(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward and backward over the micro-batches; returns the mean loss of the local batch."""
+    def _micro_steps(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the micro-batches; the mean loss of the local batch, on the device."""
         par, micro, accum = self.par, self.cfg.batch.micro, self.cfg.grad_accum
-        total = 0.0
+        # float64 on the device, never .item() here: a per-micro-batch host sync would stall the
+        # launch queue (and float64 adds the float32 losses exactly as Python floats did)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i in range(accum):
             xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
             last = i == accum - 1
@@ -137,37 +139,55 @@ class Trainer:
                     self.comm.begin_backward()
                 with self.timer.phase("backward"):
                     loss.backward()
-            total += loss.detach().item()
+            total += loss.detach().double()
         if self.comm is not None:
             # DDP's backward returns only once every bucket's all-reduce finished: the tail after
             # the last gradient was ready is communication that compute did not hide
-            _move(self.timer, "backward", "comm_exposed", self.comm.exposed_tail())
+            self.timer.move("backward", "comm_exposed",
+                            self.comm.exposed_tail(self.timer.last_end("backward"), self.timer.seconds))
         return total
 
-    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         pipe = self.par.pipeline
         with self.timer.phase("forward"), self._autocast():
             loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-        timing = pipe.last_timing
-        _move(self.timer, "forward", "bubble", timing.get("bubble_s", 0.0))
+        # read after the step's synchronise (CUDA events): the pipeline's own clock, per span
+        self.timer.move("forward", "bubble", lambda: pipe.last_timing["bubble_s"])
         # forward and backward interleave inside a schedule: report the compute as forward+backward
-        _move(self.timer, "forward", "backward", timing.get("backward_s", 0.0))
-        return float(loss) if loss is not None else float("nan")
+        self.timer.move("forward", "backward", lambda: pipe.last_timing["backward_s"])
+        if loss is None:  # not the last stage: no loss here (NaN in a 1-stage-per-rank view)
+            return torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
+        return loss.detach().double().reshape(1)
 
-    def _sync_loss(self, local: float) -> float:
-        """The global-batch loss: mean over dp of the last pipeline stage's loss."""
+    def _reduce_loss(self, local: torch.Tensor) -> Callable[[], float]:
+        """Launch the global-batch loss reduction (mean over dp of the last pipeline stage's loss)
+        without waiting; the returned function waits and gives the Python float.
+
+        `local` is a float64 tensor of shape (1,) on `self.device`, the device of the mesh groups.
+        """
         if not dist.is_initialized() or self.dims.world_size == 1:
-            return local
+            return lambda: local.item()
+        work = None
         if self.dims.pp > 1:
             src_is_last = self.coords["pp"] == self.dims.pp - 1
-            t = torch.tensor([local if src_is_last else 0.0], dtype=torch.float64)
-            dist.all_reduce(t, group=self.mesh["pp"].get_group())
-            local = t.item()
+            local = local if src_is_last else torch.zeros_like(local)
+            work = dist.all_reduce(local, group=self.mesh["pp"].get_group(), async_op=True)
         if self.dims.dp > 1:
-            t = torch.tensor([local], dtype=torch.float64)
-            dist.all_reduce(t, group=self.mesh["dp"].get_group())
-            local = t.item() / self.dims.dp
-        return local
+            if work is not None:
+                work.wait()  # on NCCL a stream wait, not a host one
+            work = dist.all_reduce(local, group=self.mesh["dp"].get_group(), async_op=True)
+
+        def result() -> float:
+            if work is not None:
+                work.wait()
+            return local.item() / self.dims.dp if self.dims.dp > 1 else local.item()
+
+        return result
+
+    def _sync_loss(self, local: float | torch.Tensor) -> float:
+        """The global-batch loss of a local loss (Python float or device tensor), waited for."""
+        t = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1)
+        return self._reduce_loss(t)()
 
     def train_step(self, step: int) -> StepMetrics:
         par, c = self.par, self.cfg
@@ -179,7 +199,9 @@ class Trainer:
             group["lr"] = lr
         with self.timer.phase("data"):
             x, y = self._local_batch(step)
-        loss = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
+        local = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
+        # launched before CO2's outer all-reduce (same dp group): waiting for it never waits for CO2
+        loss_result = self._reduce_loss(local)
         with self.timer.phase("optimizer"):
             par.after_backward()
             grad_norm = self._clip()
@@ -191,7 +213,10 @@ class Trainer:
                 self.co2.after_inner_step(step)
         breakdown = self.timer.end_step()
         step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
-        loss = self._sync_loss(loss)
+        # host syncs left in a step: this loss .item() (after the optimizer, to report it), the
+        # norm .item() in clip_grad_norm (a Python coefficient for DTensor and plain grads alike)
+        # and, with profiling on, one event synchronise in StepTimer.end_step
+        loss = loss_result()
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) \
             if self.peak and self.flops_per_step else None
@@ -319,13 +344,6 @@ class Trainer:
 def _unwrap(module):
     """The GPT chunk inside a wrapper (FSDP2 modifies in place; DDP keeps it as .module)."""
     return getattr(module, "module", module)
-
-
-def _move(timer: StepTimer, src: str, dst: str, seconds: float) -> None:
-    """Re-attribute `seconds` measured inside phase `src` to phase `dst`."""
-    if seconds > 0:
-        timer.add(src, -seconds)
-        timer.add(dst, seconds)
 
 
 class _NoMesh:

@@ -6,7 +6,6 @@ external torchrun (multi-node), where rank 0 registers the run in the store itse
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -14,13 +13,14 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from engine.config import from_dict, load_yaml, validate
-from engine.device import pick_backend, pick_device
+from engine.device import init_distributed, pick_backend, pick_device
 from engine.errors import ConfigError
 
 
@@ -45,9 +45,8 @@ def _load(path: str) -> dict:
 def _init(cfg, rank: int, world: int) -> torch.device:
     backend = pick_backend(cfg.backend)
     device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
-    if world > 1:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
+    if world > 1:  # the world group on `backend` and the CPU-capable host group beside it
+        init_distributed(backend, rank=rank, world_size=world, timeout_s=cfg.train.timeout_s, device=device)
     return device
 
 
@@ -62,15 +61,19 @@ def _register_external_run(cfg, run_id: str, world: int) -> None:
                          emulated=cfg.link.gbps > 0)
 
 
-def _samplers(cfg, client, local_rank: int) -> list:
+def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = lambda: -1) -> list:
+    """Host and (local rank 0) NVML samplers whose samples carry the step running when taken."""
     from profilers.host import HostSampler
     from profilers.nvml import NvmlSampler
 
+    def emit(kind: str, name: str, value: float) -> None:
+        client.emit(current_step(), kind, name, value)
+
     out = []
     if cfg.profile.host_interval_s > 0:
-        out.append(HostSampler(interval=cfg.profile.host_interval_s, emit=client.record))
+        out.append(HostSampler(interval=cfg.profile.host_interval_s, emit=emit))
     if cfg.profile.nvml_interval_s > 0 and local_rank == 0:
-        out.append(NvmlSampler(interval=cfg.profile.nvml_interval_s, emit=client.record))
+        out.append(NvmlSampler(interval=cfg.profile.nvml_interval_s, emit=emit))
     for s in out:
         s.start()
     return out
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         device = _init(cfg, rank, world)
         if external and rank == 0:
             _register_external_run(cfg, run_id, world)
-        samplers = _samplers(cfg, client, int(os.environ.get("LOCAL_RANK", 0)))
+        running = [-1]  # the step in progress: samples taken during it carry its number
+        samplers = _samplers(cfg, client, int(os.environ.get("LOCAL_RANK", 0)), lambda: running[0])
         from engine.train import Trainer
 
         from engine.faults import from_env
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         channel = KnobChannel(run_dir, cfg.live.every, cfg.live.wait_s) if cfg.live.every else None
 
         def boundary(t, step: int) -> None:
+            running[0] = step
             if fault:
                 fault.maybe_fire(rank, step)
             if channel:

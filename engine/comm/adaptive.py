@@ -200,7 +200,7 @@ class AdaptiveCompressor:
         if bucket.is_last():
             self.step += 1
             if measuring:
-                self._resolve()
+                self._resolve(buf.device)
 
         def decompress(f: torch.futures.Future) -> torch.Tensor:
             all_values, all_indices = f.value()
@@ -209,11 +209,13 @@ class AdaptiveCompressor:
 
         return fut.then(decompress)
 
-    def _resolve(self) -> None:
+    def _resolve(self, device: torch.device) -> None:
+        """Average the error table over ranks and re-solve; `device` is the gradients' (the group's)."""
         names = sorted(self._rows)
-        errors = torch.tensor([self._rows[k][0] for k in names], dtype=torch.float64)
-        dist.all_reduce(errors, group=self.process_group)  # tiny; same table on every rank
-        errors /= dist.get_world_size(self.process_group)
+        table = torch.tensor([self._rows[k][0] for k in names], dtype=torch.float64, device=device)
+        dist.all_reduce(table, group=self.process_group)  # tiny; same table on every rank
+        # a host sync every `interval` steps: the dynamic program runs on the host
+        errors = table.cpu() / dist.get_world_size(self.process_group)
         sizes = [self._rows[k][1] for k in names]
         default = self.levels.index(self.default_level)
         budget = self.error_budget * float(errors[:, default].sum())

@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.device import comm_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -127,7 +129,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
         key = p.grad.device_mesh if is_dtensor(p.grad) else None
         groups.setdefault(key, []).append(p)
     squares = [_group_norm([p.grad for p in ps]).float() ** 2 for ps in groups.values()]
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if squares:
+        total_sq = torch.stack(squares).sum()
+    else:  # no gradient here (a stage without parameters): a zero on the device pp_group serves
+        total_sq = torch.zeros((), device=comm_device(pp_group) if pp_group is not None else "cpu")
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()

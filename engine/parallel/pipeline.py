@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.device import host_group
 from engine.model import GPT
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -135,21 +136,44 @@ def _deps(action: _Action, num_stages: int) -> list[tuple[int, str, int | None]]
 
 
 class _Clock:
-    """Seconds this rank spent in its own stage compute during the current step."""
+    """Spans of this rank's own stage compute in the current step, as (start, end, backward) marks.
 
-    def __init__(self) -> None:
-        self.compute_s = 0.0
-        self.backward_s = 0.0
+    On CUDA a mark is a CUDA event recorded on the current (compute) stream, read only after
+    the step's work is done: host time around asynchronous kernel launches would measure the
+    launches, not the compute. On CPU a mark is `time.perf_counter()`.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self.spans: list[tuple[Any, Any, bool]] = []
+
+    def mark(self) -> Any:
+        """Now, on this clock."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two marks (on CUDA, once both events completed)."""
+        return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
 
     def timed(self, fn: Callable[..., Any], *args: Any, backward: bool = False, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = self.mark()
         try:
             return fn(*args, **kwargs)
         finally:
-            seconds = time.perf_counter() - start
-            self.compute_s += seconds
-            if backward:
-                self.backward_s += seconds
+            self.spans.append((start, self.mark(), backward))
+
+    def resolve(self, spans: list[tuple[Any, Any, bool]]) -> tuple[float, float]:
+        """(compute, backward) seconds of `spans`."""
+        compute = backward = 0.0
+        for start, end, is_backward in spans:
+            seconds = self.seconds(start, end)
+            compute += seconds
+            backward += seconds if is_backward else 0.0
+        return compute, backward
 
 
 class _TimedStage(PipelineStage):
@@ -199,7 +223,7 @@ class Pipeline:
         self._clock = clock
         self._embedding_group = embedding_group
         self._tied_synced = True
-        self.last_timing: dict[str, float] = {"compute_s": 0.0, "bubble_s": 0.0, "total_s": 0.0}
+        self._step_marks: tuple[Any, Any, list[tuple[Any, Any, bool]]] | None = None
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
         """Forward + backward of all micro-batches of this rank's local batch; then the tied-grad sync.
@@ -210,11 +234,10 @@ class Pipeline:
         """
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         args = (inputs,) if self.is_first else ()
-        self._clock.compute_s = self._clock.backward_s = 0.0
-        start = time.perf_counter()
+        self._clock.spans = []
+        start = self._clock.mark()
         self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
-        total = time.perf_counter() - start
-        self._record(total)
+        self._step_marks = (start, self._clock.mark(), self._clock.spans)
         self._tied_synced = False
         self.sync_tied_grads()
         return torch.stack(losses).sum().detach() if losses else None
@@ -251,10 +274,18 @@ class Pipeline:
                 weights.append(gpt.head.weight)
         return weights
 
-    def _record(self, total: float) -> None:
-        compute = min(self._clock.compute_s, total)
-        self.last_timing = {"compute_s": compute, "bubble_s": total - compute, "total_s": total,
-                            "backward_s": min(self._clock.backward_s, compute)}
+    @property
+    def last_timing(self) -> dict[str, float]:
+        """Seconds of the last `step` (see the class docstring); on CUDA read it after the step's
+        work completed (the StepTimer resolves it after its one synchronise)."""
+        if self._step_marks is None:
+            return {"compute_s": 0.0, "bubble_s": 0.0, "total_s": 0.0, "backward_s": 0.0}
+        start, end, spans = self._step_marks
+        total = self._clock.seconds(start, end)
+        compute, backward = self._clock.resolve(spans)
+        compute = min(compute, total)
+        return {"compute_s": compute, "bubble_s": total - compute, "total_s": total,
+                "backward_s": min(backward, compute)}
 
 
 def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
@@ -274,7 +305,7 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
     pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     chunks_per_rank = virtual if schedule == "interleaved" else 1
     plan = stage_layers(model.cfg.layers, pp, chunks_per_rank, layer_split)
-    num_stages, clock = len(plan), _Clock()
+    num_stages, clock = len(plan), _Clock(device)
     stages = []
     for stage_index in range(pp_rank, num_stages, pp):
         chunk = _build_chunk(model, plan[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1)
@@ -345,7 +376,7 @@ def _embedding_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """
     ranks = dist.get_process_group_ranks(pp_group)
     pairs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(pairs, (ranks[0], ranks[-1]))
+    dist.all_gather_object(pairs, (ranks[0], ranks[-1]), group=host_group())  # host objects
     mine = None
     for pair in sorted(set(pairs)):
         group = dist.new_group(list(pair))

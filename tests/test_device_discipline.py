@@ -1,0 +1,109 @@
+"""Every tensor the engine hands to a collective lives on its group's device; host objects go
+through the host group. Checked on CPU by tests/device_check.py (a host/device split on one
+CPU: see its docstring), over 2 real gloo ranks through the engine's collective paths."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from parallel_harness import run_ranks
+
+TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "model.vocab=256",
+        "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2",
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.steps=3", "train.eval_interval=3"]
+# each path of the engine that issues its own collectives (DDP's, FSDP2's and DTensor's are torch's)
+PATHS = {
+    "dp2-lgreco": ["parallel.dp=2", "comm.compressor=topk", "comm.adaptive=true", "comm.adaptive_interval=1"],
+    "dp2-lgreco-live": ["parallel.dp=2", "comm.compressor=topk", "comm.adaptive=true",
+                        "comm.adaptive_interval=1", "comm.density=0.1", "live.every=2"],
+    "dp2-co2": ["parallel.dp=2", "co2.enabled=true", "co2.tau=2"],
+    "dp2-zero1": ["parallel.dp=2", "parallel.zero=1"],
+    "pp2": ["parallel.pp=2", "train.grad_clip=0.5"],
+    "tp2": ["parallel.tp=2"],
+}
+
+
+def _engine_paths(rank: int, world: int, run_dir: str) -> dict[str, object]:
+    from pathlib import Path
+
+    from device_check import DeviceDiscipline
+    from engine.config import load_config
+    from engine.device import init_host_group
+    from engine.live import KnobChannel
+    from engine.train import Trainer
+
+    import torch.distributed.optim  # noqa: F401 - scripts its optimizers on import: before the patches
+
+    init_host_group(side=True)  # a gloo group apart from the world group, as next to NCCL
+    out: dict[str, object] = {}
+    for name, overrides in PATHS.items():
+        cfg = load_config(None, TINY + overrides)
+        folder = Path(run_dir) / name
+        channel = KnobChannel(folder, cfg.live.every, 30.0) if cfg.live.every else None
+        try:
+            with DeviceDiscipline():
+                trainer = Trainer(cfg, device=torch.device("cpu"), run_dir=folder)
+                out[name] = [m.loss for m in trainer.run(on_boundary=channel)]
+        except Exception as exc:  # noqa: BLE001 - every path's verdict goes back to the test
+            out[name] = f"{type(exc).__name__}: {exc}"
+            _release_profiler()  # a Trainer that failed while building left its profiler enabled
+    return out
+
+
+def _release_profiler() -> None:
+    from profilers import collectives
+
+    if collectives._PATCHES.active is not None:
+        collectives._PATCHES.active.disable()
+
+
+def _checker_itself(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from device_check import DeviceDiscipline, DeviceDisciplineError, check
+    from engine.device import host_group, init_host_group
+
+    init_host_group(side=True)
+    seen = []
+    host = torch.zeros(1)
+    host._device_check_host_born = "engine/x.py:1"  # as the mode tags a device-less factory
+    with DeviceDiscipline():
+        for group in (None, host_group()):
+            try:
+                check("all_reduce", group, [host])
+                seen.append("accepted")
+            except DeviceDisciplineError as exc:
+                seen.append(str(exc))
+        try:
+            dist.broadcast_object_list([{"knob": 1}], src=0)
+        except DeviceDisciplineError as exc:
+            seen.append(str(exc))
+        dist.broadcast_object_list([{"knob": 1}], src=0, group=host_group())
+    return seen
+
+
+@pytest.mark.slow
+def test_checker_rejects_host_tensors_and_objects_on_device_groups():
+    got = run_ranks(2, _checker_itself, timeout=60)[0]
+    assert "engine/x.py:1" in got[0] and "No backend type associated with device type cpu" in got[0]
+    assert got[1] == "accepted"  # the host group takes host tensors
+    assert "host objects go through engine.device.host_group()" in got[2]
+
+
+@pytest.mark.slow
+def test_engine_collectives_keep_device_discipline(tmp_path):
+    live = tmp_path / "dp2-lgreco-live"
+    live.mkdir()
+    (live / "knobs-0.json").write_text(json.dumps({"knobs": {}}))
+    (live / "knobs-1.json").write_text(json.dumps({"knobs": {"comm.density": 0.05}}))
+    results = run_ranks(2, _engine_paths, str(tmp_path), timeout=240)
+    failures = {name: v for name, v in results[0].items() if isinstance(v, str)}
+    failures.update({f"{name} (rank 1)": v for name, v in results[1].items() if isinstance(v, str)})
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    for name in PATHS:
+        losses = results[0][name]
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (name, losses)
+        assert results[1][name] == losses, name  # the global loss, equal on every rank
