@@ -10,6 +10,11 @@ event; nothing in the hot path synchronises. With ``cuda_events=False`` on CUDA 
 to perf_counter plus a ``torch.cuda.synchronize()`` at every phase boundary: exact wall times,
 at the cost of serialising the host with the device.
 
+Time measured elsewhere joins the breakdown through `move` (re-attribute seconds from one
+phase to another). On CUDA such time is a span between two `mark`s (CUDA events on the stream
+the work ran on) and `move` takes a function that `end_step` calls after its synchronise, when
+the events can be read; a host clock around asynchronous launches is never used there.
+
 Overhead budget: two perf_counter calls (or two event records) per phase, a few microseconds
 per step; one device synchronise per step on CUDA.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,6 +51,8 @@ class StepTimer:
         self._sync = self._cuda and not cuda_events
         self._host: dict[str, float] = defaultdict(float)
         self._pairs: list[tuple[str, Any, Any]] = []
+        self._moves: list[tuple[str, str, float | Callable[[], float]]] = []
+        self._last_end: dict[str, Any] = {}
         self._t0 = 0.0
         self._start_event: Any = None
         self._in_step = False
@@ -58,6 +65,8 @@ class StepTimer:
             return
         self._host.clear()
         self._pairs.clear()
+        self._moves.clear()
+        self._last_end.clear()
         self._in_step = True
         if self._events:
             self._start_event = self._event()
@@ -78,7 +87,8 @@ class StepTimer:
             try:
                 yield
             finally:
-                self._pairs.append((name, start, self._event()))
+                end = self._last_end[name] = self._event()
+                self._pairs.append((name, start, end))
             return
         self._barrier()
         t0 = time.perf_counter()
@@ -86,7 +96,40 @@ class StepTimer:
             yield
         finally:
             self._barrier()
-            self._host[name] += time.perf_counter() - t0
+            end = self._last_end[name] = time.perf_counter()
+            self._host[name] += end - t0
+
+    def mark(self) -> Any:
+        """Now on this timer's clock: a CUDA event recorded on the current stream, or a
+        perf_counter float; None when the timer is off or outside a step."""
+        if not (self.enabled and self._in_step):
+            return None
+        if self._events:
+            return self._event()
+        self._barrier()
+        return time.perf_counter()
+
+    def last_end(self, name: str) -> Any:
+        """The mark at which phase ``name`` last ended in this step (None if it did not run)."""
+        return self._last_end.get(name)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two marks, 0.0 if either is None; CUDA marks only from `end_step` on."""
+        if start is None or end is None:
+            return 0.0
+        if self._events:
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
+    def move(self, src: str, dst: str, seconds: float | Callable[[], float]) -> None:
+        """Re-attribute ``seconds`` measured inside phase ``src`` to phase ``dst`` at `end_step`.
+
+        Pass a function to defer reading CUDA events until `end_step` has synchronised.
+        """
+        if self.enabled and self._in_step:
+            if "other" in (src, dst):
+                raise ValueError("phase 'other' is computed as step time minus the named phases")
+            self._moves.append((src, dst, seconds))
 
     def add(self, name: str, seconds: float) -> None:
         """Add time measured elsewhere (e.g. exposed communication) to phase ``name``."""
@@ -113,6 +156,11 @@ class StepTimer:
         else:
             self._barrier()
             total = time.perf_counter() - self._t0
+        for src, dst, seconds in self._moves:
+            moved = float(seconds() if callable(seconds) else seconds)
+            if moved > 0:
+                self._host[src] -= moved
+                self._host[dst] += moved
         out = {phase: 0.0 for phase in PHASES}
         out.update(self._host)
         named = sum(v for k, v in out.items() if k != "other")
