@@ -57,7 +57,7 @@ def init_distributed(backend: str, *, rank: int, world_size: int, timeout_s: flo
                      device: torch.device | None = None) -> None:
     """The world process group on `backend`, and the host group next to it (`init_host_group`)."""
     kwargs: dict[str, Any] = {}
-    if device is not None and device.type == "cuda":
+    if backend == "nccl" and device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # NCCL binds the communicator to this rank's GPU eagerly
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
@@ -86,11 +86,6 @@ def host_group() -> Any:
         return dist.group.WORLD  # gloo carries CPU tensors: the world group serves the host too
     raise RuntimeError("no host group: start ranks with engine.device.init_distributed, "
                        "or call init_host_group() on every rank after init_process_group")
-
-
-def reset_host_group() -> None:
-    """Forget the host group (after destroy_process_group, before a new world)."""
-    _HOST.clear()
 
 
 def comm_device(group: Any = None) -> torch.device:

@@ -212,11 +212,12 @@ class Trainer:
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
         breakdown = self.timer.end_step()
-        step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
         # host syncs left in a step: this loss .item() (after the optimizer, to report it), the
         # norm .item() in clip_grad_norm (a Python coefficient for DTensor and plain grads alike)
         # and, with profiling on, one event synchronise in StepTimer.end_step
         loss = loss_result()
+        # unprofiled: host time up to the loss, whose read waits for the step's queued work
+        step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) \
             if self.peak and self.flops_per_step else None

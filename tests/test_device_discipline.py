@@ -107,3 +107,27 @@ def test_engine_collectives_keep_device_discipline(tmp_path):
         losses = results[0][name]
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (name, losses)
         assert results[1][name] == losses, name  # the global loss, equal on every rank
+
+
+def test_train_step_reads_the_device_twice_whatever_the_accumulation(monkeypatch):
+    """The engine's own .item() calls in a step: one for the reported loss, one for the clipping
+    coefficient; none per micro-batch (torch's CPU AdamW reads its step counters: not ours)."""
+    import sys
+    from engine.config import load_config
+    from engine.train import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, TINY + ["batch.micro=1", "profile.enabled=false", "train.eval_interval=0"])
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    assert cfg.grad_accum == 8
+    reads = []
+    item = torch.Tensor.item
+
+    def spy(self):
+        reads.append(sys._getframe(1).f_code.co_filename)
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", spy)
+    trainer.train_step(0)
+    ours = [f for f in reads if "/engine/" in f or "/profilers/" in f]
+    assert len(ours) == 2, ours
