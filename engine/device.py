@@ -65,32 +65,41 @@ def init_distributed(backend: str, *, rank: int, world_size: int, timeout_s: flo
 
 
 def init_host_group(*, side: bool | None = None, timeout_s: float | None = None) -> Any:
-    """Create the CPU-capable group of all ranks for host objects; every rank calls it once.
+    """The CPU-capable group of all ranks for host objects, created once per world; every rank
+    calls it (the Trainer does, so a world started without `init_distributed` gets one too).
 
     `side=None` makes a gloo side group only where the world group cannot carry CPU tensors
     (NCCL); `side=True` always does (the device-discipline test uses it to tell the groups apart).
     """
+    if _current_host() is not None:
+        return _current_host()
     if side is None:
         side = dist.get_backend() != "gloo"
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-    _HOST["group"] = dist.new_group(backend="gloo", timeout=timeout) if side else dist.group.WORLD
-    return _HOST["group"]
+    group = dist.new_group(backend="gloo", timeout=timeout) if side else dist.group.WORLD
+    _HOST.update(group=group, world=dist.group.WORLD)
+    return group
 
 
 def host_group() -> Any:
     """The group for host objects and host tensors (see the module docstring)."""
-    group = _HOST.get("group")
-    if group is not None:
-        return group
+    if _current_host() is not None:
+        return _current_host()
     if dist.get_backend() == "gloo":
         return dist.group.WORLD  # gloo carries CPU tensors: the world group serves the host too
     raise RuntimeError("no host group: start ranks with engine.device.init_distributed, "
                        "or call init_host_group() on every rank after init_process_group")
 
 
+def _current_host() -> Any:
+    """The host group made for the current world, or None (none yet, or made for an old world)."""
+    world = dist.group.WORLD
+    return _HOST["group"] if world is not None and _HOST.get("world") is world else None
+
+
 def comm_device(group: Any = None) -> torch.device:
     """The device a tensor must live on to enter `group`'s collectives."""
-    if group is not None and group is _HOST.get("group"):
+    if group is not None and group is _current_host():
         return torch.device("cpu")
     if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from engine import checkpoint as ckpt
 from engine.config import RunConfig
 from engine.data import Splits, build_splits, local_batch, val_batches
-from engine.device import peak_flops
+from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims
 from engine.model import build_model, flops_per_token, loss_fn
 from engine.parallelize import Parallelized, parallelize
@@ -68,6 +68,8 @@ class Trainer:
                                  dist.get_world_size() if dist.is_initialized() else 1)
         self.coords = self.dims.coords(self.rank)
         self.mesh = self.dims.build_mesh(device.type) if dist.is_initialized() else None
+        if dist.is_initialized():
+            init_host_group(timeout_s=cfg.train.timeout_s)  # no-op when the world already has one
         self.start_step = 0
         self.timer = StepTimer(device, enabled=cfg.profile.enabled)
         self.comm = None  # set by the comm hook factory

@@ -66,7 +66,8 @@ def _checker_itself(rank: int, world: int) -> list[str]:
     from device_check import DeviceDiscipline, DeviceDisciplineError, check
     from engine.device import host_group, init_host_group
 
-    init_host_group(side=True)
+    side = init_host_group(side=True)
+    assert init_host_group() is side and host_group() is side and side is not dist.group.WORLD  # once per world
     seen = []
     host = torch.zeros(1)
     host._device_check_host_born = "engine/x.py:1"  # as the mode tags a device-less factory
