@@ -237,7 +237,7 @@ class Pipeline:
         self._clock.spans = []
         start = self._clock.mark()
         self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
-        self._step_marks = (start, self._clock.mark(), self._clock.spans)
+        self._step_marks = (start, self._clock.mark(), list(self._clock.spans))  # evaluate() adds more
         self._tied_synced = False
         self.sync_tied_grads()
         return torch.stack(losses).sum().detach() if losses else None
