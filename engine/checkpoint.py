@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,8 +58,8 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
 
     path = checkpoint_path(folder, step)
     state, _ = _train_state(trainer, co2=trainer.co2 is not None)
-    state["meta"] = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None,
-                                "seed": trainer.cfg.train.seed})
+    meta = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None, "seed": trainer.cfg.train.seed})
+    state["meta"] = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)  # a tensor: read without pickle
     state["rng"] = {f"rank{trainer.rank}": _rng_state(trainer.device)}
     dcp.save(state, checkpoint_id=str(path))  # .metadata is written last: a half-written folder does not load
     return path
@@ -69,21 +70,22 @@ def load(trainer: Trainer, path: str | Path) -> int:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    saved = _saved_keys(path)
-    got = {"meta": ""}
-    dcp.load(got, checkpoint_id=str(path))
-    meta = json.loads(got["meta"])
+    saved = _reader(path).read_metadata().state_dict_metadata
+    got = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    dcp.load(got, storage_reader=_reader(path))
+    meta = json.loads(bytes(got["meta"].tolist()).decode())
     _check_co2_layout(trainer, meta)
     state, apply = _train_state(trainer, co2=meta["co2"])
-    # the config's hyperparameters win: only tensors and optimizer state are read back
-    to_read = {k: v for k, v in _flat(state).items() if not _is_param_group(k)}
+    # only tensors are read back (DCP unpickles anything else without restriction); so the
+    # config's hyperparameters (param_groups) win over the saved ones
+    to_read = {k: v for k, v in _flat(state).items() if isinstance(v, torch.Tensor) and not _is_param_group(k)}
     rng_key = f"rng.rank{trainer.rank}"
     same_layout = all(meta[axis] == value for axis, value in _layout(trainer).items())
     if same_layout and any(k.startswith(rng_key + ".") for k in saved):
         to_read.update({f"{rng_key}.{name}": t for name, t in _rng_state(trainer.device).items()})
     elif trainer.cfg.model.dropout > 0:
         logger.warning("resume in another layout than %s: dropout masks are drawn afresh", meta)
-    dcp.load(to_read, checkpoint_id=str(path))
+    dcp.load(to_read, storage_reader=_reader(path))
     _set_rng_state({k[len(rng_key) + 1:]: v for k, v in to_read.items() if k.startswith(rng_key + ".")})
     apply({k: to_read.get(k, v) for k, v in _flat(state).items()})
     return int(meta["step"])
@@ -218,13 +220,44 @@ def _check_co2_layout(trainer: Trainer, meta: dict[str, Any]) -> None:
                          f"this run has co2.enabled={trainer.co2 is not None}, dp={here['dp']}, tp={here['tp']}")
 
 
-def _saved_keys(path: Path) -> set[str]:
+def _reader(path: Path):
+    """DCP's file reader, reading `.metadata` with an allow-list instead of a plain pickle.load.
+
+    DCP pickles its metadata and unpickles it with no restriction (torch 2.13); tensors it
+    already loads with weights_only=True, and this checkpoint stores nothing else, so a
+    checkpoint file can hold data only, never code.
+    """
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(path / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"train.resume_from={path}: not a checkpoint folder (no .metadata); "
                                 "checkpoints are folders named stepNNNNNN")
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return SafeReader(str(path))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: its own dataclasses, torch sizes, dtypes and layouts, paths."""
+
+    _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata" \
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
+                                         "checkpoint of this engine never holds; refusing to load it")
+        return super().find_class(module, name)
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ MAX_WORLD_SIZE = 65536
 MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout) overflows far above this
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | our relative-gap variant
 
 
 def divisors(n: int) -> list[int]:
@@ -180,6 +181,8 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("co2.enabled", True, "needs parallel.zero=0 and comm.compressor=none")
     if o.enabled and p.pp > 1:
         yield ConfigError("co2.enabled", True, "needs parallel.pp=1")
+    yield from _choice("co2.penalty", o.penalty, CO2_PENALTIES)
+    yield from _positive("co2.gap_penalty", o.gap_penalty)
     yield from _positive("link.gbps", cfg.link.gbps, allow_zero=True)
     yield from _positive("link.latency_us", cfg.link.latency_us, allow_zero=True)
     d = cfg.ddp

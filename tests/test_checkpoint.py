@@ -85,3 +85,34 @@ def test_resume_restores_rng_for_dropout(chain):
     """With dropout the masks after a resume are the uninterrupted run's (each rank's RNG state)."""
     full, resumed = chain["dropout_full"], chain["dropout_resumed"]
     assert max(abs(a - b) for a, b in zip(resumed, full[2:])) <= 1e-6, (resumed, full[2:])
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    """DCP pickles its .metadata; ours is read through an allow-list, so a crafted one runs nothing."""
+    import pickle
+
+    from engine import checkpoint
+
+    marker, folder = tmp_path / "pwned", tmp_path / "step000001"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
+        checkpoint.load(None, folder)
+    assert not marker.exists()
+
+
+def test_a_missing_checkpoint_names_the_field(tmp_path):
+    from engine import checkpoint
+
+    with pytest.raises(FileNotFoundError, match="train.resume_from=.*not a checkpoint folder"):
+        checkpoint.load(None, tmp_path / "step000009")
