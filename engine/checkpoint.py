@@ -126,7 +126,10 @@ def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callab
         if trainer.co2 is not None:
             co2_key = f"co2.tp{trainer.coords['tp']}."
             own = {k[len(co2_key):]: v for k, v in flat.items() if k.startswith(co2_key)}
-            trainer.co2.load_state_dict(own) if own else trainer.co2.reset_anchor()
+            if own:
+                trainer.co2.load_state_dict(own)
+            else:  # a plain checkpoint: the loaded weights are the first round's start point
+                trainer.co2.reset_anchor()
 
     return state, apply
 

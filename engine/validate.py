@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError, ConfigErrors
@@ -183,6 +184,11 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("co2.enabled", True, "needs parallel.pp=1")
     yield from _choice("co2.penalty", o.penalty, CO2_PENALTIES)
     yield from _positive("co2.gap_penalty", o.gap_penalty)
+    resume = cfg.train.resume_from
+    if resume and not (Path(resume) / ".metadata").is_file():
+        # engine/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
+        yield ConfigError("train.resume_from", resume, "must be a checkpoint folder (stepNNNNNN/ holding "
+                          "a .metadata file) written by train.checkpoint_interval")
     yield from _positive("link.gbps", cfg.link.gbps, allow_zero=True)
     yield from _positive("link.latency_us", cfg.link.latency_us, allow_zero=True)
     d = cfg.ddp

@@ -287,11 +287,40 @@ def _engine_runs(rank: int, world: int, tmp: str, layout: list[str]) -> dict[str
     return {"full": full, "resumed": _engine_losses(layout + [f"train.resume_from={folder / 'step000003'}"])}
 
 
+def _from_plain_checkpoint(rank: int, world: int, tmp: str) -> dict:
+    """A CO2 run resumed from a plain (no CO2) dp2 checkpoint: CO2's start point is the loaded weights."""
+    from torch.nn.utils import parameters_to_vector
+
+    from engine.train import Trainer
+
+    folder = Path(tmp) / "plain"
+    _engine_losses(["co2.enabled=false", "train.steps=2", "train.checkpoint_interval=2",
+                    f"train.checkpoint_dir={folder}"])
+    trainer = Trainer(load_config(None, ENGINE + [f"train.resume_from={folder / 'step000002'}"]),
+                      device=torch.device("cpu"))
+    init = parameters_to_vector(Trainer(load_config(None, ENGINE), device=torch.device("cpu")).par.parameters())
+    now = parameters_to_vector(trainer.par.parameters())
+    return {"anchor_vs_loaded": float((trainer.co2.anchor - now).abs().max()),
+            "loaded_vs_init": float((now - init).abs().max()), "start": trainer.start_step}
+
+
+def _engine_runs_and_plain(rank: int, world: int, tmp: str) -> dict:
+    return {**_engine_runs(rank, world, tmp, []), "plain": _from_plain_checkpoint(rank, world, tmp)}
+
+
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
     tmp = str(tmp_path_factory.mktemp("co2"))
-    return {"tp1": run_ranks(2, _engine_runs, tmp, [], timeout=180)[0],
+    return {"tp1": run_ranks(2, _engine_runs_and_plain, tmp, timeout=180)[0],
             "tp2": run_ranks(4, _engine_runs, tmp, ["parallel.tp=2"], timeout=300)[0]}
+
+
+@pytest.mark.slow
+def test_co2_resumed_from_a_plain_checkpoint_starts_from_the_loaded_weights(engine_runs: dict) -> None:
+    plain = engine_runs["tp1"]["plain"]
+    assert plain["start"] == 2
+    assert plain["loaded_vs_init"] > 1e-4  # the checkpoint really moved the weights
+    assert plain["anchor_vs_loaded"] == 0.0  # not the initial weights snapshotted before the load
 
 
 @pytest.mark.slow
@@ -309,3 +338,9 @@ def test_co2_runs_with_tensor_parallelism(engine_runs: dict) -> None:
     """dp2 x tp2 follows dp2: CO2 averages each tp rank's local shards over its dp group."""
     tp1, tp2 = engine_runs["tp1"]["full"], engine_runs["tp2"]["full"]
     assert max(abs(a - b) for a, b in zip(tp1, tp2)) <= 1e-5, (tp1, tp2)
+
+
+def test_resume_from_must_be_a_checkpoint_folder(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"train.resume_from=.*must be a checkpoint folder") as info:
+        load_config(None, ["co2.enabled=true", "parallel.dp=2", f"train.resume_from={tmp_path / 'step000003'}"])
+    assert info.value.field == "train.resume_from"

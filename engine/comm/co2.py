@@ -11,14 +11,16 @@ authors' (weigao266/fairscale-CO2, `CO2DistributedDataParallel._perform_local_op
     x_{r+1} = x_r - outer_lr * m,  every rank restarts from x_{r+1}
 
 (Their `_co2_clip` computes torch.clamp and drops the result, so their clip never acts; ours
-does.) Their defaults: outer_momentum 0.5, outer_lr 1.0, outer frequency tau 48 (20-48 in the
-paper), gap penalty 1.0, clip threshold 1.0. `nesterov` (update D/lambda + beta m) is ours.
+does. Their library turns the clip on with a separate `co2_clip` flag, off by default.) Their
+defaults: outer_momentum 0.5, outer_lr 1.0, outer frequency tau 48 (20-48 in the paper), gap
+penalty 1.0, clip threshold 1.0. `nesterov` (update D/lambda + beta m) is ours.
 
 `penalty="relative_gap"` is OUR variant, not the paper's: D_{r-1} was measured at x_{r-1} but
 is applied at x_r, so each parameter tensor's slice of it is scaled by
-1 / (1 + ||x_r - x_{r-1}|| / ||x_{r-1}||) (the relative gap between the current and the stale
-start point) instead of 1 / lambda. With tau=1, no async, outer_lr=1, outer_momentum=0 and
-lambda=1 (no clip) this is synchronous data parallel SGD exactly.
+1 / (1 + ||x_r - x_{r-1}|| / ||x_{r-1}||), the relative gap between the current and the stale
+start point, instead of by 1 / lambda; the element-wise clip applies to both. With tau=1, no
+async, outer_lr=1, outer_momentum=0, lambda=1 and no clip this is synchronous data parallel
+SGD exactly.
 
 With tensor parallelism CO2 works on each rank's local shards (DTensor.to_local()) and
 all-reduces over the dp group only: the ranks of one dp group hold the same shard.
@@ -51,7 +53,7 @@ class CO2:
         process_group: dist.ProcessGroup | None = None,
         tau: int = 8,
         outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
+        outer_momentum: float = 0.5,
         nesterov: bool = False,
         clip: float = 1.0,
         penalty: str = "constant",
