@@ -75,6 +75,9 @@ def load(trainer: Trainer, path: str | Path) -> int:
     dcp.load(got, storage_reader=_reader(path))
     meta = json.loads(bytes(got["meta"].tolist()).decode())
     _check_co2_layout(trainer, meta)
+    if meta["seed"] != trainer.cfg.train.seed:
+        logger.warning("train.seed=%s differs from the checkpoint's %s: batches after step %s follow the new seed",
+                       trainer.cfg.train.seed, meta["seed"], meta["step"])
     state, apply = _train_state(trainer, co2=meta["co2"])
     # only tensors are read back (DCP unpickles anything else without restriction); so the
     # config's hyperparameters (param_groups) win over the saved ones

@@ -40,12 +40,14 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
 
 
 def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
-    """dp2 ZeRO-1 from dp4 ZeRO-3's step 4 (checkpoints at 5, 6), then tp2 from step 5; and a
-    dropout run resumed in its own layout (the RNG state)."""
+    """dp2 ZeRO-1 from dp4 ZeRO-3's step 4 (checkpoints at 5, 6), then tp2 and pp2 from step 5;
+    and a dropout run resumed in its own layout (the RNG state)."""
     tmp_path = Path(tmp)
     out = {"zero1": _losses(DP2_ZERO1 + _ckpt(tmp_path / "c", 1)
                             + [f"train.resume_from={tmp_path / 'b' / 'step000004'}"]),
            "tp2": _losses(TP2 + [f"train.resume_from={tmp_path / 'c' / 'step000005'}"]),
+           # the last stage's tied head takes the optimizer state saved for tok_emb.weight
+           "pp2": _losses(["parallel.pp=2", "batch.micro=4", f"train.resume_from={tmp_path / 'c' / 'step000005'}"]),
            "dropout_full": _losses(DROPOUT + _ckpt(tmp_path / "d"))}
     out["dropout_resumed"] = _losses(DROPOUT + [f"train.resume_from={tmp_path / 'd' / 'step000002'}"])
     return out
@@ -70,11 +72,11 @@ def test_pipeline_tp_checkpoint_resumes_in_same_layout(chain):
 
 @pytest.mark.slow
 def test_checkpoint_reshards_pp2_tp2_to_dp4_zero3_to_zero1_to_tp2(chain):
-    """The issue's chain, pp2 x tp2 -> dp4 ZeRO-3 -> dp2 ZeRO-1 -> tp2, continues the
+    """The issue's chain, pp2 x tp2 -> dp4 ZeRO-3 -> dp2 ZeRO-1 -> tp2 (and -> pp2), continues the
     uninterrupted pp2 x tp2 run. The layouts sum in other orders (tp splits matmuls, ZeRO-3
     reduce-scatters over 4 ranks); measured here the largest difference is 7e-7, so 1e-6 holds."""
     full = chain["full"]
-    for name, start in (("zero3", 2), ("zero1", 4), ("tp2", 5)):
+    for name, start in (("zero3", 2), ("zero1", 4), ("tp2", 5), ("pp2", 5)):
         got = chain[name]
         assert len(got) == 6 - start
         assert max(abs(a - b) for a, b in zip(got, full[start:])) <= 1e-6, (name, got, full[start:])
