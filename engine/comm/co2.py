@@ -23,7 +23,8 @@ async, outer_lr=1, outer_momentum=0, lambda=1 and no clip this is synchronous da
 SGD exactly.
 
 With tensor parallelism CO2 works on each rank's local shards (DTensor.to_local()) and
-all-reduces over the dp group only: the ranks of one dp group hold the same shard.
+all-reduces over the dp group only: the ranks of one dp group hold the same shard. (The
+relative_gap variant then measures its gap per local shard.)
 """
 
 from __future__ import annotations
