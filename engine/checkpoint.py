@@ -58,7 +58,8 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
 
     path = checkpoint_path(folder, step)
     state, _ = _train_state(trainer, co2=trainer.co2 is not None)
-    meta = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None, "seed": trainer.cfg.train.seed})
+    meta = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None,
+                       "seed": trainer.cfg.train.seed})
     state["meta"] = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)  # a tensor: read without pickle
     state["rng"] = {f"rank{trainer.rank}": _rng_state(trainer.device)}
     dcp.save(state, checkpoint_id=str(path))  # .metadata is written last: a half-written folder does not load
