@@ -1,87 +1,281 @@
-"""Checkpoints: save at step k, resume to the same trajectory.
+"""Checkpoints through torch.distributed.checkpoint (DCP): every layout, resumable in any other.
 
-For pp=1 the model and optimizer are saved as full (unsharded) state dicts keyed by parameter
-name (torch.distributed.checkpoint.state_dict gathers DDP, DTensor-TP and FSDP2 shards), so a
-checkpoint is layout-independent across dp/tp/ZeRO-2/3. ZeRO-1 consolidates its optimizer state on
-rank 0. Pipeline runs save one file per stage rank (same-layout resume). Loading always uses
-`torch.load(weights_only=True)`.
+Every rank calls `save()`. DCP writes each rank's share of the state (its DTensor shards under
+TP and FSDP2, its pipeline stages, its ZeRO-1 optimizer partition) into one folder
+`stepNNNNNN/`, each tensor named by its fully qualified name in the FULL model; replicated
+tensors are written once. `load()` asks each rank for exactly the slices its own layout holds,
+so a checkpoint saved in one layout resumes in any other valid layout of the same model
+(pp2 x tp2 -> dp4 ZeRO-3 -> tp2).
+
+- Model and optimizer: `get_state_dict` / `set_state_dict` with the optimizer state flattened
+  per parameter (`state.layers.3.attn.wq.weight.exp_avg`), which is what lets pipeline stages
+  reshard (torchtitan's ModelWrapper/OptimizersContainer do the same). Pipeline stages keep the
+  global block names (`layers.3`, engine/model.py), so a pp=2 checkpoint loads into pp=1. The
+  tied embedding/head is one parameter named `tok_emb.weight` in a pp=1 model, two on pipeline
+  stages: the last stage's `head.weight` optimizer state is stored under `tok_emb.weight` too.
+- Optimizer hyperparameters (`param_groups`) are saved but the config's values win at resume.
+- Data order: batches are a pure function of (seed, step) (engine/data.py), so the step is the
+  whole data state.
+- RNG: each rank's torch generator states, restored when the layout (dp, tp, pp) is the saved
+  one; in another layout dropout masks differ anyway (other shapes per rank), so the seeded
+  state stays.
+- CO2: each dp rank trains its own replica between outer rounds, so the checkpoint holds each dp
+  rank's parameters and inner optimizer state, plus CO2's anchor, outer momentum and in-flight
+  round (engine/comm/co2.py). Such a checkpoint resumes in the same dp and tp degrees only; a
+  plain checkpoint resumes into a CO2 run (CO2 re-takes its anchor from the loaded weights).
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import pickle
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 if TYPE_CHECKING:
     from engine.train import Trainer
 
+logger = logging.getLogger(__name__)
+
+# engine/model.py ties GPT.head.weight to GPT.tok_emb.weight; a pp=1 model names the pair by the latter
+_TIED = {"head.weight": "tok_emb.weight"}
+_OPTIM_SECTIONS = ("state", "param_groups")
 
 
-def _dcp():
-    """torch.distributed.checkpoint and .optim, imported on first use (about 1.5 s of a rank's start)."""
-    from torch.distributed.checkpoint import state_dict
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return state_dict, state_dict.StateDictOptions(full_state_dict=True), ZeroRedundancyOptimizer
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def checkpoint_path(folder: Path, step: int) -> Path:
+    """The folder DCP writes the checkpoint of `step` into."""
+    return Path(folder) / f"step{step:06d}"
 
 
 def save(trainer: Trainer, step: int, folder: Path) -> Path:
-    """Write the checkpoint of `step` (all ranks call this); returns its path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    par, coords = trainer.par, trainer.coords
-    if par.pipeline is not None:
-        path = folder / f"step{step:06d}-pp{coords['pp']}"
-        if coords["dp"] == 0 and coords["tp"] == 0:
-            torch.save({"step": step, "modules": [m.state_dict() for m in par.modules],
-                        "optim": par.optimizer.state_dict()}, path.with_suffix(".pt"))
-        _barrier()
-        return folder / f"step{step:06d}"
-    sd, full, zero1 = _dcp()
-    model = par.modules[0]
-    model_sd = sd.get_model_state_dict(model, options=full)
-    if isinstance(par.optimizer, zero1):
-        par.optimizer.consolidate_state_dict(to=0)
-        optim_sd = par.optimizer.state_dict() if _rank() == 0 else None
-    else:
-        optim_sd = sd.get_optimizer_state_dict(model, par.optimizer, options=full)
-    path = folder / f"step{step:06d}.pt"
-    if _rank() == 0:
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "model": model_sd, "optim": optim_sd}, tmp)
-        tmp.replace(path)  # a reader never sees a half-written checkpoint
-    _barrier()
+    """Write the checkpoint of `step` (every rank calls this); returns its folder."""
+    import torch.distributed.checkpoint as dcp
+
+    path = checkpoint_path(folder, step)
+    state, _ = _train_state(trainer, co2=trainer.co2 is not None)
+    meta = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None,
+                       "seed": trainer.cfg.train.seed})
+    state["meta"] = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)  # a tensor: read without pickle
+    state["rng"] = {f"rank{trainer.rank}": _rng_state(trainer.device)}
+    dcp.save(state, checkpoint_id=str(path))  # .metadata is written last: a half-written folder does not load
     return path
 
 
 def load(trainer: Trainer, path: str | Path) -> int:
-    """Restore model and optimizer from `path`; returns the step to continue from."""
-    par, coords = trainer.par, trainer.coords
-    p = Path(path)
-    if par.pipeline is not None:
-        stem = p.with_suffix("") if p.suffix == ".pt" else p
-        stem = Path(str(stem).split("-pp")[0])
-        data = torch.load(f"{stem}-pp{coords['pp']}.pt", weights_only=True, map_location="cpu")
-        for module, sd in zip(par.modules, data["modules"], strict=True):
-            module.load_state_dict(sd)
-        par.optimizer.load_state_dict(data["optim"])
-        return int(data["step"])
-    data = torch.load(p, weights_only=True, map_location="cpu")
-    sd, full, zero1 = _dcp()
-    model = par.modules[0]
-    sd.set_model_state_dict(model, data["model"], options=full)
-    if isinstance(par.optimizer, zero1):
-        par.optimizer.load_state_dict(data["optim"])
-    else:
-        sd.set_optimizer_state_dict(model, par.optimizer, data["optim"], options=full)
-    return int(data["step"])
+    """Restore the state saved in `path` into this rank's layout; returns the step to continue from."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    saved = _reader(path).read_metadata().state_dict_metadata
+    got = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    dcp.load(got, storage_reader=_reader(path))
+    meta = json.loads(bytes(got["meta"].tolist()).decode())
+    _check_co2_layout(trainer, meta)
+    if meta["seed"] != trainer.cfg.train.seed:
+        logger.warning("train.seed=%s differs from the checkpoint's %s: batches after step %s follow the new seed",
+                       trainer.cfg.train.seed, meta["seed"], meta["step"])
+    state, apply = _train_state(trainer, co2=meta["co2"])
+    # only tensors are read back (DCP unpickles anything else without restriction); so the
+    # config's hyperparameters (param_groups) win over the saved ones
+    to_read = {k: v for k, v in _flat(state).items() if isinstance(v, torch.Tensor) and not _is_param_group(k)}
+    rng_key = f"rng.rank{trainer.rank}"
+    same_layout = all(meta[axis] == value for axis, value in _layout(trainer).items())
+    if same_layout and any(k.startswith(rng_key + ".") for k in saved):
+        to_read.update({f"{rng_key}.{name}": t for name, t in _rng_state(trainer.device).items()})
+    elif trainer.cfg.model.dropout > 0:
+        logger.warning("resume in another layout than %s: dropout masks are drawn afresh", meta)
+    dcp.load(to_read, storage_reader=_reader(path))
+    _set_rng_state({k[len(rng_key) + 1:]: v for k, v in to_read.items() if k.startswith(rng_key + ".")})
+    apply({k: to_read.get(k, v) for k, v in _flat(state).items()})
+    return int(meta["step"])
+
+
+# ---------------------------------------------------------------- model + optimizer
+
+def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+    """The live state dict of this rank under global names, and a function that loads one back.
+
+    With `co2` the model and optimizer live under `dp<d>.` (each dp rank's replica) and CO2's
+    own state under `co2.tp<t>` (shared by the dp ranks of a tp rank).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    par = trainer.par
+    module, strip = _as_one_module(par.modules)
+    optimizer = getattr(par.optimizer, "optim", par.optimizer)  # ZeRO-1 wrappers step an inner optimizer
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
+    model_names = {k: strip(k) for k in model_sd}
+    param_names = _optimizer_names(optim_sd, strip)
+    prefix = f"dp{trainer.coords['dp']}." if co2 else ""
+    state: dict[str, Any] = {
+        f"{prefix}model": {model_names[k]: v for k, v in model_sd.items()},
+        f"{prefix}optim": {_rename_optim_key(k, param_names): v for k, v in optim_sd.items()},
+    }
+    if co2 and trainer.co2 is not None:
+        state["co2"] = {f"tp{trainer.coords['tp']}": trainer.co2.state_dict()}
+
+    def apply(flat: dict[str, Any]) -> None:
+        back_model = {v: k for k, v in model_names.items()}
+        back_optim = {_rename_optim_key(k, param_names): k for k in optim_sd}
+        new_model = {back_model[k[len(prefix) + 6:]]: v for k, v in flat.items() if k.startswith(f"{prefix}model.")}
+        new_optim = {back_optim[k[len(prefix) + 6:]]: v for k, v in flat.items() if k.startswith(f"{prefix}optim.")}
+        with _without_empty_groups(optimizer):
+            set_state_dict(module, optimizer, model_state_dict=new_model, optim_state_dict=new_optim, options=options)
+        if trainer.co2 is not None:
+            co2_key = f"co2.tp{trainer.coords['tp']}."
+            own = {k[len(co2_key):]: v for k, v in flat.items() if k.startswith(co2_key)}
+            if own:
+                trainer.co2.load_state_dict(own)
+            else:  # a plain checkpoint: the loaded weights are the first round's start point
+                trainer.co2.reset_anchor()
+
+    return state, apply
+
+
+@contextlib.contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide param groups with no parameters while loading, then put them back in place.
+
+    torch 2.13's `_unflatten_optim_state_dict` indexes the first parameter of every group, and a
+    ZeRO-1 rank may own no parameter of a group (IndexError otherwise).
+    """
+    groups = optimizer.param_groups
+    empty = [(i, g) for i, g in enumerate(groups) if not g["params"]]
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = list(optimizer.param_groups)  # load_state_dict builds new group dicts
+        for i, group in empty:
+            loaded.insert(i, group)
+        optimizer.param_groups = loaded
+
+
+def _as_one_module(modules: list[nn.Module]) -> tuple[nn.Module, Callable[[str], str]]:
+    """One module over this rank's model parts, and the map from its names to the full model's.
+
+    Interleaved pipeline ranks hold several stage chunks; `get_state_dict` takes one module, so
+    they go into a ModuleList and its index prefix (`0.`, `1.`) is dropped again: the chunks
+    already carry global block names and never share one.
+    """
+    if len(modules) == 1:
+        return modules[0], lambda name: name
+    return nn.ModuleList(modules), lambda name: name.split(".", 1)[1]
+
+
+def _optimizer_names(optim_sd: dict[str, Any], strip: Callable[[str], str]) -> dict[str, str]:
+    """Local parameter name -> global name, for the parameters the optimizer holds."""
+    local = {_split_optim_key(k)[1] for k in optim_sd}
+    names = {name: strip(name) for name in local}
+    held = set(names.values())
+    for name, global_name in names.items():
+        # a last pipeline stage holds the tied head without the embedding: store it as the embedding
+        if global_name in _TIED and _TIED[global_name] not in held:
+            names[name] = _TIED[global_name]
+    return names
+
+
+def _split_optim_key(key: str) -> tuple[str, str, str]:
+    """`state.layers.0.ln1.weight.exp_avg` -> (`state`, `layers.0.ln1.weight`, `exp_avg`)."""
+    section, rest = key.split(".", 1)
+    name, attr = rest.rsplit(".", 1)  # AdamW's state is one level deep (step, exp_avg, exp_avg_sq)
+    if section not in _OPTIM_SECTIONS:
+        raise ValueError(f"unexpected flattened optimizer key {key!r}")
+    return section, name, attr
+
+
+def _rename_optim_key(key: str, names: dict[str, str]) -> str:
+    section, name, attr = _split_optim_key(key)
+    return f"{section}.{names[name]}.{attr}"
+
+
+def _is_param_group(flat_key: str) -> bool:
+    return ".param_groups." in f".{flat_key}"
+
+
+def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> one level with dotted keys (DCP's own flattening, which load mirrors)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# ---------------------------------------------------------------- layout, rng, metadata
+
+def _layout(trainer: Trainer) -> dict[str, int]:
+    d = trainer.dims
+    return {"dp": d.dp, "tp": d.tp, "pp": d.pp}
+
+
+def _check_co2_layout(trainer: Trainer, meta: dict[str, Any]) -> None:
+    if not meta["co2"]:
+        return
+    here = _layout(trainer)
+    if trainer.co2 is None or meta["dp"] != here["dp"] or meta["tp"] != here["tp"]:
+        raise ValueError(f"train.resume_from: a CO2 checkpoint (dp={meta['dp']}, tp={meta['tp']}) holds one "
+                         f"replica per dp rank and resumes only as a CO2 run with the same dp and tp; "
+                         f"this run has co2.enabled={trainer.co2 is not None}, dp={here['dp']}, tp={here['tp']}")
+
+
+def _reader(path: Path):
+    """DCP's file reader, reading `.metadata` with an allow-list instead of a plain pickle.load.
+
+    DCP pickles its metadata and unpickles it with no restriction (torch 2.13); tensors it
+    already loads with weights_only=True, and this checkpoint stores nothing else, so a
+    checkpoint file can hold data only, never code.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(path / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"train.resume_from={path}: not a checkpoint folder (no .metadata); "
+                                "checkpoints are folders named stepNNNNNN")
+    return SafeReader(str(path))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: its own dataclasses, torch sizes, dtypes and layouts, paths."""
+
+    _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata" \
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
+                                         "checkpoint of this engine never holds; refusing to load it")
+        return super().find_class(module, name)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device).cpu()
+    return states
+
+
+def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
+    if "cpu" in states:
+        torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

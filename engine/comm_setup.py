@@ -155,8 +155,8 @@ def install_co2(trainer: Trainer, par: Parallelized) -> None:
     monitor = CommMonitor(trainer.dims.dp)
     trainer.comm = monitor  # no backward communication under CO2: only its wire bytes are counted
     trainer.co2 = CO2(par.modules[0], par.optimizer, process_group=trainer.mesh["dp"].get_group(), tau=o.tau,
-                      outer_lr=o.outer_lr, outer_momentum=o.outer_momentum, clip=o.clip,
-                      staleness_penalty=o.staleness_penalty, on_bytes=monitor.on_bytes,
+                      outer_lr=o.outer_lr, outer_momentum=o.outer_momentum, clip=o.clip, penalty=o.penalty,
+                      gap_penalty=o.gap_penalty, on_bytes=monitor.on_bytes,
                       link=_link_of(cfg))
 
 

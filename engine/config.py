@@ -115,14 +115,20 @@ class CommConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CO2Config:
-    """CO2: local steps with an asynchronous, fully overlapped outer all-reduce."""
+    """CO2: local steps with an asynchronous, fully overlapped outer all-reduce (engine/comm/co2.py).
+
+    The authors' defaults (fairscale-CO2): outer_momentum 0.5, outer_lr 1.0, tau 48 (20-48 in
+    the paper), gap penalty 1.0, clip threshold 1.0. Our tau default is 4 because our runs are
+    tens of steps, not tens of thousands.
+    """
 
     enabled: bool = False
-    tau: int = 4  # local steps between outer synchronisations
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    clip: float = 0.0  # outer momentum clipping threshold; 0 disables
-    staleness_penalty: bool = True
+    tau: int = 4  # local steps between outer synchronisations (the paper's outer frequency)
+    outer_lr: float = 1.0  # outer step size
+    outer_momentum: float = 0.5  # beta of the outer momentum (the authors' library default)
+    clip: float = 1.0  # element-wise clip of the outer momentum to [-clip, clip] (phi); 0 disables
+    penalty: str = "constant"  # constant: the paper's 1/gap_penalty | relative_gap: ours, see co2.py
+    gap_penalty: float = 1.0  # lambda of the constant penalty: momentum += avg_delta / lambda
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError, ConfigErrors
@@ -19,6 +20,7 @@ MAX_WORLD_SIZE = 65536
 MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout) overflows far above this
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | our relative-gap variant
 
 
 def divisors(n: int) -> list[int]:
@@ -180,6 +182,13 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("co2.enabled", True, "needs parallel.zero=0 and comm.compressor=none")
     if o.enabled and p.pp > 1:
         yield ConfigError("co2.enabled", True, "needs parallel.pp=1")
+    yield from _choice("co2.penalty", o.penalty, CO2_PENALTIES)
+    yield from _positive("co2.gap_penalty", o.gap_penalty)
+    resume = cfg.train.resume_from
+    if resume and not (Path(resume) / ".metadata").is_file():
+        # engine/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
+        yield ConfigError("train.resume_from", resume, "must be a checkpoint folder (stepNNNNNN/ holding "
+                          "a .metadata file) written by train.checkpoint_interval")
     yield from _positive("link.gbps", cfg.link.gbps, allow_zero=True)
     yield from _positive("link.latency_us", cfg.link.latency_us, allow_zero=True)
     d = cfg.ddp

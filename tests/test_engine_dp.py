@@ -58,8 +58,8 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     common = ["parallel.dp=2", "batch.micro=4", "train.steps=6"]
     full = run_losses(tmp_path, common + ["train.checkpoint_interval=3", f"train.checkpoint_dir={ckpt_dir}"])
-    saved = ckpt_dir / "step000003.pt"
-    assert saved.is_file()
+    saved = ckpt_dir / "step000003"
+    assert (saved / ".metadata").is_file()
     resumed = run_losses(tmp_path, common + [f"train.resume_from={saved}"])
     # the resumed run starts at step 3: its steps 3, 4, 5 equal the uninterrupted run's
     assert len(resumed) == 3

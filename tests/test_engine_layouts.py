@@ -61,12 +61,12 @@ def test_layout_matches_single_process(tmp_path, reference, name):
 @pytest.mark.parametrize("resume_layout", [["parallel.dp=2", "parallel.zero=3"], ["parallel.tp=2"]],
                          ids=["same-layout", "zero3-to-tp2"])
 def test_checkpoint_resumes_in_same_and_other_layout(tmp_path, resume_layout):
-    """Saved under ZeRO-3 at dp=2 as full state dicts: resumable as is, and under tp=2."""
+    """Saved under ZeRO-3 at dp=2 through DCP: resumable as is, and under tp=2."""
     ckpt = tmp_path / "ckpt"
     common = TINY + ["train.steps=6", "train.eval_interval=0"]
     full = launch(load_config(None, common + ["parallel.dp=2", "parallel.zero=3", "train.checkpoint_interval=3",
                                               f"train.checkpoint_dir={ckpt}"]), home=tmp_path)
-    resumed = launch(load_config(None, common + resume_layout + [f"train.resume_from={ckpt / 'step000003.pt'}"]),
+    resumed = launch(load_config(None, common + resume_layout + [f"train.resume_from={ckpt / 'step000003'}"]),
                      home=tmp_path)
     assert [s["step"] for s in resumed.steps] == [3, 4, 5]
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed.steps, full.steps[3:]))

@@ -511,7 +511,9 @@ def test_no_eval_exec_pickle_or_unsafe_yaml_in_the_source():
     assert offenders == []
     # the one import of a name that comes from user text: model.entry, through engine.data.load_entry
     assert dynamic_imports == ["engine/data.py:load_entry"]
-    assert yaml_loads >= 2 and torch_loads  # the scan really saw the loaders it checks
+    # the scan really saw the loaders it checks; checkpoints no longer call torch.load (DCP reads
+    # tensors with weights_only=True, its metadata through engine/checkpoint.py's allow-list)
+    assert yaml_loads >= 2
 
 
 def test_dashboard_binds_localhost_by_default():

@@ -2,17 +2,29 @@
 
 Each rank runs `tau` steps of its inner optimizer from the shared start point x_r. At the end
 of round r it launches the all-reduce of its delta d_r = x_r - x_local (the pseudo-gradient)
-and applies the outer step with the average of the PREVIOUS round's deltas, whose all-reduce
-ran during this round's local steps (one-step staleness):
+and applies the outer step with the average of the PREVIOUS round's deltas, D_{r-1}, whose
+all-reduce ran during this round's local steps (one-step staleness). The outer step is the
+authors' (weigao266/fairscale-CO2, `CO2DistributedDataParallel._perform_local_optimization`):
 
-    m <- beta m + D_{r-1}          (heavy ball; Nesterov uses D_{r-1} + beta m as the update)
-    x_{r+1} = x_r - outer_lr * update,  every rank restarts from x_{r+1}
+    m <- beta m + D_{r-1} / lambda           (lambda: `gap_penalty`, a constant, default 1.0)
+    m <- clamp(m, -phi, phi)                  (element-wise; phi: `clip`, 0 turns it off)
+    x_{r+1} = x_r - outer_lr * m,  every rank restarts from x_{r+1}
 
-Staleness gap penalty (our reading of the paper, which we could not consult in full): D_{r-1}
-was measured at x_{r-1} but is applied at x_r, so each parameter tensor's slice of it is scaled
-by 1 / (1 + ||x_r - x_{r-1}|| / ||x_{r-1}||), the relative gap between the current and the stale
-start point. Outer momentum clipping bounds ||m|| by `clip` (formulas.md). With tau=1, no async,
-outer_lr=1 and outer_momentum=0 this is synchronous data parallel SGD exactly.
+(Their `_co2_clip` computes torch.clamp and drops the result, so their clip never acts; ours
+does. Their library turns the clip on with a separate `co2_clip` flag, off by default.) Their
+defaults: outer_momentum 0.5, outer_lr 1.0, outer frequency tau 48 (20-48 in the paper), gap
+penalty 1.0, clip threshold 1.0. `nesterov` (update D/lambda + beta m) is ours.
+
+`penalty="relative_gap"` is OUR variant, not the paper's: D_{r-1} was measured at x_{r-1} but
+is applied at x_r, so each parameter tensor's slice of it is scaled by
+1 / (1 + ||x_r - x_{r-1}|| / ||x_{r-1}||), the relative gap between the current and the stale
+start point, instead of by 1 / lambda; the element-wise clip applies to both. With tau=1, no
+async, outer_lr=1, outer_momentum=0, lambda=1 and no clip this is synchronous data parallel
+SGD exactly.
+
+With tensor parallelism CO2 works on each rank's local shards (DTensor.to_local()) and
+all-reduces over the dp group only: the ranks of one dp group hold the same shard. (The
+relative_gap variant then measures its gap per local shard.)
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from engine.comm.link import LinkEmulator, bus_factor
+from engine.validate import CO2_PENALTIES as PENALTIES
 
 OnBytes = Callable[[int, int], None]
 _EPS = 1e-12
@@ -41,26 +54,35 @@ class CO2:
         process_group: dist.ProcessGroup | None = None,
         tau: int = 8,
         outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
+        outer_momentum: float = 0.5,
         nesterov: bool = False,
-        clip: float = 0.0,
-        staleness_penalty: bool = True,
+        clip: float = 1.0,
+        penalty: str = "constant",
+        gap_penalty: float = 1.0,
         async_op: bool = True,
         link: LinkEmulator | None = None,
         on_bytes: OnBytes | None = None,
     ) -> None:
-        """Broadcast rank 0's parameters so every rank starts from the same point.
+        """Broadcast dp rank 0's parameters so every rank starts from the same point.
 
-        clip <= 0 turns clipping off. `link` makes each outer all-reduce last at least as long
-        as it would on that link (the wait overlaps with the next round's local steps).
+        `process_group` is the dp group. clip <= 0 turns clipping off. `penalty` is "constant"
+        (the paper's 1/gap_penalty) or "relative_gap" (ours, see the module docstring). `link`
+        makes each outer all-reduce last at least as long as it would on that link (the wait
+        overlaps with the next round's local steps).
         """
+        if penalty not in PENALTIES:
+            raise ValueError(f"co2.penalty={penalty!r} must be one of {', '.join(PENALTIES)}")
+        if gap_penalty <= 0:
+            raise ValueError(f"co2.gap_penalty={gap_penalty} must be > 0; e.g. 1.0")
         self.inner_optimizer = inner_optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # tensor-parallel parameters: the local shard, shared with the DTensor (in-place updates reach it)
+        with torch.no_grad():
+            self.params = [_local(p) for p in model.parameters() if p.requires_grad]
         self.process_group = process_group
         self.group_size = dist.get_world_size(process_group)
-        self.async_op, self.staleness_penalty, self.nesterov = async_op, staleness_penalty, nesterov
+        self.async_op, self.penalty, self.gap_penalty, self.nesterov = async_op, penalty, gap_penalty, nesterov
         self.link, self.on_bytes = link, on_bytes
-        self.tau, self.outer_lr, self.outer_momentum, self.clip = 1, 1.0, 0.0, 0.0
+        self.tau, self.outer_lr, self.outer_momentum, self.clip = 1, 1.0, 0.0, 1.0
         self.set_knobs(tau=tau, outer_lr=outer_lr, outer_momentum=outer_momentum, clip=clip)
         src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         with torch.no_grad():
@@ -160,20 +182,57 @@ class CO2:
 
     def _outer_update(self, reduced: tuple[torch.Tensor, torch.Tensor]) -> None:
         avg_delta, stale_anchor = reduced
-        if self.staleness_penalty:
-            self.last_penalty = []
-            for sl in self.slices:
+        self.last_penalty = []
+        for sl in self.slices:
+            if self.penalty == "relative_gap":
                 gap = float((self.anchor[sl] - stale_anchor[sl]).norm())
                 factor = 1.0 / (1.0 + gap / (float(stale_anchor[sl].norm()) + _EPS))
-                avg_delta[sl].mul_(factor)
-                self.last_penalty.append(factor)
+            else:
+                factor = 1.0 / self.gap_penalty
+            avg_delta[sl].mul_(factor)
+            self.last_penalty.append(factor)
         self.momentum.mul_(self.outer_momentum).add_(avg_delta)
         if self.clip > 0:
-            norm = float(self.momentum.norm())
-            if norm > self.clip:
-                self.momentum.mul_(self.clip / norm)
+            self.momentum.clamp_(-self.clip, self.clip)  # element-wise, as the paper's co2_clip_threshold
         update = avg_delta.add(self.momentum, alpha=self.outer_momentum) if self.nesterov else self.momentum
         self.anchor.add_(update, alpha=-self.outer_lr)
+
+    # ------------------------------------------------------------------ checkpoint
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Anchor, outer momentum, round position and the in-flight round (waited for, not applied).
+
+        Waiting changes no number: the same average is applied at the same round end after a
+        resume. The parameters and the inner optimizer are the trainer's to save.
+        """
+        pending = torch.zeros_like(self.anchor), torch.zeros_like(self.anchor)
+        if self.pending is not None:
+            work, delta, stale_anchor, _ = self.pending
+            work.wait()  # the reduced SUM; _finish divides it by the group size when applied
+            pending = delta, stale_anchor
+        return {"anchor": self.anchor, "momentum": self.momentum, "pending_delta": pending[0],
+                "pending_anchor": pending[1], "has_pending": torch.tensor(int(self.pending is not None)),
+                "local_steps": torch.tensor(self.local_steps), "rounds": torch.tensor(self.rounds)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict()` returned (same dp and tp layout)."""
+        self.anchor.copy_(state["anchor"])
+        self.momentum.copy_(state["momentum"])
+        self.local_steps, self.rounds = int(state["local_steps"]), int(state["rounds"])
+        self.pending = None
+        if int(state["has_pending"]):
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            self.pending = (done, state["pending_delta"].clone(), state["pending_anchor"].clone(),
+                            time.perf_counter())
+
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        """Start a fresh round from the current (e.g. just loaded) parameters."""
+        self.anchor.copy_(parameters_to_vector(self.params))
+        self.momentum.zero_()
+        self.pending, self.local_steps = None, 0
 
     def _ring_bytes(self, flat: torch.Tensor) -> int:
         return int(flat.numel() * flat.element_size() * bus_factor("all_reduce", self.group_size))
@@ -182,6 +241,13 @@ class CO2:
         self.wire_bytes += wire
         if self.on_bytes is not None:
             self.on_bytes(wire, dense)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharing its storage); a plain tensor as is."""
+    from engine.parallel.data import is_dtensor
+
+    return p.to_local() if is_dtensor(p) else p
 
 
 def _slices(params: list[torch.Tensor]) -> list[slice]:
