@@ -48,16 +48,22 @@ def _model(text: str):
 
 
 def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
-             gpus: int = typer.Option(..., help="Total GPUs"),
-             model: str = typer.Option(..., help="layers=..,hidden=..,heads=..,seq=..,vocab=.. or 22b|175b|1t"),
+             gpus: Optional[int] = typer.Option(None, help="Total GPUs (required unless --validate)"),
+             model: Optional[str] = typer.Option(None, help="layers=..,hidden=..,heads=..,seq=..,vocab=.. or 22b|175b|1t (required unless --validate)"),
              config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=..,virtual=..]"),
              search: bool = typer.Option(False, help="Enumerate every valid config instead of one"),
              global_batch: int = typer.Option(1536, help="Global batch for --search"),
              top: int = typer.Option(10, help="Best configs shown by --search"),
              optuna_trials: int = typer.Option(0, help="Also run Optuna over the simulator"),
              report: Optional[Path] = typer.Option(None, help="Write an HTML report (tables + plotly figures)"),
-             as_json: bool = typer.Option(False, "--json")) -> None:
+             as_json: bool = typer.Option(False, "--json"),
+             validate: bool = typer.Option(False, "--validate", help="Compare the simulator with published measurements (calibration vs held-out rows)")) -> None:
     """Predict iteration time, throughput and memory on a cluster we do not have."""
+    if validate:
+        _validate(as_json)
+        return
+    if gpus is None or model is None:
+        fail("--gpus and --model are required unless --validate is given")
     from tuning.hardware import load_cluster
     from tuning.simulator import ParallelSpec
     from tuning.simulator import simulate as sim
@@ -123,6 +129,44 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         console.print(table.round(3).to_string(index=False), markup=False, highlight=False)
     if "optuna_best" in out:
         console.print(f"\nOptuna over the simulator: {out['optuna_best']}")
+
+
+def _validate(as_json: bool) -> None:
+    """`simulate --validate`: every published row with its source, then held-out errors by group."""
+    from tuning.published import sources, summarize, validation_table
+
+    table = validation_table()
+    summary = summarize(table)
+    if as_json:
+        _print_json({"rows": table.to_dict(orient="records"),
+                     "summary": {k: v.to_dict(orient="records") for k, v in summary.items()},
+                     "sources": sources()})
+        return
+    for fitted, title in ((True, "Calibration rows (the GEMM curves were fitted to these)"),
+                          (False, "Held-out rows (never fitted on)")):
+        part = table[table["fitted"] == fitted]
+        t = Table(title=f"{title}: {len(part)}")
+        for col in ("id", "paper", "row", "hardware", "class", "recompute", "layout", "metric"):
+            t.add_column(col)
+        for col in ("published", "simulated", "error"):
+            t.add_column(col, justify="right")
+        for r in part.to_dict(orient="records"):
+            t.add_row(*(str(r[c]) for c in ("id", "paper", "row", "hardware", "class", "recompute", "layout",
+                                            "metric")),
+                      f"{r['published']:g}", f"{r['simulated']:.1f}", f"{r['error_pct']:+.1f}%")
+        console.print(t)
+    for name, df in summary.items():
+        t = Table(title=f"Held-out |error| by {name}")
+        for col in ("group", "rows", "median |error|", "max |error|", "median signed"):
+            t.add_column(col, justify="right" if col != "group" else "left")
+        for r in df.itertuples():
+            t.add_row(str(r.group), str(r.rows), f"{r.median_abs_error_pct:.1f}%", f"{r.max_abs_error_pct:.1f}%",
+                      f"{r.median_error_pct:+.1f}%")
+        console.print(t)
+    console.print("[bold]Sources[/]")
+    for key, src in sources().items():
+        console.print(f"- {key}: {src['paper']}; {src['table']}; configuration: {src['configuration']}; "
+                      f"hardware: {src['hardware']}", markup=False, highlight=False)
 
 
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
