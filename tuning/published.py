@@ -53,6 +53,7 @@ class PublishedRow:
     recompute: str = "full"
     sequence_parallel: bool = False
     overlap_dp: bool = True
+    flash_attention: bool = False  # fused attention kernel (MPT: attn_impl triton/flash)
     metric: str  # tflops_per_gpu (executed FLOPs, Megatron) | mfu (percent of peak, model FLOPs)
     value: float
     fitted: bool
@@ -70,7 +71,8 @@ class PublishedRow:
         """The published layout as a ParallelSpec (16-bit)."""
         return ParallelSpec(dp=self.dp, tp=self.tp, pp=self.pp, virtual=self.virtual, micro=self.micro,
                             global_batch=self.global_batch, zero=self.zero, recompute=self.recompute,
-                            sequence_parallel=self.sequence_parallel, overlap_dp=self.overlap_dp)
+                            sequence_parallel=self.sequence_parallel, overlap_dp=self.overlap_dp,
+                            flash_attention=self.flash_attention)
 
 
 @functools.lru_cache(maxsize=4)
@@ -201,33 +203,50 @@ def prediction_interval(time_s: Any, cls: Any) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def fit_gemm_curve_to(cluster: str, path: str | Path = DATA) -> tuple[float, float]:
-    """Fit (gemm_max_efficiency, gemm_half_flops) of a preset to its calibration rows only.
+FIT_FIELDS = ("gemm_max_efficiency", "gemm_half_flops", "hbm_efficiency")
 
-    Minimises the summed squared log error of the rows' metric over efficiency and log10 of the
-    half point, by a grid that zooms in around its best point (two parameters, a handful of rows:
-    an explicit search needs no optimiser dependency). Raises if the cluster has no calibration row.
+
+def _row_metric_grid(row: PublishedRow, cluster: ClusterSpec) -> np.ndarray:
+    """The row's metric for a cluster whose FIT_FIELDS hold equal-length arrays (one call)."""
+    from tuning.simulator import _arrays, evaluate_arrays  # the vectorised core, shared on purpose
+
+    out = evaluate_arrays(row.model(), cluster, row.gpus, _arrays(row.parallel()))
+    return out["tflops_per_gpu"] if row.metric == "tflops_per_gpu" else 100.0 * out["mfu"]
+
+
+def fit_cluster(cluster: str, path: str | Path = DATA, *, fixed: dict[str, float] | None = None,
+                zooms: int = 6) -> dict[str, float]:
+    """Fit FIT_FIELDS of a preset to its calibration rows only (`fitted: true`).
+
+    Minimises the summed squared log error of the rows' metric by a grid that zooms in around
+    its best point (three parameters and a handful of rows: an explicit search needs no optimiser
+    dependency; every grid point of a row is priced in one vectorised call). `fixed` pins fields
+    (e.g. hbm_efficiency borrowed from another preset when too few rows). Raises if the cluster
+    has no calibration row.
     """
     rows = [r for r in calibration_rows(path) if r.cluster == cluster]
     if not rows:
         raise ValueError(f"cluster={cluster!r}: no calibration row (fitted: true) to fit on")
-    base = load_cluster(cluster)
-
-    def loss(eff: float, log_half: float) -> float:
-        cl = dataclasses.replace(base, gemm_max_efficiency=eff, gemm_half_flops=10.0**log_half)
-        return sum(math.log(simulated_metric(r, cl) / r.value) ** 2 for r in rows)
-
-    center, span = np.array([0.6, 10.0]), np.array([0.35, 2.0])
-    for _ in range(7):
-        grid = [(e, h) for e in np.linspace(*(center[0] + np.array([-1, 1]) * span[0]), 9)
-                for h in np.linspace(*(center[1] + np.array([-1, 1]) * span[1]), 9) if 0.05 < e <= 1.0]
-        center = np.array(min(grid, key=lambda p: loss(*p)))
+    base, fixed = load_cluster(cluster), dict(fixed or {})
+    # search space: efficiency, log10 half point, memory-bound efficiency
+    center, span = np.array([0.6, 10.0, 0.6]), np.array([0.35, 2.0, 0.35])
+    for _ in range(zooms):
+        axes = [np.linspace(c - w, c + w, 9) for c, w in zip(center, span)]
+        if "hbm_efficiency" in fixed:
+            axes[2] = np.array([fixed["hbm_efficiency"]])
+        grid = np.array(np.meshgrid(*axes, indexing="ij")).reshape(3, -1)
+        grid = grid[:, (grid[0] > 0.05) & (grid[0] <= 1.0) & (grid[2] > 0.05) & (grid[2] <= 1.0)]
+        cl = dataclasses.replace(base, gemm_max_efficiency=grid[0], gemm_half_flops=10.0 ** grid[1],
+                                 hbm_efficiency=grid[2])
+        loss = sum(np.log(_row_metric_grid(r, cl) / r.value) ** 2 for r in rows)
+        center = grid[:, int(np.argmin(loss))]
         span = span / 3.0
-    return float(center[0]), float(10.0 ** center[1])
+    return {"gemm_max_efficiency": float(center[0]), "gemm_half_flops": float(10.0 ** center[1]),
+            "hbm_efficiency": float(center[2])}
 
 
 __all__ = [
-    "DATA", "PublishedRow", "STRATEGY_CLASSES", "calibration_rows", "fit_gemm_curve_to", "held_out_rows",
+    "DATA", "FIT_FIELDS", "PublishedRow", "STRATEGY_CLASSES", "calibration_rows", "fit_cluster", "held_out_rows",
     "prediction_interval", "residual_band", "simulated_metric", "sources", "strategy_class", "summarize",
     "validation_table",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tuning.hardware import A100_CALIBRATION_ROWS, PUBLISHED_A100_RUNS, ClusterSpec, load_cluster
+from tuning.hardware import ClusterSpec, load_cluster
 from tuning.simulator import (
     RECOMPUTE,
     SCHEDULES,
@@ -201,27 +201,15 @@ def optuna_search(model: ModelSpec, cluster: ClusterSpec, gpus: int, *, global_b
     return study
 
 
-def published_comparison(cluster: ClusterSpec | str = "dgx-a100-80gb") -> pd.DataFrame:
-    """Simulated vs published TFLOP/s per GPU for PUBLISHED_A100_RUNS (Narayanan et al. 2021).
+def published_comparison() -> pd.DataFrame:
+    """Simulated vs published throughput for every row of tuning/data/published.yaml.
 
-    Settings as published: full recomputation, 1F1B, micro-batch 1, no ZeRO, and the gradient
-    all-reduce after the pipeline flush (Megatron-LM of 2021 did not overlap it).
+    One row per measurement with its source, strategy class, `fitted` (calibration row) flag and
+    error_pct; see `tuning.published.validation_table` and `summarize`.
     """
-    cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    rows = []
-    for i, run in enumerate(PUBLISHED_A100_RUNS):
-        model = ModelSpec(layers=run.layers, hidden=run.hidden, heads=run.heads, seq=run.seq, vocab=run.vocab)
-        par = ParallelSpec(dp=run.gpus // (run.tp * run.pp), tp=run.tp, pp=run.pp, micro=run.micro,
-                           global_batch=run.global_batch, recompute="full", overlap_dp=False)
-        res = simulate(model, cl, par)
-        rows.append({
-            "source": run.source, "params_b": round(model.params / 1e9, 1), "tp": run.tp,
-            "pp": run.pp, "dp": par.dp, "gpus": run.gpus, "global_batch": run.global_batch,
-            "published_tflops": run.tflops_per_gpu, "simulated_tflops": res.tflops_per_gpu,
-            "error_pct": 100.0 * (res.tflops_per_gpu - run.tflops_per_gpu) / run.tflops_per_gpu,
-            "fitted_on": i in A100_CALIBRATION_ROWS, "fits": res.fits,
-        })
-    return pd.DataFrame(rows)
+    from tuning.published import validation_table
+
+    return validation_table()
 
 
 def count_space(axes: dict[str, Sequence[Any]]) -> int:
