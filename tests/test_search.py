@@ -110,3 +110,37 @@ def test_optuna_search_never_beats_exhaustive_and_is_seeded() -> None:
     par = ParallelSpec(dp=32 // (trial.params["tp"] * trial.params["pp"]), global_batch=128, **trial.params)
     assert simulate(model, A100, par).tokens_per_s == pytest.approx(study.best_value)
     assert study.best_value >= 0.5 * best  # 40 TPE trials land within 2x of the optimum
+
+
+# ---------------------------------------------------------------- uncertainty
+
+def test_intervals_come_from_the_class_residuals_and_mark_overlaps() -> None:
+    from tuning.published import validation_table
+    from tuning.search import add_uncertainty
+
+    df = add_uncertainty(enumerate_configs(GPT_13B, A100, 64, 256))
+    held = validation_table().query("not fitted")
+    tp_pp = held[held["class"] == "TP+PP"]["error_pct"] / 100.0  # 7 held-out Megatron rows
+    row = df[(df["tp"] == 8) & (df["pp"] == 2) & (df["virtual"] == 1)].iloc[0]
+    assert row["strategy_class"] == "TP+PP"
+    assert row["time_lo_s"] == pytest.approx(row["iteration_time_s"] * (1 + tp_pp.min()))
+    assert row["time_hi_s"] == pytest.approx(row["iteration_time_s"] * (1 + tp_pp.max()))
+    best = best_configs(df, 1).iloc[0]
+    assert best["overlaps_best"]
+    expected = df["fits"] & (df["time_lo_s"] <= best["time_hi_s"])
+    assert (df["overlaps_best"] == expected).all() and 1 <= df["overlaps_best"].sum() < df["fits"].sum()
+    assert not df.loc[~df["fits"], "overlaps_best"].any()
+
+
+def test_flip_parameter_names_the_smallest_change_that_flips() -> None:
+    import dataclasses as dc
+
+    from tuning.search import FLIP_KNOBS, _config_key, flip_parameter
+
+    res = flip_parameter(GPT_13B, A100, 64, 256)
+    assert res["knob"] in FLIP_KNOBS and res["new_best"] != res["best"]
+    spec = dc.replace(A100, **{f: getattr(A100, f) * res["factor"] for f in FLIP_KNOBS[res["knob"]]})
+    top = best_configs(enumerate_configs(GPT_13B, spec, 64, 256), 1).iloc[0]
+    assert _config_key(top) != _config_key(best_configs(enumerate_configs(GPT_13B, A100, 64, 256), 1).iloc[0])
+    smaller = [t for t in res["tried"] if abs(np.log(t["factor"])) < abs(np.log(res["factor"])) - 1e-12]
+    assert smaller and not any(t["flips"] for t in smaller)

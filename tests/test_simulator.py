@@ -399,3 +399,25 @@ def test_result_serialises_for_the_cli() -> None:
     assert set(data["breakdown"]) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer"}
     assert sum(data["breakdown"].values()) == pytest.approx(data["iteration_time_s"])
     assert data["tokens_per_s"] == pytest.approx(8 * GPT_6B.seq / data["iteration_time_s"])
+
+
+def test_simulate_validate_and_json_interval_cli() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--validate"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for text in ("Calibration rows", "Held-out rows", "nar-t1-1t", "mpt-h100-13b-64", "ZeRO-3/FSDP",
+                 "dgx-a100-40gb", "examples/sc21/run_table_1.sh", "scripts/train/benchmarking/README.md"):
+        assert text in out.stdout, text
+    one = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--gpus", "64", "--model", "22b",
+                          "--config", "tp=8,pp=2,dp=4,micro=1,global_batch=64", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    data = json.loads(one.stdout)
+    lo, hi = data["interval_s"]
+    assert data["strategy_class"] == "TP+PP" and "held-out rows" in data["interval_basis"]
+    assert lo < hi and lo <= data["iteration_time_s"] * 1.2 and hi >= data["iteration_time_s"] * 0.8
+    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--gpus", "8"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "--gpus and --model are required unless --validate" in bad.stderr

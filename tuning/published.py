@@ -214,6 +214,18 @@ def _row_metric_grid(row: PublishedRow, cluster: ClusterSpec) -> np.ndarray:
     return out["tflops_per_gpu"] if row.metric == "tflops_per_gpu" else 100.0 * out["mfu"]
 
 
+def interval_fields(time_s: Any, tp: Any, pp: Any, virtual: Any, zero: Any) -> dict[str, Any]:
+    """Strategy class, measured-time interval (s) and its basis for predictions (vectorised).
+
+    The basis names the residuals used: the class's own held-out rows, or `pooled` (all held-out
+    rows) when the class has fewer than MIN_CLASS_ROWS.
+    """
+    cls = np.asarray(strategy_class(tp, pp, virtual, zero))
+    lo, hi = prediction_interval(np.broadcast_to(np.asarray(time_s, dtype=float), cls.shape), cls)
+    basis = np.vectorize(lambda c: "{3} ({2} held-out rows)".format(*residual_band(str(c))), otypes=[object])(cls)
+    return {"strategy_class": cls, "time_lo_s": lo, "time_hi_s": hi, "interval_basis": basis}
+
+
 def fit_cluster(cluster: str, path: str | Path = DATA, *, fixed: dict[str, float] | None = None,
                 zooms: int = 6) -> dict[str, float]:
     """Fit FIT_FIELDS of a preset to its calibration rows only (`fitted: true`).
@@ -247,6 +259,6 @@ def fit_cluster(cluster: str, path: str | Path = DATA, *, fixed: dict[str, float
 
 __all__ = [
     "DATA", "FIT_FIELDS", "PublishedRow", "STRATEGY_CLASSES", "calibration_rows", "fit_cluster", "held_out_rows",
-    "prediction_interval", "residual_band", "simulated_metric", "sources", "strategy_class", "summarize",
+    "interval_fields", "prediction_interval", "residual_band", "simulated_metric", "sources", "strategy_class", "summarize",
     "validation_table",
 ]

@@ -137,6 +137,72 @@ def best_configs(df: pd.DataFrame, k: int = 10, *, fits_only: bool = True) -> pd
     return pool.nsmallest(k, "iteration_time_s").reset_index(drop=True)
 
 
+def add_uncertainty(df: pd.DataFrame) -> pd.DataFrame:
+    """Add strategy_class, time_lo_s / time_hi_s (measured-time interval from the class's held-out
+    residuals, tuning.published) and overlaps_best: the interval overlaps the best fitting one's,
+    so the data cannot tell the two apart. Returns `df` (columns added in place)."""
+    from tuning.published import interval_fields
+
+    fields = interval_fields(df["iteration_time_s"].to_numpy(), df["tp"].to_numpy(), df["pp"].to_numpy(),
+                             df["virtual"].to_numpy(), df["zero"].to_numpy())
+    for key, values in fields.items():
+        df[key] = values
+    pool = df[df["fits"]]
+    best_hi = pool.loc[pool["iteration_time_s"].idxmin(), "time_hi_s"] if len(pool) else -np.inf
+    df["overlaps_best"] = df["fits"] & (df["time_lo_s"] <= best_hi)
+    df.attrs.setdefault("units", {}).update(time_lo_s="s", time_hi_s="s")
+    return df
+
+
+FLIP_KNOBS = {  # what-if knob -> the ClusterSpec fields it scales together
+    "bandwidth": ("intra_bw_gb_s", "inter_bw_gb_s"),
+    "peak": ("peak_flops",),
+    "memory": ("memory_gb",),
+}
+FLIP_FACTORS = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+
+def _config_key(row: pd.Series) -> tuple:
+    return tuple(row[k] for k in ("tp", "pp", "dp", "virtual", "micro", "zero", "recompute",
+                                  "sequence_parallel", "schedule"))
+
+
+def flip_parameter(model: ModelSpec, cluster: ClusterSpec, gpus: int, global_batch: int,
+                   **kwargs: Any) -> dict[str, Any]:
+    """The one hardware knob (bandwidth, peak, memory) whose smallest change flips the top choice.
+
+    Scales each knob by FLIP_FACTORS up and down (bandwidth = intra- and inter-node together) and
+    re-runs the exhaustive search; returns {knob, factor, best, new_best, tried} for the smallest
+    change that makes another configuration the fastest fitting one (knob None when none does).
+    """
+    import dataclasses
+
+    base = best_configs(enumerate_configs(model, cluster, gpus, global_batch, **kwargs), 1)
+    if base.empty:
+        return {"knob": None, "factor": None, "best": None, "new_best": None, "tried": []}
+    key = _config_key(base.iloc[0])
+    tried, found = [], []
+    for factor in FLIP_FACTORS:
+        for knob, fields in FLIP_KNOBS.items():
+            for f in (factor, 1.0 / factor):
+                spec = dataclasses.replace(cluster, **{x: getattr(cluster, x) * f for x in fields})
+                top = best_configs(enumerate_configs(model, spec, gpus, global_batch, **kwargs), 1)
+                flipped = not top.empty and _config_key(top.iloc[0]) != key
+                tried.append({"knob": knob, "factor": f, "flips": flipped})
+                if flipped:
+                    found.append((knob, f, top.iloc[0]))
+        if found:
+            break
+    knob, f, new = found[0] if found else (None, None, None)
+    return {"knob": knob, "factor": f, "best": _plain(base.iloc[0]),
+            "new_best": None if new is None else _plain(new), "tried": tried}
+
+
+def _plain(row: pd.Series) -> dict[str, Any]:
+    cols = ("tp", "pp", "dp", "virtual", "micro", "zero", "recompute", "sequence_parallel", "schedule")
+    return {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in cols}
+
+
 def _best_by(df: pd.DataFrame, keys: list[str], cols: list[str]) -> pd.DataFrame:
     pool = df[df["fits"]]
     if pool.empty:
@@ -218,6 +284,6 @@ def count_space(axes: dict[str, Sequence[Any]]) -> int:
 
 
 __all__ = [
-    "best_configs", "candidate_axes", "count_space", "enumerate_configs", "optuna_search",
+    "add_uncertainty", "best_configs", "flip_parameter", "candidate_axes", "count_space", "enumerate_configs", "optuna_search",
     "published_comparison", "row_to_spec", "sensitivities",
 ]

@@ -85,6 +85,7 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         fail(str(exc))
     out = result.to_dict()
     out.update({"model_params": mdl.params, "cluster": spec.name, "gpus": gpus})
+    out.update(_interval(result.iteration_time_s, par))
     if as_json:
         _print_json(out)
         return
@@ -95,23 +96,37 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         t.add_row(key, f"{out[key]:.4g}" if isinstance(out[key], float) else str(out[key]))
     for key, value in out["breakdown"].items():
         t.add_row(f"  {key} (s)", f"{value:.4g}")
+    t.add_row("measured time likely in (s)", f"{out['interval_s'][0]:.4g} .. {out['interval_s'][1]:.4g}")
+    t.add_row("  from residuals of", out["interval_basis"])
     console.print(t)
+
+
+def _interval(time_s: float, par) -> dict[str, Any]:
+    """Strategy class and measured-time interval from the class's held-out published residuals."""
+    from tuning.published import interval_fields
+
+    f = interval_fields(time_s, par.tp, par.pp, par.virtual, par.zero)
+    return {"strategy_class": str(f["strategy_class"]), "interval_s": [float(f["time_lo_s"]), float(f["time_hi_s"])],
+            "interval_basis": str(f["interval_basis"])}
 
 
 def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: int, report: Optional[Path],
             as_json: bool) -> None:
     import time
 
-    from tuning.search import best_configs, enumerate_configs, optuna_search, sensitivities
+    from tuning.search import add_uncertainty, best_configs, enumerate_configs, flip_parameter, optuna_search, sensitivities
 
     start = time.perf_counter()
     df = enumerate_configs(mdl, spec, gpus, global_batch)
     seconds = time.perf_counter() - start
+    add_uncertainty(df)  # strategy_class, time_lo_s/time_hi_s, overlaps_best
     best = best_configs(df, top)
     sens = sensitivities(df)
     out: dict[str, Any] = {"configs": len(df), "fit": int(df.fits.sum()), "seconds": seconds,
                            "best": best.to_dict(orient="records"),
-                           "sensitivities": {k: v.to_dict(orient="records") for k, v in sens.items()}}
+                           "sensitivities": {k: v.to_dict(orient="records") for k, v in sens.items()},
+                           "overlapping_best": int(df["overlaps_best"].sum()),
+                           "flip": flip_parameter(mdl, spec, gpus, global_batch)}
     if optuna_trials:
         study = optuna_search(mdl, spec, gpus, global_batch=global_batch, n_trials=optuna_trials, seed=0)
         out["optuna_best"] = {"value": study.best_value, "params": study.best_params}
@@ -129,6 +144,12 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         console.print(table.round(3).to_string(index=False), markup=False, highlight=False)
     if "optuna_best" in out:
         console.print(f"\nOptuna over the simulator: {out['optuna_best']}")
+    flip = out["flip"]
+    console.print(f"\n{out['overlapping_best']:,} fitting configs have a measured-time interval overlapping the best "
+                  f"one's (overlaps_best); " + (f"the top choice flips when {flip['knob']} is scaled by "
+                  f"{flip['factor']:.3g} (to {flip['new_best']})" if flip["knob"] else
+                  "no single x4 change of bandwidth, peak or memory flips the top choice"),
+                  markup=False, highlight=False)
 
 
 def _validate(as_json: bool) -> None:
@@ -142,31 +163,24 @@ def _validate(as_json: bool) -> None:
                      "summary": {k: v.to_dict(orient="records") for k, v in summary.items()},
                      "sources": sources()})
         return
+    shown = ["id", "paper", "row", "hardware", "class", "recompute", "layout", "metric", "published", "simulated",
+             "error_pct"]
+
+    def show(text: str) -> None:  # plain text, one line per row, at any terminal width
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     for fitted, title in ((True, "Calibration rows (the GEMM curves were fitted to these)"),
                           (False, "Held-out rows (never fitted on)")):
         part = table[table["fitted"] == fitted]
-        t = Table(title=f"{title}: {len(part)}")
-        for col in ("id", "paper", "row", "hardware", "class", "recompute", "layout", "metric"):
-            t.add_column(col)
-        for col in ("published", "simulated", "error"):
-            t.add_column(col, justify="right")
-        for r in part.to_dict(orient="records"):
-            t.add_row(*(str(r[c]) for c in ("id", "paper", "row", "hardware", "class", "recompute", "layout",
-                                            "metric")),
-                      f"{r['published']:g}", f"{r['simulated']:.1f}", f"{r['error_pct']:+.1f}%")
-        console.print(t)
+        show(f"\n{title}: {len(part)}")
+        show(part[shown].round({"simulated": 1, "error_pct": 1}).to_string(index=False))
     for name, df in summary.items():
-        t = Table(title=f"Held-out |error| by {name}")
-        for col in ("group", "rows", "median |error|", "max |error|", "median signed"):
-            t.add_column(col, justify="right" if col != "group" else "left")
-        for r in df.itertuples():
-            t.add_row(str(r.group), str(r.rows), f"{r.median_abs_error_pct:.1f}%", f"{r.max_abs_error_pct:.1f}%",
-                      f"{r.median_error_pct:+.1f}%")
-        console.print(t)
-    console.print("[bold]Sources[/]")
+        show(f"\nHeld-out |error| by {name} (%)")
+        show(df.round(1).to_string(index=False))
+    show("\nSources")
     for key, src in sources().items():
-        console.print(f"- {key}: {src['paper']}; {src['table']}; configuration: {src['configuration']}; "
-                      f"hardware: {src['hardware']}", markup=False, highlight=False)
+        show(f"- {key}: {src['paper']}; {src['table']}; configuration: {src['configuration']}; "
+             f"hardware: {src['hardware']}")
 
 
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
