@@ -421,3 +421,12 @@ def test_simulate_validate_and_json_interval_cli() -> None:
     bad = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--gpus", "8"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and "--gpus and --model are required unless --validate" in bad.stderr
+
+
+def test_parameter_counts_print_in_the_unit_that_fits() -> None:
+    from tuning.simulator import format_count
+
+    assert format_count(3_300_000) == "3.3M" and format_count(1.7e9) == "1.7B" and format_count(GPT_1T.params) == "1.0T"
+    assert format_count(175e9) == "175B" and format_count(950) == "950" and format_count(12_500) == "12.5K"
+    tiny = ModelSpec(layers=2, hidden=64, heads=4, seq=64, vocab=256)  # the engine's default example
+    assert tiny.params == 120_448 and format_count(tiny.params) == "120K"  # not "0.0B"

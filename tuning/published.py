@@ -21,7 +21,7 @@ import pandas as pd
 import yaml
 
 from tuning.hardware import ClusterSpec, load_cluster
-from tuning.simulator import ModelSpec, ParallelSpec, simulate
+from tuning.simulator import ModelSpec, ParallelSpec, format_count, simulate
 
 DATA = Path(__file__).with_name("data") / "published.yaml"
 # Layout classes (one per row); recompute mode and sequence parallelism are reported as their own
@@ -123,10 +123,6 @@ def simulated_metric(row: PublishedRow, cluster: ClusterSpec | None = None) -> f
     return res.tflops_per_gpu if row.metric == "tflops_per_gpu" else 100.0 * res.mfu
 
 
-def _params(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-
-
 def validation_table(path: str | Path = DATA, *, clusters: dict[str, ClusterSpec] | None = None) -> pd.DataFrame:
     """Every row priced: published vs simulated, error_pct = (simulated - published) / published.
 
@@ -144,7 +140,7 @@ def validation_table(path: str | Path = DATA, *, clusters: dict[str, ClusterSpec
             "id": r.id, "paper": srcs[r.source]["paper"].split(",")[0], "table": srcs[r.source]["table"].split(",")[0],
             "row": r.row, "hardware": r.cluster, "class": strategy_class(r.tp, r.pp, r.virtual, r.zero),
             "recompute": r.recompute, "sequence_parallel": r.sequence_parallel,
-            "params": _params(r.model().params), "gpus": r.gpus, "layout": layout, "metric": r.metric,
+            "params": format_count(r.model().params), "gpus": r.gpus, "layout": layout, "metric": r.metric,
             "published": r.value, "simulated": sim, "error_pct": 100.0 * (sim - r.value) / r.value,
             "fitted": r.fitted,
         })

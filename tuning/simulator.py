@@ -49,6 +49,15 @@ class ModelSpec:
         return 12 * lyr * h * h + 13 * lyr * h + self.vocab * h + self.seq * h
 
 
+def format_count(n: float) -> str:
+    """A parameter count in the unit that fits: 3.3M, 1.7B, 1.0T (3 significant digits below 10)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{n:.0f}"
+
+
 @dataclass(kw_only=True, slots=True)
 class ParallelSpec:
     """One parallel configuration; names follow `parallel.*` and `batch.*` of the run config."""

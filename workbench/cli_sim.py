@@ -89,7 +89,9 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
     if as_json:
         _print_json(out)
         return
-    t = Table(title=f"{mdl.params / 1e9:.1f}B params on {gpus} GPUs ({spec.name})")
+    from tuning.simulator import format_count
+
+    t = Table(title=f"{format_count(mdl.params)} params on {gpus} GPUs ({spec.name})")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits"):
