@@ -146,3 +146,30 @@ def test_flip_parameter_names_the_smallest_change_that_flips() -> None:
     assert _config_key(top) != _config_key(best_configs(enumerate_configs(GPT_13B, A100, 64, 256), 1).iloc[0])
     smaller = [t for t in res["tried"] if abs(np.log(t["factor"])) < abs(np.log(res["factor"])) - 1e-12]
     assert smaller and not any(t["flips"] for t in smaller)
+
+
+# ---------------------------------------------------------------- learning from real trials
+
+def test_warm_start_correction_learns_per_strategy_class() -> None:
+    import optuna
+
+    from tuning.warmstart import fit_correction, prediction_trend, refit_correction, trial_class
+
+    dp = {"parallel": {"dp": 2}, "batch": {"global": 8, "micro": 4}}
+    tp = {"parallel": {"tp": 2}, "batch": {"global": 8, "micro": 4}}
+    assert trial_class(dp) == "DP/ZeRO-1" and trial_class(tp) == "TP"
+    study = optuna.create_study(direction="maximize")
+    truth = {"DP/ZeRO-1": 0.5, "TP": 0.8}  # the simulator is 2x / 1.25x too optimistic per class
+    for i in range(8):
+        cfg = dp if i % 2 == 0 else tp
+        measured = 100.0 * truth[trial_class(cfg)]
+        study.add_trial(optuna.trial.create_trial(value=measured, user_attrs={
+            "config": cfg, "predicted_tokens_per_s": 100.0, "tokens_per_s": measured}))
+    trend = prediction_trend(study)
+    assert list(trend["error_pct"].round(6)) == [100.0, 25.0] * 4  # raw predictions never improve
+    last = trend.iloc[-2:]
+    assert (last["corrected_error_pct"].abs() < last["error_pct"].abs() / 3).all()
+    assert trend["trend_abs_error_pct"].is_monotonic_decreasing and trend["trend_abs_error_pct"].iloc[-1] < 15
+    factors = refit_correction(study)
+    assert factors["DP/ZeRO-1"] == pytest.approx(0.5, rel=0.15) and factors["TP"] == pytest.approx(0.8, rel=0.1)
+    assert fit_correction([]) == {"*": 1.0}
