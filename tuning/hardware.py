@@ -68,6 +68,8 @@ class ClusterSpec:
     overhead_fsdp_layer_s: float = 0.0  # extra per layer and micro-batch under ZeRO-2/3 (FSDP2 hooks), s
     p2p_latency_s: float = 0.0  # pipeline send/recv alpha, s; 0 = the collective latency of the link
     p2p_bw_gb_s: float = 0.0  # pipeline send/recv bandwidth, GB/s; 0 = the collective bus bandwidth
+    calibration_load1: float = 0.0  # measured hosts: 1-min load average while calibrating
+    calibration_cpu_share: float = 0.0  # measured hosts: share of a core each rank really got (0 = not measured)
 
     @property
     def total_gpus(self) -> int | None:
