@@ -58,14 +58,48 @@ def candidate_axes(model: ModelSpec, gpus: int, global_batch: int, *, max_micro:
     }
 
 
+_CATEGORIES = {name: pd.CategoricalDtype(pd.Index(list(values), dtype=object))
+               for name, values in (("recompute", RECOMPUTE), ("schedule", SCHEDULES))}
+LAYOUT_AXES = ("tp", "pp", "virtual", "micro", "schedule")  # validity depends on these together
+KNOB_AXES = ("zero", "recompute", "sequence_parallel")  # then only on tp and dp
+
+
+def _product(axes: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    mesh = np.meshgrid(*axes.values(), indexing="ij")
+    return {k: m.ravel() for k, m in zip(axes, mesh)}
+
+
 def _grid(axes: dict[str, list[Any]]) -> dict[str, np.ndarray]:
     """Cartesian product of the axes as flat arrays (codes for the string axes)."""
-    coded = dict(axes)
-    coded["recompute"] = [RECOMPUTE.index(r) for r in axes["recompute"]]
-    coded["schedule"] = [SCHEDULES.index(s) for s in axes["schedule"]]
-    values = [np.asarray(v) for v in coded.values()]
-    mesh = np.meshgrid(*values, indexing="ij")
-    return {k: m.ravel() for k, m in zip(coded, mesh)}
+    coded = {k: np.asarray(v) for k, v in axes.items()}
+    coded["recompute"] = np.asarray([RECOMPUTE.index(r) for r in axes["recompute"]])
+    coded["schedule"] = np.asarray([SCHEDULES.index(s) for s in axes["schedule"]])
+    return _product(coded)
+
+
+def _valid_grid(model: ModelSpec, gpus: int, global_batch: int, axes: dict[str, list[Any]]) -> dict[str, np.ndarray]:
+    """The valid rows of the product of `axes`, built in two stages so invalid layouts are
+    dropped before they are multiplied by the knob axes (same rows as `_valid` on `_grid`)."""
+    coded = _grid({k: axes[k] for k in LAYOUT_AXES} | {"zero": [0], "recompute": [axes["recompute"][0]],
+                                                         "sequence_parallel": [False]})
+    lay = {k: coded[k] for k in LAYOUT_AXES}
+    tp, pp, v, micro = lay["tp"], lay["pp"], lay["virtual"], lay["micro"]
+    ok = (gpus % (tp * pp) == 0) & (model.heads % tp == 0) & (model.layers % (pp * v) == 0)
+    dp = np.maximum(gpus // (tp * pp), 1)
+    ok &= global_batch % (dp * micro) == 0
+    nmb = global_batch // (dp * micro)
+    ok &= (v == 1) | ((pp > 1) & (lay["schedule"] == 0) & (nmb % pp == 0))
+    ok &= ~((lay["schedule"] == 1) & (pp == 1))  # gpipe == 1f1b without a pipeline
+    lay = {k: a[ok] for k, a in lay.items()}
+    knobs = _product({"zero": np.asarray(axes["zero"]),
+                      "recompute": np.asarray([RECOMPUTE.index(r) for r in axes["recompute"]]),
+                      "sequence_parallel": np.asarray(axes["sequence_parallel"], dtype=bool)})
+    n_lay, n_knob = lay["tp"].size, knobs["zero"].size
+    g = {k: np.repeat(a, n_knob) for k, a in lay.items()}
+    g.update({k: np.tile(a, n_lay) for k, a in knobs.items()})
+    tp, dp = g["tp"], gpus // (g["tp"] * g["pp"])
+    keep = (~g["sequence_parallel"] | ((tp > 1) & (model.seq % tp == 0))) & ((g["zero"] == 0) | (dp > 1))
+    return {k: a[keep] for k, a in g.items()}
 
 
 def _valid(model: ModelSpec, gpus: int, global_batch: int, g: dict[str, np.ndarray]) -> np.ndarray:
@@ -95,26 +129,25 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, gpus: int, global_
     """
     full_axes = candidate_axes(model, gpus, global_batch)
     full_axes.update(axes or {})
-    g = _grid(full_axes)
-    keep = _valid(model, gpus, global_batch, g)
-    g = {k: v[keep] for k, v in g.items()}
+    g = _valid_grid(model, gpus, global_batch, full_axes)
     g["dp"] = gpus // (g["tp"] * g["pp"])
     g["schedule"] = np.where(g["virtual"] > 1, SCHEDULES.index("interleaved"), g["schedule"])
     n = g["tp"].size
     fixed = {"global_batch": global_batch, "dtype_bytes": dtype_bytes, "co2": co2,
              "compression_ratio": float(compression_ratio), "overlap_dp": overlap_dp,
              "bucket_mb": float(bucket_mb)}
-    cols = {**g, **{k: np.full(n, v) for k, v in fixed.items()}}
+    cols = {**g, **fixed}  # fixed settings stay scalars: numpy broadcasts them for free
     res = evaluate_arrays(model, cluster, gpus, cols)
     df = pd.DataFrame({
         "tp": g["tp"], "pp": g["pp"], "dp": g["dp"], "virtual": g["virtual"], "micro": g["micro"],
         "global_batch": np.full(n, global_batch), "zero": g["zero"],
-        "recompute": np.asarray(RECOMPUTE)[g["recompute"]],
+        # categoricals: string values without building one Python string per row
+        "recompute": pd.Categorical.from_codes(g["recompute"], dtype=_CATEGORIES["recompute"]),
         "sequence_parallel": g["sequence_parallel"].astype(bool),
-        "schedule": np.asarray(SCHEDULES)[g["schedule"]],
+        "schedule": pd.Categorical.from_codes(g["schedule"], dtype=_CATEGORIES["schedule"]),
         "tp_spans_nodes": g["tp"] > cluster.gpus_per_node,
         **{c: np.broadcast_to(res[c], (n,)) for c in RESULT_COLUMNS},
-    })
+    }, copy=False)
     df["fits"] = df["fits"].astype(bool)
     df.attrs["units"] = dict(UNITS)
     df.attrs.update(cluster=cluster.name, gpus=gpus, model=str(model))
