@@ -240,14 +240,19 @@ def _activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.nd
 def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
                    act: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per micro-batch on the slowest (last) stage: forward, backward, recompute seconds."""
-    t, b, s, h = c["tp"], c["micro"], m.seq, m.hidden
+    s, h = m.seq, m.hidden
+    # Every GEMM's size is a multiple of b/t: price each distinct b/t once (a search has few).
+    ratio = np.asarray(c["micro"] / c["tp"], dtype=float)
+    bt, inverse = np.unique(ratio, return_inverse=True) if ratio.size > 64 else (ratio, None)
     # Forward GEMMs of one layer per GPU (Narayanan et al. 2021: 24 b s h^2 + 4 b s^2 h, / t).
-    dense = [6 * b * s * h * h / t, 2 * b * s * h * h / t, 8 * b * s * h * h / t, 8 * b * s * h * h / t]
-    attn = [2 * b * s * s * h / t, 2 * b * s * s * h / t]  # Q K^T and scores x V, batched over heads
+    dense = [6 * bt * s * h * h, 2 * bt * s * h * h, 8 * bt * s * h * h, 8 * bt * s * h * h]
+    attn = [2 * bt * s * s * h, 2 * bt * s * s * h]  # Q K^T and scores x V, batched over heads
     t_dense = sum(f / cl.gemm_rate(f) for f in dense)
     t_attn = sum(f / cl.gemm_rate(f) for f in attn)
-    logit = 2 * b * s * h * m.vocab / t
+    logit = 2 * bt * s * h * m.vocab
     t_logit = logit / cl.gemm_rate(logit)
+    if inverse is not None:
+        t_dense, t_attn, t_logit = (np.asarray(x)[inverse.reshape(ratio.shape)] for x in (t_dense, t_attn, t_logit))
     hbm = cl.hbm_gb_s * cl.hbm_efficiency * GB
     fwd_layer = t_dense + t_attn + act["full"] / hbm
     # Flash attention's backward recomputes Q K^T (one of the two attention GEMMs) from Q and K.
