@@ -430,3 +430,19 @@ def test_parameter_counts_print_in_the_unit_that_fits() -> None:
     assert format_count(175e9) == "175B" and format_count(950) == "950" and format_count(12_500) == "12.5K"
     tiny = ModelSpec(layers=2, hidden=64, heads=4, seq=64, vocab=256)  # the engine's default example
     assert tiny.params == 120_448 and format_count(tiny.params) == "120K"  # not "0.0B"
+
+
+def test_engine_zero3_without_resharding_skips_the_backward_gather() -> None:
+    cfg = {"model": {"layers": 4, "d_model": 256, "heads": 8, "seq_len": 128, "vocab": 256},
+           "parallel": {"dp": 4, "zero": 3, "reshard_after_forward": False}, "batch": {"global": 16, "micro": 2},
+           "precision": "bf16"}
+    model, kept = from_run_config(cfg)
+    assert not kept.reshard_after_forward
+    resharded = dataclasses.replace(kept, reshard_after_forward=True)
+    z2 = dataclasses.replace(kept, zero=2)
+    a, b = simulate(model, A100, kept), simulate(model, A100, resharded)
+    assert a.dp_comm_total_s == pytest.approx(simulate(model, A100, z2).dp_comm_total_s, rel=1e-12)
+    assert a.dp_comm_total_s < b.dp_comm_total_s
+    # the gathered blocks stay until backward: parameters are unsharded at the peak
+    psi = 4 * (12 * 256**2 + 13 * 256) + 256 * 256 + 128 * 256
+    assert (a.memory_breakdown_gb["params"] - b.memory_breakdown_gb["params"]) * 1e9 == pytest.approx(psi * 2 * 3 / 4)

@@ -80,6 +80,7 @@ class ParallelSpec:
     zero1_allreduce: bool = False  # ZeRO-1 as torch's ZeroRedundancyOptimizer: all-reduce, then broadcast shards
     zero2_fsdp: bool = False  # ZeRO-2 as FSDP2 with reshard_after_forward=False: per-block gather in forward, RS in backward
     flash_attention: bool = False  # fused attention: no s x s scores in memory; backward recomputes Q K^T
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered blocks after forward (False: no backward gather)
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -198,6 +199,7 @@ def _arrays(par: ParallelSpec) -> dict[str, np.ndarray]:
         "bucket_mb": np.asarray(float(par.bucket_mb)),
         "zero1_allreduce": np.asarray(par.zero1_allreduce),
         "zero2_fsdp": np.asarray(par.zero2_fsdp), "flash_attention": np.asarray(par.flash_attention),
+        "reshard_after_forward": np.asarray(par.reshard_after_forward),
     }
 
 
@@ -340,20 +342,23 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     # ZeroRedundancyOptimizer behind DDP all-reduces the full gradient, then broadcasts the shards
     z1_ar = (zero == 1) & np.asarray(c.get("zero1_allreduce", False))
     z2_fsdp = (zero == 2) & np.asarray(c.get("zero2_fsdp", False))
+    # ZeRO-3 that keeps the gathered blocks until backward moves ZeRO-2 (FSDP2) traffic
+    z3_kept = (zero == 3) & ~np.asarray(c.get("reshard_after_forward", True))
     sync = np.where((zero == 0) | z1_ar, all_reduce, reduce_scatter)
     once = hide(sync, times["bwd"], last_bucket)
     rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2 (DeepSpeed), every micro-batch
     z3_mb = hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_gather + layer_rs, times["bwd"])
     z2f_mb = hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_rs, times["bwd"])
-    grad_exposed = np.select([zero == 3, z2_fsdp, zero == 2], [0.0, 0.0, nmb * rs_mb], once)
+    grad_exposed = np.select([zero == 3, z2_fsdp, zero == 2], [0.0, 0.0, nmb * rs_mb], once)  # z3: in z3_mb
     grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
     # after the step: ZeRO-1 and DeepSpeed-style ZeRO-2 gather the updated shards (exposed)
     final_gather = np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0)
-    z3 = zero == 3
-    total = np.select([z3, z2_fsdp, zero == 2],
+    z3 = (zero == 3) & ~z3_kept
+    blockwise = z2_fsdp | z3_kept
+    total = np.select([z3, blockwise, zero == 2],
                       [nmb * (2 * layer_gather + layer_rs), nmb * (layer_gather + layer_rs), nmb * reduce_scatter],
                       sync)
-    exposed = grad_exposed + final_gather + nmb * np.select([z3, z2_fsdp], [z3_mb, z2f_mb], 0.0)
+    exposed = grad_exposed + final_gather + nmb * np.select([z3, blockwise], [z3_mb, z2f_mb], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
 
 
@@ -362,7 +367,8 @@ def _memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.nda
     """Bytes per GPU on the most loaded stage (ZeRO: Rajbhandari et al. 2020)."""
     d, zero, db = c["dp"], c["zero"], c["dtype_bytes"]
     opt_bytes = np.where(db == 4, 8.0, 12.0)  # fp32: momentum + variance; 16-bit: + fp32 master
-    params = psi * db / np.where(zero >= 3, d, 1)
+    # ZeRO-3 without resharding holds every gathered block from forward to backward (peak: unsharded)
+    params = psi * db / np.where((zero >= 3) & np.asarray(c.get("reshard_after_forward", True)), d, 1)
     grads = psi * db / np.where(zero >= 2, d, 1)
     optimizer = psi * opt_bytes / np.where(zero >= 1, d, 1)
     p, v, nmb = c["pp"], c["virtual"], c["num_mb"]
@@ -493,7 +499,7 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
     """Map a plain nested run-config dict (engine/config.py key names) to the simulator's inputs.
 
     Reads model.{layers,d_model,heads,seq_len,vocab}, parallel.{dp,tp,pp,zero,virtual,schedule,
-    sequence_parallel}, batch.{global,micro}, train.activation_checkpointing, precision,
+    sequence_parallel,reshard_after_forward}, batch.{global,micro}, train.activation_checkpointing, precision,
     comm.{compressor,density,rank}, co2.enabled, ddp.bucket_cap_mb; missing keys take the
     engine's defaults.
     """
@@ -515,5 +521,6 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
         bucket_mb=float(ddp.get("bucket_cap_mb", 25.0)),
         zero1_allreduce=True,  # the engine's ZeRO-1 is ZeroRedundancyOptimizer behind DDP
         zero2_fsdp=True,  # the engine's ZeRO-2 is FSDP2 per block with reshard_after_forward=False
+        reshard_after_forward=bool(par.get("reshard_after_forward", True)),
     )
     return model, spec
