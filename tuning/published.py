@@ -158,7 +158,19 @@ def summarize(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
                               "median_error_pct": g["error_pct"].median()} for name, g in groups])
 
     return {"overall": agg(held, None), "class": agg(held, "class"), "hardware": agg(held, "hardware"),
-            "recompute": agg(held, "recompute")}
+            "recompute": agg(held, "recompute"), "sequence_parallel": agg(held, "sequence_parallel")}
+
+
+def unvalidated(table: pd.DataFrame) -> dict[str, list[str]]:
+    """Strategy classes, recompute modes, sequence parallel settings and presets without a held-out row."""
+    from tuning.hardware import PRESETS
+    from tuning.simulator import RECOMPUTE
+
+    held = table[~table["fitted"]]
+    return {"class": [c for c in STRATEGY_CLASSES if c not in set(held["class"])],
+            "recompute": [r for r in RECOMPUTE if r not in set(held["recompute"])],
+            "sequence_parallel": [str(v) for v in (False, True) if v not in set(held["sequence_parallel"])],
+            "hardware": [h for h in PRESETS if h not in set(held["hardware"])]}
 
 
 @functools.lru_cache(maxsize=1)
@@ -256,5 +268,5 @@ def fit_cluster(cluster: str, path: str | Path = DATA, *, fixed: dict[str, float
 __all__ = [
     "DATA", "FIT_FIELDS", "PublishedRow", "STRATEGY_CLASSES", "calibration_rows", "fit_cluster", "held_out_rows",
     "interval_fields", "prediction_interval", "residual_band", "simulated_metric", "sources", "strategy_class", "summarize",
-    "validation_table",
+    "unvalidated", "validation_table",
 ]

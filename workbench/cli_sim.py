@@ -156,14 +156,15 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
 
 def _validate(as_json: bool) -> None:
     """`simulate --validate`: every published row with its source, then held-out errors by group."""
-    from tuning.published import sources, summarize, validation_table
+    from tuning.published import sources, summarize, unvalidated, validation_table
 
     table = validation_table()
     summary = summarize(table)
+    missing = unvalidated(table)
     if as_json:
         _print_json({"rows": table.to_dict(orient="records"),
                      "summary": {k: v.to_dict(orient="records") for k, v in summary.items()},
-                     "sources": sources()})
+                     "unvalidated": missing, "sources": sources()})
         return
     shown = ["id", "paper", "row", "hardware", "class", "recompute", "layout", "metric", "published", "simulated",
              "error_pct"]
@@ -179,6 +180,8 @@ def _validate(as_json: bool) -> None:
     for name, df in summary.items():
         show(f"\nHeld-out |error| by {name} (%)")
         show(df.round(1).to_string(index=False))
+    show("\nNo held-out published row yet (predictions there borrow the pooled residuals): "
+         + "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items() if v))
     show("\nSources")
     for key, src in sources().items():
         show(f"- {key}: {src['paper']}; {src['table']}; configuration: {src['configuration']}; "
