@@ -329,12 +329,17 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     layer_gather, layer_rs = gather + per_layer_launch, reduce_scatter + per_layer_launch
     ovl = c["overlap_dp"]
 
+    def overlapped(hidden: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        if np.ndim(ovl) == 0:  # one setting for every row (a search): skip the select
+            return hidden if bool(ovl) else cost
+        return np.where(ovl, hidden, cost)
+
     def hide(cost: np.ndarray, window: np.ndarray, floor: np.ndarray) -> np.ndarray:
-        return np.where(ovl, np.maximum(cost - window, cost * floor), cost)
+        return overlapped(np.maximum(cost - window, cost * floor), cost)
 
     def hide_blocks(cost: np.ndarray, window: np.ndarray) -> np.ndarray:
         # block i+1's collective runs under block i's compute; the first block's is exposed
-        return np.where(ovl, cost / n_layers + (n_layers - 1) / n_layers * np.maximum(cost - window, 0.0), cost)
+        return overlapped(cost / n_layers + (n_layers - 1) / n_layers * np.maximum(cost - window, 0.0), cost)
 
     # Each compute window hides at most one stream of traffic: ZeRO-3's backward gather and
     # gradient reduce-scatter share the backward (so faster compute can never cost more).
