@@ -151,3 +151,23 @@ def test_engine_zero1_is_priced_as_all_reduce_plus_broadcast() -> None:
     assert par.zero1_allreduce
     megatron = simulate(model, _cluster(2), dataclasses.replace(par, zero1_allreduce=False), gpus=2)
     assert engine.dp_comm_total_s > megatron.dp_comm_total_s > 0
+
+
+def test_cpu_share_is_measured_and_a_busy_machine_warns() -> None:
+    import warnings
+
+    from tuning.calibration import busy_reason, calibrate_local, measure_cpu_share
+
+    one = measure_cpu_share(1, seconds=0.2)
+    two = measure_cpu_share(2, seconds=0.3)
+    assert 0.0 < one <= 1.0 and 0.0 < two <= 1.0
+    assert busy_reason(load1=1.2, cpus=2, measured_share=0.95, model_share=1.0) is None
+    assert "load1=9.0 on 2 cpus" in busy_reason(load1=9.0, cpus=2, measured_share=0.3, model_share=1.0)
+    assert "even-share model expects 1.00" in busy_reason(load1=1.0, cpus=2, measured_share=0.5, model_share=1.0)
+    host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=5.0,
+                       overheads={}, cpus=2, load1=9.0)  # as if measured under other users' load
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = calibrate_local(1, host=host)
+    assert any("calibration on a busy machine: load1=9.0" in str(w.message) for w in caught)
+    assert spec.calibration_load1 == 9.0 and 0.0 < spec.calibration_cpu_share <= 1.0

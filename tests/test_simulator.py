@@ -218,13 +218,115 @@ def test_virtual_stage_rules() -> None:
 
 # ---------------------------------------------------------------- published results
 
-def test_published_megatron_runs_within_15_percent() -> None:
+def test_published_held_out_errors_within_targets() -> None:
     table = published_comparison()
-    held_out = table[~table["fitted_on"]]
-    assert len(held_out) >= 10
-    assert held_out["error_pct"].abs().median() <= 10.0
-    assert held_out["error_pct"].abs().max() <= 15.0
-    assert table["fits"].all()  # every published run fits in 80 GB
+    held = table[~table["fitted"]]
+    assert len(held) >= 50 and table["fitted"].sum() <= 6
+    assert held["error_pct"].abs().median() <= 10.0  # issue 16: overall <= 10%
+    for cls, group in held.groupby("class"):
+        if len(group) >= 3:  # and <= 15% in every strategy class with at least three rows
+            assert group["error_pct"].abs().median() <= 15.0, cls
+    assert set(held["hardware"]) >= {"dgx-a100-80gb", "dgx-a100-40gb", "dgx-h100"}
+    from tuning.published import unvalidated
+
+    # said out loud, not hidden: what no held-out published row covers yet
+    assert unvalidated(table) == {"class": ["DP/ZeRO-1", "ZeRO-2", "PP"], "recompute": ["selective"],
+                                  "sequence_parallel": ["True"], "hardware": ["frontier"]}
+
+
+def test_fitting_cannot_read_held_out_rows(tmp_path) -> None:
+    import yaml
+
+    from tuning.published import DATA, calibration_rows, fit_cluster, held_out_rows
+
+    data = yaml.safe_load(DATA.read_text())
+    for row in data["rows"]:
+        if not row["fitted"]:
+            row["value"] = row["value"] * 3.0  # garbage in every held-out row
+            row["layers"] = 1  # and an unpriceable shape for most
+    garbled = tmp_path / "published.yaml"
+    garbled.write_text(yaml.safe_dump(data))
+    assert all(r.fitted for r in calibration_rows(garbled)) and not any(r.fitted for r in held_out_rows(garbled))
+    assert {r.id for r in calibration_rows(garbled)} == {r.id for r in calibration_rows()}
+    assert fit_cluster("dgx-a100-80gb", garbled, zooms=2) == fit_cluster("dgx-a100-80gb", zooms=2)
+    with pytest.raises(ValueError, match="no calibration row"):
+        fit_cluster("frontier")
+
+
+@pytest.mark.parametrize("preset,fixed", [("dgx-a100-80gb", None), ("dgx-h100", "dgx-a100-80gb")])
+def test_preset_gemm_constants_are_the_published_fit(preset: str, fixed: str | None) -> None:
+    from tuning.published import fit_cluster
+
+    pin = {"hbm_efficiency": PRESETS[fixed].hbm_efficiency} if fixed else None
+    fit = fit_cluster(preset, fixed=pin)
+    spec = PRESETS[preset]
+    assert spec.gemm_max_efficiency == pytest.approx(fit["gemm_max_efficiency"], rel=0.01)
+    assert spec.gemm_half_flops == pytest.approx(fit["gemm_half_flops"], rel=0.02)
+    assert spec.hbm_efficiency == pytest.approx(fit["hbm_efficiency"], rel=0.01)
+
+
+def test_strategy_classes() -> None:
+    from tuning.published import strategy_class
+
+    assert strategy_class(1, 1, 1, 0) == "DP/ZeRO-1" and strategy_class(1, 1, 1, 3) == "ZeRO-3/FSDP"
+    assert strategy_class(8, 1, 1, 0) == "TP" and strategy_class(1, 4, 1, 0) == "PP"
+    assert strategy_class(8, 4, 1, 1) == "TP+PP" and strategy_class(8, 4, 2, 0) == "interleaved"
+    assert list(strategy_class(np.array([1, 2]), np.array([1, 1]), np.array([1, 1]), np.array([2, 0]))) == [
+        "ZeRO-2", "TP"]
+
+
+def test_data_parallel_group_drives_one_nic_per_rank_in_a_node() -> None:
+    # DGX A100: 8 x 25 GB/s NICs per node. A tp=1 DP group has 8 ranks per node, so NCCL runs 8
+    # rings at once (busbw 8 x 22.5 = 180 GB/s, capped by NVLink); at tp=8 one rank per node uses one NIC.
+    par1 = ParallelSpec(dp=32, global_batch=64, overlap_dp=False)
+    res1 = simulate(GPT_6B, A100, par1)
+    grad = GPT_6B.params * 2
+    ring = 2 * 31 / 32 * grad
+    assert res1.dp_comm_total_s == pytest.approx(A100.inter_latency_s + ring / (8 * A100.inter_bw_gb_s * 1e9), rel=1e-9)
+    par8 = ParallelSpec(dp=32, tp=8, global_batch=64, overlap_dp=False)
+    res8 = simulate(GPT_6B, A100, par8)
+    psi8 = (GPT_6B.layers * (12 * GPT_6B.hidden**2 + 13 * GPT_6B.hidden) + GPT_6B.vocab * GPT_6B.hidden) / 8 \
+        + GPT_6B.seq * GPT_6B.hidden
+    assert res8.dp_comm_total_s == pytest.approx(
+        A100.inter_latency_s + 2 * 31 / 32 * psi8 * 2 / (A100.inter_bw_gb_s * 1e9), rel=1e-9)
+
+
+def test_zero3_collectives_are_per_block() -> None:
+    # FSDP gathers / reduce-scatters one block at a time: each of the l per-block collectives pays
+    # its own latency (3 per micro-batch: forward gather, backward gather, reduce-scatter).
+    par = ParallelSpec(dp=8, zero=3, global_batch=16, micro=1)
+    slow = dataclasses.replace(A100, intra_latency_s=A100.intra_latency_s + 1e-3)
+    extra = simulate(GPT_6B, slow, par).dp_comm_total_s - simulate(GPT_6B, A100, par).dp_comm_total_s
+    nmb = 16 // 8
+    assert extra == pytest.approx(nmb * 3 * GPT_6B.layers * 1e-3, rel=1e-9)
+
+
+def test_engine_zero2_is_fsdp2_without_backward_gather() -> None:
+    cfg = {"model": {"layers": 4, "d_model": 256, "heads": 8, "seq_len": 128, "vocab": 256},
+           "parallel": {"dp": 4, "zero": 2}, "batch": {"global": 16, "micro": 2}, "precision": "bf16"}
+    model, par = from_run_config(cfg)
+    assert par.zero2_fsdp
+    fsdp2 = simulate(model, A100, par)
+    z3 = simulate(model, A100, dataclasses.replace(par, zero=3))
+    deepspeed = simulate(model, A100, dataclasses.replace(par, zero2_fsdp=False))
+    nmb, layers = 2, 4
+    # per micro-batch: one per-block gather + one per-block reduce-scatter (ZeRO-3 adds a second gather)
+    gather = (z3.dp_comm_total_s - fsdp2.dp_comm_total_s) / nmb
+    assert fsdp2.dp_comm_total_s == pytest.approx(nmb * 2 * gather, rel=1e-9)
+    # DeepSpeed-style ZeRO-2: a reduce-scatter per micro-batch and one gather after the step
+    assert deepspeed.dp_comm_total_s == pytest.approx(
+        nmb * (gather - (layers - 1) * A100.intra_latency_s) + (gather - (layers - 1) * A100.intra_latency_s),
+        rel=1e-9)
+
+
+def test_flash_attention_drops_the_score_matrices() -> None:
+    par = ParallelSpec(micro=2, global_batch=8)
+    plain, flash = simulate(GPT_6B, A100, par), simulate(GPT_6B, A100, dataclasses.replace(par, flash_attention=True))
+    m, b = GPT_6B, 2
+    logits = 4 * b * m.seq * m.vocab
+    assert flash.memory_breakdown_gb["activations"] * 1e9 == pytest.approx(m.layers * m.seq * b * m.hidden * 34 + logits)
+    assert plain.memory_breakdown_gb["activations"] > flash.memory_breakdown_gb["activations"]
+    assert flash.breakdown["compute"] < plain.breakdown["compute"]  # no s x s softmax/dropout traffic
 
 
 # ---------------------------------------------------------------- run config + hardware
@@ -302,3 +404,50 @@ def test_result_serialises_for_the_cli() -> None:
     assert set(data["breakdown"]) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer"}
     assert sum(data["breakdown"].values()) == pytest.approx(data["iteration_time_s"])
     assert data["tokens_per_s"] == pytest.approx(8 * GPT_6B.seq / data["iteration_time_s"])
+
+
+def test_simulate_validate_and_json_interval_cli() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--validate"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for text in ("Calibration rows", "Held-out rows", "nar-t1-1t", "mpt-h100-13b-64", "ZeRO-3/FSDP",
+                 "dgx-a100-40gb", "examples/sc21/run_table_1.sh", "scripts/train/benchmarking/README.md"):
+        assert text in out.stdout, text
+    one = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--gpus", "64", "--model", "22b",
+                          "--config", "tp=8,pp=2,dp=4,micro=1,global_batch=64", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    data = json.loads(one.stdout)
+    lo, hi = data["interval_s"]
+    assert data["strategy_class"] == "TP+PP" and "held-out rows" in data["interval_basis"]
+    assert lo < hi and lo <= data["iteration_time_s"] * 1.2 and hi >= data["iteration_time_s"] * 0.8
+    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--gpus", "8"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "--gpus and --model are required unless --validate" in bad.stderr
+
+
+def test_parameter_counts_print_in_the_unit_that_fits() -> None:
+    from tuning.simulator import format_count
+
+    assert format_count(3_300_000) == "3.3M" and format_count(1.7e9) == "1.7B" and format_count(GPT_1T.params) == "1.0T"
+    assert format_count(175e9) == "175B" and format_count(950) == "950" and format_count(12_500) == "12.5K"
+    tiny = ModelSpec(layers=2, hidden=64, heads=4, seq=64, vocab=256)  # the engine's default example
+    assert tiny.params == 120_448 and format_count(tiny.params) == "120K"  # not "0.0B"
+
+
+def test_engine_zero3_without_resharding_skips_the_backward_gather() -> None:
+    cfg = {"model": {"layers": 4, "d_model": 256, "heads": 8, "seq_len": 128, "vocab": 256},
+           "parallel": {"dp": 4, "zero": 3, "reshard_after_forward": False}, "batch": {"global": 16, "micro": 2},
+           "precision": "bf16"}
+    model, kept = from_run_config(cfg)
+    assert not kept.reshard_after_forward
+    resharded = dataclasses.replace(kept, reshard_after_forward=True)
+    z2 = dataclasses.replace(kept, zero=2)
+    a, b = simulate(model, A100, kept), simulate(model, A100, resharded)
+    assert a.dp_comm_total_s == pytest.approx(simulate(model, A100, z2).dp_comm_total_s, rel=1e-12)
+    assert a.dp_comm_total_s < b.dp_comm_total_s
+    # the gathered blocks stay until backward: parameters are unsharded at the peak
+    psi = 4 * (12 * 256**2 + 13 * 256) + 256 * 256 + 128 * 256
+    assert (a.memory_breakdown_gb["params"] - b.memory_breakdown_gb["params"]) * 1e9 == pytest.approx(psi * 2 * 3 / 4)

@@ -296,6 +296,18 @@ def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], s
     )
 
 
+def _check_load(profile: ClusterSpec, host: HostProfile, world: int, share: float) -> ClusterSpec:
+    """Measure each rank's real CPU share, record it with the load, warn when the host is busy."""
+    import warnings
+
+    measured = measure_cpu_share(world) / max(measure_cpu_share(1), 1e-9)
+    reason = busy_reason(load1=host.load1, cpus=host.cpus, measured_share=min(measured, 1.0), model_share=share)
+    if reason:
+        warnings.warn(f"calibration on a busy machine: {reason}; rerun `workbench calibrate` when it is quiet",
+                      RuntimeWarning, stacklevel=3)
+    return dataclasses.replace(profile, calibration_load1=host.load1, calibration_cpu_share=min(measured, 1.0))
+
+
 def _memory_gb() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
@@ -320,6 +332,7 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
     if share is None:  # the 1-min load while measuring counted our own benchmark as 1 task
         share = cpu_share(world, cpus=host.cpus, background=host.load1 - 1.0)
     profile = _profile(host, world=world, allreduce=allreduce, share=share)
+    profile = _check_load(profile, host, world, share)
     if world == 1 or not parallel:
         return profile
     if host.parallel is None:  # measured once at 2 ranks, scaled to `world` by the CPU share
@@ -332,6 +345,57 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
         profile, overhead_tp_layer_s=host.parallel["overhead_tp_layer_s"] * scale,
         overhead_fsdp_layer_s=host.parallel["overhead_fsdp_layer_s"] * scale,
         p2p_latency_s=host.p2p[0], p2p_bw_gb_s=host.p2p[1] * share)
+
+
+def _spin(seconds: float, barrier: Any, out: Any) -> None:
+    """Worker of measure_cpu_share: busy-loop for `seconds` of wall time, report (cpu s, wall s)."""
+    barrier.wait()
+    t0, c0, x = time.perf_counter(), time.process_time(), 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(2000):
+            x += 1
+    out.put((time.process_time() - c0, time.perf_counter() - t0))
+
+
+def measure_cpu_share(world: int, *, seconds: float = 0.5) -> float:
+    """Median share of a core that each of `world` concurrent busy processes really got.
+
+    CPU time over wall time of `world` processes started together (one in-process at world 1): on
+    a quiet 2-core host 1.0 up to 2 processes; under other users' load it drops. Calibration compares
+    it with the even-share model (`cpu_share`) and warns when they disagree or the host is busy.
+    """
+    import multiprocessing as mp
+
+    if world == 1:
+        ctx_queue: Any = __import__("queue").Queue()
+        _spin(seconds, type("NoBarrier", (), {"wait": staticmethod(lambda: None)})(), ctx_queue)
+        cpu, wall = ctx_queue.get()
+        return min(1.0, cpu / wall)
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_spin, args=(seconds, barrier, out)) for _ in range(world)]
+    for p in procs:
+        p.start()
+    shares = [min(1.0, cpu / wall) for cpu, wall in (out.get(timeout=120) for _ in procs)]
+    for p in procs:
+        p.join(timeout=30)
+    return statistics.median(shares)
+
+
+def busy_reason(*, load1: float, cpus: int, measured_share: float, model_share: float) -> str | None:
+    """Why this host is too busy for a trustworthy calibration, or None.
+
+    Busy: other users' load (the 1-min load minus our own calibration process) above half the
+    cores, or the measured per-rank CPU share more than 25% away from the even-share model.
+    """
+    background = load1 - 1.0
+    if background > 0.5 * cpus:
+        return (f"load1={load1:.1f} on {cpus} cpus: other processes hold the cores; calibrated rates will "
+                f"not match a quiet machine (each rank measured {measured_share:.2f} of a core)")
+    if abs(measured_share - model_share) > 0.25 * model_share:
+        return (f"each rank got {measured_share:.2f} of its share of a core, the even-share model expects "
+                f"{model_share:.2f}: the machine's load changed while calibrating")
+    return None
 
 
 def two_share(host: HostProfile) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tuning.hardware import A100_CALIBRATION_ROWS, PUBLISHED_A100_RUNS, ClusterSpec, load_cluster
+from tuning.hardware import ClusterSpec, load_cluster
 from tuning.simulator import (
     RECOMPUTE,
     SCHEDULES,
@@ -58,14 +58,48 @@ def candidate_axes(model: ModelSpec, gpus: int, global_batch: int, *, max_micro:
     }
 
 
+_CATEGORIES = {name: pd.CategoricalDtype(pd.Index(list(values), dtype=object))
+               for name, values in (("recompute", RECOMPUTE), ("schedule", SCHEDULES))}
+LAYOUT_AXES = ("tp", "pp", "virtual", "micro", "schedule")  # validity depends on these together
+KNOB_AXES = ("zero", "recompute", "sequence_parallel")  # then only on tp and dp
+
+
+def _product(axes: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    mesh = np.meshgrid(*axes.values(), indexing="ij")
+    return {k: m.ravel() for k, m in zip(axes, mesh)}
+
+
 def _grid(axes: dict[str, list[Any]]) -> dict[str, np.ndarray]:
     """Cartesian product of the axes as flat arrays (codes for the string axes)."""
-    coded = dict(axes)
-    coded["recompute"] = [RECOMPUTE.index(r) for r in axes["recompute"]]
-    coded["schedule"] = [SCHEDULES.index(s) for s in axes["schedule"]]
-    values = [np.asarray(v) for v in coded.values()]
-    mesh = np.meshgrid(*values, indexing="ij")
-    return {k: m.ravel() for k, m in zip(coded, mesh)}
+    coded = {k: np.asarray(v) for k, v in axes.items()}
+    coded["recompute"] = np.asarray([RECOMPUTE.index(r) for r in axes["recompute"]])
+    coded["schedule"] = np.asarray([SCHEDULES.index(s) for s in axes["schedule"]])
+    return _product(coded)
+
+
+def _valid_grid(model: ModelSpec, gpus: int, global_batch: int, axes: dict[str, list[Any]]) -> dict[str, np.ndarray]:
+    """The valid rows of the product of `axes`, built in two stages so invalid layouts are
+    dropped before they are multiplied by the knob axes (same rows as `_valid` on `_grid`)."""
+    coded = _grid({k: axes[k] for k in LAYOUT_AXES} | {"zero": [0], "recompute": [axes["recompute"][0]],
+                                                         "sequence_parallel": [False]})
+    lay = {k: coded[k] for k in LAYOUT_AXES}
+    tp, pp, v, micro = lay["tp"], lay["pp"], lay["virtual"], lay["micro"]
+    ok = (gpus % (tp * pp) == 0) & (model.heads % tp == 0) & (model.layers % (pp * v) == 0)
+    dp = np.maximum(gpus // (tp * pp), 1)
+    ok &= global_batch % (dp * micro) == 0
+    nmb = global_batch // (dp * micro)
+    ok &= (v == 1) | ((pp > 1) & (lay["schedule"] == 0) & (nmb % pp == 0))
+    ok &= ~((lay["schedule"] == 1) & (pp == 1))  # gpipe == 1f1b without a pipeline
+    lay = {k: a[ok] for k, a in lay.items()}
+    knobs = _product({"zero": np.asarray(axes["zero"]),
+                      "recompute": np.asarray([RECOMPUTE.index(r) for r in axes["recompute"]]),
+                      "sequence_parallel": np.asarray(axes["sequence_parallel"], dtype=bool)})
+    n_lay, n_knob = lay["tp"].size, knobs["zero"].size
+    g = {k: np.repeat(a, n_knob) for k, a in lay.items()}
+    g.update({k: np.tile(a, n_lay) for k, a in knobs.items()})
+    tp, dp = g["tp"], gpus // (g["tp"] * g["pp"])
+    keep = (~g["sequence_parallel"] | ((tp > 1) & (model.seq % tp == 0))) & ((g["zero"] == 0) | (dp > 1))
+    return {k: a[keep] for k, a in g.items()}
 
 
 def _valid(model: ModelSpec, gpus: int, global_batch: int, g: dict[str, np.ndarray]) -> np.ndarray:
@@ -95,26 +129,25 @@ def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, gpus: int, global_
     """
     full_axes = candidate_axes(model, gpus, global_batch)
     full_axes.update(axes or {})
-    g = _grid(full_axes)
-    keep = _valid(model, gpus, global_batch, g)
-    g = {k: v[keep] for k, v in g.items()}
+    g = _valid_grid(model, gpus, global_batch, full_axes)
     g["dp"] = gpus // (g["tp"] * g["pp"])
     g["schedule"] = np.where(g["virtual"] > 1, SCHEDULES.index("interleaved"), g["schedule"])
     n = g["tp"].size
     fixed = {"global_batch": global_batch, "dtype_bytes": dtype_bytes, "co2": co2,
              "compression_ratio": float(compression_ratio), "overlap_dp": overlap_dp,
              "bucket_mb": float(bucket_mb)}
-    cols = {**g, **{k: np.full(n, v) for k, v in fixed.items()}}
+    cols = {**g, **fixed}  # fixed settings stay scalars: numpy broadcasts them for free
     res = evaluate_arrays(model, cluster, gpus, cols)
     df = pd.DataFrame({
         "tp": g["tp"], "pp": g["pp"], "dp": g["dp"], "virtual": g["virtual"], "micro": g["micro"],
         "global_batch": np.full(n, global_batch), "zero": g["zero"],
-        "recompute": np.asarray(RECOMPUTE)[g["recompute"]],
+        # categoricals: string values without building one Python string per row
+        "recompute": pd.Categorical.from_codes(g["recompute"], dtype=_CATEGORIES["recompute"]),
         "sequence_parallel": g["sequence_parallel"].astype(bool),
-        "schedule": np.asarray(SCHEDULES)[g["schedule"]],
+        "schedule": pd.Categorical.from_codes(g["schedule"], dtype=_CATEGORIES["schedule"]),
         "tp_spans_nodes": g["tp"] > cluster.gpus_per_node,
         **{c: np.broadcast_to(res[c], (n,)) for c in RESULT_COLUMNS},
-    })
+    }, copy=False)
     df["fits"] = df["fits"].astype(bool)
     df.attrs["units"] = dict(UNITS)
     df.attrs.update(cluster=cluster.name, gpus=gpus, model=str(model))
@@ -135,6 +168,72 @@ def best_configs(df: pd.DataFrame, k: int = 10, *, fits_only: bool = True) -> pd
     """The `k` fastest configurations (shortest iteration), fitting in memory by default."""
     pool = df[df["fits"]] if fits_only else df
     return pool.nsmallest(k, "iteration_time_s").reset_index(drop=True)
+
+
+def add_uncertainty(df: pd.DataFrame) -> pd.DataFrame:
+    """Add strategy_class, time_lo_s / time_hi_s (measured-time interval from the class's held-out
+    residuals, tuning.published) and overlaps_best: the interval overlaps the best fitting one's,
+    so the data cannot tell the two apart. Returns `df` (columns added in place)."""
+    from tuning.published import interval_fields
+
+    fields = interval_fields(df["iteration_time_s"].to_numpy(), df["tp"].to_numpy(), df["pp"].to_numpy(),
+                             df["virtual"].to_numpy(), df["zero"].to_numpy())
+    for key, values in fields.items():
+        df[key] = values
+    pool = df[df["fits"]]
+    best_hi = pool.loc[pool["iteration_time_s"].idxmin(), "time_hi_s"] if len(pool) else -np.inf
+    df["overlaps_best"] = df["fits"] & (df["time_lo_s"] <= best_hi)
+    df.attrs.setdefault("units", {}).update(time_lo_s="s", time_hi_s="s")
+    return df
+
+
+FLIP_KNOBS = {  # what-if knob -> the ClusterSpec fields it scales together
+    "bandwidth": ("intra_bw_gb_s", "inter_bw_gb_s"),
+    "peak": ("peak_flops",),
+    "memory": ("memory_gb",),
+}
+FLIP_FACTORS = (1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+
+def _config_key(row: pd.Series) -> tuple:
+    return tuple(row[k] for k in ("tp", "pp", "dp", "virtual", "micro", "zero", "recompute",
+                                  "sequence_parallel", "schedule"))
+
+
+def flip_parameter(model: ModelSpec, cluster: ClusterSpec, gpus: int, global_batch: int,
+                   **kwargs: Any) -> dict[str, Any]:
+    """The one hardware knob (bandwidth, peak, memory) whose smallest change flips the top choice.
+
+    Scales each knob by FLIP_FACTORS up and down (bandwidth = intra- and inter-node together) and
+    re-runs the exhaustive search; returns {knob, factor, best, new_best, tried} for the smallest
+    change that makes another configuration the fastest fitting one (knob None when none does).
+    """
+    import dataclasses
+
+    base = best_configs(enumerate_configs(model, cluster, gpus, global_batch, **kwargs), 1)
+    if base.empty:
+        return {"knob": None, "factor": None, "best": None, "new_best": None, "tried": []}
+    key = _config_key(base.iloc[0])
+    tried, found = [], []
+    for factor in FLIP_FACTORS:
+        for knob, fields in FLIP_KNOBS.items():
+            for f in (factor, 1.0 / factor):
+                spec = dataclasses.replace(cluster, **{x: getattr(cluster, x) * f for x in fields})
+                top = best_configs(enumerate_configs(model, spec, gpus, global_batch, **kwargs), 1)
+                flipped = not top.empty and _config_key(top.iloc[0]) != key
+                tried.append({"knob": knob, "factor": f, "flips": flipped})
+                if flipped:
+                    found.append((knob, f, top.iloc[0]))
+        if found:
+            break
+    knob, f, new = found[0] if found else (None, None, None)
+    return {"knob": knob, "factor": f, "best": _plain(base.iloc[0]),
+            "new_best": None if new is None else _plain(new), "tried": tried}
+
+
+def _plain(row: pd.Series) -> dict[str, Any]:
+    cols = ("tp", "pp", "dp", "virtual", "micro", "zero", "recompute", "sequence_parallel", "schedule")
+    return {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in cols}
 
 
 def _best_by(df: pd.DataFrame, keys: list[str], cols: list[str]) -> pd.DataFrame:
@@ -201,27 +300,15 @@ def optuna_search(model: ModelSpec, cluster: ClusterSpec, gpus: int, *, global_b
     return study
 
 
-def published_comparison(cluster: ClusterSpec | str = "dgx-a100-80gb") -> pd.DataFrame:
-    """Simulated vs published TFLOP/s per GPU for PUBLISHED_A100_RUNS (Narayanan et al. 2021).
+def published_comparison() -> pd.DataFrame:
+    """Simulated vs published throughput for every row of tuning/data/published.yaml.
 
-    Settings as published: full recomputation, 1F1B, micro-batch 1, no ZeRO, and the gradient
-    all-reduce after the pipeline flush (Megatron-LM of 2021 did not overlap it).
+    One row per measurement with its source, strategy class, `fitted` (calibration row) flag and
+    error_pct; see `tuning.published.validation_table` and `summarize`.
     """
-    cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    rows = []
-    for i, run in enumerate(PUBLISHED_A100_RUNS):
-        model = ModelSpec(layers=run.layers, hidden=run.hidden, heads=run.heads, seq=run.seq, vocab=run.vocab)
-        par = ParallelSpec(dp=run.gpus // (run.tp * run.pp), tp=run.tp, pp=run.pp, micro=run.micro,
-                           global_batch=run.global_batch, recompute="full", overlap_dp=False)
-        res = simulate(model, cl, par)
-        rows.append({
-            "source": run.source, "params_b": round(model.params / 1e9, 1), "tp": run.tp,
-            "pp": run.pp, "dp": par.dp, "gpus": run.gpus, "global_batch": run.global_batch,
-            "published_tflops": run.tflops_per_gpu, "simulated_tflops": res.tflops_per_gpu,
-            "error_pct": 100.0 * (res.tflops_per_gpu - run.tflops_per_gpu) / run.tflops_per_gpu,
-            "fitted_on": i in A100_CALIBRATION_ROWS, "fits": res.fits,
-        })
-    return pd.DataFrame(rows)
+    from tuning.published import validation_table
+
+    return validation_table()
 
 
 def count_space(axes: dict[str, Sequence[Any]]) -> int:
@@ -230,6 +317,6 @@ def count_space(axes: dict[str, Sequence[Any]]) -> int:
 
 
 __all__ = [
-    "best_configs", "candidate_axes", "count_space", "enumerate_configs", "optuna_search",
+    "add_uncertainty", "best_configs", "flip_parameter", "candidate_axes", "count_space", "enumerate_configs", "optuna_search",
     "published_comparison", "row_to_spec", "sensitivities",
 ]

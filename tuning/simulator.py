@@ -49,6 +49,15 @@ class ModelSpec:
         return 12 * lyr * h * h + 13 * lyr * h + self.vocab * h + self.seq * h
 
 
+def format_count(n: float) -> str:
+    """A parameter count in the unit that fits: 3.3M, 1.7B, 1.0T (3 significant digits below 10)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{n:.0f}"
+
+
 @dataclass(kw_only=True, slots=True)
 class ParallelSpec:
     """One parallel configuration; names follow `parallel.*` and `batch.*` of the run config."""
@@ -69,6 +78,9 @@ class ParallelSpec:
     overlap_dp: bool = True  # overlap gradient collectives with backward (DDP buckets)
     bucket_mb: float = 25.0  # gradient bucket size, MB (the last bucket is never hidden)
     zero1_allreduce: bool = False  # ZeRO-1 as torch's ZeroRedundancyOptimizer: all-reduce, then broadcast shards
+    zero2_fsdp: bool = False  # ZeRO-2 as FSDP2 with reshard_after_forward=False: per-block gather in forward, RS in backward
+    flash_attention: bool = False  # fused attention: no s x s scores in memory; backward recomputes Q K^T
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered blocks after forward (False: no backward gather)
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -186,6 +198,8 @@ def _arrays(par: ParallelSpec) -> dict[str, np.ndarray]:
         "dtype_bytes": np.asarray(par.dtype_bytes), "overlap_dp": np.asarray(par.overlap_dp),
         "bucket_mb": np.asarray(float(par.bucket_mb)),
         "zero1_allreduce": np.asarray(par.zero1_allreduce),
+        "zero2_fsdp": np.asarray(par.zero2_fsdp), "flash_attention": np.asarray(par.flash_attention),
+        "reshard_after_forward": np.asarray(par.reshard_after_forward),
     }
 
 
@@ -195,8 +209,16 @@ def _collective(nbytes: np.ndarray, factor: np.ndarray, bw_gb_s: np.ndarray,
     return np.where(n > 1, alpha_s + nbytes * factor / (bw_gb_s * GB), 0.0)
 
 
-def _link(cluster: ClusterSpec, gpus: int, intra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _link(cluster: ClusterSpec, gpus: int, intra: np.ndarray,
+          rails: np.ndarray | int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(busbw GB/s, latency s) of a group; `rails` = the group's ranks per node.
+
+    Across nodes NCCL runs one ring per NIC, so a group with r ranks in each node drives r NICs
+    at once: its bus bandwidth is r x the per-GPU NIC rate, at most the intra-node rate (a DP
+    group at tp=1 uses all 8 NICs of a DGX node; at tp=8 it has one rank, one NIC, per node).
+    """
     inter_bw, inter_lat = cluster.inter_link(gpus)
+    inter_bw = np.minimum(inter_bw * np.maximum(rails, 1), max(cluster.intra_bw_gb_s, inter_bw))
     return (np.where(intra, cluster.intra_bw_gb_s, inter_bw),
             np.where(intra, cluster.intra_latency_s, inter_lat))
 
@@ -205,7 +227,8 @@ def _activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.nd
     """Per layer and micro-batch, bytes (Korthikanti et al. 2022, eqs. 1-3, 16-bit based)."""
     t, sp = c["tp"], c["sequence_parallel"]
     sbh = m.seq * c["micro"] * m.hidden * c["dtype_bytes"] / 2.0
-    attn = 5.0 * m.heads * m.seq / (m.hidden * t)  # softmax/dropout of the s x s scores
+    # softmax/dropout of the s x s scores; fused (flash) attention never materialises them
+    attn = np.where(c.get("flash_attention", False), 0.0, 5.0 * m.heads * m.seq / (m.hidden * t))
     linear = np.where(sp, 34.0 / t, 10.0 + 24.0 / t)  # sp shards the 10 sbh of norms/dropout
     full = sbh * (linear + attn)
     stored = np.select(
@@ -219,17 +242,24 @@ def _activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.nd
 def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
                    act: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per micro-batch on the slowest (last) stage: forward, backward, recompute seconds."""
-    t, b, s, h = c["tp"], c["micro"], m.seq, m.hidden
+    s, h = m.seq, m.hidden
+    # Every GEMM's size is a multiple of b/t: price each distinct b/t once (a search has few).
+    ratio = np.asarray(c["micro"] / c["tp"], dtype=float)
+    bt, inverse = np.unique(ratio, return_inverse=True) if ratio.size > 64 else (ratio, None)
     # Forward GEMMs of one layer per GPU (Narayanan et al. 2021: 24 b s h^2 + 4 b s^2 h, / t).
-    dense = [6 * b * s * h * h / t, 2 * b * s * h * h / t, 8 * b * s * h * h / t, 8 * b * s * h * h / t]
-    attn = [2 * b * s * s * h / t, 2 * b * s * s * h / t]  # Q K^T and scores x V, batched over heads
+    dense = [6 * bt * s * h * h, 2 * bt * s * h * h, 8 * bt * s * h * h, 8 * bt * s * h * h]
+    attn = [2 * bt * s * s * h, 2 * bt * s * s * h]  # Q K^T and scores x V, batched over heads
     t_dense = sum(f / cl.gemm_rate(f) for f in dense)
     t_attn = sum(f / cl.gemm_rate(f) for f in attn)
-    logit = 2 * b * s * h * m.vocab / t
+    logit = 2 * bt * s * h * m.vocab
     t_logit = logit / cl.gemm_rate(logit)
-    hbm = cl.hbm_gb_s * GB
+    if inverse is not None:
+        t_dense, t_attn, t_logit = (np.asarray(x)[inverse.reshape(ratio.shape)] for x in (t_dense, t_attn, t_logit))
+    hbm = cl.hbm_gb_s * cl.hbm_efficiency * GB
     fwd_layer = t_dense + t_attn + act["full"] / hbm
-    bwd_layer = 2.0 * (t_dense + t_attn) + NONGEMM_BWD_FACTOR * act["full"] / hbm
+    # Flash attention's backward recomputes Q K^T (one of the two attention GEMMs) from Q and K.
+    t_flash = np.where(c.get("flash_attention", False), 0.5 * t_attn, 0.0)
+    bwd_layer = 2.0 * (t_dense + t_attn) + t_flash + NONGEMM_BWD_FACTOR * act["full"] / hbm
     rc = c["recompute"]
     re_layer = np.select([rc == 2, rc == 1], [fwd_layer, t_attn + act["attn"] / hbm], 0.0)
     per_stage = m.layers / c["pp"]
@@ -249,7 +279,7 @@ def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarra
     """Per micro-batch: tensor-parallel collectives and pipeline send/recv, seconds."""
     t, b = c["tp"], c["micro"]
     act = b * m.seq * m.hidden * c["dtype_bytes"]
-    bw, lat = _link(cl, gpus, t <= cl.gpus_per_node)
+    bw, lat = _link(cl, gpus, t <= cl.gpus_per_node, np.minimum(t, cl.gpus_per_node))
     # 2 all-reduces forward + 2 backward per layer (Shoeybi et al. 2019), 2 more when the full
     # recomputation replays the forward; sp turns each into reduce-scatter + all-gather.
     n_ar = 4 + 2 * (c["recompute"] == 2)
@@ -280,39 +310,60 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     updated parameters; ZeRO-2 reduce-scatters every micro-batch (gradients stay sharded);
     ZeRO-3 also all-gathers parameters before forward and backward of every micro-batch. With
     one micro-batch this is 2, 2, 2 and 3 x Psi(n-1)/n bytes (ZeRO-3 = 1.5x, Rajbhandari 2020).
-    Overlap: a gradient collective hides under the backward it follows, all but the last bucket;
-    a ZeRO-3 gather hides under forward/backward by prefetch, all but the first layer's share.
+    Overlap: a gradient collective hides under the backward it follows, all but the last bucket.
+    ZeRO-3 (and ZeRO-2 as FSDP2 runs it) works block by block: one collective per layer, each
+    launched with its own latency, the next block's prefetched under this block's compute.
     """
     d, zero, nmb = c["dp"], c["zero"], c["num_mb"]
-    bw, lat = _link(cl, gpus, c["tp"] * d <= cl.gpus_per_node)
+    # ranks t apart (tp innermost): a node holds gpus_per_node / t ranks of the group (its rails)
+    bw, lat = _link(cl, gpus, c["tp"] * d <= cl.gpus_per_node,
+                    np.clip(cl.gpus_per_node // c["tp"], 1, d))
     frac = (d - 1) / d
     grad_bytes = psi * c["dtype_bytes"] / c["compression_ratio"]
     all_reduce = _collective(grad_bytes, 2 * frac, bw, lat, d)
     reduce_scatter = _collective(grad_bytes, frac, bw, lat, d)
     gather = _collective(psi * c["dtype_bytes"], frac, bw, lat, d)
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
-    first_layer = c["pp"] / m.layers
+    n_layers = m.layers / c["pp"]
+    per_layer_launch = (n_layers - 1) * np.where(d > 1, lat, 0.0)  # one alpha per block, not per model
+    layer_gather, layer_rs = gather + per_layer_launch, reduce_scatter + per_layer_launch
     ovl = c["overlap_dp"]
 
+    def overlapped(hidden: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        if np.ndim(ovl) == 0:  # one setting for every row (a search): skip the select
+            return hidden if bool(ovl) else cost
+        return np.where(ovl, hidden, cost)
+
     def hide(cost: np.ndarray, window: np.ndarray, floor: np.ndarray) -> np.ndarray:
-        return np.where(ovl, np.maximum(cost - window, cost * floor), cost)
+        return overlapped(np.maximum(cost - window, cost * floor), cost)
+
+    def hide_blocks(cost: np.ndarray, window: np.ndarray) -> np.ndarray:
+        # block i+1's collective runs under block i's compute; the first block's is exposed
+        return overlapped(cost / n_layers + (n_layers - 1) / n_layers * np.maximum(cost - window, 0.0), cost)
 
     # Each compute window hides at most one stream of traffic: ZeRO-3's backward gather and
     # gradient reduce-scatter share the backward (so faster compute can never cost more).
     # ZeRO-1 reduce-scatters (Megatron's distributed optimizer, DeepSpeed); torch's
     # ZeroRedundancyOptimizer behind DDP all-reduces the full gradient, then broadcasts the shards
     z1_ar = (zero == 1) & np.asarray(c.get("zero1_allreduce", False))
+    z2_fsdp = (zero == 2) & np.asarray(c.get("zero2_fsdp", False))
+    # ZeRO-3 that keeps the gathered blocks until backward moves ZeRO-2 (FSDP2) traffic
+    z3_kept = (zero == 3) & ~np.asarray(c.get("reshard_after_forward", True))
     sync = np.where((zero == 0) | z1_ar, all_reduce, reduce_scatter)
     once = hide(sync, times["bwd"], last_bucket)
-    rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2, every micro-batch
-    z3_mb = (hide(gather, times["fwd"], first_layer)
-             + hide(gather + reduce_scatter, times["bwd"], np.maximum(first_layer, last_bucket)))
-    grad_exposed = np.select([zero == 3, zero == 2], [0.0, nmb * rs_mb], once)
+    rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2 (DeepSpeed), every micro-batch
+    z3_mb = hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_gather + layer_rs, times["bwd"])
+    z2f_mb = hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_rs, times["bwd"])
+    grad_exposed = np.select([zero == 3, z2_fsdp, zero == 2], [0.0, 0.0, nmb * rs_mb], once)  # z3: in z3_mb
     grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
-    final_gather = np.where((zero == 1) | (zero == 2), gather, 0.0)  # after the step: exposed
-    z3 = zero == 3
-    total = np.select([z3, zero == 2], [nmb * (2 * gather + reduce_scatter), nmb * reduce_scatter], sync)
-    exposed = grad_exposed + final_gather + np.where(z3, nmb * z3_mb, 0.0)
+    # after the step: ZeRO-1 and DeepSpeed-style ZeRO-2 gather the updated shards (exposed)
+    final_gather = np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0)
+    z3 = (zero == 3) & ~z3_kept
+    blockwise = z2_fsdp | z3_kept
+    total = np.select([z3, blockwise, zero == 2],
+                      [nmb * (2 * layer_gather + layer_rs), nmb * (layer_gather + layer_rs), nmb * reduce_scatter],
+                      sync)
+    exposed = grad_exposed + final_gather + nmb * np.select([z3, blockwise], [z3_mb, z2f_mb], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
 
 
@@ -321,7 +372,8 @@ def _memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.nda
     """Bytes per GPU on the most loaded stage (ZeRO: Rajbhandari et al. 2020)."""
     d, zero, db = c["dp"], c["zero"], c["dtype_bytes"]
     opt_bytes = np.where(db == 4, 8.0, 12.0)  # fp32: momentum + variance; 16-bit: + fp32 master
-    params = psi * db / np.where(zero >= 3, d, 1)
+    # ZeRO-3 without resharding holds every gathered block from forward to backward (peak: unsharded)
+    params = psi * db / np.where((zero >= 3) & np.asarray(c.get("reshard_after_forward", True)), d, 1)
     grads = psi * db / np.where(zero >= 2, d, 1)
     optimizer = psi * opt_bytes / np.where(zero >= 1, d, 1)
     p, v, nmb = c["pp"], c["virtual"], c["num_mb"]
@@ -383,7 +435,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
         "bubble_s": (p - 1) / v * per_mb,  # (p-1)/(v m) of the m micro-batches' time
         "dp_comm_exposed_s": dp["exposed"],
         "optimizer_s": psi / np.where(c["zero"] >= 1, c["dp"], 1) * OPTIMIZER_BYTES_PER_PARAM
-        / ((cluster.optimizer_gb_s or cluster.hbm_gb_s) * GB) + cluster.overhead_step_s,
+        / ((cluster.optimizer_gb_s or cluster.hbm_gb_s * cluster.hbm_efficiency) * GB) + cluster.overhead_step_s,
     }
     iteration = sum(out.values())
     executed, model_flops = _flops(model, c)
@@ -452,7 +504,7 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
     """Map a plain nested run-config dict (engine/config.py key names) to the simulator's inputs.
 
     Reads model.{layers,d_model,heads,seq_len,vocab}, parallel.{dp,tp,pp,zero,virtual,schedule,
-    sequence_parallel}, batch.{global,micro}, train.activation_checkpointing, precision,
+    sequence_parallel,reshard_after_forward}, batch.{global,micro}, train.activation_checkpointing, precision,
     comm.{compressor,density,rank}, co2.enabled, ddp.bucket_cap_mb; missing keys take the
     engine's defaults.
     """
@@ -473,5 +525,7 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
         co2=bool(cfg.get("co2", {}).get("enabled", False)),
         bucket_mb=float(ddp.get("bucket_cap_mb", 25.0)),
         zero1_allreduce=True,  # the engine's ZeRO-1 is ZeroRedundancyOptimizer behind DDP
+        zero2_fsdp=True,  # the engine's ZeRO-2 is FSDP2 per block with reshard_after_forward=False
+        reshard_after_forward=bool(par.get("reshard_after_forward", True)),
     )
     return model, spec

@@ -1,13 +1,17 @@
 """Multi-fidelity tuning: the simulator ranks the space first, real runs then measure.
 
 `enqueue_simulated` puts the simulator's top-k configs for this machine at the front of a real
-study; `predicted_tokens_per_s` is recorded next to the measured value of every trial.
+study; `predicted_tokens_per_s` is recorded next to the measured value of every trial. As trials
+finish, `refit_correction` learns a measured/predicted factor per strategy class,
+`prediction_trend` shows the prediction error falling over the study (each trial corrected with the
+trials before it) and `rerank_simulated` re-ranks the space with the correction.
 """
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 
@@ -15,6 +19,9 @@ from engine.config import RunConfig, replace
 from engine.errors import ConfigError
 from profilers.store import default_home
 from tuning.space import SearchSpace
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MAX_CANDIDATES = 2000
 
@@ -62,6 +69,96 @@ def enqueue_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, 
         raise ConfigError("--warm-start", top, f"needs this machine's hardware profile: run "
                           f"`workbench calibrate --world {world}` first")
     chosen = [params for _, params in rank_space(space, base, cluster)[:top]]
+    for params in chosen:
+        study.enqueue_trial(params, skip_if_exists=True)
+    return chosen
+
+
+# ---------------------------------------------------------------- learning from finished trials
+
+SHRINK_ROWS = 1.0  # a class's correction counts the pooled one as this many trials (shrinkage)
+
+
+def trial_class(cfg: dict[str, Any]) -> str:
+    """The simulator's strategy class of a trial's run config (`user_attrs['config']`)."""
+    from tuning.published import strategy_class
+    from tuning.simulator import from_run_config
+
+    _, par = from_run_config(cfg)
+    return str(strategy_class(par.tp, par.pp, par.virtual, par.zero))
+
+
+def _finished(study: optuna.Study) -> list[tuple[int, str, float, float]]:
+    """(trial number, class, measured, predicted tokens/s) of complete trials with a prediction."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        predicted = t.user_attrs.get("predicted_tokens_per_s")
+        measured = t.user_attrs.get("tokens_per_s", t.values[0] if t.values else None)
+        if predicted and measured and "config" in t.user_attrs:
+            out.append((t.number, trial_class(t.user_attrs["config"]), float(measured), float(predicted)))
+    return sorted(out)
+
+
+def fit_correction(samples: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per-class factor measured/predicted from (class, measured, predicted) samples.
+
+    Geometric mean of the ratios, shrunk toward the pooled factor of all classes (which itself is
+    shrunk toward 1): log f_c = (sum log r_c + SHRINK_ROWS log f) / (n_c + SHRINK_ROWS), with
+    log f = sum log r / (n + 1). Key "*" holds the pooled factor, used for unseen classes.
+    """
+    logs: dict[str, list[float]] = {}
+    for cls, measured, predicted in samples:
+        logs.setdefault(cls, []).append(math.log(measured / predicted))
+    every = [x for xs in logs.values() for x in xs]
+    pooled = sum(every) / (len(every) + 1)
+    factors = {cls: math.exp((sum(xs) + SHRINK_ROWS * pooled) / (len(xs) + SHRINK_ROWS)) for cls, xs in logs.items()}
+    factors["*"] = math.exp(pooled)
+    return factors
+
+
+def refit_correction(study: optuna.Study) -> dict[str, float]:
+    """The per-strategy-class correction learnt from every finished trial of `study`."""
+    return fit_correction([(cls, m, p) for _, cls, m, p in _finished(study)])
+
+
+def prediction_trend(study: optuna.Study) -> pd.DataFrame:
+    """Predicted vs measured per finished trial, raw and corrected with the trials before it.
+
+    Columns: trial, strategy_class, measured, predicted, corrected, error_pct, corrected_error_pct
+    (prediction / measured - 1), trend_abs_error_pct (running median of |corrected error|): the
+    data of the Tune page's predicted-vs-measured plot and its error trend.
+    """
+    import pandas as pd
+
+    rows, seen = [], []
+    for number, cls, measured, predicted in _finished(study):
+        factors = fit_correction(seen)
+        corrected = predicted * factors.get(cls, factors["*"])
+        rows.append({"trial": number, "strategy_class": cls, "measured": measured, "predicted": predicted,
+                     "corrected": corrected, "error_pct": 100.0 * (predicted / measured - 1),
+                     "corrected_error_pct": 100.0 * (corrected / measured - 1)})
+        seen.append((cls, measured, predicted))
+    df = pd.DataFrame(rows, columns=["trial", "strategy_class", "measured", "predicted", "corrected", "error_pct",
+                                     "corrected_error_pct"])
+    df["trend_abs_error_pct"] = df["corrected_error_pct"].abs().expanding().median()
+    return df
+
+
+def rerank_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *, top: int,
+                     home: str | Path | None = None) -> list[dict[str, Any]]:
+    """Re-rank the space with the correction learnt so far and enqueue the best `top` not yet tried."""
+    world = space.world_size or base.world_size
+    cluster = local_profile(world, home)
+    if cluster is None:
+        raise ConfigError("--warm-start", top, f"needs this machine's hardware profile: run "
+                          f"`workbench calibrate --world {world}` first")
+    factors = refit_correction(study)
+    tried = [t.params for t in study.get_trials(deepcopy=False)]
+    ranked = []
+    for value, params in rank_space(space, base, cluster):
+        cfg = replace(base, space.to_overrides(params, base))
+        ranked.append((value * factors.get(trial_class(cfg.to_dict()), factors["*"]), params))
+    chosen = [p for _, p in sorted(ranked, key=lambda item: -item[0]) if p not in tried][:top]
     for params in chosen:
         study.enqueue_trial(params, skip_if_exists=True)
     return chosen

@@ -48,16 +48,22 @@ def _model(text: str):
 
 
 def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
-             gpus: int = typer.Option(..., help="Total GPUs"),
-             model: str = typer.Option(..., help="layers=..,hidden=..,heads=..,seq=..,vocab=.. or 22b|175b|1t"),
+             gpus: Optional[int] = typer.Option(None, help="Total GPUs (required unless --validate)"),
+             model: Optional[str] = typer.Option(None, help="layers=..,hidden=..,heads=..,seq=..,vocab=.. or 22b|175b|1t (required unless --validate)"),
              config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=..,virtual=..]"),
              search: bool = typer.Option(False, help="Enumerate every valid config instead of one"),
              global_batch: int = typer.Option(1536, help="Global batch for --search"),
              top: int = typer.Option(10, help="Best configs shown by --search"),
              optuna_trials: int = typer.Option(0, help="Also run Optuna over the simulator"),
              report: Optional[Path] = typer.Option(None, help="Write an HTML report (tables + plotly figures)"),
-             as_json: bool = typer.Option(False, "--json")) -> None:
+             as_json: bool = typer.Option(False, "--json"),
+             validate: bool = typer.Option(False, "--validate", help="Compare the simulator with published measurements (calibration vs held-out rows)")) -> None:
     """Predict iteration time, throughput and memory on a cluster we do not have."""
+    if validate:
+        _validate(as_json)
+        return
+    if gpus is None or model is None:
+        fail("--gpus and --model are required unless --validate is given")
     from tuning.hardware import load_cluster
     from tuning.simulator import ParallelSpec
     from tuning.simulator import simulate as sim
@@ -79,33 +85,50 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         fail(str(exc))
     out = result.to_dict()
     out.update({"model_params": mdl.params, "cluster": spec.name, "gpus": gpus})
+    out.update(_interval(result.iteration_time_s, par))
     if as_json:
         _print_json(out)
         return
-    t = Table(title=f"{mdl.params / 1e9:.1f}B params on {gpus} GPUs ({spec.name})")
+    from tuning.simulator import format_count
+
+    t = Table(title=f"{format_count(mdl.params)} params on {gpus} GPUs ({spec.name})")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits"):
         t.add_row(key, f"{out[key]:.4g}" if isinstance(out[key], float) else str(out[key]))
     for key, value in out["breakdown"].items():
         t.add_row(f"  {key} (s)", f"{value:.4g}")
+    t.add_row("measured time likely in (s)", f"{out['interval_s'][0]:.4g} .. {out['interval_s'][1]:.4g}")
+    t.add_row("  from residuals of", out["interval_basis"])
     console.print(t)
+
+
+def _interval(time_s: float, par) -> dict[str, Any]:
+    """Strategy class and measured-time interval from the class's held-out published residuals."""
+    from tuning.published import interval_fields
+
+    f = interval_fields(time_s, par.tp, par.pp, par.virtual, par.zero)
+    return {"strategy_class": str(f["strategy_class"]), "interval_s": [float(f["time_lo_s"]), float(f["time_hi_s"])],
+            "interval_basis": str(f["interval_basis"])}
 
 
 def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: int, report: Optional[Path],
             as_json: bool) -> None:
     import time
 
-    from tuning.search import best_configs, enumerate_configs, optuna_search, sensitivities
+    from tuning.search import add_uncertainty, best_configs, enumerate_configs, flip_parameter, optuna_search, sensitivities
 
     start = time.perf_counter()
     df = enumerate_configs(mdl, spec, gpus, global_batch)
     seconds = time.perf_counter() - start
+    add_uncertainty(df)  # strategy_class, time_lo_s/time_hi_s, overlaps_best
     best = best_configs(df, top)
     sens = sensitivities(df)
     out: dict[str, Any] = {"configs": len(df), "fit": int(df.fits.sum()), "seconds": seconds,
                            "best": best.to_dict(orient="records"),
-                           "sensitivities": {k: v.to_dict(orient="records") for k, v in sens.items()}}
+                           "sensitivities": {k: v.to_dict(orient="records") for k, v in sens.items()},
+                           "overlapping_best": int(df["overlaps_best"].sum()),
+                           "flip": flip_parameter(mdl, spec, gpus, global_batch)}
     if optuna_trials:
         study = optuna_search(mdl, spec, gpus, global_batch=global_batch, n_trials=optuna_trials, seed=0)
         out["optuna_best"] = {"value": study.best_value, "params": study.best_params}
@@ -123,6 +146,46 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         console.print(table.round(3).to_string(index=False), markup=False, highlight=False)
     if "optuna_best" in out:
         console.print(f"\nOptuna over the simulator: {out['optuna_best']}")
+    flip = out["flip"]
+    console.print(f"\n{out['overlapping_best']:,} fitting configs have a measured-time interval overlapping the best "
+                  f"one's (overlaps_best); " + (f"the top choice flips when {flip['knob']} is scaled by "
+                  f"{flip['factor']:.3g} (to {flip['new_best']})" if flip["knob"] else
+                  "no single x4 change of bandwidth, peak or memory flips the top choice"),
+                  markup=False, highlight=False)
+
+
+def _validate(as_json: bool) -> None:
+    """`simulate --validate`: every published row with its source, then held-out errors by group."""
+    from tuning.published import sources, summarize, unvalidated, validation_table
+
+    table = validation_table()
+    summary = summarize(table)
+    missing = unvalidated(table)
+    if as_json:
+        _print_json({"rows": table.to_dict(orient="records"),
+                     "summary": {k: v.to_dict(orient="records") for k, v in summary.items()},
+                     "unvalidated": missing, "sources": sources()})
+        return
+    shown = ["id", "paper", "row", "hardware", "class", "recompute", "layout", "metric", "published", "simulated",
+             "error_pct"]
+
+    def show(text: str) -> None:  # plain text, one line per row, at any terminal width
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    for fitted, title in ((True, "Calibration rows (the GEMM curves were fitted to these)"),
+                          (False, "Held-out rows (never fitted on)")):
+        part = table[table["fitted"] == fitted]
+        show(f"\n{title}: {len(part)}")
+        show(part[shown].round({"simulated": 1, "error_pct": 1}).to_string(index=False))
+    for name, df in summary.items():
+        show(f"\nHeld-out |error| by {name} (%)")
+        show(df.round(1).to_string(index=False))
+    show("\nNo held-out published row yet (predictions there borrow the pooled residuals): "
+         + "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items() if v))
+    show("\nSources")
+    for key, src in sources().items():
+        show(f"- {key}: {src['paper']}; {src['table']}; configuration: {src['configuration']}; "
+             f"hardware: {src['hardware']}")
 
 
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
