@@ -84,6 +84,15 @@ def _finish_external_run(cfg, run_id: str, run_dir: Path, ok: bool) -> None:
                          error_rank=failure.rank if failure else None, summary=summary)
 
 
+def _run_id() -> str:
+    """Ours, else torchrun's --rdzv-id (its default "none" is shared by every launch: then the rendezvous
+    port, which torchrun picks afresh per launch and gives every rank), else a fresh one (a single process)."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic == "none" and os.environ.get("MASTER_PORT"):
+        elastic = f"torchrun-{os.environ.get('MASTER_ADDR', 'localhost')}-{os.environ['MASTER_PORT']}"
+    return os.environ.get("WORKBENCH_RUN_ID") or elastic or uuid.uuid4().hex[:12]
+
+
 def _samplers(cfg, client, local_rank: int) -> list:
     from profilers.host import HostSampler
     from profilers.nvml import NvmlSampler
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)  # unwind through `finally`: telemetry is flushed
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     external = not os.environ.get("WORKBENCH_TELEMETRY")
-    run_id = os.environ.get("WORKBENCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+    run_id = _run_id()
     from profilers.store import default_home
     from profilers.telemetry import TelemetryClient
 
