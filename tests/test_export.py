@@ -136,7 +136,9 @@ def _ds_lr_per_step(config, peak_lr: float, steps: int) -> list[float]:
 # the steps whose lr differs from the run's: DeepSpeed's own schedulers set their start value when built
 # and step after each optimizer step (steps 0 and 1 share an lr), and WarmupDecayLR warms up from its floor
 DIFFERENT_STEPS = {("constant", 0): [], ("linear", 0): [], ("cosine", 0): [],
-                   ("constant", 4): [0], ("linear", 4): [0, 1, 2, 3], ("cosine", 4): [0, 1, 2, 3, 4]}
+                   ("constant", 2): [0], ("constant", 3): [0], ("constant", 4): [0],
+                   ("linear", 3): [0, 1, 2], ("linear", 4): [0, 1, 2, 3],
+                   ("cosine", 2): [0, 1, 2], ("cosine", 4): [0, 1, 2, 3, 4]}
 
 
 @pytest.mark.parametrize("schedule,warmup", sorted(DIFFERENT_STEPS))

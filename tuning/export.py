@@ -139,18 +139,6 @@ def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
     return args, unmapped
 
 
-def to_megatron(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """Megatron-LM arguments as `flag value` strings (kept for callers of the old API), and the unmapped."""
-    args, unmapped = megatron_args(cfg)
-    joined: list[str] = []
-    for tok in args:
-        if joined and not tok.startswith("--"):
-            joined[-1] += f" {tok}"
-        else:
-            joined.append(tok)
-    return joined, unmapped
-
-
 def megatron_command(cfg: RunConfig) -> list[str]:
     """The full launch: torchrun with WORLD_SIZE = dp*tp*pp on one node, then pretrain_gpt.py and its args."""
     # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before Blackwell; its examples set it always
@@ -195,37 +183,47 @@ def deepspeed_scheduler(cfg: RunConfig) -> tuple[dict[str, Any] | None, list[str
     step after each optimizer step, so its steps 0 and 1 share one lr; torch's schedulers (which
     DeepSpeed builds by name too) take their first step at construction and match exactly."""
     t = cfg.train
-    lr, w, steps, floor = t.lr, t.warmup_steps, t.steps, t.lr * t.min_lr_ratio
-    if t.schedule == "constant" and w <= 1:
-        return None, []  # the optimizer's lr throughout
     if t.schedule == "constant":
-        start = 2 * lr / w  # the ramp's second value: DeepSpeed repeats its start value at step 1
-        if w == 3:  # 1 ramp step; DeepSpeed clamps warm-up to >= 2, and its log ramp over 2 is exactly 0, 1
-            params = {"warmup_num_steps": 2, "warmup_type": "log"}
-        else:
-            params = {"warmup_num_steps": max(1, w - 2), "warmup_type": "linear"}
-        params.update(warmup_min_lr=_clean(start), warmup_max_lr=_clean(lr))
-        if w == 2:
-            return None, [f"lr: step 0 runs at {_num(lr)} (the run warms up from {_num(lr / w)})"]
-        return {"type": "WarmupLR", "params": params}, \
-            [f"lr: step 0 runs at {_num(start)} (the run's {_num(lr / w)}); every later step matches"]
-    if w == 0 and t.schedule == "linear":
+        return _ds_constant(t.lr, t.warmup_steps)
+    if t.warmup_steps == 0 and t.schedule == "linear":
         return {"type": "LinearLR", "params": {"start_factor": 1.0, "end_factor": _clean(t.min_lr_ratio),
-                                               "total_iters": steps}}, []
-    if w == 0:
-        return {"type": "CosineAnnealingLR", "params": {"T_max": steps, "eta_min": _clean(floor)}}, []
-    if t.schedule == "linear":
-        # DeepSpeed decays from iteration warmup_num_steps to total_num_steps, applied one step late
-        return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": steps - 1, "warmup_num_steps": max(1, w - 1), "warmup_min_lr": _clean(floor),
-            "warmup_max_lr": _clean(lr), "warmup_type": "linear"}}, \
-            [f"lr warm-up: DeepSpeed ramps from the final lr {_num(floor)} (the run from {_num(lr / w)}); "
-             + (f"the decay matches from step {w}" if w >= 3 else _CLAMPED)]
-    return {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": steps, "warmup_num_steps": w, "warmup_min_ratio": 0.0,
-        "cos_min_ratio": _clean(t.min_lr_ratio), "warmup_type": "linear"}}, \
-        [f"lr warm-up: DeepSpeed's WarmupCosineLR starts at 0 and reaches the peak one step after the run; "
-         + (f"the cosine matches from step {w + 1}" if w >= 2 else _CLAMPED)]
+                                               "total_iters": t.steps}}, []
+    if t.warmup_steps == 0:
+        return {"type": "CosineAnnealingLR", "params": {"T_max": t.steps,
+                                                        "eta_min": _clean(t.lr * t.min_lr_ratio)}}, []
+    return _ds_warmup_decay(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+
+
+def _ds_constant(lr: float, w: int) -> tuple[dict[str, Any] | None, list[str]]:
+    """A linear ramp over w steps, then lr: WarmupLR starting at the ramp's second value (DeepSpeed repeats
+    its start value at step 1), so only step 0 differs."""
+    if w <= 1:
+        return None, []  # the optimizer's lr throughout
+    note = [f"lr: step 0 runs at {_num(2 * lr / w)} (the run's {_num(lr / w)}); every later step matches"]
+    if w == 2:
+        return None, note
+    if w == 3:  # a 1-step ramp; DeepSpeed clamps warm-ups to >= 2, and its log ramp over 2 is exactly 0, 1
+        params: dict[str, Any] = {"warmup_num_steps": 2, "warmup_type": "log"}
+    else:
+        params = {"warmup_num_steps": w - 2, "warmup_type": "linear"}
+    params.update(warmup_min_lr=_clean(2 * lr / w), warmup_max_lr=_clean(lr))
+    return {"type": "WarmupLR", "params": params}, note
+
+
+def _ds_warmup_decay(schedule: str, lr: float, w: int, steps: int,
+                     min_ratio: float) -> tuple[dict[str, Any], list[str]]:
+    """WarmupDecayLR / WarmupCosineLR with a linear warm-up: the decay is the run's, the warm-up is not."""
+    if schedule == "linear":  # decays from iteration warmup_num_steps to total_num_steps, applied one step late
+        params = {"total_num_steps": steps - 1, "warmup_num_steps": max(1, w - 1),
+                  "warmup_min_lr": _clean(lr * min_ratio), "warmup_max_lr": _clean(lr), "warmup_type": "linear"}
+        note = (f"lr warm-up: DeepSpeed ramps from the final lr {_num(lr * min_ratio)} (the run from "
+                f"{_num(lr / w)}); " + (f"the decay matches from step {w}" if w >= 3 else _CLAMPED))
+        return {"type": "WarmupDecayLR", "params": params}, [note]
+    params = {"total_num_steps": steps, "warmup_num_steps": w, "warmup_min_ratio": 0.0,
+              "cos_min_ratio": _clean(min_ratio), "warmup_type": "linear"}
+    note = ("lr warm-up: DeepSpeed's WarmupCosineLR starts at 0 and reaches the peak one step after the run; "
+            + (f"the cosine matches from step {w + 1}" if w >= 2 else _CLAMPED))
+    return {"type": "WarmupCosineLR", "params": params}, [note]
 
 
 def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
