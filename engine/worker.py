@@ -66,7 +66,7 @@ def _register_external_run(cfg, run_id: str, world: int, config_path: str) -> No
             return
         p = cfg.parallel
         store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=world,
-                         layout=ParallelDims(p.dp, p.tp, p.pp, world).describe(), host=host_info(),
+                         layout=ParallelDims(p.dp, p.tp, p.pp, cfg.world_size).describe(), host=host_info(),
                          versions=software_versions(), emulated=cfg.link.gbps > 0)
 
 
@@ -131,8 +131,7 @@ def _end_ranks(ok: bool, rank: int, run_dir: Path) -> bool:
 
 def _finish_outside_run(cfg, run_id: str, run_dir: Path, ok: bool, config_path: str, world: int) -> None:
     try:
-        if cfg is None:  # refused before registration
-            _register_external_run(None, run_id, world, config_path)
+        _register_external_run(cfg, run_id, world, config_path)  # a no-op unless refused before registering
         _finish_external_run(cfg, run_id, run_dir, ok)
     except BaseException as exc:  # noqa: BLE001 - the store must not turn a finished run into a crash
         print(f"[rank 0] could not finalise run {run_id} in the store: {type(exc).__name__}: {exc}",

@@ -97,6 +97,20 @@ def test_a_failing_outside_torchrun_run_is_recorded_failed_with_the_rank_error(t
     assert not (work / ".workbench").exists()
 
 
+def test_a_refused_outside_run_is_recorded_failed_with_the_config_error(tmp_path):
+    cfg = load_config(REPO / "examples/tiny.yaml", TINY)  # dp=2, started as one process
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    env = {k: v for k, v in _env(tmp_path / "home", WORLD_SIZE="1", RANK="0",
+                                 WORKBENCH_RUN_ID="").items() if k != "WORKBENCH_TELEMETRY"}
+    ran = subprocess.run([sys.executable, "-m", "engine.worker", "--config", "run.yaml"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 1
+    report = _only_run(env, tmp_path)
+    assert report["status"] == "failed" and report["error_rank"] == 0
+    assert "dp*tp*pp=2" in report["error"] and "WORLD_SIZE=1" in report["error"]
+    assert report["layout"]["dp"] == 2 and not (tmp_path / ".workbench").exists()
+
+
 # ------------------------------------------------------------------ DeepSpeed
 def _deepspeed():
     return pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: `make install` installs it "
