@@ -218,21 +218,37 @@ def _wait(proc: subprocess.Popen, store, run_id: str, started: float, timeout_s:
     return "completed" if proc.returncode == 0 else "failed"
 
 
-def _result(store, run_id: str, status: str, cfg: RunConfig, run_dir: Path, started: float,
-            failure: RankFailure | None) -> RunResult:
+def rank0_steps(store, run_id: str) -> list[dict[str, Any]]:
+    """Rank 0's per-step records from the store: {step, loss, step_time_s, tokens_per_s, mfu}."""
     steps: dict[int, dict[str, Any]] = {}
     names = {"loss": "loss", "step_time(s)": "step_time_s", "tokens_per_s": "tokens_per_s", "mfu": "mfu"}
     for rec in store.metrics(run_id, kind="step", rank=0):
         if rec.name in names:
             steps.setdefault(rec.step, {"step": rec.step})[names[rec.name]] = rec.value
-    ordered = [steps[k] for k in sorted(steps)]
-    summary = summarize(ordered, warmup=cfg.profile.warmup_steps)
+    return [steps[k] for k in sorted(steps)]
+
+
+def run_summary(store, run_id: str, cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """The summary a finished run keeps in the store (our launcher and an outside torchrun alike)."""
+    summary = summarize(rank0_steps(store, run_id), warmup=cfg.profile.warmup_steps)
     summary.update(store.wire_totals(run_id))
     for rec in store.metrics(run_id, kind="eval", name="val_loss", rank=0):
         summary["val_loss"] = rec.value
     traces = sorted(str(p) for p in (run_dir / "traces").glob("*.json*"))
     if traces:
         summary["traces"] = traces
+    return summary
+
+
+def first_failure(run_dir: Path, log: str = "") -> RankFailure:
+    """The root cause of a failed run from its ranks' error files (and torchrun's log, if any)."""
+    return _first_failure(run_dir, log)
+
+
+def _result(store, run_id: str, status: str, cfg: RunConfig, run_dir: Path, started: float,
+            failure: RankFailure | None) -> RunResult:
+    ordered = rank0_steps(store, run_id)
+    summary = run_summary(store, run_id, cfg, run_dir)
     return RunResult(run_id=run_id, status=status, world_size=cfg.world_size, run_dir=run_dir, steps=ordered,
                      error=str(failure) if failure else None, error_rank=failure.rank if failure else None,
                      wall_s=time.time() - started, summary=summary)

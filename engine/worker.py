@@ -50,15 +50,46 @@ def _init(cfg, rank: int, world: int) -> torch.device:
     return device
 
 
-def _register_external_run(cfg, run_id: str, world: int) -> None:
-    """Under an external torchrun nobody else creates the run row: rank 0 does."""
-    from profilers.host import host_info
+def _register_external_run(cfg, run_id: str, world: int, config_path: str) -> None:
+    """Under an outside torchrun nobody else creates the run row: rank 0 does, as `launch` would.
+    `cfg` is None when the config itself was refused: the run is still recorded, then failed."""
+    from engine.mesh import ParallelDims
+    from profilers.host import host_info, software_versions
     from profilers.store import RunStore
 
-    store = RunStore.open_home()
-    if store.run(run_id) is None:
-        store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=world, host=host_info(),
-                         emulated=cfg.link.gbps > 0)
+    with RunStore.open_home() as store:
+        if store.run(run_id) is not None:
+            return
+        if cfg is None:
+            store.create_run(run_id, name=Path(config_path).stem, config={}, world_size=world, host=host_info())
+            return
+        p = cfg.parallel
+        store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=world,
+                         layout=ParallelDims(p.dp, p.tp, p.pp, cfg.world_size).describe(), host=host_info(),
+                         versions=software_versions(), emulated=cfg.link.gbps > 0)
+
+
+def _finish_external_run(cfg, run_id: str, run_dir: Path, ok: bool) -> None:
+    """Rank 0 of an outside torchrun finalises the row like `launch` does: status, summary, root cause.
+    It runs after every rank's telemetry is flushed (success: after the barrier; failure: the failing
+    rank wrote its error file before exiting, which is what stopped this rank)."""
+    from engine.launch import first_failure, run_summary
+    from profilers.store import RunStore
+
+    failure = None if ok else first_failure(run_dir)
+    with RunStore.open_home() as store:
+        summary = run_summary(store, run_id, cfg, run_dir) if cfg is not None else {}
+        store.finish_run(run_id, "completed" if ok else "failed", error=str(failure) if failure else None,
+                         error_rank=failure.rank if failure else None, summary=summary)
+
+
+def _run_id() -> str:
+    """Ours, else torchrun's --rdzv-id (its default "none" is shared by every launch: then the rendezvous
+    port, which torchrun picks afresh per launch and gives every rank), else a fresh one (a single process)."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic == "none" and os.environ.get("MASTER_PORT"):
+        elastic = f"torchrun-{os.environ.get('MASTER_ADDR', 'localhost')}-{os.environ['MASTER_PORT']}"
+    return os.environ.get("WORKBENCH_RUN_ID") or elastic or uuid.uuid4().hex[:12]
 
 
 def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = lambda: -1) -> list:
@@ -87,6 +118,29 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated("terminated by the launcher (SIGTERM)")
 
 
+def _end_ranks(ok: bool, rank: int, run_dir: Path) -> bool:
+    """Wait for every rank (their telemetry is flushed by then) and leave the group; False if a peer
+    failed meanwhile (the launcher stops this rank with SIGTERM)."""
+    if not (ok and dist.is_initialized()):
+        return ok
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+        return True
+    except BaseException as exc:  # noqa: BLE001 - a peer's failure reaches us here
+        write_error(run_dir, rank, exc)
+        return False
+
+
+def _finish_outside_run(cfg, run_id: str, run_dir: Path, ok: bool, config_path: str, world: int) -> None:
+    try:
+        _register_external_run(cfg, run_id, world, config_path)  # a no-op unless refused before registering
+        _finish_external_run(cfg, run_id, run_dir, ok)
+    except BaseException as exc:  # noqa: BLE001 - the store must not turn a finished run into a crash
+        print(f"[rank 0] could not finalise run {run_id} in the store: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="engine.worker")
     ap.add_argument("--config", required=True)
@@ -96,21 +150,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)  # unwind through `finally`: telemetry is flushed
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     external = not os.environ.get("WORKBENCH_TELEMETRY")
-    run_id = os.environ.get("WORKBENCH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
-    run_dir = Path(args.run_dir or Path(".workbench") / "runs" / run_id)
+    run_id = _run_id()
+    from profilers.store import default_home
     from profilers.telemetry import TelemetryClient
+
+    run_dir = Path(args.run_dir) if args.run_dir else default_home() / "runs" / run_id  # honours WORKBENCH_HOME
 
     client = TelemetryClient(os.environ.get("WORKBENCH_TELEMETRY") or None, run_id, rank)
     samplers: list = []
-    ok = False
+    ok, cfg = False, None
     try:
         cfg = validate(from_dict(_load(args.config)))
+        if external and rank == 0:
+            _register_external_run(cfg, run_id, world, args.config)
         if cfg.world_size != world:
             raise ConfigError("parallel", f"dp*tp*pp={cfg.world_size}",
                               f"must equal WORLD_SIZE={world} of the launcher")
         device = _init(cfg, rank, world)
-        if external and rank == 0:
-            _register_external_run(cfg, run_id, world)
         running = [-1]  # the step in progress: samples taken during it carry its number
         samplers = _samplers(cfg, client, int(os.environ.get("LOCAL_RANK", 0)), lambda: running[0])
         from engine.train import Trainer
@@ -144,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in samplers:
             s.stop()
         client.close()
-    if ok and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    ok = _end_ranks(ok, rank, run_dir)
+    if external and rank == 0:
+        _finish_outside_run(cfg, run_id, run_dir, ok, args.config, world)
     sys.stdout.flush()
     sys.stderr.flush()
     # ranks sometimes abort at interpreter exit after correct work (platform.md): leave at once

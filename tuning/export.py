@@ -1,9 +1,12 @@
 """Export a trial's config: YAML that `workbench run` runs as is, the torchrun command line, a JSON
-report, Megatron-LM arguments and a DeepSpeed config (with the knobs that do not map listed)."""
+report, a Megatron-LM launch and a DeepSpeed config; the knobs that do not map are listed beside them.
+Each is checked by the tool it names (tests/test_export*.py): torchrun runs it, Megatron-LM's argument
+parser and DeepSpeed's config and scheduler classes accept it."""
 from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -39,36 +42,94 @@ def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def _num(x: float) -> str:
+    """A number as people write it: 12 significant digits, so 3e-3 * 0.1 prints 0.0003, not float noise."""
+    return f"{x:.12g}"
+
+
+def _clean(x: float) -> float:
+    return float(_num(x))
+
+
 def to_torchrun(cfg: RunConfig, config_path: str = "best.yaml") -> str:
+    """The torchrun line that runs `config_path` (a file `torchrun_script` or `write_torchrun_bundle` writes)."""
     p = cfg.parallel
     return shlex.join(["torchrun", f"--nproc-per-node={cfg.world_size}", "--standalone", "-m", "engine.worker",
                        "--config", config_path]) + f"  # dp={p.dp} tp={p.tp} pp={p.pp}"
 
 
-def to_megatron(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """Megatron-LM pretrain_gpt.py arguments, and the knobs that have no Megatron equivalent."""
+def torchrun_script(cfg: RunConfig, config_path: str = "best.yaml") -> str:
+    """A shell script that writes the config next to where it runs, then starts it with torchrun: it
+    runs as printed (`workbench export S --format torchrun | bash`)."""
+    return (f"# writes {config_path}, then starts {cfg.world_size} ranks on this machine\n"
+            f"cat > {shlex.quote(config_path)} <<'WORKBENCH_EOF'\n{to_yaml(cfg)}WORKBENCH_EOF\n"
+            f"{to_torchrun(cfg, config_path)}\n")
+
+
+_BUNDLE_README = """# {name}: exported by `workbench export --format torchrun -o DIR`
+
+- `config.yaml`: the run config (`workbench run config.yaml` repeats it too).
+- `launch.sh`: starts the {world} ranks on this machine with torchrun ({layout}).
+
+One machine:
+
+    {command}
+
+Several machines (N nodes, {world} ranks in all; each node runs {world}/N of them, and the same
+--rdzv-id names the run in the store of every node):
+
+    torchrun --nproc-per-node={world}/N --nnodes=N --node-rank=I --rdzv-backend=c10d \\
+      --rdzv-endpoint=HOST:PORT --rdzv-id=NAME -m engine.worker --config config.yaml
+
+Rank 0 records the run in the workbench store ($WORKBENCH_HOME, else ./.workbench): `workbench runs`.
+"""
+
+
+def write_torchrun_bundle(cfg: RunConfig, out_dir: Path) -> str:
+    """Write config.yaml, launch.sh and README.md into `out_dir`; return the torchrun line to run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = out_dir / "config.yaml"
+    config.write_text(to_yaml(cfg))
+    command = to_torchrun(cfg, str(config))
+    launch = out_dir / "launch.sh"
+    launch.write_text('#!/usr/bin/env bash\nset -euo pipefail\ncd "$(dirname "$0")"\n'
+                      f'exec {to_torchrun(cfg, "config.yaml")}\n')
+    launch.chmod(0o755)
+    p = cfg.parallel
+    (out_dir / "README.md").write_text(_BUNDLE_README.format(
+        name=cfg.name, world=cfg.world_size, layout=f"dp={p.dp} tp={p.tp} pp={p.pp}", command=command))
+    return command
+
+
+def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """Megatron-LM pretrain_gpt.py arguments (one token each), and the knobs with no Megatron equivalent."""
     m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.batch
-    args = [f"--num-layers {m.layers}", f"--hidden-size {m.d_model}", f"--num-attention-heads {m.heads}",
-            f"--seq-length {m.seq_len}", f"--max-position-embeddings {m.seq_len}",
-            f"--ffn-hidden-size {m.mlp_ratio * m.d_model}", f"--tensor-model-parallel-size {p.tp}",
-            f"--pipeline-model-parallel-size {p.pp}", f"--micro-batch-size {b.micro}",
-            f"--global-batch-size {b.global_}", f"--train-iters {t.steps}", f"--lr {t.lr}",
-            f"--min-lr {t.lr * t.min_lr_ratio}", f"--lr-warmup-iters {t.warmup_steps}",
-            f"--lr-decay-style {t.schedule}", f"--weight-decay {t.weight_decay}", f"--adam-beta1 {t.beta1}",
-            f"--adam-beta2 {t.beta2}", f"--clip-grad {t.grad_clip}", f"--seed {t.seed}",
-            f"--attention-dropout {m.dropout}", f"--hidden-dropout {m.dropout}"]
+    pairs = [("--num-layers", m.layers), ("--hidden-size", m.d_model), ("--num-attention-heads", m.heads),
+             ("--seq-length", m.seq_len), ("--max-position-embeddings", m.seq_len),
+             ("--ffn-hidden-size", m.mlp_ratio * m.d_model), ("--tensor-model-parallel-size", p.tp),
+             ("--pipeline-model-parallel-size", p.pp), ("--micro-batch-size", b.micro),
+             ("--global-batch-size", b.global_), ("--train-iters", t.steps), ("--lr", t.lr),
+             ("--min-lr", t.lr * t.min_lr_ratio), ("--lr-warmup-iters", t.warmup_steps),
+             ("--lr-decay-style", t.schedule), ("--weight-decay", t.weight_decay), ("--adam-beta1", t.beta1),
+             ("--adam-beta2", t.beta2), ("--clip-grad", t.grad_clip), ("--seed", t.seed),
+             ("--attention-dropout", m.dropout), ("--hidden-dropout", m.dropout),
+             # synthetic data and a null tokenizer of our vocabulary: runs as is; swap in --data-path
+             ("--vocab-size", m.vocab), ("--tokenizer-type", "NullTokenizer")]
+    args = [tok for flag, value in pairs
+            for tok in (flag, _num(value) if isinstance(value, float) else str(value))]
+    args.append("--mock-data")
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.virtual > 1:
-        args.append(f"--num-layers-per-virtual-pipeline-stage {m.layers // (p.pp * p.virtual)}")
+        args += ["--num-layers-per-virtual-pipeline-stage", str(m.layers // (p.pp * p.virtual))]
     if t.activation_checkpointing:
-        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if cfg.precision == "bf16":
         args.append("--bf16")
     if p.zero >= 1:
         args.append("--use-distributed-optimizer")  # Megatron's ZeRO-1 equivalent
     if t.eval_interval:
-        args.append(f"--eval-interval {t.eval_interval}")
+        args += ["--eval-interval", str(t.eval_interval)]
     unmapped = []
     if p.zero >= 2:
         unmapped.append(f"parallel.zero={p.zero} (Megatron shards optimizer state only: ZeRO-1)")
@@ -76,6 +137,30 @@ def to_megatron(cfg: RunConfig) -> tuple[list[str], list[str]]:
         unmapped.append("parallel.schedule=gpipe (Megatron runs 1F1B)")
     unmapped += _comm_unmapped(cfg, "Megatron-LM")
     return args, unmapped
+
+
+def megatron_command(cfg: RunConfig) -> list[str]:
+    """The full launch: torchrun with WORLD_SIZE = dp*tp*pp on one node, then pretrain_gpt.py and its args."""
+    # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before Blackwell; its examples set it always
+    launcher = ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", f"--nproc-per-node={cfg.world_size}", "--nnodes=1",
+                "--standalone", "pretrain_gpt.py"]
+    return launcher + megatron_args(cfg)[0]
+
+
+def megatron_script(cfg: RunConfig) -> str:
+    """The Megatron-LM launch as a shell script (run from a Megatron-LM checkout), unmapped knobs as comments."""
+    args, unmapped = megatron_args(cfg)
+    note = "".join(f"# not mapped: {u}\n" for u in unmapped)
+    multi = (f"# on N nodes: --nproc-per-node={cfg.world_size}/N --nnodes=N --node-rank=I "
+             "--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT instead of --nnodes=1 --standalone\n")
+    cmd = megatron_command(cfg)
+    i = cmd.index("pretrain_gpt.py") + 1
+    lines = [" ".join(cmd[:i])]  # VAR=1 must stay unquoted to be an assignment
+    while i < len(cmd):  # one flag and its value per line
+        j = i + 1 if i + 1 == len(cmd) or cmd[i + 1].startswith("--") else i + 2
+        lines.append(shlex.join(cmd[i:j]))
+        i = j
+    return note + multi + " \\\n  ".join(lines) + "\n"
 
 
 def _comm_unmapped(cfg: RunConfig, target: str) -> list[str]:
@@ -89,25 +174,87 @@ def _comm_unmapped(cfg: RunConfig, target: str) -> list[str]:
     return out
 
 
+_CLAMPED = "DeepSpeed stretches warm-ups under 2 steps to 2, so the decay runs slightly off the run's"
+
+
+def deepspeed_scheduler(cfg: RunConfig) -> tuple[dict[str, Any] | None, list[str]]:
+    """The DeepSpeed "scheduler" section whose lr per step is the run's (`engine.train.lr_at`), and where
+    it cannot be, the difference. DeepSpeed's own schedulers set their start value at construction and
+    step after each optimizer step, so its steps 0 and 1 share one lr; torch's schedulers (which
+    DeepSpeed builds by name too) take their first step at construction and match exactly."""
+    t = cfg.train
+    if t.schedule == "constant":
+        return _ds_constant(t.lr, t.warmup_steps)
+    if t.warmup_steps == 0 and t.schedule == "linear":
+        return {"type": "LinearLR", "params": {"start_factor": 1.0, "end_factor": _clean(t.min_lr_ratio),
+                                               "total_iters": t.steps}}, []
+    if t.warmup_steps == 0:
+        return {"type": "CosineAnnealingLR", "params": {"T_max": t.steps,
+                                                        "eta_min": _clean(t.lr * t.min_lr_ratio)}}, []
+    return _ds_warmup_decay(t.schedule, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+
+
+def _ds_constant(lr: float, w: int) -> tuple[dict[str, Any] | None, list[str]]:
+    """A linear ramp over w steps, then lr: WarmupLR starting at the ramp's second value (DeepSpeed repeats
+    its start value at step 1), so only step 0 differs."""
+    if w <= 1:
+        return None, []  # the optimizer's lr throughout
+    note = [f"lr: step 0 runs at {_num(2 * lr / w)} (the run's {_num(lr / w)}); every later step matches"]
+    if w == 2:
+        return None, note
+    if w == 3:  # a 1-step ramp; DeepSpeed clamps warm-ups to >= 2, and its log ramp over 2 is exactly 0, 1
+        params: dict[str, Any] = {"warmup_num_steps": 2, "warmup_type": "log"}
+    else:
+        params = {"warmup_num_steps": w - 2, "warmup_type": "linear"}
+    params.update(warmup_min_lr=_clean(2 * lr / w), warmup_max_lr=_clean(lr))
+    return {"type": "WarmupLR", "params": params}, note
+
+
+def _ds_warmup_decay(schedule: str, lr: float, w: int, steps: int,
+                     min_ratio: float) -> tuple[dict[str, Any], list[str]]:
+    """WarmupDecayLR / WarmupCosineLR with a linear warm-up: the decay is the run's, the warm-up is not."""
+    if schedule == "linear":  # decays from iteration warmup_num_steps to total_num_steps, applied one step late
+        params = {"total_num_steps": steps - 1, "warmup_num_steps": max(1, w - 1),
+                  "warmup_min_lr": _clean(lr * min_ratio), "warmup_max_lr": _clean(lr), "warmup_type": "linear"}
+        note = (f"lr warm-up: DeepSpeed ramps from the final lr {_num(lr * min_ratio)} (the run from "
+                f"{_num(lr / w)}); " + (f"the decay matches from step {w}" if w >= 3 else _CLAMPED))
+        return {"type": "WarmupDecayLR", "params": params}, [note]
+    params = {"total_num_steps": steps, "warmup_num_steps": w, "warmup_min_ratio": 0.0,
+              "cos_min_ratio": _clean(min_ratio), "warmup_type": "linear"}
+    note = ("lr warm-up: DeepSpeed's WarmupCosineLR starts at 0 and reaches the peak one step after the run; "
+            + (f"the cosine matches from step {w + 1}" if w >= 2 else _CLAMPED))
+    return {"type": "WarmupCosineLR", "params": params}, [note]
+
+
 def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
-    """A DeepSpeed config dict, and the knobs that do not map."""
+    """A DeepSpeed config dict (nothing but DeepSpeed keys), and the knobs and differences beside it."""
     p, t, b = cfg.parallel, cfg.train, cfg.batch
+    # our DDP bucket is bytes of gradients; DeepSpeed counts elements of its gradient dtype
+    grad_bytes = 2 if cfg.precision == "bf16" else 4
     ds: dict[str, Any] = {
         "train_batch_size": b.global_, "train_micro_batch_size_per_gpu": b.micro,
-        "gradient_accumulation_steps": cfg.grad_accum, "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2],
-                                                  "weight_decay": t.weight_decay}},
-        "scheduler": {"type": "WarmupCosineLR" if t.schedule == "cosine" else "WarmupLR",
-                      "params": {"warmup_num_steps": t.warmup_steps, "total_num_steps": t.steps}},
-        "zero_optimization": {"stage": p.zero, "reduce_bucket_size": int(cfg.ddp.bucket_cap_mb * 2**20)},
+        "gradient_accumulation_steps": cfg.grad_accum, "gradient_clipping": _clean(t.grad_clip),
+        "optimizer": {"type": "AdamW", "params": {"lr": _clean(t.lr), "betas": [_clean(t.beta1), _clean(t.beta2)],
+                                                  "weight_decay": _clean(t.weight_decay)}},
+        "zero_optimization": {"stage": p.zero,
+                              "reduce_bucket_size": int(cfg.ddp.bucket_cap_mb * 2**20) // grad_bytes},
         "bf16": {"enabled": cfg.precision == "bf16"},
-        "activation_checkpointing": {"partition_activations": t.activation_checkpointing},
     }
+    scheduler, unmapped = deepspeed_scheduler(cfg)
+    if scheduler is not None:
+        ds["scheduler"] = scheduler
+    if t.activation_checkpointing:
+        # the config tunes DeepSpeed's checkpointing; the model turns it on by wrapping each block in
+        # deepspeed.checkpointing.checkpoint (a PipelineModule does it with activation_checkpoint_interval)
+        ds["activation_checkpointing"] = {"partition_activations": p.tp > 1, "number_checkpoints": cfg.model.layers,
+                                          "contiguous_memory_optimization": False, "cpu_checkpointing": False}
+        unmapped.append("train.activation_checkpointing: wrap each block in deepspeed.checkpointing.checkpoint"
+                        + (" (pipeline.activation_checkpoint_interval=1 is set)" if p.pp > 1 else ""))
     if p.zero == 3:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0 if p.reshard_after_forward else int(1e9)
     if p.pp > 1:
-        ds["pipeline"] = {"stages": p.pp, "partition": "uniform"}
-    unmapped = []
+        ds["pipeline"] = {"stages": p.pp, "partition": "uniform",
+                          "activation_checkpoint_interval": 1 if t.activation_checkpointing else 0}
     if p.tp > 1:
         unmapped.append(f"parallel.tp={p.tp} (DeepSpeed needs Megatron-DeepSpeed or AutoTP for tensor parallel)")
     if p.schedule != "1f1b" and p.pp > 1:
@@ -134,8 +281,14 @@ def report(study: optuna.Study, trial: FrozenTrial, cfg: RunConfig) -> dict[str,
             "software": software_versions()}
 
 
+def trial_config(study: optuna.Study, trial_number: int | None = None) -> RunConfig:
+    """The run config of the chosen trial (see `pick_trial`)."""
+    return from_dict(pick_trial(study, trial_number).user_attrs["config"])
+
+
 def export_trial(study: optuna.Study, trial_number: int | None = None, fmt: str = "yaml") -> str:
-    """The chosen trial's config in one of FORMATS, as text."""
+    """The chosen trial's config in one of FORMATS, as text that runs or loads as is (knobs that do
+    not map: `export_notes`; for megatron they are also comments in the script)."""
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
     trial = pick_trial(study, trial_number)
@@ -143,17 +296,22 @@ def export_trial(study: optuna.Study, trial_number: int | None = None, fmt: str 
     if fmt == "yaml":
         return to_yaml(cfg)
     if fmt == "torchrun":
-        return to_torchrun(cfg) + "\n"
+        return torchrun_script(cfg)
     if fmt == "json":
         return json.dumps(report(study, trial, cfg), indent=2, default=str) + "\n"
     if fmt == "megatron":
-        args, unmapped = to_megatron(cfg)
-        note = "".join(f"# not mapped: {u}\n" for u in unmapped)
-        return note + "python pretrain_gpt.py \\\n  " + " \\\n  ".join(args) + "\n"
-    ds, unmapped = to_deepspeed(cfg)
-    if unmapped:
-        ds["_not_mapped"] = unmapped
-    return json.dumps(ds, indent=2) + "\n"
+        return megatron_script(cfg)
+    return json.dumps(to_deepspeed(cfg)[0], indent=2) + "\n"
+
+
+def export_notes(study: optuna.Study, trial_number: int | None = None, fmt: str = "yaml") -> list[str]:
+    """What the export of that format does not carry over (shown beside it, never inside it)."""
+    cfg = trial_config(study, trial_number)
+    if fmt == "deepspeed":
+        return to_deepspeed(cfg)[1]
+    if fmt == "megatron":
+        return megatron_args(cfg)[1]
+    return []
 
 
 def export_pareto(study: optuna.Study, fmt: str = "yaml") -> dict[int, str]:

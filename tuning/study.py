@@ -10,6 +10,7 @@ import contextlib
 import os
 import statistics
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,23 +38,79 @@ def default_storage(home: str | Path | None = None) -> str:
     return f"sqlite:///{path.resolve() / 'studies.db'}"
 
 
+class StorageError(ValueError):
+    """A storage URL that cannot be used: unknown dialect, missing driver, server not answering."""
+
+
+def with_driver(url: str) -> str:
+    """A bare ``postgresql://`` URL with the driver that is installed: SQLAlchemy 2.1 picks psycopg 3
+    for it and older versions psycopg2, whichever is missing here."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    import importlib.util
+
+    rest = url.split("://", 1)[1]
+    for module, dialect in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+        if importlib.util.find_spec(module) is not None:
+            return f"{dialect}://{rest}"
+    return url
+
+
+def _shown(url: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - an unparsable URL is shown as given
+        return url
+
+
+def _storage_error(url: str, exc: BaseException) -> StorageError:
+    """One line naming the URL, what is wrong with it and what to do."""
+    import sqlalchemy.exc as sa
+
+    shown = f"storage={_shown(url)!r}"
+    if isinstance(exc, sa.NoSuchModuleError):
+        return StorageError(f"{shown}: unknown database dialect {url.split(':', 1)[0]!r}; use "
+                            "sqlite:///PATH, postgresql://USER@HOST:PORT/DB or mysql+pymysql://USER@HOST/DB")
+    if isinstance(exc, sa.ArgumentError):
+        return StorageError(f"{shown}: not a database URL ({exc}); e.g. sqlite:///studies.db")
+    if isinstance(exc, ModuleNotFoundError):
+        hint = " (pip install 'psycopg[binary]')" if url.startswith("postgres") else ""
+        return StorageError(f"{shown}: its Python driver {exc.name!r} is not installed{hint}")
+    if isinstance(exc, sa.OperationalError):
+        first = str(getattr(exc, "orig", exc) or exc).strip().splitlines()
+        return StorageError(f"{shown}: cannot connect: {first[0] if first else type(exc).__name__}")
+    return StorageError(f"{shown}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+
+
 def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s: int | None = None,
                  grace_s: int | None = None) -> optuna.storages.RDBStorage:
-    """An RDB storage with heartbeats (WORKBENCH_HEARTBEAT_S / WORKBENCH_GRACE_S override the defaults)."""
-    url = url or default_storage(home)
+    """An RDB storage with heartbeats (WORKBENCH_HEARTBEAT_S / WORKBENCH_GRACE_S override the defaults).
+    Raises StorageError (one line) when the URL cannot be used."""
+    given = url or default_storage(home)
+    url = with_driver(given)
     heartbeat_s = heartbeat_s or int(os.environ.get("WORKBENCH_HEARTBEAT_S", HEARTBEAT_S))
     grace_s = grace_s or int(os.environ.get("WORKBENCH_GRACE_S", GRACE_S))
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"timeout": 60}  # several workers share one file: wait for the lock
+    elif url.startswith("postgresql"):
+        kwargs["connect_args"] = {"connect_timeout": 10}  # a host that drops packets fails in 10 s, not minutes
     import inspect
 
     # optuna 4.9 renamed failed_trial_callback; pyproject allows older versions too
     params = inspect.signature(optuna.storages.RDBStorage).parameters
     callback = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
-    with _schema_lock(url):
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
-                                          grace_period=grace_s, **{callback: _interrupt_run(home)})
+    import sqlalchemy.exc
+
+    try:
+        with _schema_lock(url), warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable enough for us
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
+                                              grace_period=grace_s, **{callback: _interrupt_run(home)})
+    except (sqlalchemy.exc.SQLAlchemyError, ModuleNotFoundError) as exc:
+        raise _storage_error(given, exc) from exc
 
 
 @contextlib.contextmanager

@@ -81,8 +81,8 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     except ConfigError as exc:
         fail(str(exc))
     name = study or f"study-{space.stem}"
-    st = load_study(name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
-                    warmup_steps=warmup)
+    st = _storage_call(load_study, name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
+                       warmup_steps=warmup)
     st.set_user_attr("space", sp.raw)
     if sampler == "grid":
         enqueue_grid(st, sp)
@@ -118,6 +118,16 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         _print_json(summary.to_dict())
     else:
         _print_study_table(st, summary)
+
+
+def _storage_call(fn, *args, **kwargs):
+    """Call `fn`; a storage URL that cannot be used ends the command with its one-line reason (exit 2)."""
+    from tuning.study import StorageError
+
+    try:
+        return fn(*args, **kwargs)
+    except StorageError as exc:
+        fail(str(exc))
 
 
 def _spawn_jobs(argv: list[str], trials: int, jobs: int) -> list[subprocess.Popen]:
@@ -194,7 +204,7 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
     """List the studies in a storage."""
     from tuning.study import list_studies
 
-    rows = list_studies(storage)
+    rows = _storage_call(list_studies, storage)
     if as_json:
         _print_json(rows)
         return
@@ -216,28 +226,40 @@ def export(study: str = typer.Argument(..., help="Study name"),
            trial: Optional[int] = typer.Option(None, help="Trial number (default: the best)"),
            pareto: bool = typer.Option(False, help="Every trial of the Pareto front"),
            storage: Optional[str] = typer.Option(None, help="Optuna storage URL"),
-           output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout")) -> None:
-    """Export a study's best config (or a chosen trial, or the Pareto front)."""
+           output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                                 help="Write here instead of stdout (torchrun: a folder with "
+                                                      "config.yaml, launch.sh and README.md)")) -> None:
+    """Export a study's best config (or a chosen trial, or the Pareto front). Knobs that do not map to the
+    target are listed on stderr, beside the export."""
     import optuna
 
-    from tuning.export import FORMATS, export_pareto, export_trial
+    from tuning.export import FORMATS, export_notes, export_trial, trial_config, write_torchrun_bundle
     from tuning.study import make_storage
 
     if fmt not in FORMATS:
         fail(f"--format={fmt!r}: must be one of {', '.join(FORMATS)}")
     try:
-        st = optuna.load_study(study_name=study, storage=make_storage(storage))
+        st = optuna.load_study(study_name=study, storage=_storage_call(make_storage, storage))
     except KeyError:
         fail(f"study={study!r}: no such study; see `workbench studies`")
     try:
-        if pareto:
-            text = "".join(f"# trial {n}\n{body}\n" for n, body in export_pareto(st, fmt).items())
-        else:
-            text = export_trial(st, trial, fmt)
+        numbers = [t.number for t in st.best_trials] if pareto else [trial]
+        if fmt == "torchrun" and output is not None:
+            for n in numbers:
+                folder = output / f"trial-{n}" if pareto else output
+                command = write_torchrun_bundle(trial_config(st, n), folder)
+                console.print(f"wrote {folder}/config.yaml, launch.sh, README.md; run:", highlight=False)
+                sys.stdout.write(command + "\n")
+            return
+        bodies = {n: export_trial(st, n, fmt) for n in numbers}
+        notes = sorted({note for n in numbers for note in export_notes(st, n, fmt)})
     except ValueError as exc:
         fail(str(exc))
+    text = "".join(f"# trial {n}\n{body}\n" for n, body in bodies.items()) if pareto else bodies[trial]
     if output:
         output.write_text(text)
         console.print(f"wrote {output}")
     else:
         sys.stdout.write(text)
+    for note in notes if fmt != "megatron" else []:  # megatron's are comments in the script already
+        typer.echo(f"not mapped: {note}", err=True)

@@ -10,9 +10,9 @@ from workbench.app_pages import common
 
 FORMATS = {  # format: (label, file suffix, mime)
     "yaml": ("YAML config", "yaml", "application/x-yaml"),
-    "torchrun": ("torchrun command", "sh", "text/x-shellscript"),
+    "torchrun": ("torchrun script", "sh", "text/x-shellscript"),  # writes best.yaml, then runs torchrun
     "json": ("JSON config", "json", "application/json"),
-    "megatron": ("Megatron-LM arguments", "txt", "text/plain"),
+    "megatron": ("Megatron-LM launch", "sh", "text/x-shellscript"),
     "deepspeed": ("DeepSpeed JSON", "deepspeed.json", "application/json"),
 }
 
@@ -30,7 +30,7 @@ def _best_numbers(study) -> list[int]:
 def study_export(home: str) -> None:
     """Pick a study and one of its completed trials; one download button per format."""
     try:
-        from tuning.export import export_trial
+        from tuning.export import export_notes, export_trial
     except ImportError as exc:
         st.warning(f"tuning.export is not importable ({exc}): trial export is unavailable.")
         return
@@ -57,6 +57,10 @@ def study_export(home: str) -> None:
             continue
         col.download_button(f"⬇ {label}", text, file_name=f"{name}-trial{trial}.{suffix}", mime=mime,
                             key=f"dl-{fmt}")
+    notes = {fmt: export_notes(study, trial, fmt) for fmt in ("megatron", "deepspeed")}
+    for fmt, items in notes.items():
+        if items:  # beside the file, never inside it
+            st.caption(f"{FORMATS[fmt][0]}, not mapped: " + "; ".join(items))
     with st.expander("Preview (YAML)"):
         st.code(export_trial(study, trial, fmt="yaml"), language="yaml")
 
