@@ -40,6 +40,7 @@ class StepMetrics:
     mfu: float | None = None
     val_loss: float | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0  # the step by the trainer's own clock, independent of the StepTimer
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -73,6 +74,10 @@ class Trainer:
         self.comm = None  # set by the comm hook factory
         # records every torch.distributed collective (and DDP buckets) once enabled
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
+        self._step_events: list[dict[str, Any]] = []
+        if self.collectives.enabled:  # records read tp:all_reduce, dp:all_gather, pp:send, ...
+            self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "tp")
+                                          if getattr(self.dims, axis) > 1})
         self.user_dataset = None
         self.par: Parallelized = self._build()
         if self.user_dataset is not None:
@@ -131,11 +136,11 @@ class Trainer:
             xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
             last = i == accum - 1
             with (contextlib.nullcontext() if last else par.no_sync()):
-                with self.timer.phase("forward"), self._autocast():
+                with self.timer.phase("forward"), self.collectives.scope("forward"), self._autocast():
                     loss = loss_fn(par.forward(xs), ys) / accum
                 if last and self.comm is not None:
                     self.comm.begin_backward()
-                with self.timer.phase("backward"):
+                with self.timer.phase("backward"), self.collectives.scope("backward"):
                     loss.backward()
             total += loss.detach().item()
         if self.comm is not None:
@@ -190,13 +195,17 @@ class Trainer:
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
         breakdown = self.timer.end_step()
-        step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        step_time = self.timer.step_time if breakdown else wall
+        if self.collectives.enabled:
+            self._step_events = self.collectives.drain()
+            _expose_blocking_comm(breakdown, self._step_events)
         loss = self._sync_loss(loss)
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) \
             if self.peak and self.flops_per_step else None
         return StepMetrics(step=step, loss=loss, step_time_s=step_time, tokens_per_s=tps, lr=lr,
-                           grad_norm=grad_norm, mfu=mfu, breakdown=breakdown)
+                           grad_norm=grad_norm, mfu=mfu, breakdown=breakdown, wall_s=wall)
 
     def _record_memory_accounting(self, step: int) -> None:
         """Measured model-state bytes of this rank next to the analytic estimate (GiB)."""
@@ -286,6 +295,7 @@ class Trainer:
         e, s = self.emit, m.step
         e(s, "step", "loss", m.loss)
         e(s, "step", "step_time(s)", m.step_time_s)
+        e(s, "step", "wall_time(s)", m.wall_s)
         e(s, "step", "tokens_per_s", m.tokens_per_s)
         e(s, "step", "lr", m.lr)
         e(s, "step", "grad_norm", m.grad_norm)
@@ -298,9 +308,14 @@ class Trainer:
         if self.comm is not None:
             self.comm.record(s, e)
         if self.collectives.enabled:
-            for name, value in self.collectives.step_metrics().items():
+            events, self._step_events = self._step_events + self.collectives.drain(), []
+            for name, value in self.collectives.step_metrics(events).items():
                 if name not in ("wire_bytes", "dense_bytes"):  # the CommMonitor's, per step
                     e(s, "comm", name, value)
+            if self.comm is None:  # no DDP gradient hook (TP, FSDP2, pipeline): nothing compressed
+                sent = float(sum(ev["bytes"] for ev in events if ev["op"] != "ddp_bucket"))
+                e(s, "comm", "wire_bytes", sent)
+                e(s, "comm", "dense_bytes", sent)
         if self.cfg.profile.enabled:
             from profilers.memory import peak_memory
 
@@ -319,6 +334,18 @@ class Trainer:
 def _unwrap(module):
     """The GPT chunk inside a wrapper (FSDP2 modifies in place; DDP keeps it as .module)."""
     return getattr(module, "module", module)
+
+
+def _expose_blocking_comm(breakdown: dict[str, float], events: list[dict[str, Any]]) -> None:
+    """Move the time of functional collectives (tensor/sequence parallel) out of forward and
+    backward into comm_exposed: DTensor waits for each before computing on, so it is exposed."""
+    from profilers.collectives import blocking_time
+
+    for phase in ("forward", "backward"):
+        seconds = min(blocking_time(events, phase), breakdown.get(phase, 0.0))
+        if seconds > 0:
+            breakdown[phase] -= seconds
+            breakdown["comm_exposed"] = breakdown.get("comm_exposed", 0.0) + seconds
 
 
 def _move(timer: StepTimer, src: str, dst: str, seconds: float) -> None:

@@ -29,7 +29,21 @@ def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | N
         "collectives": store.comm_totals(run_id), "wire": store.wire_totals(run_id),
         "peak_memory_gib": store.peak_memory(run_id), "memory": memory,
         "segments": store.segments(run_id),
+        "trace_dir": trace_dir(run.get("summary") or {}),
     }
+
+
+def trace_dir(summary: dict[str, Any]) -> str | None:
+    """The folder of a run's torch.profiler traces (one file per rank; HTA's `trace_dir`)."""
+    from pathlib import Path
+
+    traces = summary.get("traces") or []
+    return str(Path(traces[0]).parent) if traces else None
+
+
+AXIS_MEANING = {"tp": "tensor/sequence parallel", "dp": "data parallel (DDP, FSDP/ZeRO, CO2)",
+                "pp": "pipeline", "": "other groups"}
+"""What the collectives on each mesh axis are (the axis prefix of a collective's name)."""
 
 
 def _per_rank_total(rows: list[dict[str, Any]], phase: str) -> dict[int, float]:
@@ -64,12 +78,7 @@ def print_report(report: dict[str, Any], console) -> None:
             t.add_row(str(rank), *(f"{sum(r[p] for r in mine) / len(mine):.4f}" for p in phases))
         console.print(t)
     if report["collectives"]:
-        t = Table(title="collectives (per rank, whole run)")
-        for col in ("op", "count", "bytes", "time (s)", "busbw (GB/s)"):
-            t.add_column(col, justify="right")
-        for op, v in report["collectives"].items():
-            t.add_row(op, f"{v['count']:.0f}", f"{v['bytes']:,.0f}", f"{v['time(s)']:.3f}", f"{v['busbw(GB/s)']:.3f}")
-        console.print(t)
+        _print_collectives(report["collectives"], console)
     if report["memory"]:
         t = Table(title="memory per rank (GiB, peak)")
         names = sorted({n for m in report["memory"].values() for n in m})
@@ -79,3 +88,18 @@ def print_report(report: dict[str, Any], console) -> None:
         for rank, m in sorted(report["memory"].items()):
             t.add_row(str(rank), *(f"{m.get(n, 0.0):.4f}" for n in names))
         console.print(t)
+
+
+def _print_collectives(collectives: dict[str, dict[str, float]], console) -> None:
+    from rich.table import Table
+
+    from profilers.collectives import split_key
+
+    t = Table(title="collectives per mesh axis and type (per rank, whole run)")
+    for col in ("axis", "traffic", "op", "count", "bytes", "time (s)", "busbw (GB/s)"):
+        t.add_column(col, justify="right")
+    for key, v in sorted(collectives.items(), key=lambda kv: split_key(kv[0])):
+        axis, op = split_key(key)
+        t.add_row(axis or "-", AXIS_MEANING.get(axis, axis), op, f"{v['count']:.0f}", f"{v['bytes']:,.0f}",
+                  f"{v['time(s)']:.3f}", f"{v['busbw(GB/s)']:.3f}")
+    console.print(t)
