@@ -14,6 +14,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# torch==2.13.0 is a local CPU build on our machines; pyproject keeps torch>=2.6 for GPU users.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
+	# Holistic Trace Analysis reads our traces in a test; --no-deps: its metadata pulls in jupyterlab
+	$(BIN)/pip install -q --no-deps "HolisticTraceAnalysis==0.5.0"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -104,3 +104,20 @@ def test_hta_gpu_kernel_analyses(tp_run):
         pytest.skip("HTA's temporal breakdown and stragglers need GPU kernels; these traces are CPU-only")
     analysis = hta.TraceAnalysis(trace_dir=tp_run["run"]["trace_dir"])
     assert not analysis.get_temporal_breakdown(visualize=False).empty
+
+
+def test_dashboard_run_page_lists_tp_traffic(tp_run, monkeypatch):
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("WORKBENCH_HOME", str(tp_run["home"]))
+    st.cache_data.clear()
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
+    at.switch_page("workbench/app_pages/run.py")
+    at.run()
+    assert not at.exception
+    frames = [df.value for df in at.dataframe if "axis" in df.value.columns]
+    assert len(frames) == 1
+    tp = frames[0][frames[0]["axis"] == "tp"]
+    assert list(tp["traffic"]) == ["TP/SP"] and list(tp["op"]) == ["all_reduce"]
+    assert float(tp["bytes"].iloc[0]) > 0 and float(tp["busbw(GB/s)"].iloc[0]) > 0

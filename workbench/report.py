@@ -41,8 +41,7 @@ def trace_dir(summary: dict[str, Any]) -> str | None:
     return str(Path(traces[0]).parent) if traces else None
 
 
-AXIS_MEANING = {"tp": "tensor/sequence parallel", "dp": "data parallel (DDP, FSDP/ZeRO, CO2)",
-                "pp": "pipeline", "": "other groups"}
+AXIS_MEANING = {"tp": "TP/SP", "dp": "DDP/FSDP/CO2", "pp": "pipeline", "": "other"}
 """What the collectives on each mesh axis are (the axis prefix of a collective's name)."""
 
 
@@ -90,16 +89,30 @@ def print_report(report: dict[str, Any], console) -> None:
         console.print(t)
 
 
-def _print_collectives(collectives: dict[str, dict[str, float]], console) -> None:
-    from rich.table import Table
+def collectives_frame(collectives: dict[str, dict[str, float]]):
+    """`RunStore.comm_totals` as a table: axis, traffic (TP/SP, DDP/FSDP/CO2, pipeline), op,
+    count, bytes, time(s), busbw(GB/s), sorted by axis then op."""
+    import pandas as pd
 
     from profilers.collectives import split_key
 
-    t = Table(title="collectives per mesh axis and type (per rank, whole run)")
-    for col in ("axis", "traffic", "op", "count", "bytes", "time (s)", "busbw (GB/s)"):
-        t.add_column(col, justify="right")
+    rows = []
     for key, v in sorted(collectives.items(), key=lambda kv: split_key(kv[0])):
         axis, op = split_key(key)
-        t.add_row(axis or "-", AXIS_MEANING.get(axis, axis), op, f"{v['count']:.0f}", f"{v['bytes']:,.0f}",
-                  f"{v['time(s)']:.3f}", f"{v['busbw(GB/s)']:.3f}")
+        rows.append({"axis": axis or "-", "traffic": AXIS_MEANING.get(axis, axis), "op": op,
+                     "count": v["count"], "bytes": v["bytes"], "time(s)": v["time(s)"],
+                     "busbw(GB/s)": v["busbw(GB/s)"]})
+    return pd.DataFrame(rows, columns=["axis", "traffic", "op", "count", "bytes", "time(s)", "busbw(GB/s)"])
+
+
+def _print_collectives(collectives: dict[str, dict[str, float]], console) -> None:
+    from rich.table import Table
+
+    t = Table(title="collectives per mesh axis and type (per rank, whole run)")
+    frame = collectives_frame(collectives)
+    for col in frame.columns:
+        t.add_column(col, justify="right")
+    for row in frame.itertuples(index=False):
+        t.add_row(row.axis, row.traffic, row.op, f"{row.count:.0f}", f"{row.bytes:,.0f}", f"{row[5]:.3f}",
+                  f"{row[6]:.3f}")
     console.print(t)
