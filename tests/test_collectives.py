@@ -65,6 +65,22 @@ def test_aggregate_and_union_time() -> None:
     assert union_time(events, start=1.5) == pytest.approx(1.5)
 
 
+def test_axis_keys_and_blocking_time() -> None:
+    from profilers.collectives import blocking_time, event_key, split_key
+
+    def ev(axis: str, scope: str, start: float, end: float, functional: bool = True) -> dict[str, Any]:
+        return {"op": "all_reduce", "axis": axis, "scope": scope, "functional": functional, "bytes": 8,
+                "group_size": 2, "start": start, "end": end, "time": end - start, "busbw": 1.0}
+
+    events = [ev("tp", "forward", 0.0, 1.0), ev("tp", "forward", 0.5, 1.5), ev("tp", "backward", 2.0, 2.25),
+              ev("dp", "backward", 2.0, 3.0, functional=False), ev("", "", 4.0, 5.0)]
+    assert [event_key(e) for e in events] == ["tp:all_reduce"] * 3 + ["dp:all_reduce", "all_reduce"]
+    assert split_key("tp:all_reduce") == ("tp", "all_reduce") and split_key("send") == ("", "send")
+    assert blocking_time(events, "forward") == pytest.approx(1.5)  # overlapping spans once
+    assert blocking_time(events, "backward") == pytest.approx(0.25)  # DDP's async bucket: not blocking
+    assert set(aggregate(events)) == {"tp:all_reduce", "dp:all_reduce", "all_reduce"}
+
+
 def test_step_metrics_wire_bytes_and_patching() -> None:
     import torch.distributed as dist
 
@@ -82,12 +98,16 @@ def test_step_metrics_wire_bytes_and_patching() -> None:
     assert metrics["all_gather/bytes"] == 1000 and metrics["all_gather/time(s)"] == 0.5
     assert metrics["all_gather/busbw(GB/s)"] == pytest.approx(1000 / 0.5 / 1e9 * 3 / 4)
     assert prof.drain_wire() == (0.0, 0.0)
+    packet = torch.ops._c10d_functional.all_reduce
     with prof:
         assert dist.all_reduce is not original
         assert dist.distributed_c10d.all_reduce is dist.all_reduce
+        timed = torch.ops._c10d_functional.all_reduce  # DTensor's functional collectives too
+        assert timed is not packet and timed == packet and timed.default is packet.default
         with pytest.raises(RuntimeError, match="another CollectiveProfiler is enabled"):
             CollectiveProfiler()
     assert dist.all_reduce is original and dist.distributed_c10d.all_reduce is original
+    assert torch.ops._c10d_functional.all_reduce is packet
 
 
 def test_format_busbw_table() -> None:
