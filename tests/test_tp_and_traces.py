@@ -73,6 +73,7 @@ def test_tuner_split_of_a_tp_trial_counts_tp_communication(tp_run):
     attrs = trial.user_attrs
     assert attrs["comm_exposed_s"] > 0 and attrs["compute_s"] > 0
     assert attrs["comm_by_axis"]["tp"]["bytes"] > 0 and attrs["comm_by_axis"]["tp"]["time_s"] > 0
+    assert attrs["tp_comm_s"] == attrs["comm_by_axis"]["tp"]["time_s"]
 
 
 def test_traces_have_profiler_steps_and_distributed_info_per_rank(tp_run):

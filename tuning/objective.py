@@ -150,7 +150,8 @@ class Objective:
         Tensor-parallel collectives are on the critical path: the engine moves their time out
         of forward/backward into comm_exposed, so a TP trial's compute excludes them.
         ``comm_by_axis`` gives the recorded traffic per mesh axis (bytes and seconds per step
-        per rank), e.g. ``{"tp": {"bytes": ..., "time_s": ...}}``."""
+        per rank), e.g. ``{"tp": {"bytes": ..., "time_s": ...}}``; ``tp_comm_s`` and
+        ``pp_comm_s`` are its seconds, named as the simulator's predictions."""
         from profilers.collectives import split_key
         from profilers.store import RunStore
 
@@ -175,3 +176,6 @@ class Objective:
             cell["time_s"] += agg["time(s)"] / steps
         if by_axis:
             trial.set_user_attr("comm_by_axis", by_axis)
+        for axis in ("tp", "pp"):  # measured next to the simulator's tp_comm_s / pp_comm_s
+            if axis in by_axis:
+                trial.set_user_attr(f"{axis}_comm_s", by_axis[axis]["time_s"])
