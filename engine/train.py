@@ -338,7 +338,8 @@ def _unwrap(module):
 
 def _expose_blocking_comm(breakdown: dict[str, float], events: list[dict[str, Any]]) -> None:
     """Move the time of functional collectives (tensor/sequence parallel) out of forward and
-    backward into comm_exposed: DTensor waits for each before computing on, so it is exposed."""
+    backward into comm_exposed: DTensor waits for each before computing on, so it is exposed.
+    Under a pipeline schedule forward and backward interleave, so TP time stays in compute there."""
     from profilers.collectives import blocking_time
 
     for phase in ("forward", "backward"):

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from profilers.collectives import _nbytes  # the bytes of a tensor or a list of them, defined once
+
 log = logging.getLogger(__name__)
 
 # op -> (nccl-tests op, index of group_name, index of group_size or None, bytes x group_size)
@@ -41,24 +43,15 @@ OPS: dict[str, tuple[str, int, int | None, bool]] = {
 AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 """The same ops under ``_c10d_functional_autograd`` (funcol's ``*_autograd`` variants)."""
 
-_sizes: dict[str, int] = {}
-
 
 def _group_size(group: Any) -> int:
-    """Size of a group given as a ProcessGroup or its name (cached per name)."""
+    """Size of a group given as a ProcessGroup or its name (names are reused after a
+    re-initialisation, so they are resolved at every call: one dictionary lookup in c10d)."""
     if not isinstance(group, str):
         return group.size()
-    if group not in _sizes:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-        _sizes[group] = _resolve_process_group(group).size()
-    return _sizes[group]
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return sum(_nbytes(v) for v in value) if isinstance(value, (list, tuple)) else 0
+    return _resolve_process_group(group).size()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
