@@ -47,6 +47,7 @@ def test_tp_run_shows_tp_collectives_with_bytes_busbw_and_exposed_time(tp_run):
     for row in show["breakdown"]:
         assert row["comm_exposed"] > 0, row  # TP time on the critical path, out of forward/backward
         assert row["forward"] > 0 and row["backward"] > 0, row
+    assert set(show["breakdown_unexplained"]) == {"0", "1"}  # JSON keys: the ranks
 
 
 def test_tp_breakdown_accounts_for_the_independent_wall_time(tp_run):

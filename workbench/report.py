@@ -30,7 +30,24 @@ def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | N
         "peak_memory_gib": store.peak_memory(run_id), "memory": memory,
         "segments": store.segments(run_id),
         "trace_dir": trace_dir(run.get("summary") or {}),
+        "breakdown_unexplained": _unexplained(breakdown, store.metrics(run_id, kind="step", name="wall_time(s)")),
     }
+
+
+def _unexplained(rows: list[dict[str, Any]], walls: list) -> dict[int, float]:
+    """Per rank, the median fraction of a step's wall time (the trainer's own clock) that no
+    timed phase explains (profilers.steps.unexplained); about 0 when the breakdown is whole."""
+    import statistics
+
+    from profilers.steps import unexplained
+
+    wall = {(rec.step, rec.rank): rec.value for rec in walls}
+    per_rank: dict[int, list[float]] = {}
+    for row in rows:
+        if (row["step"], row["rank"]) in wall:
+            phases = {k: v for k, v in row.items() if k not in ("step", "rank", "total")}
+            per_rank.setdefault(row["rank"], []).append(unexplained(phases, wall[(row["step"], row["rank"])]))
+    return {rank: statistics.median(values) for rank, values in sorted(per_rank.items())}
 
 
 def trace_dir(summary: dict[str, Any]) -> str | None:
@@ -76,6 +93,10 @@ def print_report(report: dict[str, Any], console) -> None:
             mine = [r for r in rows if r["rank"] == rank]
             t.add_row(str(rank), *(f"{sum(r[p] for r in mine) / len(mine):.4f}" for p in phases))
         console.print(t)
+        gaps = report.get("breakdown_unexplained") or {}
+        if gaps:
+            console.print("wall time no phase explains (median per rank): "
+                          + ", ".join(f"rank {r} {g:+.1%}" for r, g in gaps.items()))
     if report["collectives"]:
         _print_collectives(report["collectives"], console)
     if report["memory"]:
