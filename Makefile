@@ -16,6 +16,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	# DeepSpeed checks the DeepSpeed export: a CPU install without its CUDA ops (~1 min); its tests skip without it
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.19,<0.20" || echo "DeepSpeed not installed: its export tests will skip"
+	# Holistic Trace Analysis reads our traces in a test; --no-deps: its metadata pulls in jupyterlab
+	$(BIN)/pip install -q --no-deps "HolisticTraceAnalysis==0.5.0"
 	touch $(STAMP)
 
 install: $(STAMP)

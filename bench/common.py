@@ -66,6 +66,7 @@ def interleaved_main(measure: Callable[..., Any]) -> tuple[Any, Any]:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (benches that support it)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         args.tmp = tmp

@@ -4,7 +4,10 @@
 bucket hook, memory per step, host sampler thread, telemetry batched to a store and flushed
 at each step end. "Off" is the same engine with `profile.enabled=false` and no telemetry.
 
-    python bench/profiler_overhead.py [--world 2] [--rounds 6] [--steps 4]
+    python bench/profiler_overhead.py [--world 2] [--rounds 6] [--steps 4] [--tp 2]
+
+With ``--tp 2`` the ranks run tensor parallel (dp = world / tp): the recorded collectives are
+then DTensor's functional ones (profilers/functional.py).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ def measure(rank: int, world: int, args) -> dict:
     from profilers.nvml import NvmlSampler
     from profilers.telemetry import TelemetryClient
 
-    common = OVERRIDES + [f"parallel.dp={world}", f"batch.global={args.global_batch}"]
+    tp = getattr(args, "tp", 1)
+    common = OVERRIDES + [f"parallel.dp={world // tp}", f"parallel.tp={tp}", f"batch.global={args.global_batch}"]
     client = TelemetryClient(None, "bench", rank, store_path=Path(args.tmp) / "runs.db")
     on = Trainer(load_config(None, common), device=torch.device("cpu"), emit=client.emit, flush=client.flush)
     off = Trainer(load_config(None, common + ["profile.enabled=false"]), device=torch.device("cpu"))
@@ -60,7 +64,7 @@ def measure(rank: int, world: int, args) -> dict:
 
 def main() -> None:
     args, r = interleaved_main(measure)
-    print(f"world={args.world}, {r['n']} steps per side, interleaved rounds of {args.steps} "
+    print(f"world={args.world} tp={args.tp}, {r['n']} steps per side, interleaved rounds of {args.steps} "
           f"(medians; load avg {os.getloadavg()[0]:.1f})")
     print(f"profilers on:  {r['on'] * 1000:8.1f} ms/step")
     print(f"profilers off: {r['off'] * 1000:8.1f} ms/step")

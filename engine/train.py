@@ -40,6 +40,7 @@ class StepMetrics:
     mfu: float | None = None
     val_loss: float | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0  # the step by the trainer's own clock, independent of the StepTimer
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -75,6 +76,10 @@ class Trainer:
         self.comm = None  # set by the comm hook factory
         # records every torch.distributed collective (and DDP buckets) once enabled
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
+        self._step_events: list[dict[str, Any]] = []
+        if self.collectives.enabled:  # records read tp:all_reduce, dp:all_gather, pp:send, ...
+            self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "tp")
+                                          if getattr(self.dims, axis) > 1})
         self.user_dataset = None
         self.par: Parallelized = self._build()
         if self.user_dataset is not None:
@@ -135,11 +140,11 @@ class Trainer:
             xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
             last = i == accum - 1
             with (contextlib.nullcontext() if last else par.no_sync()):
-                with self.timer.phase("forward"), self._autocast():
+                with self.timer.phase("forward"), self.collectives.scope("forward"), self._autocast():
                     loss = loss_fn(par.forward(xs), ys) / accum
                 if last and self.comm is not None:
                     self.comm.begin_backward()
-                with self.timer.phase("backward"):
+                with self.timer.phase("backward"), self.collectives.scope("backward"):
                     loss.backward()
             total += loss.detach().double()
         if self.comm is not None:
@@ -217,14 +222,18 @@ class Trainer:
         # host syncs left in a step: this loss .item() (after the optimizer, to report it), the
         # norm .item() in clip_grad_norm (a Python coefficient for DTensor and plain grads alike)
         # and, with profiling on, one event synchronise in StepTimer.end_step
+        wall = time.perf_counter() - t0
         loss = loss_result()
         # unprofiled: host time up to the loss, whose read waits for the step's queued work
         step_time = self.timer.step_time if breakdown else time.perf_counter() - t0
+        if self.collectives.enabled:
+            self._step_events = self.collectives.drain()
+            _expose_blocking_comm(breakdown, self._step_events)
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         mfu = self.flops_per_step / step_time / (self.peak * self.dims.world_size) \
             if self.peak and self.flops_per_step else None
         return StepMetrics(step=step, loss=loss, step_time_s=step_time, tokens_per_s=tps, lr=lr,
-                           grad_norm=grad_norm, mfu=mfu, breakdown=breakdown)
+                           grad_norm=grad_norm, mfu=mfu, breakdown=breakdown, wall_s=wall)
 
     def _record_memory_accounting(self, step: int) -> None:
         """Measured model-state bytes of this rank next to the analytic estimate (GiB)."""
@@ -314,6 +323,7 @@ class Trainer:
         e, s = self.emit, m.step
         e(s, "step", "loss", m.loss)
         e(s, "step", "step_time(s)", m.step_time_s)
+        e(s, "step", "wall_time(s)", m.wall_s)
         e(s, "step", "tokens_per_s", m.tokens_per_s)
         e(s, "step", "lr", m.lr)
         e(s, "step", "grad_norm", m.grad_norm)
@@ -326,9 +336,14 @@ class Trainer:
         if self.comm is not None:
             self.comm.record(s, e)
         if self.collectives.enabled:
-            for name, value in self.collectives.step_metrics().items():
+            events, self._step_events = self._step_events + self.collectives.drain(), []
+            for name, value in self.collectives.step_metrics(events).items():
                 if name not in ("wire_bytes", "dense_bytes"):  # the CommMonitor's, per step
                     e(s, "comm", name, value)
+            if self.comm is None:  # no DDP gradient hook (TP, FSDP2, pipeline): nothing compressed
+                sent = float(sum(ev["bytes"] for ev in events if ev["op"] != "ddp_bucket"))
+                e(s, "comm", "wire_bytes", sent)
+                e(s, "comm", "dense_bytes", sent)
         if self.cfg.profile.enabled:
             from profilers.memory import peak_memory
 
@@ -347,6 +362,19 @@ class Trainer:
 def _unwrap(module):
     """The GPT chunk inside a wrapper (FSDP2 modifies in place; DDP keeps it as .module)."""
     return getattr(module, "module", module)
+
+
+def _expose_blocking_comm(breakdown: dict[str, float], events: list[dict[str, Any]]) -> None:
+    """Move the time of functional collectives (tensor/sequence parallel) out of forward and
+    backward into comm_exposed: DTensor waits for each before computing on, so it is exposed.
+    Under a pipeline schedule forward and backward interleave, so TP time stays in compute there."""
+    from profilers.collectives import blocking_time
+
+    for phase in ("forward", "backward"):
+        seconds = min(blocking_time(events, phase), breakdown.get(phase, 0.0))
+        if seconds > 0:
+            breakdown[phase] -= seconds
+            breakdown["comm_exposed"] = breakdown.get("comm_exposed", 0.0) + seconds
 
 
 class _NoMesh:

@@ -7,11 +7,17 @@ for n ranks, all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1
 rank); broadcast, reduce, send and recv 1. GB/s here are 1e9 bytes per second, as in nccl-tests.
 
 `CollectiveProfiler` records every collective issued through ``torch.distributed`` while it
-is enabled, by replacing the functions of ``torch.distributed`` with timing wrappers. DDP's
-bucket all-reduces do not go through Python, so they are recorded by a DDP comm hook
-(`CollectiveProfiler.allreduce_hook`, or any hook wrapped by `CollectiveProfiler.wrap_comm_hook`).
-Not seen: functional collectives (``torch.distributed._functional_collectives``, used by
-DTensor/tensor parallel), which dispatch to C++ ops without a Python entry point.
+is enabled, by replacing the functions of ``torch.distributed`` with timing wrappers (c10d
+calls: DDP compressors, CO2, ZeRO, FSDP2's all-gather and reduce-scatter, pipeline
+``batch_isend_irecv`` of ``P2POp(isend/irecv)``). DDP's bucket all-reduces do not go through
+Python, so they are recorded by a DDP comm hook (`CollectiveProfiler.allreduce_hook`, or any
+hook wrapped by `CollectiveProfiler.wrap_comm_hook`). Functional collectives (DTensor: tensor
+and sequence parallel, redistributions) are recorded by `profilers.functional`, which times
+the ``torch.ops._c10d_functional`` ops from issue to ``wait_tensor``.
+
+Each event carries the mesh ``axis`` of its process group (`CollectiveProfiler.name_groups`),
+so per-step metrics read ``tp:all_reduce/bytes``, ``dp:all_gather/bytes`` (FSDP2),
+``pp:send/bytes``; a group without a name keeps the bare op name.
 """
 
 from __future__ import annotations
@@ -111,12 +117,22 @@ def now() -> float:
 
 
 @dataclass(kw_only=True, slots=True)
-class _Pending:
-    """A collective whose end is a CUDA event, resolved at `CollectiveProfiler.drain`."""
+class _Call:
+    """One collective being recorded: what it is and where it ran."""
 
     op: str
     nbytes: int
     group_size: int
+    axis: str = ""  # mesh axis of its process group ("tp", "dp", "pp"); "" when unnamed
+    scope: str = ""  # the trainer's phase when it was issued (see `CollectiveProfiler.scope`)
+    functional: bool = False  # a DTensor functional collective, waited on the issuing stream
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pending:
+    """A collective whose end is a CUDA event, resolved at `CollectiveProfiler.drain`."""
+
+    call: _Call
     start: float
     start_event: Any
     end_event: Any = None
@@ -146,12 +162,21 @@ _PATCHES = _Patches()
 _PATCH_LOCK = threading.Lock()
 
 
+def group_name(group: Any) -> str:
+    """The c10d name of a process group (``None``: the default group), or of a group name."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return group.group_name
+
+
 class CollectiveProfiler:
-    """Records op, bytes, group size, start, end, algbw and busbw of each collective.
+    """Records op, bytes, group size, axis, start, end, algbw and busbw of each collective.
 
     Overhead budget: two clock reads, one dict and a group-size lookup per collective (a few
     microseconds), and one CUDA event pair per collective on GPU; no synchronisation until
-    `drain`, which resolves CUDA events once per step.
+    `drain`, which resolves CUDA events once per step. Nothing runs per non-collective op.
     """
 
     def __init__(self, *, enabled: bool = True) -> None:
@@ -159,6 +184,8 @@ class CollectiveProfiler:
         self._pending: deque[_Pending] = deque()
         self._wire = [0.0, 0.0]
         self._lock = threading.Lock()
+        self._axes: dict[str, str] = {}
+        self._scope = ""
         self._want = enabled
         self.enabled = False
         if enabled:
@@ -167,12 +194,15 @@ class CollectiveProfiler:
     # -- patching ----------------------------------------------------------------------------
     def enable(self) -> None:
         """Install the wrappers in torch.distributed and make this the recording profiler."""
+        from profilers import functional
+
         with _PATCH_LOCK:
             if _PATCHES.active not in (None, self):
                 raise RuntimeError("another CollectiveProfiler is enabled in this process; "
                                    "disable it first")
             if not _PATCHES.originals:
                 _install()
+                functional.install(_PATCHES.originals, lambda: _PATCHES.active)
             _PATCHES.active = self
         self.enabled = True
 
@@ -191,29 +221,58 @@ class CollectiveProfiler:
     def __exit__(self, *exc: object) -> None:
         self.disable()
 
+    # -- labels ------------------------------------------------------------------------------
+    def name_groups(self, groups: dict[str, Any]) -> None:
+        """Label the collectives of each process group with its mesh axis, e.g.
+        ``{"tp": mesh["tp"].get_group()}``; ``None`` stands for the default group."""
+        self._axes.update({group_name(g): axis for axis, g in groups.items()})
+
+    def axis_of(self, group: Any) -> str:
+        """The axis name given to ``group`` (a ProcessGroup, None or a group name), else ""."""
+        try:
+            return self._axes.get(group_name(group), "") if self._axes else ""
+        except Exception:  # an unusual group object: record the collective unlabelled
+            return ""
+
+    @contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Tag the collectives issued inside with ``name`` (e.g. the phase ``"forward"``);
+        `blocking_time` sums the functional ones per scope."""
+        previous, self._scope = self._scope, name
+        try:
+            yield
+        finally:
+            self._scope = previous
+
+    def call(self, op: str, nbytes: int, group_size: int, group: Any, *,
+             functional: bool = False) -> _Call:
+        """Describe a collective about to be issued (its axis and scope filled in)."""
+        return _Call(op=op, nbytes=int(nbytes), group_size=int(group_size),
+                     axis=self.axis_of(group), scope=self._scope, functional=functional)
+
     # -- recording ---------------------------------------------------------------------------
-    def _finish(self, op: str, nbytes: int, group_size: int, start: float, end: float) -> None:
+    def _finish(self, call: _Call, start: float, end: float) -> None:
         seconds = max(end - start, 0.0)
         self._done.append({
-            "op": op, "bytes": int(nbytes), "group_size": int(group_size), "start": start,
-            "end": end, "time": seconds, "algbw": algbw(nbytes, seconds),
-            "busbw": busbw(op, nbytes, seconds, max(group_size, 1)),
+            "op": call.op, "bytes": call.nbytes, "group_size": call.group_size,
+            "axis": call.axis, "scope": call.scope, "functional": call.functional,
+            "start": start, "end": end, "time": seconds, "algbw": algbw(call.nbytes, seconds),
+            "busbw": busbw(call.op, call.nbytes, seconds, max(call.group_size, 1)),
         })
 
-    def _begin(self, op: str, nbytes: int, group_size: int, tensor: torch.Tensor | None
-               ) -> tuple[float, _Pending | None]:
+    def begin(self, call: _Call, tensor: torch.Tensor | None) -> tuple[float, _Pending | None]:
+        """Start timing ``call``: a clock read, plus a CUDA event when ``tensor`` is on CUDA."""
         start = now()
         if tensor is not None and tensor.is_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return start, _Pending(op=op, nbytes=nbytes, group_size=group_size, start=start,
-                                   start_event=event)
+            return start, _Pending(call=call, start=start, start_event=event)
         return start, None
 
-    def _end(self, op: str, nbytes: int, group_size: int, start: float,
-             pending: _Pending | None) -> None:
+    def end(self, call: _Call, start: float, pending: _Pending | None) -> None:
+        """Stop timing ``call`` (on CUDA: an event on the current stream, resolved at drain)."""
         if pending is None:
-            self._finish(op, nbytes, group_size, start, now())
+            self._finish(call, start, now())
             return
         # on the current stream, which the collective's work has been joined to: this event
         # completes when the collective does
@@ -224,24 +283,40 @@ class CollectiveProfiler:
     def _record_call(self, name: str, original: Callable[..., Any], names: list[str],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            op, nbytes, group_size, tensor, is_async = _describe(name, names, args, kwargs)
+            call, tensor, is_async = self._describe(name, names, args, kwargs)
         except Exception as exc:  # never let profiling break a collective
             log.debug("collective profiler could not describe %s: %s", name, exc)
             return original(*args, **kwargs)
-        start, pending = self._begin(op, nbytes, group_size, tensor)
+        start, pending = self.begin(call, tensor)
         with _suppressed():  # send() runs isend().wait(): record the outer call only
             result = original(*args, **kwargs)
         if not is_async or result is None:
-            self._end(op, nbytes, group_size, start, pending)
+            self.end(call, start, pending)
             return result
         def _on_done(_: Any = None) -> None:
-            self._end(op, nbytes, group_size, start, pending)
+            self.end(call, start, pending)
 
         try:
             result.get_future().add_done_callback(_on_done)
         except RuntimeError:  # gloo point-to-point works have no future: end at wait()
             return _TimedWork(result, _on_done)
         return result
+
+    def _describe(self, name: str, names: list[str], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[_Call, torch.Tensor | None, bool]:
+        def get(arg: str, default: Any = None) -> Any:
+            if arg in kwargs:
+                return kwargs[arg]
+            index = names.index(arg) if arg in names else len(args)
+            return args[index] if index < len(args) else default
+
+        arg, position = _BYTES_ARG[name]
+        payload = kwargs.get(arg, args[position] if position < len(args) else None)
+        group = get("group")
+        group_size = 2 if name in _P2P else dist.get_world_size(group)
+        is_async = name in _ASYNC_ALWAYS or bool(get("async_op", False))
+        call = self.call(CANONICAL[name], _nbytes(payload), group_size, group)
+        return call, _first_tensor(payload), is_async
 
     def record_wire(self, wire_bytes: float, dense_bytes: float) -> None:
         """A compression hook reports what it put on the wire versus the dense gradient."""
@@ -259,13 +334,13 @@ class CollectiveProfiler:
             group = state if isinstance(state, dist.ProcessGroup) else None
             tensor = bucket.buffer()
             n = dist.get_world_size(group)
-            nbytes = tensor.numel() * tensor.element_size()
-            start, pending = self._begin("all_reduce", nbytes, n, tensor)
+            call = self.call("all_reduce", tensor.numel() * tensor.element_size(), n, group)
+            start, pending = self.begin(call, tensor)
             with _suppressed():
                 work = dist.all_reduce(tensor.div_(n), group=group, async_op=True)
 
             def done(fut: torch.futures.Future) -> torch.Tensor:
-                self._end("all_reduce", nbytes, n, start, pending)
+                self.end(call, start, pending)
                 return fut.value()[0]
 
             return work.get_future().then(done)
@@ -282,12 +357,12 @@ class CollectiveProfiler:
             group = getattr(state, "process_group", state)
             group = group if isinstance(group, dist.ProcessGroup) else None
             n = dist.get_world_size(group)
-            nbytes = tensor.numel() * tensor.element_size()
-            start, pending = self._begin("ddp_bucket", nbytes, n, tensor)
+            call = self.call("ddp_bucket", tensor.numel() * tensor.element_size(), n, group)
+            start, pending = self.begin(call, tensor)
             fut = hook(state, bucket)
 
             def done(f: torch.futures.Future) -> Any:
-                self._end("ddp_bucket", nbytes, n, start, pending)
+                self.end(call, start, pending)
                 return f.value()
 
             return fut.then(done)
@@ -299,15 +374,16 @@ class CollectiveProfiler:
     def drain(self) -> list[dict[str, Any]]:
         """Every collective completed since the last drain, oldest first.
 
-        Each is ``{op, bytes, group_size, start, end, time, algbw, busbw}`` (Unix seconds,
-        seconds, GB/s). CUDA-timed ones are resolved here (one event synchronise).
+        Each is ``{op, bytes, group_size, axis, scope, functional, start, end, time, algbw,
+        busbw}`` (Unix seconds, seconds, GB/s). CUDA-timed ones are resolved here (one event
+        synchronise).
         """
         with self._lock:
             while self._pending and self._pending[0].end_event is not None:
                 p = self._pending.popleft()
                 p.end_event.synchronize()
                 seconds = p.start_event.elapsed_time(p.end_event) / 1000.0
-                self._finish(p.op, p.nbytes, p.group_size, p.start, p.start + seconds)
+                self._finish(p.call, p.start, p.start + seconds)
             count = len(self._done)
             events = [self._done.popleft() for _ in range(count)]
         return sorted(events, key=lambda e: e["start"])
@@ -319,9 +395,9 @@ class CollectiveProfiler:
         return wire[0], wire[1]
 
     def step_metrics(self, events: Sequence[dict[str, Any]] | None = None) -> dict[str, float]:
-        """Telemetry values of one step: ``{op}/bytes``, ``{op}/time(s)``, ``{op}/count``,
-        ``{op}/busbw(GB/s)`` per op, plus ``wire_bytes`` and ``dense_bytes`` when reported.
-        Drains the profiler when ``events`` is not given."""
+        """Telemetry values of one step: ``{key}/bytes``, ``{key}/time(s)``, ``{key}/count``,
+        ``{key}/busbw(GB/s)`` per `event_key` (``tp:all_reduce``), plus ``wire_bytes`` and
+        ``dense_bytes`` when reported. Drains the profiler when ``events`` is not given."""
         events = self.drain() if events is None else events
         out: dict[str, float] = {}
         for op, agg in aggregate(events).items():
@@ -379,12 +455,25 @@ def _annotated(hook: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
+def event_key(event: dict[str, Any]) -> str:
+    """``axis:op`` (``tp:all_reduce``) for a labelled group, else the bare op name."""
+    axis = event.get("axis")
+    return f"{axis}:{event['op']}" if axis else event["op"]
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(axis, op) of an `event_key`; axis "" for an unlabelled one."""
+    axis, _, op = key.rpartition(":")
+    return axis, op
+
+
 def aggregate(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per op: total ``bytes``, ``time(s)`` (sum of durations), ``count``, ``busbw(GB/s)``
-    (bus bytes over total time, i.e. time-weighted) and ``exposed(s)`` (union of intervals)."""
+    """Per `event_key`: total ``bytes``, ``time(s)`` (sum of durations), ``count``,
+    ``busbw(GB/s)`` (bus bytes over total time, i.e. time-weighted) and ``exposed(s)`` (union
+    of intervals)."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for event in events:
-        groups[event["op"]].append(event)
+        groups[event_key(event)].append(event)
     out = {}
     for op, items in groups.items():
         seconds = sum(e["time"] for e in items)
@@ -394,6 +483,14 @@ def aggregate(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
                    "busbw(GB/s)": bus_bytes / seconds / 1e9 if seconds > 0 else 0.0,
                    "exposed(s)": union_time(items)}
     return out
+
+
+def blocking_time(events: Sequence[dict[str, Any]], scope: str) -> float:
+    """Seconds of functional collectives issued in ``scope`` (union of issue-to-wait spans).
+
+    DTensor waits for each result before the op that uses it, on the issuing stream: this
+    time is on the critical path, i.e. exposed communication, not compute."""
+    return union_time([e for e in events if e.get("functional") and e.get("scope") == scope])
 
 
 def union_time(events: Sequence[dict[str, Any]], start: float | None = None,
@@ -412,25 +509,6 @@ def union_time(events: Sequence[dict[str, Any]], start: float | None = None,
         else:
             cur_e = max(cur_e, e)
     return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
-
-
-def _describe(name: str, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
-              ) -> tuple[str, int, int, torch.Tensor | None, bool]:
-    def get(arg: str, default: Any = None) -> Any:
-        if arg in kwargs:
-            return kwargs[arg]
-        index = names.index(arg) if arg in names else len(args)
-        return args[index] if index < len(args) else default
-
-    arg, position = _BYTES_ARG[name]
-    payload = kwargs.get(arg, args[position] if position < len(args) else None)
-    if name in _P2P:
-        group_size = 2
-    else:
-        group_size = dist.get_world_size(get("group"))
-    is_async = name in _ASYNC_ALWAYS or bool(get("async_op", False))
-    tensor = _first_tensor(payload)
-    return CANONICAL[name], _nbytes(payload), group_size, tensor, is_async
 
 
 def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -475,5 +553,5 @@ from profilers.commbench import (  # noqa: E402  (commbench imports the math abo
     SWEEP_OPS, commbench, format_busbw_table, spawn_commbench, sweep_sizes)
 
 __all__ = ["CANONICAL", "PATCHED", "SWEEP_OPS", "CollectiveProfiler", "aggregate", "algbw",
-           "bus_factor", "busbw", "commbench", "format_busbw_table", "now", "spawn_commbench",
-           "sweep_sizes", "union_time"]
+           "blocking_time", "bus_factor", "busbw", "commbench", "event_key", "format_busbw_table",
+           "group_name", "now", "spawn_commbench", "split_key", "sweep_sizes", "union_time"]

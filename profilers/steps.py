@@ -176,3 +176,26 @@ class StepTimer:
     def _barrier(self) -> None:
         if self._sync:
             torch.cuda.synchronize(self.device)
+
+
+def unexplained(breakdown: dict[str, float], wall_s: float) -> float:
+    """Fraction of a step's wall time that its timed phases do not explain.
+
+    ``wall_s`` must be measured independently of the timer (the trainer's own clock around
+    the step, ``wall_time(s)``): ``other`` is left out, since it is computed as whatever the
+    named phases miss and would make any breakdown add up. Positive: time no phase measured
+    (e.g. a phase dropped); negative: phases overlapping or counted twice.
+    """
+    named = sum(v for k, v in breakdown.items() if k != "other")
+    return (wall_s - named) / wall_s if wall_s > 0 else 0.0
+
+
+def check_breakdown(breakdown: dict[str, float], wall_s: float, *, tolerance: float = 0.02,
+                    slack_s: float = 1e-3) -> str | None:
+    """None when the named phases add up to ``wall_s`` within ``tolerance`` (plus ``slack_s``
+    of clock reads between phases); else one line saying what is missing."""
+    named = sum(v for k, v in breakdown.items() if k != "other")
+    if abs(wall_s - named) <= tolerance * wall_s + slack_s:
+        return None
+    return (f"breakdown phases sum to {named:.4f} s but the step took {wall_s:.4f} s: "
+            f"{unexplained(breakdown, wall_s):+.1%} unexplained (tolerance {tolerance:.0%})")

@@ -4,6 +4,11 @@ The JSON file opens in Perfetto (ui.perfetto.dev) and chrome://tracing; on gloo 
 ``gloo:all_reduce`` events next to the forward/backward kernels. Call `TraceWindow.step` at
 the start of every step and `TraceWindow.close` when training ends (it exports a window that
 is still open, e.g. when the run stops before step b).
+
+Each step is a ``ProfilerStep#N`` span (N the training step: `TraceWindow.step` calls
+``prof.step()``), and torch adds ``distributedInfo`` (rank, world size, backend) when the
+process group is initialised: every rank writes one file into the same folder, which is what
+Holistic Trace Analysis's ``TraceAnalysis(trace_dir=...)`` reads.
 """
 
 from __future__ import annotations
@@ -55,12 +60,22 @@ class TraceWindow:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=activities, **self._options)
+            # a schedule makes the profiler record ProfilerStep#N spans, one per prof.step()
+            self._prof = torch.profiler.profile(activities=activities, schedule=self._schedule,
+                                                **self._options)
+            self._prof.step_num = step_index  # spans are named after the training step
             self._prof.start()
             return None
         if self._prof is not None and step_index > self.end_step:
             return self._export()
+        if self._prof is not None:
+            self._prof.step()  # ends ProfilerStep#(step_index - 1), opens ProfilerStep#step_index
         return None
+
+    @staticmethod
+    def _schedule(step: int) -> torch.profiler.ProfilerAction:
+        # record every step of the window; `_export` stops and writes the trace
+        return torch.profiler.ProfilerAction.RECORD
 
     def close(self) -> Path | None:
         """Stop and export a window still open (training ended inside it); else None."""

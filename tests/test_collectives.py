@@ -65,6 +65,22 @@ def test_aggregate_and_union_time() -> None:
     assert union_time(events, start=1.5) == pytest.approx(1.5)
 
 
+def test_axis_keys_and_blocking_time() -> None:
+    from profilers.collectives import blocking_time, event_key, split_key
+
+    def ev(axis: str, scope: str, start: float, end: float, functional: bool = True) -> dict[str, Any]:
+        return {"op": "all_reduce", "axis": axis, "scope": scope, "functional": functional, "bytes": 8,
+                "group_size": 2, "start": start, "end": end, "time": end - start, "busbw": 1.0}
+
+    events = [ev("tp", "forward", 0.0, 1.0), ev("tp", "forward", 0.5, 1.5), ev("tp", "backward", 2.0, 2.25),
+              ev("dp", "backward", 2.0, 3.0, functional=False), ev("", "", 4.0, 5.0)]
+    assert [event_key(e) for e in events] == ["tp:all_reduce"] * 3 + ["dp:all_reduce", "all_reduce"]
+    assert split_key("tp:all_reduce") == ("tp", "all_reduce") and split_key("send") == ("", "send")
+    assert blocking_time(events, "forward") == pytest.approx(1.5)  # overlapping spans once
+    assert blocking_time(events, "backward") == pytest.approx(0.25)  # DDP's async bucket: not blocking
+    assert set(aggregate(events)) == {"tp:all_reduce", "dp:all_reduce", "all_reduce"}
+
+
 def test_step_metrics_wire_bytes_and_patching() -> None:
     import torch.distributed as dist
 
@@ -82,12 +98,16 @@ def test_step_metrics_wire_bytes_and_patching() -> None:
     assert metrics["all_gather/bytes"] == 1000 and metrics["all_gather/time(s)"] == 0.5
     assert metrics["all_gather/busbw(GB/s)"] == pytest.approx(1000 / 0.5 / 1e9 * 3 / 4)
     assert prof.drain_wire() == (0.0, 0.0)
+    packet = torch.ops._c10d_functional.all_reduce
     with prof:
         assert dist.all_reduce is not original
         assert dist.distributed_c10d.all_reduce is dist.all_reduce
+        timed = torch.ops._c10d_functional.all_reduce  # DTensor's functional collectives too
+        assert timed is not packet and timed == packet and timed.default is packet.default
         with pytest.raises(RuntimeError, match="another CollectiveProfiler is enabled"):
             CollectiveProfiler()
     assert dist.all_reduce is original and dist.distributed_c10d.all_reduce is original
+    assert torch.ops._c10d_functional.all_reduce is packet
 
 
 def test_format_busbw_table() -> None:
@@ -259,3 +279,75 @@ def test_commbench_small_sweep_on_two_gloo_ranks() -> None:
                                                          else "send", row["size"],
                                                          row["time(s)"], 2))
     assert "# sendrecv" in format_busbw_table(rows)
+
+
+# -- functional collectives (DTensor), FSDP2, pipeline P2P ------------------------------------
+def _summary(events: list[dict[str, Any]]) -> list[tuple[str, str, str, int, int]]:
+    """(axis, op, scope, bytes, group size) per event, and whether each was timed."""
+    assert all(e["time"] > 0 and e["busbw"] > 0 for e in events), events
+    return [(e["axis"], e["op"], e["scope"], e["bytes"], e["group_size"]) for e in events]
+
+
+def _tp_fsdp_pp_rank(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from engine.model import build_model, loss_fn
+    from engine.parallel.tensor import apply_tensor_parallel
+    from parallel_harness import tiny_model_config
+    from profilers.collectives import CollectiveProfiler
+
+    cfg = tiny_model_config()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x = torch.randint(0, cfg.vocab, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    out: dict[str, Any] = {}
+    prof = CollectiveProfiler()
+    prof.name_groups({"tp": mesh.get_group()})
+    for sp in (False, True):  # tensor parallel, then sequence parallel
+        model = apply_tensor_parallel(build_model(cfg, seed=0), mesh, sequence_parallel=sp)
+        with CommDebugMode() as upstream:  # torch's own count, the oracle
+            with prof.scope("forward"):
+                loss = loss_fn(model(x[:, :-1]), x[:, 1:])
+            with prof.scope("backward"):
+                loss.backward()
+        out[f"sp={sp}"] = {"events": _summary(prof.drain()),
+                           "upstream": {str(op).split(".")[-1]: n for op, n in upstream.get_comm_counts().items()}}
+    model = build_model(cfg, seed=0)  # FSDP2 (ZeRO-3) over the same ranks, labelled dp
+    prof.name_groups({"dp": mesh.get_group()})
+    fully_shard(model, mesh=mesh)
+    loss_fn(model(x[:, :-1]), x[:, 1:]).backward()
+    out["fsdp"] = _summary(prof.drain())
+    peer = 1 - rank  # the pipeline's P2P: batch_isend_irecv of P2POp(isend / irecv)
+    ops = [dist.P2POp(dist.isend, torch.ones(16), peer), dist.P2POp(dist.irecv, torch.empty(16), peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out["p2p"] = _summary(prof.drain())
+    prof.disable()
+    return out
+
+
+def test_dtensor_fsdp2_and_p2p_collectives_are_recorded_with_bytes_and_time() -> None:
+    """TP/SP (functional collectives), FSDP2 and batch_isend_irecv are all recorded, timed,
+    with nccl-tests bytes; the TP/SP counts equal torch's CommDebugMode's."""
+    from parallel_harness import run_ranks, tiny_model_config
+
+    cfg = tiny_model_config()
+    act = 2 * cfg.seq_len * cfg.d_model * 4  # bytes of one (batch 2, seq, d_model) fp32 activation
+    for result in run_ranks(WORLD, _tp_fsdp_pp_rank, timeout=120):
+        tp, sp = result["sp=False"], result["sp=True"]
+        # forward: one all-reduce after each row-parallel layer (attn.wo, mlp.w2) per block
+        forward = [e for e in tp["events"] if e[2] == "forward"]
+        assert forward == [("tp", "all_reduce", "forward", act, 2)] * (2 * cfg.layers)
+        assert any(e[2] == "backward" for e in tp["events"])  # column-parallel input gradients
+        assert {e[:2] for e in tp["events"]} == {("tp", "all_reduce")}
+        assert len(tp["events"]) == tp["upstream"]["all_reduce"]
+        # sequence parallel: all-reduces become all-gather + reduce-scatter pairs, over full activations
+        ops = [e[1] for e in sp["events"]]
+        assert ops.count("all_gather") == sp["upstream"]["all_gather_into_tensor"] > 0
+        assert ops.count("reduce_scatter") == sp["upstream"]["reduce_scatter_tensor"] > 0
+        assert all(e[3] == act for e in sp["events"] if e[2] == "forward")
+        fsdp = {(e[0], e[1]) for e in result["fsdp"]}
+        assert fsdp == {("dp", "all_gather"), ("dp", "reduce_scatter")}
+        assert sorted(e[1:] for e in result["p2p"]) == [("recv", "", 64, 2), ("send", "", 64, 2)]

@@ -145,11 +145,19 @@ class Objective:
         return TrialOutcome(optuna.trial.TrialState.COMPLETE, [med])
 
     def _attach_breakdown(self, trial: optuna.trial.Trial, run_id: str) -> None:
-        """Mean compute / exposed communication / bubble per step (rank-averaged), so users see why."""
+        """Mean compute / exposed communication / bubble per step (rank-averaged), so users see why.
+
+        Tensor-parallel collectives are on the critical path: the engine moves their time out
+        of forward/backward into comm_exposed, so a TP trial's compute excludes them.
+        ``comm_by_axis`` gives the recorded traffic per mesh axis (bytes and seconds per step
+        per rank), e.g. ``{"tp": {"bytes": ..., "time_s": ...}}``; ``tp_comm_s`` and
+        ``pp_comm_s`` are its seconds, named as the simulator's predictions."""
+        from profilers.collectives import split_key
         from profilers.store import RunStore
 
-        table = RunStore.open_home(self.home).breakdown_table(run_id)
-        table = table[table["step"] >= self.warmup]
+        store = RunStore.open_home(self.home)
+        every = store.breakdown_table(run_id)
+        table = every[every["step"] >= self.warmup]
         if table.empty:
             return
         mean = table.mean(numeric_only=True)
@@ -157,3 +165,17 @@ class Objective:
         trial.set_user_attr("comm_exposed_s", float(mean.get("comm_exposed", 0)))
         trial.set_user_attr("bubble_s", float(mean.get("bubble", 0)))
         trial.set_user_attr("step_time_s", float(mean.get("total", 0)))
+        steps = int(every["step"].nunique())  # comm_totals covers the whole run
+        by_axis: dict[str, dict[str, float]] = {}
+        for key, agg in store.comm_totals(run_id).items():  # whole run, per rank
+            axis, op = split_key(key)
+            if op == "ddp_bucket":  # the DDP buckets' all-reduces are recorded as themselves too
+                continue
+            cell = by_axis.setdefault(axis or "other", {"bytes": 0.0, "time_s": 0.0})
+            cell["bytes"] += agg["bytes"] / steps
+            cell["time_s"] += agg["time(s)"] / steps
+        if by_axis:
+            trial.set_user_attr("comm_by_axis", by_axis)
+        for axis in ("tp", "pp"):  # measured next to the simulator's tp_comm_s / pp_comm_s
+            if axis in by_axis:
+                trial.set_user_attr(f"{axis}_comm_s", by_axis[axis]["time_s"])

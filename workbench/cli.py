@@ -103,12 +103,14 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
 
 
 def _run_json(result) -> dict[str, Any]:
+    from workbench.report import trace_dir
+
     s = result.summary
     return {"run_id": result.run_id, "status": result.status, "world_size": result.world_size,
             "final_loss": result.final_loss, "val_loss": s.get("val_loss"),
             "tokens_per_s": s.get("tokens_per_s"), "mfu": s.get("mfu"),
             "wire_bytes": s.get("wire_bytes", 0.0), "dense_bytes": s.get("dense_bytes", 0.0),
-            "wall_s": result.wall_s,
+            "wall_s": result.wall_s, "traces": s.get("traces", []), "trace_dir": trace_dir(s),
             "steps": [{"step": st["step"], "loss": st.get("loss"), "step_time_s": st.get("step_time_s"),
                        "tokens_per_s": st.get("tokens_per_s")} for st in result.steps]}
 

@@ -7,6 +7,7 @@ import streamlit as st
 import yaml
 
 from workbench import ui_state
+from workbench import report
 from workbench.app_pages import common
 
 COMPRESSORS = ["none", "fp16", "bf16", "int8", "topk", "randk", "powersgd"]
@@ -134,6 +135,11 @@ def live_panel(run_id: str) -> None:
         stop_button(run)
     common.headline(data)
     common.run_charts(data, key=f"run-{run_id}")
+    with st.container():  # TP/SP, DP/FSDP and pipeline traffic per collective type
+        collectives = report.collectives_frame(common.store().comm_totals(run_id))
+        if len(collectives):
+            st.caption("Collectives per mesh axis and type (per rank, whole run)")
+            st.dataframe(collectives, hide_index=True)
     was_running = st.session_state.get(f"running-{run_id}", False)
     st.session_state[f"running-{run_id}"] = run["status"] == "running"
     if was_running and run["status"] != "running":
