@@ -207,8 +207,10 @@ class Trainer:
         with self.timer.phase("data"):
             x, y = self._local_batch(step)
         local = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
-        # launched before CO2's outer all-reduce (same dp group): waiting for it never waits for CO2
-        loss_result = self._reduce_loss(local)
+        # launched before CO2's outer all-reduce (same dp group): waiting for it never waits for CO2;
+        # issuing it is host time spent on communication, so the breakdown counts it there
+        with self.timer.phase("comm_exposed"):
+            loss_result = self._reduce_loss(local)
         with self.timer.phase("optimizer"):
             par.after_backward()
             grad_norm = self._clip()
