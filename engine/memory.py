@@ -104,6 +104,8 @@ def estimate_memory(cfg: RunConfig, *, pp_rank: int | None = None) -> dict[str, 
       its reduce-scatter), states 2 Psi / N.
     stage 3: params Psi / N + R + B (the root and one block unsharded), grads at the last
       block: B + (L - 1) B / N, states 2 Psi / N.
+    With gradient accumulation (stages 2-3 reduce-scatter every micro-batch) the grads are
+    B + Psi / N: the shards accumulated by the earlier micro-batches.
     Under pp > 1 the pipeline schedule keeps unsharded gradients over its micro-batches: ZeRO
     2/3 grads Psi and params Psi + Psi / N (not measured). `pp_rank=None` reports the pipeline
     stage with the largest total.
@@ -125,9 +127,11 @@ def _model_state_elems(cfg: RunConfig, stage: int) -> tuple[float, float, float]
         return params, psi, 2 * psi / (n if zero == 1 else 1)
     if p.pp > 1:
         return psi + psi / n, psi, 2 * psi / n
+    # the gradient shards of earlier micro-batches (all of them after the first) are alive too
+    accumulated = psi / n if cfg.grad_accum > 1 else None
     if zero == 2 or not p.reshard_after_forward:
-        return psi + psi / n, block, 2 * psi / n
-    return psi / n + root + block, block + (layers - 1) * block / n, 2 * psi / n
+        return psi + psi / n, block + (accumulated or 0.0), 2 * psi / n
+    return psi / n + root + block, block + (accumulated or (layers - 1) * block / n), 2 * psi / n
 
 
 def _estimate_stage(cfg: RunConfig, stage: int) -> dict[str, float]:
