@@ -175,6 +175,18 @@ class AdaptiveCompressor:
         self.dense_bytes = 0
         self._rows: dict[str, tuple[list[float], list[int]]] = {}
 
+    def set_default_level(self, level: float) -> None:
+        """Change the uniform level the budget is measured against (live `comm.density`).
+
+        The level joins the candidate levels (the solver looks it up there), and every layer
+        uses it until the next solve, so the change acts from the next step on.
+        """
+        if not 0.0 < level <= 1.0:
+            raise ValueError(f"comm.density={level} must be in (0, 1]; e.g. 0.01")
+        self.default_level = level
+        self.levels = sorted(set(self.levels) | {level})
+        self.density = {name: level for name in self.density}
+
     @property
     def chosen_levels(self) -> dict[str, float]:
         """Current Top-k density per parameter name (telemetry)."""

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from engine.comm.link import LinkEmulator, bus_factor
-
-COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
+from engine.validate import COMPRESSORS
 OnBytes = Callable[[int, int], None]
 Hook = Callable[["CompressionState", dist.GradBucket], torch.futures.Future]
 

@@ -33,8 +33,8 @@ from torch.distributed.pipelining.schedules import (
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.model import GPT
+from engine.validate import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
