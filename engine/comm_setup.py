@@ -62,8 +62,10 @@ class CommMonitor:
         return tracking_hook
 
     def record(self, step: int, emit: Emit) -> None:
-        """Emit this step's dense and wire bytes and reset."""
-        dense = self.dense_bytes or self.bucket_bytes
+        """Emit this step's dense and wire bytes (bus factors applied, as the compressors count) and reset."""
+        from engine.comm.compress import Wire
+
+        dense = self.dense_bytes or Wire("all_reduce", self.bucket_bytes).on_wire(self.group_size)
         wire = self.wire_bytes if self.dense_bytes else dense
         emit(step, "comm", "wire_bytes", float(wire))
         emit(step, "comm", "dense_bytes", float(dense))

@@ -15,8 +15,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.comm.compress import densify, error_feedback, gather_sparse, k_for
-from engine.comm.link import bus_factor
+from engine.comm.compress import Wire, densify, error_feedback, gather_sparse, k_for
 
 OnBytes = Callable[[int, int], None]
 TOPK_LEVELS = (0.001, 0.003, 0.01, 0.03, 0.1)
@@ -246,8 +245,8 @@ class AdaptiveCompressor:
         self.solves += 1
 
     def _record(self, buf: torch.Tensor, payload: int, n: int) -> None:
-        wire = (n - 1) * payload  # all_gather: the ring forwards n-1 ranks' payloads
-        dense = int(buf.numel() * 4 * bus_factor("all_reduce", n))
+        wire = int(Wire("all_gather", payload).on_wire(n))
+        dense = int(Wire("all_reduce", buf.numel() * 4).on_wire(n))
         self.wire_bytes += wire
         self.dense_bytes += dense
         if self.on_bytes is not None:
