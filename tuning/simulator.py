@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.validate import divisors as _divisors
 from tuning.hardware import GB, ClusterSpec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -107,10 +108,6 @@ class SimResult:
 
 
 # ---------------------------------------------------------------- validation
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
 
 def _choices(values: list[int]) -> str:
     shown = [str(v) for v in values[:8]]
