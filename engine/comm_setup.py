@@ -67,8 +67,10 @@ class CommMonitor:
         return tracking_hook
 
     def record(self, step: int, emit: Emit) -> None:
-        """Emit this step's dense and wire bytes and reset."""
-        dense = self.dense_bytes or self.bucket_bytes
+        """Emit this step's dense and wire bytes (bus factors applied, as the compressors count) and reset."""
+        from engine.comm.compress import Wire
+
+        dense = self.dense_bytes or Wire("all_reduce", self.bucket_bytes).on_wire(self.group_size)
         wire = self.wire_bytes if self.dense_bytes else dense
         emit(step, "comm", "wire_bytes", float(wire))
         emit(step, "comm", "dense_bytes", float(dense))
@@ -135,14 +137,15 @@ def _compression_hook(cfg: RunConfig, ddp: torch.nn.Module, group, monitor: Comm
 
 
 def build_optimizer(par: Parallelized, cfg: RunConfig, mesh) -> torch.optim.Optimizer:
-    t = cfg.train
-    if cfg.parallel.zero == 1 and cfg.parallel.dp > 1 and par.pipeline is None:
-        from engine.parallel.zero import build_optimizer as zero_optimizer
+    """The layout's optimizer through the one builder (`engine.parallel.zero.build_optimizer`)."""
+    from engine.parallel.zero import build_optimizer as zero_optimizer
 
-        return zero_optimizer(par.modules[0], stage=1, lr=t.lr, betas=(t.beta1, t.beta2),
-                              weight_decay=t.weight_decay, process_group=mesh["dp"].get_group())
-    params = [p for p in par.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    t, p = cfg.train, cfg.parallel
+    # ZeRO-1 shards a DDP model's optimizer; stages 2-3 shard through FSDP2's DTensor parameters
+    stage = p.zero if p.dp > 1 and not cfg.co2.enabled else 0
+    group = mesh["dp"].get_group() if stage == 1 else None
+    return zero_optimizer(list(par.parameters()), stage=stage, lr=t.lr, betas=(t.beta1, t.beta2),
+                          weight_decay=t.weight_decay, process_group=group)
 
 
 def install_co2(trainer: Trainer, par: Parallelized) -> None:
@@ -171,26 +174,39 @@ def _link_of(cfg: RunConfig):
 
 
 def apply_live_knobs(trainer: Trainer, knobs: dict[str, Any]) -> None:
-    """Apply knobs that need no restart; the same dict must reach every rank at the same step."""
+    """Apply knobs that need no restart; the same dict must reach every rank at the same step.
+
+    Refuses (ValueError) a knob that cannot act in this run (engine.live.inert_knobs), so no
+    measurement is ever attributed to a knob that did nothing.
+    """
     from engine.config import replace
+    from engine.live import inert_knobs
 
     unknown = set(knobs) - set(LIVE_KNOBS)
     if unknown:
         raise ValueError(f"knobs {sorted(unknown)} need a restart; live knobs are {', '.join(LIVE_KNOBS)}")
+    start = trainer.__dict__.setdefault("live_start_cfg", trainer.cfg)  # what was built at start
+    inert = inert_knobs(start, knobs)
+    if inert:
+        raise ValueError("; ".join(f"{k}={knobs[k]!r} cannot act: {why}" for k, why in inert.items()))
     trainer.cfg = replace(trainer.cfg, knobs)
-    cfg = trainer.cfg
-    monitor = trainer.comm
-    if monitor is not None and monitor.compressor_state is not None and hasattr(monitor.compressor_state, "set_level"):
-        monitor.compressor_state.set_level(density=cfg.comm.density, rank=cfg.comm.rank)
-    if monitor is not None and monitor.link is not None:
-        from engine.comm.link import LinkEmulator
-
-        monitor.link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us) if cfg.link.gbps > 0 else None
+    _apply_comm_knobs(trainer.comm, trainer.cfg, knobs)
     if trainer.co2 is not None:
-        trainer.co2.set_knobs(tau=cfg.co2.tau, outer_lr=cfg.co2.outer_lr)
-    adaptive = getattr(monitor, "compressor_state", None)
-    if adaptive is not None and hasattr(adaptive, "chosen_levels"):
-        adaptive.default_level = cfg.comm.density
-        adaptive.levels = sorted(set(adaptive.levels) | {cfg.comm.density})  # the budget's reference level
+        trainer.co2.set_knobs(tau=trainer.cfg.co2.tau, outer_lr=trainer.cfg.co2.outer_lr)
     for name, value in knobs.items():
         trainer.emit(getattr(trainer, "current_step", -1), "knob", name, float(value))
+
+
+def _apply_comm_knobs(monitor: CommMonitor | None, cfg: RunConfig, knobs: dict[str, Any]) -> None:
+    if monitor is None:
+        return
+    state = monitor.compressor_state
+    if "comm.density" in knobs and hasattr(state, "set_default_level"):  # L-GreCo (adaptive)
+        state.set_default_level(cfg.comm.density)
+    elif hasattr(state, "set_level") and ({"comm.density", "comm.rank"} & set(knobs)):
+        state.set_level(density=cfg.comm.density, rank=cfg.comm.rank)
+    if {"link.gbps", "link.latency_us"} & set(knobs):
+        from engine.comm.link import LinkEmulator
+
+        # the hook reads monitor.link per bucket: None (gbps=0) pauses the emulation, a new one resumes it
+        monitor.link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us) if cfg.link.gbps > 0 else None

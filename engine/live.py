@@ -17,7 +17,63 @@ import torch.distributed as dist
 from engine.device import host_group
 
 if TYPE_CHECKING:
+    from engine.config import RunConfig
     from engine.train import Trainer
+
+# knobs that change what the model learns, not how fast: only a loss-aware objective can score them
+LR_LIKE = ("train.lr", "co2.outer_lr")
+
+
+def _ddp_hook_reason(cfg: RunConfig) -> str | None:
+    """Why the run has no DDP comm hook (the carrier of compression and link emulation), or None."""
+    p = cfg.parallel
+    if p.dp == 1:
+        return "parallel.dp=1 has no gradient communication"
+    if cfg.co2.enabled:
+        return "co2.enabled=true replaces the DDP gradient hook (CO2 reads its link once, at start)"
+    if p.pp > 1 or p.tp > 1 or p.zero >= 2:
+        return (f"parallel.pp={p.pp}, tp={p.tp}, zero={p.zero}: gradients do not go through a DDP comm hook "
+                "(it needs pp=1, tp=1, zero<=1)")
+    return None
+
+
+def _inert_reason(start: RunConfig, now: RunConfig, key: str) -> str | None:
+    """Why live knob `key` cannot act in a run started as `start` once its knobs make it `now`."""
+    if key in ("link.gbps", "link.latency_us"):
+        if start.link.gbps <= 0:
+            return "link.gbps=0 at start installs no link emulator; start the run with link.gbps > 0"
+        if key == "link.latency_us" and now.link.gbps <= 0:
+            return "link.latency_us does nothing while link.gbps=0 (no emulated link)"
+        return _ddp_hook_reason(start)
+    if key == "comm.density":
+        if start.comm.compressor not in ("topk", "randk"):
+            return f"comm.compressor={start.comm.compressor} has no density (topk and randk do)"
+        return _ddp_hook_reason(start)
+    if key == "comm.rank":
+        if start.comm.compressor != "powersgd":
+            return f"comm.compressor={start.comm.compressor} has no rank (powersgd does)"
+        return _ddp_hook_reason(start)
+    if key in ("co2.tau", "co2.outer_lr"):
+        if not start.co2.enabled or start.parallel.dp == 1:
+            return f"{key} needs CO2 running (co2.enabled=true and parallel.dp > 1)"
+        return None
+    if key in ("batch.micro", "batch.accum") and start.parallel.pp > 1:
+        return f"parallel.pp={start.parallel.pp}: the pipeline fixes its micro-batch count when it is built"
+    return None
+
+
+def inert_knobs(start: RunConfig, knobs: dict[str, Any]) -> dict[str, str]:
+    """{knob: why it cannot act} for the live `knobs` in a run started as `start` (empty: all act).
+
+    The one rule for the engine (`apply_live_knobs` refuses them) and the live tuner (it refuses
+    such a space before the run, and prunes a segment whose combination makes a knob inert).
+    """
+    from engine.config import replace
+
+    live = {k: v for k, v in knobs.items() if k != "batch.accum"}
+    now = replace(start, live) if live else start
+    reasons = {key: _inert_reason(start, now, key) for key in knobs}
+    return {key: why for key, why in reasons.items() if why is not None}
 
 
 class StopRun(Exception):

@@ -7,6 +7,7 @@ sharding: the mixed-precision ZeRO formulas of Rajbhandari et al. 2020 (2+2+12 P
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -18,24 +19,33 @@ FP32 = 4  # bytes
 
 
 def _stage_layers(cfg: RunConfig) -> list[int]:
-    pp, layers = cfg.parallel.pp, cfg.model.layers
-    if cfg.parallel.layer_split:
-        return list(cfg.parallel.layer_split)
-    return [layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]
+    """Blocks per pipeline rank: the pipeline's own split (rank r holds chunks r, r + pp, ...)."""
+    from engine.parallel.pipeline import stage_layers
+
+    p = cfg.parallel
+    chunks = stage_layers(cfg.model.layers, p.pp, p.virtual, p.layer_split)
+    return [sum(len(c) for c in chunks[rank::p.pp]) for rank in range(p.pp)]
+
+
+def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
+    """(root parameters, parameters of one block, blocks) one rank of pipeline `stage` holds
+    before ZeRO sharding (TP divides the block matmuls); the root is what no block holds."""
+    m, tp = cfg.model, cfg.parallel.tp
+    h, r = m.d_model, m.mlp_ratio
+    block = (4 + 2 * r) * h * h / tp + 4 * h  # q,k,v,o + mlp split over tp; two LayerNorms replicated
+    root = 0.0
+    last = cfg.parallel.pp - 1
+    if stage == 0:
+        root += m.vocab * h + m.seq_len * h  # token + position embeddings
+    if stage == last:
+        root += 2 * h + (m.vocab * h if last > 0 else 0)  # ln_f; the tied head is a second copy when pp > 1
+    return root, block, _stage_layers(cfg)[stage]
 
 
 def _stage_params(cfg: RunConfig, stage: int) -> float:
-    """Parameters one rank of pipeline `stage` holds before ZeRO sharding (TP divides the block matmuls)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    h, r = m.d_model, m.mlp_ratio
-    per_layer = (4 + 2 * r) * h * h / tp + 4 * h  # q,k,v,o + mlp split over tp; two LayerNorms replicated
-    n = _stage_layers(cfg)[stage] * per_layer
-    last = cfg.parallel.pp - 1
-    if stage == 0:
-        n += m.vocab * h + m.seq_len * h  # token + position embeddings
-    if stage == last:
-        n += 2 * h + (m.vocab * h if last > 0 else 0)  # ln_f; the tied head is a second copy when pp > 1
-    return n
+    """Parameters one rank of pipeline `stage` holds before ZeRO sharding."""
+    root, block, layers = _stage_parts(cfg, stage)
+    return root + layers * block
 
 
 def _layer_activation_elems(cfg: RunConfig) -> float:
@@ -81,24 +91,52 @@ def _activation_bytes(cfg: RunConfig, stage: int) -> float:
 
 
 def estimate_memory(cfg: RunConfig, *, pp_rank: int | None = None) -> dict[str, float]:
-    """Analytic bytes one rank holds: {params, grads, optimizer, activations}; the values sum to the total.
+    """Analytic peak bytes one rank holds: {params, grads, optimizer, activations}; they sum to the total.
 
-    ZeRO over dp = N (Rajbhandari et al. 2020, fp32 Adam): stage 0: 4+4+8 Psi; stage 1:
-    optimizer / N; stage 2: + grads / N; stage 3: + params / N. Stage 2 here is FSDP2 without
-    reshard-after-forward, whose parameters are sharded at rest too (params / N between steps;
-    the full 4 Psi are held only from forward to backward, which this does not count). Psi is
-    the parameter count of the rank's pipeline stage after tensor-parallel splitting.
-    `pp_rank=None` reports the pipeline stage with the largest total.
+    Model state at its peak, during backward (measured by `ModelStatePeak`), over dp = N with
+    Psi the parameters of the rank's pipeline stage after TP splitting, R its root (embeddings,
+    final norm) and B one block (fp32 Adam: 4 Psi params, 4 Psi grads, 8 Psi states before
+    sharding; Rajbhandari et al. 2020 for the states):
+    stage 0: Psi, Psi, 2 Psi. stage 1: Psi, Psi, 2 Psi / N (params 2 Psi with tp > 1: FSDP2
+      `replicate` holds an unsharded copy next to the replica).
+    stage 2 (FSDP2 per block, parameters kept from forward to backward): params Psi + Psi / N
+      (the unsharded copies next to the shards), grads B (the first block in backward, before
+      its reduce-scatter), states 2 Psi / N.
+    stage 3: params Psi / N + R + B (the root and one block unsharded), grads at the last
+      block: B + (L - 1) B / N, states 2 Psi / N.
+    With gradient accumulation (stages 2-3 reduce-scatter every micro-batch) the grads are
+    B + Psi / N: the shards accumulated by the earlier micro-batches.
+    Under pp > 1 the pipeline schedule keeps unsharded gradients over its micro-batches: ZeRO
+    2/3 grads Psi and params Psi + Psi / N (not measured). `pp_rank=None` reports the pipeline
+    stage with the largest total.
     """
     stages = range(cfg.parallel.pp) if pp_rank is None else [pp_rank]
     return max((_estimate_stage(cfg, s) for s in stages), key=lambda d: sum(d.values()))
 
 
+def _model_state_elems(cfg: RunConfig, stage: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer states) in fp32 elements at the peak (see `estimate_memory`)."""
+    p = cfg.parallel
+    root, block, layers = _stage_parts(cfg, stage)
+    psi, n = root + layers * block, p.dp
+    zero = 0 if n == 1 or cfg.co2.enabled else p.zero  # one replica or CO2: a plain module
+    if zero <= 1:
+        # dp over TP parameters is FSDP2 `replicate`: an unsharded copy next to the replica from
+        # forward to backward (measured: 2 Psi)
+        params = 2 * psi if n > 1 and p.tp > 1 and not cfg.co2.enabled else psi
+        return params, psi, 2 * psi / (n if zero == 1 else 1)
+    if p.pp > 1:
+        return psi + psi / n, psi, 2 * psi / n
+    # the gradient shards of earlier micro-batches (all of them after the first) are alive too
+    accumulated = psi / n if cfg.grad_accum > 1 else None
+    if zero == 2 or not p.reshard_after_forward:
+        return psi + psi / n, block + (accumulated or 0.0), 2 * psi / n
+    return psi / n + root + block, block + (accumulated or (layers - 1) * block / n), 2 * psi / n
+
+
 def _estimate_stage(cfg: RunConfig, stage: int) -> dict[str, float]:
-    psi, n, zero = _stage_params(cfg, stage), cfg.parallel.dp, cfg.parallel.zero
-    return {"params": FP32 * psi / (n if zero >= 2 else 1),
-            "grads": FP32 * psi / (n if zero >= 2 else 1),
-            "optimizer": 2 * FP32 * psi / (n if zero >= 1 else 1),
+    params, grads, optimizer = _model_state_elems(cfg, stage)
+    return {"params": FP32 * params, "grads": FP32 * grads, "optimizer": FP32 * optimizer,
             "activations": _activation_bytes(cfg, stage)}
 
 
@@ -137,3 +175,62 @@ def measure_model_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         for state in _optimizer_state(optimizer).values():
             opt += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return {"params": float(params), "grads": float(grads), "optimizer": float(opt)}
+
+
+def _live_bytes(t: torch.Tensor | None) -> int:
+    """Bytes of `t`'s local data while its storage is allocated (FSDP2 frees by resizing to 0)."""
+    if t is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size() if local.untyped_storage().nbytes() > 0 else 0
+
+
+class ModelStatePeak:
+    """Peak parameter + gradient bytes alive on this rank while it is open (a context manager).
+
+    `measure_model_state` sees a step's end, when ZeRO-2/3 gradients are already sharded; the
+    peak comes during backward, while a group's full gradients wait for their reduce-scatter.
+    Samples at every gradient accumulation (`register_post_accumulate_grad_hook`) of every
+    parameter tensor seen: the modules' own parameters and the unsharded ones FSDP2 swaps in
+    (seen by forward pre-hooks, which run after FSDP2's unshard), plus explicit `sample()`s.
+    Tensors count their local bytes while their storage is allocated, each tensor once.
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.peak: dict[str, float] = {"params": 0.0, "grads": 0.0}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ModelStatePeak:
+        for module in self.modules:
+            self._track(module.parameters())
+            for sub in module.modules():
+                if next(sub.parameters(recurse=False), None) is not None:
+                    self._handles.append(sub.register_forward_pre_hook(
+                        lambda m, _args: self._track(m.parameters(recurse=False))))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sample()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _track(self, params: Any) -> None:
+        for p in params:
+            if id(p) in self.tensors:
+                continue
+            self.tensors[id(p)] = p
+            if p.requires_grad and p.is_leaf:
+                with contextlib.suppress(RuntimeError):  # e.g. a DTensor FSDP2 assigns .grad to directly
+                    self._handles.append(p.register_post_accumulate_grad_hook(lambda _p: self.sample()))
+
+    def sample(self) -> None:
+        """Record the bytes alive now if their sum is the largest so far."""
+        params = sum(_live_bytes(t) for t in self.tensors.values())
+        grads = sum(_live_bytes(t.grad) for t in self.tensors.values())
+        if params + grads > self.peak["params"] + self.peak["grads"]:
+            self.peak = {"params": float(params), "grads": float(grads)}

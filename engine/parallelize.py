@@ -95,7 +95,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     hooks: dict[str, Any] = {}
     if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
         hooks = comm_hook_factory(wrapped, mesh["dp"].get_group())
-    return Parallelized(modules=[wrapped], forward=wrapped, no_sync=_no_sync_of(wrapped), hooks=hooks)
+    # ZeRO-2/3 reduce-scatter every micro-batch (as ZeRO defines them): skipping the sync would
+    # keep every block's full unsharded gradients until the last micro-batch
+    no_sync = _no_sync_of(wrapped) if p.zero < 2 else contextlib.nullcontext
+    return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks)
 
 
 def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device) -> Parallelized:

@@ -206,6 +206,11 @@ class Trainer:
             group["lr"] = lr
         with self.timer.phase("data"):
             x, y = self._local_batch(step)
+        peak = None
+        if step == self.start_step and self.cfg.profile.enabled:
+            from engine.memory import ModelStatePeak
+
+            peak = ModelStatePeak(par.modules).__enter__()  # peak params + grads during backward
         local = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
         # launched before CO2's outer all-reduce (same dp group): waiting for it never waits for CO2;
         # issuing it is host time spent on communication, so the breakdown counts it there
@@ -215,8 +220,9 @@ class Trainer:
             par.after_backward()
             grad_norm = self._clip()
             par.optimizer.step()
-            if step == self.start_step and self.cfg.profile.enabled:
-                self._record_memory_accounting(step)  # after the step: grads and optimizer state exist
+            if peak is not None:
+                peak.__exit__(None, None, None)
+                self._record_memory_accounting(step, peak.peak)  # after the step: optimizer state exists
             par.optimizer.zero_grad(set_to_none=True)
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
@@ -237,14 +243,16 @@ class Trainer:
         return StepMetrics(step=step, loss=loss, step_time_s=step_time, tokens_per_s=tps, lr=lr,
                            grad_norm=grad_norm, mfu=mfu, breakdown=breakdown, wall_s=wall)
 
-    def _record_memory_accounting(self, step: int) -> None:
-        """Measured model-state bytes of this rank next to the analytic estimate (GiB)."""
+    def _record_memory_accounting(self, step: int, peak: dict[str, float] | None = None) -> None:
+        """Measured model-state bytes of this rank next to the analytic estimate (GiB); `peak`
+        (ModelStatePeak) gives params and grads at their peak during backward."""
         from engine.memory import estimate_memory, measure_model_state
 
         measured: dict[str, float] = {}
         for i, module in enumerate(self.par.modules):
             for key, value in measure_model_state(module, self.par.optimizer if i == 0 else None).items():
                 measured[key] = measured.get(key, 0.0) + value
+        measured.update(peak or {})
         estimate = {} if self.user_dataset is not None else estimate_memory(self.cfg, pp_rank=self.coords["pp"])
         for key, value in measured.items():
             self.emit(step, "memory", f"{key}(GiB)", value / 2**30)

@@ -18,13 +18,17 @@ if TYPE_CHECKING:
 
 MAX_WORLD_SIZE = 65536
 MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout) overflows far above this
+# the names the engine implements, defined here (torch-free) and imported by their implementations:
+# engine/comm/compress.py keys its hooks by COMPRESSORS, engine/parallel/pipeline.py its schedules
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | our relative-gap variant
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of n in increasing order (O(sqrt n)); [] for n < 1."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n >= 1 else []
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _try(n: int) -> str:

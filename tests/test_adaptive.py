@@ -143,8 +143,35 @@ def _run(rank: int, levels: tuple[float, ...], default: float) -> dict:
     }
 
 
+def _live_density_run(rank: int) -> dict:
+    """A live comm.density change through the engine's apply_live_knobs between solves (issue 14:
+    the next solve looked the new density up in the candidate levels and crashed)."""
+    from types import SimpleNamespace
+
+    from engine.comm_setup import apply_live_knobs
+    from engine.config import load_config
+
+    model = _Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    comp = apply_adaptive(ddp, levels=(0.001, 0.01, 0.05), default_level=0.05, interval=2, bins=500)
+    cfg = load_config(None, ["parallel.dp=2", "comm.compressor=topk", "comm.adaptive=true", "comm.density=0.05"])
+    trainer = SimpleNamespace(cfg=cfg, comm=SimpleNamespace(compressor_state=comp, link=None), co2=None,
+                              emit=lambda *a: None)
+    history = []
+    for step in range(5):
+        if step == 1:
+            apply_live_knobs(trainer, {"comm.density": 0.02})
+        history.append(comp.chosen_levels)
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        ddp.zero_grad()
+        torch.nn.functional.mse_loss(ddp(torch.randint(0, 200, (4,), generator=gen)),
+                                     torch.randn(4, 8, generator=gen)).backward()
+    return {"history": history, "solves": comp.solves, "levels": comp.levels}
+
+
 def _all_runs(rank: int, world: int) -> dict:
-    return {"adaptive": _run(rank, (0.001, 0.01, 0.05, 0.2), 0.05), "lossless": _run(rank, (1.0,), 1.0)}
+    return {"adaptive": _run(rank, (0.001, 0.01, 0.05, 0.2), 0.05), "lossless": _run(rank, (1.0,), 1.0),
+            "live": _live_density_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +198,12 @@ def test_adaptive_lossless_level_equals_dense(runs: dict) -> None:
     for rank in range(WORLD):
         for got, ref in runs[rank]["lossless"]["grads"]:
             assert float((got - ref).abs().max()) <= 1e-6
+
+
+@pytest.mark.slow
+def test_live_density_change_survives_the_next_solve(runs: dict) -> None:
+    live0, live1 = runs[0]["live"], runs[1]["live"]
+    assert live0["solves"] == live1["solves"] == 3  # steps 0, 2, 4: the solves after the change ran
+    assert live0["history"] == live1["history"]
+    assert set(live0["history"][1].values()) == {0.02}  # the new density acts from the next step
+    assert 0.02 in live0["levels"]

@@ -14,7 +14,8 @@ from profilers.store import RunStore
 
 TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
         "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2", "train.grad_clip=0.5",
-        "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=5"]
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=5",
+        "train.weight_decay=0.1"]  # one weight-decay rule in every layout (issue 14)
 # the technique-level tests cover every layout of issue 4 (tp2, dp2 x tp2 in test_tensor_parallel;
 # each schedule, dp2 x pp2, tp2 x pp2 in test_pipeline; each ZeRO stage alone and with tp2 in
 # test_zero); these prove the engine's wiring of each code path once

@@ -170,11 +170,13 @@ def test_exported_yaml_reproduces_the_trial_loss(tmp_path):
 def test_live_in_job_study_records_segments(tmp_path):
     from tuning.live import LiveTuner
 
-    study = _study(tmp_path, sampler="random")
+    study = _study(tmp_path, sampler="random", objective="throughput+val_loss")
     space = SearchSpace.from_dict({"params": {"train.lr": {"low": 0.0005, "high": 0.005, "log": True},
                                               "batch.micro": {"choices": [2, 4]}}})
     base = load_config(None, BASE + ["train.schedule=constant"])
-    tuner = LiveTuner(study, space, base, segments=4, segment_steps=3, home=tmp_path)
+    # train.lr changes the loss, not the speed: live tuning scores it with (tokens/s, val_loss)
+    tuner = LiveTuner(study, space, base, segments=4, segment_steps=3, home=tmp_path,
+                      objective="throughput+val_loss")
     result = tuner.run()
     assert result.status == "completed" and len(result.steps) == 12
     trials = study.get_trials()
@@ -183,6 +185,8 @@ def test_live_in_job_study_records_segments(tmp_path):
     assert [(s["start_step"], s["end_step"]) for s in segs] == [(0, 3), (3, 6), (6, 9), (9, 12)]
     assert [s["trial_number"] for s in segs] == [t.number for t in trials]
     assert all(s["value"] == t.values[0] for s, t in zip(segs, trials))
+    vals = {r.step: r.value for r in RunStore.open_home(tmp_path).metrics(tuner.run_id, kind="eval", name="val_loss", rank=0)}
+    assert [t.values[1] for t in trials] == [vals[s["end_step"] - 1] for s in segs]  # each segment's own eval
     # the knobs really changed on the ranks: the recorded lr follows each segment's trial
     lrs = {r.step: r.value for r in RunStore.open_home(tmp_path).metrics(tuner.run_id, kind="step", name="lr", rank=0)}
     for s, t in zip(segs, trials):

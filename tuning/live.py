@@ -4,6 +4,12 @@ Knobs that need no restart (comm.density, comm.rank, co2.tau, co2.outer_lr, link
 train.lr) are taken from the study at each boundary (engine/live.py), measured over the segment
 (its first step skipped: a knob change can cost a warm-up step) and told to the study. Each
 segment is its own trial, linked to the same run; the store's segments table marks the timeline.
+
+A knob that cannot act in the run (engine.live.inert_knobs: link.* without a link at start,
+comm.density without topk/randk, co2.* without CO2, batch.micro under pp > 1) is refused before
+the run starts; a segment whose combination makes a knob inert is pruned with the reason.
+lr-like knobs (train.lr, co2.outer_lr) need objective throughput+val_loss: each segment then
+ends with an evaluation and is told (tokens/s, val_loss).
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from optuna.trial import TrialState
 from engine.config import RunConfig, replace
 from engine.errors import ConfigError
 from engine.launch import RunResult, launch
+from engine.live import inert_knobs
 from profilers.store import RunStore, default_home
+from tuning.objective import PARETO, THROUGHPUT
 from tuning.space import LIVE_KEYS, SearchSpace
 
 
@@ -38,22 +46,36 @@ def _segment_value(store: RunStore, run_id: str, start: int, end: int, skip: int
     return statistics.median(tps) if tps else None
 
 
+def _segment_val_loss(store: RunStore, run_id: str, end: int, wait_s: float = 10.0) -> float | None:
+    """val_loss of the evaluation after the segment's last step (rank 0), once it reached the store."""
+    deadline = time.time() + wait_s
+    while True:
+        found = [r.value for r in store.metrics(run_id, kind="eval", name="val_loss", rank=0)
+                 if r.step == end - 1]
+        if found or time.time() > deadline:
+            return found[-1] if found else None
+        time.sleep(0.05)
+
+
 class LiveTuner:
     """Drives one run's knob channel from the tuner's process."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, base: RunConfig, *, segments: int,
-                 segment_steps: int, home: str | Path | None = None, skip_steps: int = 1) -> None:
-        not_live = [p.key for p in space.params if p.key not in LIVE_KEYS]
-        if not_live:
-            raise ConfigError("space.params", not_live, f"need a restart; live knobs are {', '.join(LIVE_KEYS)}")
+                 segment_steps: int, home: str | Path | None = None, skip_steps: int = 1,
+                 objective: str = THROUGHPUT) -> None:
+        if objective not in (THROUGHPUT, PARETO):
+            raise ConfigError("objective", objective, f"must be {THROUGHPUT} or {PARETO}")
         if segment_steps <= skip_steps:
             raise ConfigError("segment_steps", segment_steps, f"must be > {skip_steps} (steps skipped per segment)")
         self.study, self.space, self.segments = study, space, segments
         self.segment_steps, self.skip = segment_steps, skip_steps
         self.home = Path(home) if home else default_home()
         self.store = RunStore.open_home(self.home)
+        self.objective = objective
+        evals = {"train.eval_interval": segment_steps} if objective == PARETO else {}
         self.cfg = replace(base, {**space.fixed, "live.every": segment_steps,
-                                  "train.steps": segment_steps * segments})
+                                  "train.steps": segment_steps * segments, **evals})
+        space.check_live(self.cfg, loss_aware=objective == PARETO)
         self.run_id = f"{self.cfg.name}-live-{uuid.uuid4().hex[:8]}"
         self.run_dir = self.home / "runs" / self.run_id
         self.open: tuple[optuna.trial.Trial, int, int] | None = None  # (trial, segment id, start step)
@@ -65,8 +87,13 @@ class LiveTuner:
             knobs = {k: v for k, v in self.space.to_overrides(chosen, self.cfg).items() if k in LIVE_KEYS}
             try:
                 replace(self.cfg, knobs)
+                inert = inert_knobs(self.cfg, knobs)
             except ConfigError as exc:
                 trial.set_user_attr("reason", f"invalid: {exc}")
+                self.study.tell(trial, state=TrialState.PRUNED)
+                continue
+            if inert:  # e.g. link.latency_us while this segment's link.gbps=0
+                trial.set_user_attr("reason", "inert: " + "; ".join(f"{k}: {why}" for k, why in inert.items()))
                 self.study.tell(trial, state=TrialState.PRUNED)
                 continue
             for key, value in {"run_id": self.run_id, "start_step": step, "live": True}.items():
@@ -82,13 +109,19 @@ class LiveTuner:
         trial, seg, start = self.open
         self.open = None
         value = _segment_value(self.store, self.run_id, start, end_step, self.skip)
+        val_loss = _segment_val_loss(self.store, self.run_id, end_step) if self.objective == PARETO else None
         trial.set_user_attr("end_step", end_step)
         self.store.end_segment(seg, end_step=end_step, value=value)
-        if value is None:
-            trial.set_user_attr("reason", "segment recorded no steady step")
+        if value is None or (self.objective == PARETO and val_loss is None):
+            trial.set_user_attr("reason", "segment recorded no steady step" if value is None
+                                else "segment recorded no val_loss")
             self.study.tell(trial, state=TrialState.FAIL)
+            return
+        trial.set_user_attr("tokens_per_s", value)
+        if self.objective == PARETO:
+            trial.set_user_attr("val_loss", val_loss)
+            self.study.tell(trial, [value, val_loss])
         else:
-            trial.set_user_attr("tokens_per_s", value)
             self.study.tell(trial, value)
 
     def _answer(self, index: int, step: int) -> None:

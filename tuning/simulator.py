@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.validate import divisors as _divisors
 from tuning.hardware import GB, ClusterSpec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -71,7 +72,7 @@ class ParallelSpec:
     zero: int = 0  # ZeRO stage 0-3
     recompute: str | bool = "none"  # activation recomputation: none | selective | full (bool ok)
     sequence_parallel: bool = False  # shard norms/dropout activations over tp
-    compression_ratio: float = 1.0  # dense / wire bytes of the gradient collective
+    compression_ratio: float = 1.0  # dense all_reduce / wire bytes of the gradient collective at this dp
     co2: bool = False  # CO2: the gradient all-reduce is asynchronous and fully hidden
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
     dtype_bytes: int = 2  # bytes per parameter, gradient and activation (2 = bf16/fp16)
@@ -119,10 +120,6 @@ class SimResult:
 
 
 # ---------------------------------------------------------------- validation
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
 
 def _choices(values: list[int]) -> str:
     shown = [str(v) for v in values[:8]]
@@ -176,8 +173,8 @@ def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
         reasons.append(f"parallel.virtual={par.virtual} needs parallel.pp > 1")
     if par.sequence_parallel and model.seq % par.tp:
         reasons.append(f"sequence parallel needs parallel.tp={par.tp} to divide model.seq_len={model.seq}")
-    if par.compression_ratio < 1.0:
-        reasons.append(f"compression_ratio={par.compression_ratio} must be >= 1")
+    if not par.compression_ratio > 0.0:  # < 1: an all_gather compressor at large dp sends more than dense
+        reasons.append(f"compression_ratio={par.compression_ratio} must be > 0")
     if par.dtype_bytes not in (1, 2, 4):
         reasons.append(f"dtype_bytes={par.dtype_bytes} must be 1, 2 or 4")
     return reasons
@@ -485,19 +482,34 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
 _PRECISION_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "bfloat16": 2, "fp8": 1}
 
 
-def _compression_ratio(comm: dict[str, Any], hidden: int) -> float:
-    """Dense / wire bytes of the engine's gradient compressors (comm.* keys)."""
-    name = comm.get("compressor", "none")
-    if name in ("fp16", "bf16"):
-        return 2.0  # fp32 gradients sent as 16-bit
-    if name == "int8":
-        return 4.0
-    if name in ("topk", "randk"):
-        return 1.0 / (2.0 * float(comm.get("density", 0.01)))  # value + int32 index per kept entry
-    if name == "powersgd":
-        # A GPT layer's weights (h x 3h, h x h, h x 4h, 4h x h): 12 h^2 dense vs r (n + m) = 16 r h.
-        return max(1.0, 12.0 * hidden / (16.0 * int(comm.get("rank", 4))))
-    return 1.0
+def compression_wire_bytes(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(wire, dense) bytes one dp rank sends per step for the gradients of the run config `cfg`:
+    the engine's own accounting (engine.comm.compress.step_wire_bytes: the same collective,
+    all_gather or all_reduce, and bytes as its hooks send) over the engine GPT's parameters
+    in DDP's buckets. Top-k and int8 are all_gathers, so their bytes grow with dp - 1."""
+    import torch
+
+    from engine.comm.compress import step_wire_bytes
+    from engine.config import ModelConfig
+    from engine.model import GPT
+
+    mdl, comm = cfg.get("model", {}), cfg.get("comm", {})
+    keys = ("layers", "d_model", "heads", "seq_len", "vocab", "mlp_ratio")
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(ModelConfig(**{k: mdl[k] for k in keys if k in mdl}))
+    shapes = [tuple(p.shape) for p in model.parameters()]  # parameters(): the tied weight once
+    return step_wire_bytes(str(comm.get("compressor", "none")), shapes, int(cfg.get("parallel", {}).get("dp", 1)),
+                           density=float(comm.get("density", 0.01)), rank=int(comm.get("rank", 4)),
+                           bucket_cap_mb=float(cfg.get("ddp", {}).get("bucket_cap_mb", 25.0)))
+
+
+def _compression_ratio(cfg: dict[str, Any]) -> float:
+    """Dense / wire bytes of the gradient collective at the config's dp (below 1 when an
+    all_gather compressor sends more than a dense all_reduce would)."""
+    if cfg.get("comm", {}).get("compressor", "none") == "none" or int(cfg.get("parallel", {}).get("dp", 1)) < 2:
+        return 1.0
+    wire, dense = compression_wire_bytes(cfg)
+    return dense / wire if wire > 0 else 1.0
 
 
 def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
@@ -521,7 +533,7 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
         micro=int(batch.get("micro", 4)), global_batch=int(batch.get("global", 8)),
         recompute=bool(train.get("activation_checkpointing", False)),
         dtype_bytes=_PRECISION_BYTES.get(str(cfg.get("precision", "fp32")), 4),
-        compression_ratio=_compression_ratio(comm, model.hidden),
+        compression_ratio=_compression_ratio(cfg),
         co2=bool(cfg.get("co2", {}).get("enabled", False)),
         bucket_mb=float(ddp.get("bucket_cap_mb", 25.0)),
         zero1_allreduce=True,  # the engine's ZeRO-1 is ZeroRedundancyOptimizer behind DDP

@@ -27,7 +27,7 @@ import yaml
 
 from engine.config import LIVE_KNOBS, RunConfig, apply_overrides, from_dict
 from engine.errors import ConfigError
-from engine.validate import MAX_WORLD_SIZE
+from engine.validate import MAX_WORLD_SIZE, divisors as _divisors
 
 _SPEC_KEYS = {"choices", "low", "high", "log", "step", "layouts", "when"}
 LIVE_KEYS = (*LIVE_KNOBS, "batch.accum")  # batch.accum sets batch.micro
@@ -40,11 +40,6 @@ def layouts(world_size: int) -> list[str]:
         for tp in _divisors(world_size // dp):
             out.append(f"dp{dp}-tp{tp}-pp{world_size // (dp * tp)}")
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def parse_layout(name: str) -> dict[str, int]:
@@ -183,8 +178,33 @@ class SearchSpace:
     def live_only(self) -> bool:
         return all(p.key in LIVE_KEYS for p in self.params)
 
+    def check_live(self, base: RunConfig, *, loss_aware: bool) -> None:
+        """Refuse, before a live run starts, a knob it cannot change, one that cannot act in a run
+        started as `base` (engine.live.inert_knobs), or an lr-like knob under a throughput-only
+        objective (its effect is on the loss, not the speed)."""
+        from engine.live import LR_LIKE, inert_knobs
+
+        keys = [p.key for p in self.params]
+        not_live = [k for k in keys if k not in LIVE_KEYS]
+        if not_live:
+            raise ConfigError("space.params", not_live, f"need a restart; live knobs are {', '.join(LIVE_KEYS)}")
+        for key in keys:
+            if key in LR_LIKE and not loss_aware:
+                raise ConfigError(f"params.{key}", "…", "changes what the model learns, not its speed: "
+                                  "tune it live only with objective throughput+val_loss")
+        current = {k: _lookup(base.to_dict(), k) for k in keys}
+        for key, why in inert_knobs(base, current).items():
+            raise ConfigError(f"params.{key}", "…", f"cannot act in this run: {why}")
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.raw, sort_keys=False)
+
+
+def _lookup(data: dict[str, Any], key: str) -> Any:
+    """The value of dotted `key` in a nested config dict (None when absent, e.g. batch.accum)."""
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
 
 
 def _yaml(value: Any) -> str:

@@ -97,7 +97,8 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         from tuning.live import LiveTuner
 
         try:
-            result = LiveTuner(st, sp, cfg, segments=trials, segment_steps=segment_steps).run()
+            result = LiveTuner(st, sp, cfg, segments=trials, segment_steps=segment_steps,
+                               objective=objective).run()
         except ConfigError as exc:
             fail(str(exc))
         console.print(f"live run {result.run_id}: {result.status}") if not as_json else None

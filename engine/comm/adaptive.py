@@ -15,8 +15,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.comm.compress import densify, error_feedback, gather_sparse, k_for
-from engine.comm.link import bus_factor
+from engine.comm.compress import Wire, densify, error_feedback, gather_sparse, k_for
 
 OnBytes = Callable[[int, int], None]
 TOPK_LEVELS = (0.001, 0.003, 0.01, 0.03, 0.1)
@@ -175,6 +174,18 @@ class AdaptiveCompressor:
         self.dense_bytes = 0
         self._rows: dict[str, tuple[list[float], list[int]]] = {}
 
+    def set_default_level(self, level: float) -> None:
+        """Change the uniform level the budget is measured against (live `comm.density`).
+
+        The level joins the candidate levels (the solver looks it up there), and every layer
+        uses it until the next solve, so the change acts from the next step on.
+        """
+        if not 0.0 < level <= 1.0:
+            raise ValueError(f"comm.density={level} must be in (0, 1]; e.g. 0.01")
+        self.default_level = level
+        self.levels = sorted(set(self.levels) | {level})
+        self.density = {name: level for name in self.density}
+
     @property
     def chosen_levels(self) -> dict[str, float]:
         """Current Top-k density per parameter name (telemetry)."""
@@ -236,8 +247,8 @@ class AdaptiveCompressor:
         self.solves += 1
 
     def _record(self, buf: torch.Tensor, payload: int, n: int) -> None:
-        wire = (n - 1) * payload  # all_gather: the ring forwards n-1 ranks' payloads
-        dense = int(buf.numel() * 4 * bus_factor("all_reduce", n))
+        wire = int(Wire("all_gather", payload).on_wire(n))
+        dense = int(Wire("all_reduce", buf.numel() * 4).on_wire(n))
         self.wire_bytes += wire
         self.dense_bytes += dense
         if self.on_bytes is not None:

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from engine.comm.link import LinkEmulator, bus_factor
-
-COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
+from engine.validate import COMPRESSORS
 OnBytes = Callable[[int, int], None]
 Hook = Callable[["CompressionState", dist.GradBucket], torch.futures.Future]
 
@@ -86,9 +85,104 @@ def dequantize_int8(q: torch.Tensor, scale: float) -> torch.Tensor:
     return q.to(torch.float32) * scale
 
 
+def int8_error_feedback(
+    tensor: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """int8 of tensor + residual with error feedback (Seide et al. 2014; Karimireddy et al. 2019):
+    (int8 values, scale, new residual). Round-to-nearest alone is biased (an entry below half
+    a step is always sent as 0); carrying the rounding error into the next round sends every
+    entry's sum up to one residual: dequantize(q, scale) + new_residual == tensor + residual."""
+    acc = tensor.reshape(-1).clone() if residual is None else tensor.reshape(-1) + residual
+    scale = int8_scale(float(acc.abs().max()))
+    q = quantize_int8(acc, scale)
+    return q, scale, acc.sub_(dequantize_int8(q, scale))
+
+
 def _mix_seed(seed: int, bucket_index: int, call: int) -> int:
     # Same (seed, bucket, call) on every rank gives the same Rand-k indices without sending them.
     return (seed * 1_000_003 + bucket_index * 10_007 + call) % (2**63 - 1)
+
+
+# ---- what each compressor sends (the hooks below and tuning/simulator.py use these) -----------
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """What one bucket's compression puts in collectives: `op`, the bytes each rank hands it
+    (an all_reduce's buffer, an all_gather's per-rank input) and how many collectives."""
+
+    op: str
+    nbytes: float
+    num_ops: int = 1
+
+    def on_wire(self, n: int) -> float:
+        """Bytes this rank sends over a ring of `n` ranks (nccl-tests bus factors, formulas.md):
+        all_gather forwards the n-1 other ranks' inputs, so it grows with the group."""
+        if self.op == "all_gather":
+            return (n - 1) * self.nbytes
+        return self.nbytes * bus_factor(self.op, n)
+
+
+def powersgd_numel(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = 2.0) -> int:
+    """Entries torch's `powerSGD_hook` all_reduces for gradients of `shapes`: each tensor viewed
+    as (shape[0], rest) is sent as P (n r) and Q (m r) when (n + m) r x rate < n m, else dense
+    (its `_should_compress`; 1-D tensors are never worth it)."""
+    total = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = math.prod(shape) // n if n else 0
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return total
+
+
+def bucket_wire(compressor: str, numel: int, *, density: float = 0.01, rank: int = 4,
+                shapes: list[tuple[int, ...]] | None = None) -> Wire:
+    """What `compressor` sends for one fp32 gradient bucket of `numel` entries (`shapes`: its
+    tensors, needed by powersgd). The hooks below send exactly this."""
+    if compressor == "none":
+        return Wire("all_reduce", numel * 4)
+    if compressor in ("fp16", "bf16"):
+        return Wire("all_reduce", numel * 2)
+    if compressor == "int8":
+        return Wire("all_gather", numel + 4)  # int8 values + this rank's fp32 scale
+    if compressor == "topk":
+        return Wire("all_gather", 2 * k_for(numel, density) * 4)  # fp32 values + int32 indices
+    if compressor == "randk":
+        return Wire("all_reduce", k_for(numel, density) * 4)  # indices from a shared seed
+    if compressor == "powersgd":
+        if shapes is None:
+            raise ValueError("bucket_wire('powersgd') needs the bucket's tensor shapes")
+        return Wire("all_reduce", powersgd_numel(shapes, rank) * 4, 3)  # dense 1-D + Ps + Qs
+    raise ValueError(f"comm.compressor={compressor!r} is not one of {', '.join(COMPRESSORS)}")
+
+
+def ddp_buckets(shapes: list[tuple[int, ...]], bucket_cap_mb: float = 25.0,
+                first_bucket_mb: float = 1.0) -> list[list[tuple[int, ...]]]:
+    """DDP's gradient buckets of fp32 parameters of `shapes` (model order), approximately: filled
+    in reverse order (backward's), the first up to `first_bucket_mb` MiB, then `bucket_cap_mb`
+    MiB each (DDP rebuilds buckets in the real gradient order after the first step)."""
+    buckets: list[list[tuple[int, ...]]] = [[]]
+    size, cap = 0, min(first_bucket_mb, bucket_cap_mb) * 2**20
+    for shape in reversed(shapes):
+        buckets[-1].append(shape)
+        size += math.prod(shape) * 4
+        if size >= cap:
+            buckets.append([])
+            size, cap = 0, bucket_cap_mb * 2**20
+    return [b for b in buckets if b]
+
+
+def step_wire_bytes(compressor: str, shapes: list[tuple[int, ...]], n: int, *, density: float = 0.01,
+                    rank: int = 4, bucket_cap_mb: float = 25.0) -> tuple[float, float]:
+    """(wire, dense) bytes one rank sends per step for fp32 gradients of `shapes` over `n` ranks:
+    the compressed collectives against a dense fp32 all_reduce of the same buckets."""
+    wire = dense = 0.0
+    for bucket in ddp_buckets(shapes, bucket_cap_mb):
+        numel = sum(math.prod(s) for s in bucket)
+        wire += bucket_wire(compressor, numel, density=density, rank=rank, shapes=bucket).on_wire(n)
+        dense += Wire("all_reduce", numel * 4).on_wire(n)
+    return wire, dense
 
 
 # ---- state -----------------------------------------------------------------------------------
@@ -141,12 +235,11 @@ class CompressionState:
                 self.powersgd.p_memory_dict.clear()
                 self.powersgd.q_memory_dict.clear()
 
-    def record(self, bucket: dist.GradBucket, wire: float, num_ops: int) -> None:
+    def record(self, bucket: dist.GradBucket, sent: Wire) -> None:
         """Account one bucket's wire bytes against its dense fp32 all_reduce cost."""
-        buf = bucket.buffer()
         n = self.group_size()
-        dense = int(round(buf.numel() * 4 * bus_factor("all_reduce", n)))
-        wire_int = int(round(wire))
+        dense = int(round(Wire("all_reduce", bucket.buffer().numel() * 4).on_wire(n)))
+        wire_int, num_ops = int(round(sent.on_wire(n))), sent.num_ops
         self.wire_bytes += wire_int
         self.dense_bytes += dense
         self.last_cost[bucket.index()] = (wire_int, num_ops)
@@ -163,17 +256,11 @@ class CompressionState:
 # ---- hooks -----------------------------------------------------------------------------------
 
 
-def _wire(op: str, nbytes: float, n: int) -> float:
-    if op == "all_gather":
-        return (n - 1) * nbytes  # nbytes is this rank's input, the ring forwards n-1 of them
-    return nbytes * bus_factor(op, n)
-
-
 def none_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Dense fp32 all_reduce (what DDP does by default), with byte accounting."""
     buf = bucket.buffer()
     n = state.group_size()
-    state.record(bucket, _wire("all_reduce", buf.numel() * buf.element_size(), n), 1)
+    state.record(bucket, bucket_wire("none", buf.numel()))
     buf.div_(n)
     fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -186,7 +273,7 @@ def _cast_hook(
     n = state.group_size()
     # pre-divide as torch's fp16_compress_hook does, so the 16-bit sum cannot overflow
     low = buf.div(n).to(dtype)
-    state.record(bucket, _wire("all_reduce", low.numel() * low.element_size(), n), 1)
+    state.record(bucket, bucket_wire(state.compressor, buf.numel()))
     fut = dist.all_reduce(low, group=state.process_group, async_op=True).get_future()
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
@@ -207,19 +294,25 @@ def bf16_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
 
 
 def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """int8 with a per-bucket, per-rank scale: all_gather of int8 values + the 4-byte scale.
+    """int8 with a per-bucket, per-rank scale and error feedback: all_gather of int8 values +
+    the 4-byte scale.
 
     An int32 all_reduce of int8 values would put 4 bytes per entry on the wire, as many as
     fp32, so the int8 values travel by all_gather and are summed after dequantisation. Sending
-    each rank's scale avoids a blocking MAX all_reduce before the data can leave.
+    each rank's scale avoids a blocking MAX all_reduce before the data can leave. Each rank
+    keeps its rounding error per bucket and adds it to the next step's gradient (unbiased over
+    steps; `int8_error_feedback`).
     """
     buf = bucket.buffer()
-    n, numel = state.group_size(), buf.numel()
-    scale = int8_scale(float(buf.abs().max()))
+    n, numel, index = state.group_size(), buf.numel(), bucket.index()
+    residual = state.residuals.get(index)
+    if residual is not None and residual.numel() != numel:
+        residual = None  # DDP rebuilt its buckets after the first step
+    q, scale, state.residuals[index] = int8_error_feedback(buf, residual)
     scale_bytes = torch.tensor([scale], dtype=torch.float32).view(torch.int8)
-    payload = torch.cat([quantize_int8(buf, scale), scale_bytes.to(buf.device)])
+    payload = torch.cat([q, scale_bytes.to(buf.device)])
     gathered = torch.empty(n * (numel + 4), dtype=torch.int8, device=buf.device)
-    state.record(bucket, _wire("all_gather", numel + 4, n), 1)
+    state.record(bucket, bucket_wire("int8", numel))
     work = dist.all_gather_single(gathered, payload, group=state.process_group, async_op=True)
 
     def decompress(_f: torch.futures.Future) -> torch.Tensor:
@@ -242,7 +335,7 @@ def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
     k = k_for(numel, state.density)
     values, indices, state.residuals[index] = error_feedback(buf, residual, k)
     fut = gather_sparse(values, indices, state.process_group, n)
-    state.record(bucket, _wire("all_gather", 2 * k * 4, n), 1)
+    state.record(bucket, bucket_wire("topk", numel, density=state.density))
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
         all_values, all_indices = f.value()
@@ -278,7 +371,7 @@ def randk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.future
     k = k_for(numel, state.density)
     values, indices = randk_compress(buf, k, _mix_seed(state.seed, index, state.next_call(index)))
     values.div_(n)
-    state.record(bucket, _wire("all_reduce", k * 4, n), 1)
+    state.record(bucket, bucket_wire("randk", numel, density=state.density))
     fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
@@ -310,11 +403,12 @@ def powersgd_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.fut
     compressing = ps.iter >= ps.start_powerSGD_iter
     fut = powerSGD_hook(ps, bucket)
     state.pending = None if bucket.is_last() else fut
+    # measured from torch's own count (bucket_wire('powersgd') predicts it from the shapes)
     if compressing:
         sent = (ps.total_numel_after_compression - before) * buf.element_size()
-        state.record(bucket, _wire("all_reduce", sent, n), 3)
+        state.record(bucket, Wire("all_reduce", sent, 3))
     else:
-        state.record(bucket, _wire("all_reduce", buf.numel() * buf.element_size(), n), 1)
+        state.record(bucket, bucket_wire("none", buf.numel()))
     return fut
 
 

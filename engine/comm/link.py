@@ -15,30 +15,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from profilers.collectives import bus_factor  # the one definition (nccl-tests); re-exported here
+
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 CostFn = Callable[[Any, dist.GradBucket], float]
-
-_BUS_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "p2p")
-
-
-def bus_factor(op: str, group_size: int) -> float:
-    """Bytes on the busiest link per byte of the op's buffer (nccl-tests doc/PERFORMANCE.md).
-
-    all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n with bytes = the total
-    (gathered) size; broadcast, reduce and point-to-point (send/recv) 1. A group of one rank
-    puts nothing on a wire.
-    """
-    if op not in _BUS_OPS:
-        raise ValueError(f"op={op!r} is not a known collective; use one of {', '.join(_BUS_OPS)}")
-    n = group_size
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
-
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class LinkEmulator:

@@ -34,8 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from engine.device import host_group
 from engine.model import GPT
+from engine.validate import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 

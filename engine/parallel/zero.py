@@ -2,14 +2,16 @@
 
 stage 1: optimizer states sharded. DDP + `ZeroRedundancyOptimizer(AdamW)`; with tensor
          parallelism, FSDP2 `replicate` + `DTensorZeroOptimizer` (below).
-stage 2: + gradients sharded. FSDP2 `fully_shard(reshard_after_forward=False)`: the FSDP2
-         equivalent of ZeRO-2. Unlike DeepSpeed's ZeRO-2, parameters are still sharded at
+stage 2: + gradients sharded. FSDP2 `fully_shard(reshard_after_forward=False)` per block,
+         then on the root: the FSDP2 equivalent of ZeRO-2. Each block's gradients are
+         reduce-scattered (and their unsharded copies freed) as soon as that block's backward
+         ends, so at most one block's full gradients live next to the root's (embeddings,
+         final norm) and the shards. Unlike DeepSpeed's ZeRO-2, parameters are sharded at
          rest (between steps): they are all-gathered once before forward and kept unsharded
          until backward has used them, so there is no all-gather in backward (same traffic
-         as ZeRO-2: reduce-scatter of gradients + one all-gather of parameters per step) but
-         full parameters are resident only from forward to backward.
-stage 3: + parameters sharded. FSDP2 `fully_shard` per block and on the root with
-         `reshard_after_forward=True`: each block is re-gathered in backward (1.5x traffic).
+         as ZeRO-2: reduce-scatter of gradients + one all-gather of parameters per step).
+stage 3: + parameters sharded. The same per-block groups with `reshard_after_forward=True`:
+         each block is re-gathered in backward (1.5x traffic).
 
 Composes with tensor parallelism: FSDP2 shards the dp sub-mesh of a model already
 parallelized over the tp sub-mesh of the same (pp, dp, tp) mesh (2-D FSDP+TP).
@@ -39,11 +41,11 @@ def apply_zero(model: nn.Module, dp_mesh: DeviceMesh, *, stage: int, reshard_aft
     """Apply ZeRO `stage` (1-3) over the 1-D `dp_mesh`; pair it with `build_optimizer(stage=...)`.
 
     Stage 1 returns a DDP wrapper (or, with TP, `model` under FSDP2 `replicate`); stages 2 and
-    3 shard `model` in place and return it. Stage 3 honours `reshard_after_forward` (False
-    makes it stage 2 with per-block communication groups); stage 2 always keeps parameters
-    after forward. The root `fully_shard` holds the tied embedding/head weight, so the tie
-    survives (sharding the embedding alone would split it from the head). `mp_policy` is
-    FSDP2's `MixedPrecisionPolicy` (stages 2-3).
+    3 shard `model` in place, one FSDP2 group per block (`model.layers`) then the root, and
+    return it. Stage 3 honours `reshard_after_forward` (False makes it stage 2); stage 2
+    always keeps parameters after forward. The root `fully_shard` holds the tied
+    embedding/head weight, so the tie survives (sharding the embedding alone would split it
+    from the head). `mp_policy` is FSDP2's `MixedPrecisionPolicy` (stages 2-3).
     """
     if stage == 1:
         if mp_policy is not None:
@@ -56,30 +58,35 @@ def apply_zero(model: nn.Module, dp_mesh: DeviceMesh, *, stage: int, reshard_aft
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    if stage == 3:
-        for block in getattr(model, "layers", {}).values():
-            fully_shard(block, **kwargs)
+    # per block: a block's gradients are reduce-scattered and freed when its backward ends
+    for block in getattr(model, "layers", {}).values():
+        fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only (norms and biases undecayed), as nanoGPT's configure_optimizers."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """The one weight-decay rule of every layout: decay matrices (linear weights and the tied
+    embedding/head), not norms or biases (1-D), as nanoGPT's `configure_optimizers` and
+    Megatron-LM's `get_param_groups` do. DTensor parameters (TP, FSDP2) keep their global
+    `dim()`, so the rule is the same sharded or not."""
+    unique = list({id(p): p for p in params if p.requires_grad}.values())
+    return [{"params": [p for p in unique if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in unique if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, *, stage: int, lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                    weight_decay: float = 0.0, process_group: dist.ProcessGroup | None = None) -> Optimizer:
-    """AdamW for `model` under ZeRO `stage` (0-3); `process_group` is the dp group (stage 1).
+def build_optimizer(params: nn.Module | Iterable[nn.Parameter], *, stage: int, lr: float,
+                    betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0,
+                    process_group: dist.ProcessGroup | None = None) -> Optimizer:
+    """AdamW over `params` (a module or its parameters) under ZeRO `stage` (0-3): the one
+    optimizer builder of every layout; `process_group` is the dp group (stage 1).
 
     Stages 0, 2 and 3: plain AdamW, which under FSDP2 steps on the local shards of the DTensor
     parameters, so its states are sharded too. Stage 1: AdamW states sharded over
     `process_group`, by `ZeroRedundancyOptimizer` or, for DTensor parameters,
-    `DTensorZeroOptimizer`.
+    `DTensorZeroOptimizer`. Weight decay follows `param_groups` in every stage.
     """
-    groups = _param_groups(model, weight_decay)
+    groups = param_groups(params.parameters() if isinstance(params, nn.Module) else params, weight_decay)
     if stage != 1:
         return AdamW(groups, lr=lr, betas=betas)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):

@@ -6,11 +6,10 @@ from typing import Any
 import streamlit as st
 import yaml
 
+from engine.validate import COMPRESSORS
 from workbench import ui_state
 from workbench import report
 from workbench.app_pages import common
-
-COMPRESSORS = ["none", "fp16", "bf16", "int8", "topk", "randk", "powersgd"]
 
 
 def form_config() -> dict[str, Any]:
@@ -31,7 +30,7 @@ def form_config() -> dict[str, Any]:
     steps = c[2].number_input("Steps", 1, 1_000_000, 15)
     lr = c[3].number_input("Learning rate", 1e-6, 1.0, 3e-3, format="%.4g")
     c = st.columns(4)
-    compressor = c[0].selectbox("Compressor", COMPRESSORS)
+    compressor = c[0].selectbox("Compressor", list(COMPRESSORS))
     gbps = c[1].number_input("Emulated link (Gbit/s, 0 = real)", 0.0, 10_000.0, 0.0)
     latency = c[2].number_input("Emulated latency (µs)", 0.0, 100_000.0, 0.0)
     zero = c[3].selectbox("ZeRO stage", [0, 1, 2, 3])

@@ -1,0 +1,40 @@
+"""Each fact defined once (issue 14): the copies that drifted are now imports of one definition."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_names_and_helpers_are_one_object():
+    from engine import validate
+    from engine.comm import compress, link
+    from engine.parallel import pipeline
+    from profilers import collectives
+    from tuning import simulator, space
+
+    assert compress.COMPRESSORS is validate.COMPRESSORS and tuple(compress.HOOKS) == validate.COMPRESSORS
+    assert pipeline.SCHEDULES is validate.SCHEDULES
+    assert link.bus_factor is collectives.bus_factor  # profilers owns it: engine imports profilers
+    assert space._divisors is validate.divisors and simulator._divisors is validate.divisors
+
+
+@pytest.mark.parametrize("n", [1, 2, 12, 36, 97, 1024])
+def test_divisors(n):
+    assert validate_divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_divisors(n):
+    from engine.validate import divisors
+
+    return divisors(n)
+
+
+def test_memory_estimate_uses_the_pipeline_split():
+    """Interleaved: pp rank r holds chunks r, r + pp, ... of `layer_split` (the old copy read
+    one entry per rank and missed the rank's second chunk)."""
+    from engine.config import load_config
+    from engine.memory import _stage_layers
+
+    cfg = load_config(None, ["model.layers=6", "parallel.pp=2", "parallel.schedule=interleaved",
+                             "parallel.virtual=2", "parallel.layer_split=[1,2,1,2]", "batch.global=8",
+                             "batch.micro=2"])
+    assert _stage_layers(cfg) == [2, 4]
