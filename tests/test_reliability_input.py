@@ -164,7 +164,7 @@ def space_dicts() -> st.SearchStrategy:
     """Random search spaces: known and unknown keys, junk specs, absurd world sizes, junk fixed."""
     key = st.one_of(st.sampled_from(TUNED_KEYS), st.sampled_from(TUNED_KEYS), st.sampled_from(SPACE_KEYS),
                     st.text(max_size=10))
-    params = st.dictionaries(key, _spec(), max_size=4)
+    params = st.dictionaries(key, _spec(), min_size=1, max_size=4)  # params: {} is refused by rule
     fixed = st.dictionaries(st.sampled_from(CONFIG_KEYS) | st.text(max_size=6),
                             st.one_of(st.integers(-2, 16), JUNK), max_size=2)
     world = _often(st.integers(1, 8), 4).flatmap(lambda w: st.just(w) if isinstance(w, int) and not
