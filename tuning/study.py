@@ -303,7 +303,9 @@ def _name_stale_trials(study: optuna.Study, now: float | None = None) -> list[in
     fails it (a finished trial takes no more attributes); returns their numbers."""
     import datetime
 
-    grace = getattr(study._storage, "grace_period", None) or GRACE_S
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
+    interval = getattr(backend, "heartbeat_interval", None) or HEARTBEAT_S
+    grace = getattr(backend, "grace_period", None) or 2 * interval  # Optuna's own default
     now = time.time() if now is None else now
     named = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):

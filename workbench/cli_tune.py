@@ -152,7 +152,7 @@ def _trials_to_run(st, trials: Optional[int], total_trials: Optional[int], quiet
     """This command's trial count; says which rule applies when the study already has trials."""
     existing = len(st.get_trials(deepcopy=False))
     quiet = quiet or os.environ.get("WORKBENCH_TUNE_JOB") == "1"  # a --jobs child: its parent said it
-    say = (lambda _: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False))
+    say = (lambda _: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False, soft_wrap=True))
     if total_trials is not None:
         n = max(0, total_trials - existing)
         say(f"study {st.study_name} has {existing} trials; --total-trials {total_trials}: running {n} more")
@@ -229,6 +229,8 @@ def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, qu
         return
     with live:
         run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
+    if not console.is_terminal:  # piped, Live leaves its last frame without a line end
+        console.line()
 
 
 def _counts(counts: dict[str, int]) -> str:

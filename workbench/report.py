@@ -63,7 +63,15 @@ def fit_table(title: str, header: list[str], rows: list[list[str]], console, *, 
     shown = len(header)
     while not wide and shown > 2 and width(header, rows, shown) > console.width:
         shown -= 1
-    console.print(build(header[:shown], [r[:shown] for r in rows]))
+    body = [r[:shown] for r in rows]
+    table = build(header[:shown], body)
+    if wide and width(header, body, shown) > console.width:  # as wide as it needs; the terminal wraps it
+        from rich.console import Console
+
+        Console(file=console.file, width=width(header, body, shown), color_system=console.color_system,
+                force_terminal=console.is_terminal).print(table)
+    else:
+        console.print(table)
     if shown < len(header):
         hidden = header[shown:]
         names = ", ".join(hidden[:4]) + (", ..." if len(hidden) > 4 else "")
