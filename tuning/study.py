@@ -29,7 +29,7 @@ SAMPLERS = ("tpe", "cmaes", "random", "grid")
 PRUNERS = ("median", "hyperband", "none")
 HEARTBEAT_S = 5
 GRACE_S = 15
-HEARTBEAT_ATTR = "heartbeat_at"  # trial user attribute: time.time() of the worker's last heartbeat
+HEARTBEAT_ATTR = "workbench:heartbeat_at"  # trial system attribute: time.time() of the last heartbeat
 
 Event = Callable[[str, dict[str, Any]], None]
 
@@ -224,7 +224,7 @@ class _Heartbeat:
     def _beat(self) -> None:
         self.storage.record_heartbeat(self.trial_id)
         # our own copy of the time, read by _name_stale_trials (Optuna keeps its own privately)
-        self.storage.set_trial_user_attr(self.trial_id, HEARTBEAT_ATTR, time.time())
+        self.storage.set_trial_system_attr(self.trial_id, HEARTBEAT_ATTR, time.time())
 
     def _loop(self) -> None:
         while not self.stop.wait(self.interval):
@@ -309,7 +309,7 @@ def _name_stale_trials(study: optuna.Study, now: float | None = None) -> list[in
     now = time.time() if now is None else now
     named = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        beat = t.user_attrs.get(HEARTBEAT_ATTR)
+        beat = t.system_attrs.get(HEARTBEAT_ATTR)
         if beat is None or now - beat <= grace:
             continue
         when = datetime.datetime.fromtimestamp(beat).strftime("%Y-%m-%d %H:%M:%S")

@@ -1,7 +1,6 @@
 """`workbench tune`, `studies` and `export`: Optuna studies over real runs, from the shell."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
