@@ -527,6 +527,8 @@ def _issue15_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "simulate --model layers=0": (["simulate", "--gpus", "8", "--model",
                                        "layers=0,hidden=64,heads=4,seq=64,vocab=256", "--search"],
                                       "--model: layers=0 must be >= 1"),
+        "simulate --config tp=x": (["simulate", "--gpus", "8", "--model", "22b", "--config", "tp=x"],
+                                   "--config: tp='x' must be int"),
         "run --timeout -1": (["run", "--timeout", "-1"], "--timeout=-1.0: must be > 0"),
         "run --nnodes 0": (["run", "--nnodes", "0"], "--nnodes=0: must be >= 1"),
         "tune --timeout -1": ([*tune, "--timeout", "-1"], "--timeout=-1.0: must be > 0"),

@@ -113,13 +113,17 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         spec = load_cluster(cluster)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         fail(f"--cluster={cluster!r}: {exc}")
-    mdl = _model(model)
+    try:  # a malformed --model / --config: one line, like every other option
+        mdl = _model(model)
+        pairs = _check_config(parse_pairs(config, CONFIG_KEYS, "--config")) if config else {}
+    except typer.BadParameter as exc:
+        fail(exc.message)
     if search:
         _search(mdl, spec, gpus, global_batch, top, optuna_trials, report, as_json, wide)
         return
     if not config:
         fail("--config is required unless --search is given")
-    par = ParallelSpec(**_check_config(parse_pairs(config, CONFIG_KEYS, "--config")))
+    par = ParallelSpec(**pairs)
     try:
         result = sim(mdl, spec, par, gpus=gpus)
     except ValueError as exc:
