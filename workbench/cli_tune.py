@@ -198,7 +198,7 @@ def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, qu
     def render() -> Table:
         t = Table(title=f"study {st.study_name}")
         for col in ("trial", "current trial", "best tokens/s", "pruned", "failed"):
-            t.add_column(col)
+            t.add_column(col, min_width=len(col), overflow="fold")  # a long trial wraps; headers stay whole
         best = "-" if state["best"] is None else f"{state['best']:,.0f}"
         t.add_row(f"{state['done']}/{n}", str(state["current"]), best, str(state["PRUNED"]), str(state["FAIL"]))
         return t
