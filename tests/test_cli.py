@@ -147,6 +147,7 @@ def _tiny(tmp_path):
             "--study", "quiet", "--pruner", "none"]
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("launch")
 def test_tune_is_quiet_and_total_trials_says_what_applies(tmp_path):
     """No Optuna ExperimentalWarning/UserWarning on stderr; --total-trials counts existing trials."""

@@ -548,6 +548,7 @@ def _issue15_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+@pytest.mark.slow
 def test_issue15_bad_inputs_get_one_line_and_exit_2_before_anything_starts(tmp_path):
     """Each: exit 2, one line `error: field=value: rule` at 80 columns, no traceback, no run, no study."""
     from concurrent.futures import ThreadPoolExecutor
