@@ -164,7 +164,11 @@ def space_dicts() -> st.SearchStrategy:
     """Random search spaces: known and unknown keys, junk specs, absurd world sizes, junk fixed."""
     key = st.one_of(st.sampled_from(TUNED_KEYS), st.sampled_from(TUNED_KEYS), st.sampled_from(SPACE_KEYS),
                     st.text(max_size=10))
-    params = st.dictionaries(key, _spec(), min_size=1, max_size=4)  # params: {} is refused by rule
+    # params: {} is refused by rule; well-formed choices keep enough spaces building to sample from
+    value = st.one_of(st.integers(1, 16), st.sampled_from(["none", "topk", "powersgd", "dp1-tp1-pp2", "x"]))
+    plain = st.dictionaries(st.sampled_from(TUNED_KEYS), st.fixed_dictionaries(
+        {"choices": st.lists(value, min_size=1, max_size=3)}), min_size=1, max_size=3)
+    params = st.one_of(st.dictionaries(key, _spec(), min_size=1, max_size=4), plain)
     fixed = st.dictionaries(st.sampled_from(CONFIG_KEYS) | st.text(max_size=6),
                             st.one_of(st.integers(-2, 16), JUNK), max_size=2)
     world = _often(st.integers(1, 8), 4).flatmap(lambda w: st.just(w) if isinstance(w, int) and not
