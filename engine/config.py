@@ -294,8 +294,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text())
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: an int beyond Python's digit limit
         raise ConfigError("config", str(path), f"is not valid YAML: {exc}".replace("\n", " ")) from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file (or only comments) would silently train the defaults
+        raise ConfigError("config", str(path), "is empty; give at least one key, or leave the file out "
+                          "to train the defaults")
     if not isinstance(data, dict):
         raise ConfigError("config", str(path), "must hold a mapping at the top level")
     return data

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import RunConfig
+from engine.errors import ConfigError
 
 FP32 = 4  # bytes
 
@@ -234,3 +235,51 @@ class ModelStatePeak:
         grads = sum(_live_bytes(t.grad) for t in self.tensors.values())
         if params + grads > self.peak["params"] + self.peak["grads"]:
             self.peak = {"params": float(params), "grads": float(grads)}
+
+
+GIB = 2**30
+
+
+def memory_error(cfg: RunConfig, *, limit_bytes: float, ranks_sharing: int, limit_name: str) -> ConfigError | None:
+    """A ConfigError when the estimate exceeds the limit (None when it fits); pure and fast.
+
+    `ranks_sharing` ranks draw on one `limit_bytes` (the ranks of one node on host RAM; 1 on a GPU
+    each). The field named is the knob behind the larger term: model size or batch.micro.
+    """
+    est = estimate_memory(cfg)
+    per_rank = sum(est.values())
+    need = per_rank * ranks_sharing
+    if need <= limit_bytes:
+        return None
+    state = est["params"] + est["grads"] + est["optimizer"]
+    field, value = ("model.d_model", cfg.model.d_model) if state >= est["activations"] else ("batch.micro", cfg.batch.micro)
+    split = f"{state / GIB:.3g} GiB model state + {est['activations'] / GIB:.3g} GiB activations"
+    per = f" per rank x {ranks_sharing} ranks = {need / GIB:.3g} GiB" if ranks_sharing > 1 else " per rank"
+    return ConfigError(field, value, f"the run needs an estimated {per_rank / GIB:.3g} GiB{per} ({split}), "
+                       f"more than the {limit_bytes / GIB:.3g} GiB {limit_name}; use a smaller model or "
+                       "batch.micro, or more parallel.tp/pp, or parallel.zero")
+
+
+def machine_limit(cfg: RunConfig, nnodes: int = 1) -> tuple[float, int, str]:
+    """(bytes, ranks sharing them, what they are) for this machine: one GPU's memory per rank when
+    the run will use CUDA, else the host's available RAM shared by this node's ranks."""
+    from engine.device import pick_backend
+
+    if pick_backend(cfg.backend) == "nccl" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        return float(total), 1, f"of GPU memory on {torch.cuda.get_device_name(0)}"
+    import psutil
+
+    return float(psutil.virtual_memory().available), max(1, cfg.world_size // max(nnodes, 1)), \
+        "of RAM available on this machine (psutil)"
+
+
+def check_fits(cfg: RunConfig, nnodes: int = 1) -> None:
+    """Raise ConfigError before launch when the run cannot fit this machine's memory (the built-in
+    GPT only: a model.entry model's size is unknown until it is built)."""
+    if cfg.model.entry is not None:
+        return
+    limit, ranks, name = machine_limit(cfg, nnodes)
+    error = memory_error(cfg, limit_bytes=limit, ranks_sharing=ranks, limit_name=name)
+    if error is not None:
+        raise error

@@ -186,3 +186,51 @@ def test_parallel_dims_error_prints_every_factor():
     with pytest.raises(ConfigError, match=r"dp\(2\) \* tp\(3\) \* pp\(1\) = 6.*world_size\(4\)"):
         ParallelDims(2, 3, 1, 4)
     assert ParallelDims(2, 2, 1, 4).coords(3) == {"pp": 0, "dp": 1, "tp": 1}
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "\n\n"])
+def test_empty_yaml_file_is_refused(tmp_path, text):
+    """An empty file used to train the defaults without a word."""
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"^config='.*empty.yaml': is empty; give at least one key"):
+        load_config(path)
+
+
+GIB = 2**30
+
+
+def test_memory_estimate_refuses_a_model_the_machine_cannot_hold():
+    """`--set model.d_model=1000000000` passed validation and died on rank 0 allocating memory."""
+    from engine.memory import estimate_memory, memory_error
+
+    huge = load_config(None, ["model.d_model=1000000000"])
+    error = memory_error(huge, limit_bytes=64 * GIB, ranks_sharing=1, limit_name="of RAM available")
+    assert error is not None and error.field == "model.d_model" and error.value == 1_000_000_000
+    assert "GiB per rank" in error.rule and "more than the 64 GiB of RAM available" in error.rule
+    assert memory_error(RunConfig(), limit_bytes=64 * GIB, ranks_sharing=1, limit_name="x") is None
+    # the ranks of one node share its RAM: per rank x ranks is what must fit
+    cfg = load_config(None, ["parallel.dp=4", "batch.global=16"])
+    per_rank = sum(estimate_memory(cfg).values())
+    assert memory_error(cfg, limit_bytes=2 * per_rank, ranks_sharing=1, limit_name="x") is None
+    shared = memory_error(cfg, limit_bytes=2 * per_rank, ranks_sharing=4, limit_name="x")
+    assert shared is not None and "per rank x 4 ranks" in shared.rule
+    # activations dominate: the knob named is batch.micro
+    long = load_config(None, ["model.seq_len=65536", "batch.micro=64", "batch.global=64"])
+    act = memory_error(long, limit_bytes=GIB, ranks_sharing=1, limit_name="x")
+    assert act is not None and act.field == "batch.micro"
+
+
+def test_check_fits_uses_the_machines_available_memory(monkeypatch):
+    import psutil
+
+    from engine.memory import check_fits
+
+    class Mem:
+        available = 1 * GIB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
+    check_fits(load_config(None, ["backend=gloo"]))  # a few MB; gloo: host RAM even where CUDA exists
+    with pytest.raises(ConfigError, match=r"^model.d_model=1000000000: .* more than the 1 GiB of RAM available"):
+        check_fits(load_config(None, ["model.d_model=1000000000", "backend=gloo"]))
+    check_fits(load_config(None, ["model.d_model=1000000000", "model.entry=pkg.mod:build"]))  # size unknown

@@ -164,7 +164,11 @@ def space_dicts() -> st.SearchStrategy:
     """Random search spaces: known and unknown keys, junk specs, absurd world sizes, junk fixed."""
     key = st.one_of(st.sampled_from(TUNED_KEYS), st.sampled_from(TUNED_KEYS), st.sampled_from(SPACE_KEYS),
                     st.text(max_size=10))
-    params = st.dictionaries(key, _spec(), max_size=4)
+    # params: {} is refused by rule; well-formed choices keep enough spaces building to sample from
+    value = st.one_of(st.integers(1, 16), st.sampled_from(["none", "topk", "powersgd", "dp1-tp1-pp2", "x"]))
+    plain = st.dictionaries(st.sampled_from(TUNED_KEYS), st.fixed_dictionaries(
+        {"choices": st.lists(value, min_size=1, max_size=3)}), min_size=1, max_size=3)
+    params = st.one_of(st.dictionaries(key, _spec(), min_size=1, max_size=4), plain)
     fixed = st.dictionaries(st.sampled_from(CONFIG_KEYS) | st.text(max_size=6),
                             st.one_of(st.integers(-2, 16), JUNK), max_size=2)
     world = _often(st.integers(1, 8), 4).flatmap(lambda w: st.just(w) if isinstance(w, int) and not
@@ -239,7 +243,8 @@ def test_random_yaml_text_validates_or_names_the_rule(tmp_path):
     fragments = st.sampled_from(["model:", "  layers: 2", "  layers: -3", "parallel: {dp: 1000000}", "batch:",
                                  "  global: 8", "- a", "{", "]", "train: [1, 2]", ":", "\t", "name: x",
                                  "lr: 1e-3", "? [a]: 1", "!!python/object:os.system {}", "&a [*a]",
-                                 "model: {layers: .nan}", "%YAML 9.9", "---", "...", "'unterminated"])
+                                 "model: {layers: .nan}", "%YAML 9.9", "---", "...", "'unterminated",
+                                 "train: {steps: 3}"])  # an empty file is refused now: keep valid ones drawn
     text = st.one_of(st.lists(fragments, max_size=6).map("\n".join), st.text(max_size=40))
 
     @settings(PROPERTY, max_examples=YAML_EXAMPLES)
@@ -407,6 +412,46 @@ def test_bad_samples_are_config_errors_so_the_trial_is_pruned(params, pattern):
     assert_named(info.value)
 
 
+def test_a_space_with_no_params_is_refused():
+    """`params: {}` ran the base config N times."""
+    for data in ({"params": {}}, {"fixed": {"train.steps": 2}}):
+        with pytest.raises(ConfigError, match=r"^space.params=\{\}: must name at least one knob") as info:
+            SearchSpace.from_dict(data)
+        assert_named(info.value)
+
+
+@pytest.mark.parametrize("params,pattern", [
+    # a typo in choices: named with the param, the bad choice and the allowed values
+    ({"comm.compressor": {"choices": ["none", "topkk"]}},
+     r"^params.comm.compressor.choices\[1\]='topkk': is not a valid comm.compressor: must be one of none, fp16, "
+     r"bf16, int8, topk, randk, powersgd \(choices were none, topkk\)$"),
+    ({"batch.micro": {"choices": [2, "four"]}}, r"^params.batch.micro.choices\[1\]='four': .*must be an integer"),
+    ({"comm.density": {"low": 0.0, "high": 0.5}}, r"^params.comm.density.low=0.0: .*must be in \(0, 1\]"),
+    # every point invalid on the base: refused with an example and its reason
+    ({"parallel.layout": {"choices": ["dp1-tp1-pp3", "dp3-tp1-pp1"]}},
+     r"^space=\{'parallel.layout': 'dp1-tp1-pp3'\}: no point of the space gives a valid config .*\(2 tried\); "
+     r"this one breaks model.layers=2: must be divisible by pp\*virtual"),
+    ({"batch.micro": {"choices": [3, 5]}}, r"^space=.*this one breaks batch.global=8: is not divisible by dp\*micro"),
+])
+def test_spaces_that_cannot_work_are_refused_before_the_study(params, pattern):
+    space = SearchSpace.from_dict({"params": params})
+    with pytest.raises(ConfigError, match=pattern) as info:
+        space.check_against(BASE)
+    assert_named(info.value)
+
+
+def test_a_choice_invalid_only_with_other_settings_is_kept():
+    """topk needs tp=1: with the base's tp=2 that choice alone fails, but it is no typo, and other
+    points of the space (tp=1) work; and a large space is probed by sampling, quickly."""
+    base = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=4", "parallel.tp=2"])
+    space = SearchSpace.from_dict({"params": {"parallel.tp": {"choices": [1, 2]},
+                                              "comm.compressor": {"choices": ["none", "topk"]}}})
+    space.check_against(base)
+    big = SearchSpace.from_dict({"params": {f"train.{k}": {"low": 0.1, "high": 0.5} for k in
+                                            ("lr", "weight_decay", "grad_clip", "min_lr_ratio", "beta1", "beta2")}})
+    big.check_against(BASE)  # 3^6 = 729 points > the 512 probe limit: sampled
+
+
 def test_huge_integer_for_a_float_key_is_named():
     """A 400-digit number overflows float(): it must be a ConfigError, not an OverflowError."""
     with pytest.raises(ConfigError, match=r"^train.lr=1000000\d+: must be a number"):
@@ -454,6 +499,84 @@ def test_cli_user_errors_exit_nonzero_without_traceback(tmp_path):
         assert expected in " ".join(err.split()), (name, err)
         assert "Traceback" not in err and "Traceback" not in out, (name, err)
     assert not (tmp_path / "home" / "runs").exists()  # no user error started a run
+
+
+def _issue15_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """Bad inputs that used to crash, hang or be silently accepted (issue 15), with the line expected."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    spaces = {"noparams": {"params": {}}, "typo": {"params": {"comm.compressor": {"choices": ["none", "topkk"]}}},
+              "nolayout": {"world_size": 3, "params": {"parallel.layout": {"layouts": ["dp", "tp", "pp"]}},
+                           "fixed": {"model.layers": 2}},
+              "ok": {"params": {"batch.micro": {"choices": [2, 4]}}}}
+    for name, data in spaces.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    ok = str(tmp_path / "ok.yaml")
+    tune = ["tune", ok, "--storage", f"sqlite:///{tmp_path}/studies.db"]
+    sim = ["simulate", "--model", "22b", "--search"]
+    return {
+        "huge model": (["run", "--set", "model.d_model=1000000000"],
+                       "model.d_model=1000000000: the run needs an estimated"),
+        "commbench --max-mb -1": (["commbench", "--max-mb", "-1"], "--max-mb=-1.0: must be >= 1/1024 (1 KB"),
+        "commbench --iters 0": (["commbench", "--iters", "0"], "--iters=0: must be >= 1"),
+        "empty yaml": (["run", str(empty)], "is empty; give at least one key"),
+        "params {}": (["tune", str(tmp_path / "noparams.yaml")], "space.params={}: must name at least one knob"),
+        "typo in choices": (["tune", str(tmp_path / "typo.yaml")],
+                            "params.comm.compressor.choices[1]='topkk': is not a valid comm.compressor: must be one of"),
+        "no valid layout": (["tune", str(tmp_path / "nolayout.yaml")], "no point of the space gives a valid config"),
+        "simulate --gpus 0": ([*sim, "--gpus", "0"], "--gpus=0: must be >= 1"),
+        "simulate --global-batch 0": ([*sim, "--gpus", "8", "--global-batch", "0"], "--global-batch=0: must be >= 1"),
+        "simulate --top 0": ([*sim, "--gpus", "8", "--top", "0"], "--top=0: must be >= 1"),
+        "simulate --config dp=0": (["simulate", "--gpus", "8", "--model", "22b", "--config", "tp=1,dp=0"],
+                                   "--config: dp=0 must be >= 1"),
+        "simulate --model layers=0": (["simulate", "--gpus", "8", "--model",
+                                       "layers=0,hidden=64,heads=4,seq=64,vocab=256", "--search"],
+                                      "--model: layers=0 must be >= 1"),
+        "simulate --config tp=x": (["simulate", "--gpus", "8", "--model", "22b", "--config", "tp=x"],
+                                   "--config: tp='x' must be int"),
+        "run --timeout -1": (["run", "--timeout", "-1"], "--timeout=-1.0: must be > 0"),
+        "run --nnodes 0": (["run", "--nnodes", "0"], "--nnodes=0: must be >= 1"),
+        "tune --timeout -1": ([*tune, "--timeout", "-1"], "--timeout=-1.0: must be > 0"),
+        "tune --trials 0": ([*tune, "--trials", "0"], "--trials=0: must be >= 1"),
+        "tune --total-trials 0": ([*tune, "--total-trials", "0"], "--total-trials=0: must be >= 1"),
+        "tune both counts": ([*tune, "--trials", "2", "--total-trials", "3"], "give one of them"),
+        "tune --jobs 0": ([*tune, "--jobs", "0"], "--jobs=0: must be >= 1"),
+        "tune --trial-timeout nan": ([*tune, "--trial-timeout", "nan"], "--trial-timeout=nan: must be a finite number"),
+        "tune --segment-steps 0": ([*tune, "--segment-steps", "0"], "--segment-steps=0: must be >= 1"),
+        "tune --warm-start -1": ([*tune, "--warm-start", "-1"], "--warm-start=-1: must be >= 0"),
+        "tune --remeasure -1": ([*tune, "--remeasure", "-1"], "--remeasure=-1: must be >= 0"),
+        "tune --warmup -1": ([*tune, "--warmup", "-1"], "--warmup=-1: must be >= 0"),
+        "tune --memory-limit-gb 0": ([*tune, "--memory-limit-gb", "0"], "--memory-limit-gb=0.0: must be > 0"),
+        "runs --limit 0": (["runs", "--limit", "0"], "--limit=0: must be >= 1"),
+        "calibrate --world 0": (["calibrate", "--world", "0"], "--world=0: must be >= 1"),
+        "app --port 0": (["app", "--port", "0"], "--port=0: must be >= 1"),
+    }
+
+
+@pytest.mark.slow
+def test_issue15_bad_inputs_get_one_line_and_exit_2_before_anything_starts(tmp_path):
+    """Each: exit 2, one line `error: field=value: rule` at 80 columns, no traceback, no run, no study."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    home = tmp_path / "home"
+    env = {**os.environ, "WORKBENCH_HOME": str(home), "OMP_NUM_THREADS": "1", "COLUMNS": "80"}
+
+    def one(args: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "workbench.cli", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    cases = _issue15_cases(tmp_path)
+    with ThreadPoolExecutor(max_workers=3) as pool:  # 2 cores: a few imports at a time
+        outs = dict(zip(cases, pool.map(one, [args for args, _ in cases.values()])))
+    for name, (_, expected) in cases.items():
+        out = outs[name]
+        assert out.returncode == 2, (name, out.returncode, out.stderr[-1500:])
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (name, out.stderr)
+        assert expected in lines[0], (name, lines[0])
+        assert "Traceback" not in out.stderr + out.stdout
+    assert not (home / "runs").exists()  # no run was registered, so no rank started
+    assert not (tmp_path / "studies.db").exists() or optuna.get_all_study_names(f"sqlite:///{tmp_path}/studies.db") == []
 
 
 # ---------------------------------------------------------------- security defaults

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from engine.config import LIVE_KNOBS, RunConfig, apply_overrides, from_dict
+from engine.config import LIVE_KNOBS, RunConfig, apply_overrides, from_dict, replace
 from engine.errors import ConfigError
 from engine.validate import MAX_WORLD_SIZE, divisors as _divisors
 
@@ -110,6 +111,9 @@ class SearchSpace:
         raw_params = data.get("params") or {}
         if not isinstance(raw_params, dict):
             raise ConfigError("space.params", raw_params, "must be a mapping of config keys to specs")
+        if not raw_params:  # every trial would run the same config
+            raise ConfigError("space.params", raw_params, "must name at least one knob to tune, e.g. "
+                              "{batch.micro: {choices: [1, 2, 4]}}")
         params = [_param(k, v, world) for k, v in raw_params.items()]
         fixed = data.get("fixed") or {}
         if not isinstance(fixed, dict):
@@ -175,6 +179,33 @@ class SearchSpace:
             combos = nxt
         return combos
 
+    def check_against(self, base: RunConfig, limit: int = 512) -> None:
+        """Refuse a space that cannot work on `base`, before any trial starts: a choice (or range end)
+        that is invalid on its own, or a space none of whose points validates (up to `limit` tried)."""
+        for p in self.params:
+            if p.key in ("parallel.layout", "batch.accum"):
+                continue
+            values = p.choices if p.choices is not None else [p.low, p.high]
+            for where, value in zip(_value_names(p), values):
+                error = _own_error(base, self.fixed, p.key, value)
+                if error is not None and _own_error(RunConfig(), {}, p.key, value) is not None:
+                    allowed = "" if p.choices is None else f" (choices were {', '.join(map(str, p.choices))})"
+                    raise ConfigError(where, value, f"is not a valid {p.key}: {error.rule}{allowed}")
+        tried, first = 0, None
+        for point in _probe_points(self.params, limit):
+            tried += 1
+            try:
+                replace(base, self.to_overrides(point, base))
+                return
+            except ConfigError as exc:
+                first = first or (point, exc)
+        if first is not None:
+            point, exc = first
+            errors = getattr(exc, "errors", [exc])
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise ConfigError("space", point, f"no point of the space gives a valid config on the base config "
+                              f"({tried} tried); this one breaks {errors[0]}{more}")
+
     def live_only(self) -> bool:
         return all(p.key in LIVE_KEYS for p in self.params)
 
@@ -205,6 +236,51 @@ def _lookup(data: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
         data = data.get(part) if isinstance(data, dict) else None
     return data
+
+
+def _value_names(p: Param) -> list[str]:
+    if p.choices is not None:
+        return [f"params.{p.key}.choices[{i}]" for i in range(len(p.choices))]
+    return [f"params.{p.key}.low", f"params.{p.key}.high"]
+
+
+def _own_error(base: RunConfig, fixed: dict[str, Any], key: str, value: Any) -> ConfigError | None:
+    """The error `key=value` earns on `base` (with `fixed`) that names `key` itself, if any."""
+    try:
+        replace(base, {**fixed, key: value})
+    except ConfigError as exc:
+        return next((e for e in getattr(exc, "errors", [exc]) if e.field == key), None)
+    return None
+
+
+def _candidates(p: Param) -> list[Any]:
+    if p.choices is not None:
+        return list(p.choices)
+    low, high = p.low, p.high
+    if isinstance(low, int) and isinstance(high, int):
+        return sorted({low, high, (low + high) // 2})
+    mid = math.sqrt(low * high) if p.log else (low + high) / 2
+    return [float(low), mid, float(high)]
+
+
+def _probe_points(params: list[Param], limit: int) -> Iterator[dict[str, Any]]:
+    """Points of the space (conditionals respected): all of them when few, else `limit` random ones."""
+    import random
+
+    options = [(p, _candidates(p)) for p in params]
+    if math.prod(len(c) for _, c in options) <= limit:
+        combos: list[dict[str, Any]] = [{}]
+        for p, values in options:
+            combos = [new for c in combos for new in ([{**c, p.key: v} for v in values] if p.active(c) else [c])]
+        yield from combos
+        return
+    rng = random.Random(0)
+    for _ in range(limit):
+        point: dict[str, Any] = {}
+        for p, values in options:
+            if p.active(point):
+                point[p.key] = rng.choice(values)
+        yield point
 
 
 def _yaml(value: Any) -> str:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import statistics
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,8 +29,15 @@ SAMPLERS = ("tpe", "cmaes", "random", "grid")
 PRUNERS = ("median", "hyperband", "none")
 HEARTBEAT_S = 5
 GRACE_S = 15
+HEARTBEAT_ATTR = "workbench:heartbeat_at"  # trial system attribute: time.time() of the last heartbeat
 
 Event = Callable[[str, dict[str, Any]], None]
+
+# Our ask/tell loop records heartbeats itself (_Heartbeat). Optuna's notices that heartbeats and
+# fail_stale_trials are experimental, and its hint to use them with optimize(), give a user
+# nothing to act on and bury the real messages on stderr.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
 def default_storage(home: str | Path | None = None) -> str:
@@ -213,15 +221,20 @@ class _Heartbeat:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="trial-heartbeat")
 
+    def _beat(self) -> None:
+        self.storage.record_heartbeat(self.trial_id)
+        # our own copy of the time, read by _name_stale_trials (Optuna keeps its own privately)
+        self.storage.set_trial_system_attr(self.trial_id, HEARTBEAT_ATTR, time.time())
+
     def _loop(self) -> None:
         while not self.stop.wait(self.interval):
             try:
-                self.storage.record_heartbeat(self.trial_id)
+                self._beat()
             except Exception:  # a storage hiccup must not kill the trial
                 pass
 
     def __enter__(self) -> _Heartbeat:
-        self.storage.record_heartbeat(self.trial_id)
+        self._beat()
         self.thread.start()
         return self
 
@@ -271,6 +284,7 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
             break
         if before_trial is not None:
             before_trial()
+        _name_stale_trials(study)
         optuna.storages.fail_stale_trials(study)
         trial = study.ask()
         emit("trial_start", {"number": trial.number, "params": trial.params})
@@ -282,6 +296,30 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
             study.tell(trial, state=outcome.state)
         emit("trial_end", {"number": trial.number, "state": outcome.state.name, "values": outcome.values,
                            "reason": outcome.reason})
+
+
+def _name_stale_trials(study: optuna.Study, now: float | None = None) -> list[int]:
+    """Write why on each running trial whose worker stopped sending heartbeats, just before Optuna
+    fails it (a finished trial takes no more attributes); returns their numbers."""
+    import datetime
+
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
+    interval = getattr(backend, "heartbeat_interval", None) or HEARTBEAT_S
+    grace = getattr(backend, "grace_period", None) or 2 * interval  # Optuna's own default
+    now = time.time() if now is None else now
+    named = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        beat = t.system_attrs.get(HEARTBEAT_ATTR)
+        if beat is None or now - beat <= grace:
+            continue
+        when = datetime.datetime.fromtimestamp(beat).strftime("%Y-%m-%d %H:%M:%S")
+        reason = f"worker died: no heartbeat since {when} ({now - beat:.0f} s, grace {grace} s)"
+        try:
+            study._storage.set_trial_user_attr(t._trial_id, "reason", reason)
+            named.append(t.number)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker failed it first
+    return named
 
 
 def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats: int = 1) -> int | None:

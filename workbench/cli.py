@@ -6,6 +6,7 @@ rank's traceback is shown with its rank, since that is the user's own error to r
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from engine.errors import ConfigError, RankFailure
@@ -32,8 +34,23 @@ def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP)) -
 
 
 def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    # one line however narrow the terminal (soft_wrap: rich inserts no newlines); the message is not markup
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_number(flag: str, value: float | None, minimum: float, *, exclusive: bool = False,
+                 maximum: float | None = None) -> None:
+    """Exit 2 with `--flag=value: must be >= minimum` when a numeric option is out of range
+    (None passes: the option was left unset)."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        fail(f"{flag}={value}: must be a finite number")
+    if value < minimum or (exclusive and value == minimum):
+        fail(f"{flag}={value}: must be {'>' if exclusive else '>='} {minimum:g}")
+    if maximum is not None and value > maximum:
+        fail(f"{flag}={value}: must be <= {maximum:g}")
 
 
 def _print_json(obj: Any) -> None:
@@ -63,12 +80,19 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     def on_term(signum, frame):  # a stop from the dashboard: end the ranks, mark the run interrupted
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
-
+    check_number("--timeout", timeout, 0, exclusive=True)
+    check_number("--nnodes", nnodes, 1)
+    check_number("--node-rank", node_rank, 0, maximum=nnodes - 1)
     try:
         cfg = _load(config, set_)
+        if cfg.world_size % nnodes:
+            fail(f"--nnodes={nnodes}: must divide the world size dp*tp*pp = {cfg.world_size}")
+        from engine.memory import check_fits
+
+        check_fits(cfg, nnodes)
     except ConfigError as exc:
         fail(str(exc))
+    signal.signal(signal.SIGTERM, on_term)
     result = None
     try:
         if as_json:
@@ -115,21 +139,20 @@ def _run_json(result) -> dict[str, Any]:
                        "tokens_per_s": st.get("tokens_per_s")} for st in result.steps]}
 
 
-def _fmt(v: Any, spec: str = ".4g") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def _print_summary(result) -> None:
+    from workbench.fmt import num, pct, ratio
+
     s = result.summary
     t = Table(title=f"run {result.run_id}: {result.status}")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    rows = [("world size", result.world_size), ("steps", s.get("steps")), ("final loss", _fmt(result.final_loss)),
-            ("val loss", _fmt(s.get("val_loss"))), ("tokens/s (median, steady)", _fmt(s.get("tokens_per_s"), ",.0f")),
-            ("step time (s)", _fmt(s.get("step_time_s"))), ("MFU", _fmt(s.get("mfu"), ".1%")),
-            ("wire / dense bytes", _fmt(s.get("ratio"))), ("wall time (s)", _fmt(result.wall_s, ".1f"))]
+    rows = [("world size", num(result.world_size)), ("steps", num(s.get("steps"))),
+            ("final loss", num(result.final_loss)), ("val loss", num(s.get("val_loss"))),
+            ("tokens/s (median, steady)", num(s.get("tokens_per_s"))), ("step time (s)", num(s.get("step_time_s"))),
+            ("MFU", pct(s.get("mfu"))), ("wire / dense bytes (ratio)", ratio(s.get("ratio"))),
+            ("wall time (s)", num(result.wall_s))]
     for k, v in rows:
-        t.add_row(k, str(v))
+        t.add_row(k, v)
     console.print(t)
     console.print(f"details: workbench show {result.run_id}")
 
@@ -141,6 +164,7 @@ def runs(limit: int = typer.Option(20, help="How many runs, newest first"),
     """List recorded runs."""
     from profilers.store import RunStore
 
+    check_number("--limit", limit, 1)
     rows = RunStore.open_home().runs(limit=limit)
     if as_json:
         _print_json([{k: r.get(k) for k in ("run_id", "name", "status", "world_size", "layout", "created",
@@ -149,6 +173,8 @@ def runs(limit: int = typer.Option(20, help="How many runs, newest first"),
     if not rows:
         console.print("No runs yet: try `workbench run examples/tiny.yaml`.")
         return
+    from workbench.fmt import num
+
     t = Table(title="runs")
     for col in ("run", "status", "ranks", "layout", "final loss", "tokens/s"):
         t.add_column(col)
@@ -157,13 +183,14 @@ def runs(limit: int = typer.Option(20, help="How many runs, newest first"),
         lay = r.get("layout") or {}
         t.add_row(r["run_id"], r["status"], str(r["world_size"]),
                   f"dp{lay.get('dp', '?')} tp{lay.get('tp', '?')} pp{lay.get('pp', '?')}",
-                  _fmt(summ.get("final_loss")), _fmt(summ.get("tokens_per_s"), ",.0f"))
+                  num(summ.get("final_loss")), num(summ.get("tokens_per_s")))
     console.print(t)
 
 
 @app.command()
 def show(run_id: str = typer.Argument(..., help="Run id (see `workbench runs`)"),
-         as_json: bool = typer.Option(False, "--json")) -> None:
+         as_json: bool = typer.Option(False, "--json"),
+         wide: bool = typer.Option(False, "--wide", help="Every column, however wide the terminal")) -> None:
     """A run's summary, per-step breakdown per rank, collectives and memory."""
     from workbench.report import run_report
 
@@ -175,7 +202,7 @@ def show(run_id: str = typer.Argument(..., help="Run id (see `workbench runs`)")
         return
     from workbench.report import print_report
 
-    print_report(report, console)
+    print_report(report, console, wide=wide)
 
 
 # ------------------------------------------------------------------ commbench
@@ -191,6 +218,9 @@ def commbench(world: int = typer.Option(2, help="Ranks"),
 
     if world < 2:
         fail(f"--world={world}: needs at least 2 ranks")
+    if not (math.isfinite(max_mb) and max_mb * 2**20 >= 1024):
+        fail(f"--max-mb={max_mb}: must be >= 1/1024 (1 KB, the sweep's smallest message)")
+    check_number("--iters", iters, 1)
     unknown = [op for op in ops.split(",") if op not in SWEEP_OPS]
     if unknown:
         fail(f"--ops={ops!r}: unknown {', '.join(unknown)}; choose from {', '.join(SWEEP_OPS)}")
@@ -208,6 +238,7 @@ def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.
     """Start the Streamlit dashboard."""
     import subprocess
 
+    check_number("--port", port, 1, maximum=65535)
     entry = Path(__file__).resolve().parent.parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
@@ -234,10 +265,10 @@ def main() -> None:
     try:
         app()
     except ConfigError as exc:
-        err.print(f"error: {exc}")
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
     except StoreError as exc:  # full disk, read-only home, a store from a newer workbench
-        err.print(f"error: {exc}", highlight=False, markup=False)
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(1)
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from workbench.cli import _print_json, console, fail
+from workbench.cli import _print_json, check_number, console, err, fail
 
 MODEL_PRESETS = {  # Narayanan et al. 2021 Table 1 shapes (seq 2048, vocab 51200)
     "22b": "layers=48,hidden=6144,heads=64,seq=2048,vocab=51200",
@@ -44,7 +44,42 @@ def _model(text: str):
     missing = [k for k in MODEL_KEYS if k not in spec]
     if missing:
         raise typer.BadParameter(f"--model: missing {', '.join(missing)} (or name a preset: {', '.join(MODEL_PRESETS)})")
+    for key, value in spec.items():
+        if value < 1:
+            fail(f"--model: {key}={value} must be >= 1")
     return ModelSpec(**spec)
+
+
+def _check_config(pairs: dict[str, Any]) -> dict[str, Any]:
+    """--config degrees and batch sizes are >= 1, zero is 0-3, the compression ratio in (0, 1]."""
+    for key in ("tp", "pp", "dp", "micro", "global_batch", "virtual"):
+        if key in pairs and pairs[key] < 1:
+            fail(f"--config: {key}={pairs[key]} must be >= 1")
+    if not 0 <= pairs.get("zero", 0) <= 3:
+        fail(f"--config: zero={pairs['zero']} must be 0, 1, 2 or 3")
+    if not 0 < pairs.get("compression_ratio", 1.0) <= 1:
+        fail(f"--config: compression_ratio={pairs['compression_ratio']} must be in (0, 1]")
+    return pairs
+
+
+# --search tables: these columns first, with short headers (units in the header)
+SEARCH_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "virtual": "v", "micro": "micro", "zero": "zero",
+                  "recompute": "recompute", "iteration_time_s": "iter (s)", "tokens_per_s": "tokens/s",
+                  "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU", "memory_per_gpu_gb": "mem/GPU (GB)",
+                  "fits": "fits"}
+
+
+def print_frame(title: str, df, *, wide: bool, first: tuple[str, ...] = ()) -> None:
+    """A DataFrame as a table that fits the terminal: key columns first, people's numbers."""
+    from workbench.fmt import num, pct
+    from workbench.report import fit_table
+
+    order = [c for c in first if c in df.columns] + [c for c in SEARCH_COLUMNS if c in df.columns and c not in first]
+    order += [c for c in df.columns if c not in order]
+    header = [SEARCH_COLUMNS.get(c, c) for c in order]
+    rows = [[pct(r[c]) if c == "mfu" else num(r[c].item() if hasattr(r[c], "item") else r[c]) for c in order]
+            for _, r in df.iterrows()]
+    fit_table(title, header, rows, console, wide=wide)
 
 
 def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
@@ -56,6 +91,7 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
              top: int = typer.Option(10, help="Best configs shown by --search"),
              optuna_trials: int = typer.Option(0, help="Also run Optuna over the simulator"),
              report: Optional[Path] = typer.Option(None, help="Write an HTML report (tables + plotly figures)"),
+             wide: bool = typer.Option(False, "--wide", help="Every column, however wide the terminal"),
              as_json: bool = typer.Option(False, "--json"),
              validate: bool = typer.Option(False, "--validate", help="Compare the simulator with published measurements (calibration vs held-out rows)")) -> None:
     """Predict iteration time, throughput and memory on a cluster we do not have."""
@@ -68,17 +104,26 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
     from tuning.simulator import ParallelSpec
     from tuning.simulator import simulate as sim
 
+    check_number("--gpus", gpus, 1)
+    check_number("--global-batch", global_batch, 1)
+    check_number("--top", top, 1)
+    check_number("--optuna-trials", optuna_trials, 0)
+
     try:
         spec = load_cluster(cluster)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         fail(f"--cluster={cluster!r}: {exc}")
-    mdl = _model(model)
+    try:  # a malformed --model / --config: one line, like every other option
+        mdl = _model(model)
+        pairs = _check_config(parse_pairs(config, CONFIG_KEYS, "--config")) if config else {}
+    except typer.BadParameter as exc:
+        fail(exc.message)
     if search:
-        _search(mdl, spec, gpus, global_batch, top, optuna_trials, report, as_json)
+        _search(mdl, spec, gpus, global_batch, top, optuna_trials, report, as_json, wide)
         return
     if not config:
         fail("--config is required unless --search is given")
-    par = ParallelSpec(**parse_pairs(config, CONFIG_KEYS, "--config"))
+    par = ParallelSpec(**pairs)
     try:
         result = sim(mdl, spec, par, gpus=gpus)
     except ValueError as exc:
@@ -94,11 +139,13 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
     t = Table(title=f"{format_count(mdl.params)} params on {gpus} GPUs ({spec.name})")
     t.add_column("metric")
     t.add_column("value", justify="right")
+    from workbench.fmt import num, pct
+
     for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits"):
-        t.add_row(key, f"{out[key]:.4g}" if isinstance(out[key], float) else str(out[key]))
+        t.add_row(key, pct(out[key]) if key == "mfu" else num(out[key]))
     for key, value in out["breakdown"].items():
-        t.add_row(f"  {key} (s)", f"{value:.4g}")
-    t.add_row("measured time likely in (s)", f"{out['interval_s'][0]:.4g} .. {out['interval_s'][1]:.4g}")
+        t.add_row(f"  {key} (s)", num(value))
+    t.add_row("measured time likely in (s)", f"{num(out['interval_s'][0])} .. {num(out['interval_s'][1])}")
     t.add_row("  from residuals of", out["interval_basis"])
     console.print(t)
 
@@ -113,13 +160,16 @@ def _interval(time_s: float, par) -> dict[str, Any]:
 
 
 def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: int, report: Optional[Path],
-            as_json: bool) -> None:
+            as_json: bool, wide: bool = False) -> None:
+    import contextlib
     import time
 
     from tuning.search import add_uncertainty, best_configs, enumerate_configs, flip_parameter, optuna_search, sensitivities
 
     start = time.perf_counter()
-    df = enumerate_configs(mdl, spec, gpus, global_batch)
+    busy = contextlib.nullcontext() if as_json else err.status(f"pricing every config on {gpus:,} GPUs ...")
+    with busy:
+        df = enumerate_configs(mdl, spec, gpus, global_batch)
     seconds = time.perf_counter() - start
     add_uncertainty(df)  # strategy_class, time_lo_s/time_hi_s, overlaps_best
     best = best_configs(df, top)
@@ -130,7 +180,9 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
                            "overlapping_best": int(df["overlaps_best"].sum()),
                            "flip": flip_parameter(mdl, spec, gpus, global_batch)}
     if optuna_trials:
-        study = optuna_search(mdl, spec, gpus, global_batch=global_batch, n_trials=optuna_trials, seed=0)
+        busy = contextlib.nullcontext() if as_json else err.status(f"Optuna: {optuna_trials} trials over the simulator ...")
+        with busy:
+            study = optuna_search(mdl, spec, gpus, global_batch=global_batch, n_trials=optuna_trials, seed=0)
         out["optuna_best"] = {"value": study.best_value, "params": study.best_params}
     if report:
         from workbench.sim_report import write_report
@@ -140,12 +192,14 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         _print_json(out)
         return
     console.print(f"{len(df):,} valid configs ({out['fit']:,} fit in memory) in {seconds:.2f} s")
-    console.print(best.round(3).to_string(index=False), markup=False, highlight=False)
+    print_frame(f"best {len(best)} configs", best, wide=wide)
     for name, table in sens.items():
-        console.print(f"\n[bold]{name}[/]")
-        console.print(table.round(3).to_string(index=False), markup=False, highlight=False)
+        print_frame(f"sensitivity: {name}", table, wide=wide, first=tuple(table.columns[:2]))
     if "optuna_best" in out:
-        console.print(f"\nOptuna over the simulator: {out['optuna_best']}")
+        from workbench.fmt import num
+
+        best_params = ", ".join(f"{k}={v}" for k, v in out["optuna_best"]["params"].items())
+        console.print(f"\nOptuna over the simulator: {num(out['optuna_best']['value'])} tokens/s with {best_params}")
     flip = out["flip"]
     console.print(f"\n{out['overlapping_best']:,} fitting configs have a measured-time interval overlapping the best "
                   f"one's (overlaps_best); " + (f"the top choice flips when {flip['knob']} is scaled by "
@@ -198,7 +252,13 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     from tuning.calibration import calibrate_local
     from tuning.hardware import cluster_to_dict, save_cluster
 
-    spec = calibrate_local(world)
+    check_number("--world", world, 1)
+    import contextlib
+
+    busy = contextlib.nullcontext() if as_json else err.status(
+        f"measuring this machine: GEMMs, memory-bound ops, AdamW, gloo all-reduce at {world} ranks ...")
+    with busy:
+        spec = calibrate_local(world)
     path = save_cluster(spec, output or default_home() / "hardware" / f"cpu-local-{world}.yaml")
     if as_json:
         _print_json({"profile": str(path), **cluster_to_dict(spec)})

@@ -1,7 +1,6 @@
 """`workbench tune`, `studies` and `export`: Optuna studies over real runs, from the shell."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import typer
 from rich.table import Table
 
 from engine.errors import ConfigError
-from workbench.cli import _print_json, console, fail
+from workbench.cli import _print_json, check_number, console, err, fail
 
 
 def _base_config(base: Optional[Path], overrides: list[str]):
@@ -33,7 +32,9 @@ def _space_watcher(path: Path, objective) -> Any:
         if mtime != state["mtime"]:
             state["mtime"] = mtime
             try:
-                objective.space = SearchSpace.from_yaml(path)
+                new = SearchSpace.from_yaml(path)
+                new.check_against(objective.base)
+                objective.space = new
                 console.print(f"search space reloaded from {path}")
             except ConfigError as exc:
                 console.print(f"[yellow]space edit ignored:[/] {exc}")
@@ -47,7 +48,10 @@ def _wait_while_paused(study) -> None:
 
 
 def tune(space: Path = typer.Argument(..., help="Search space YAML"),
-         trials: int = typer.Option(10, "--trials", help="Trials this command runs (split over --jobs)"),
+         trials: Optional[int] = typer.Option(None, "--trials",
+                                              help="Trials this command adds to the study (split over --jobs); default 10"),
+         total_trials: Optional[int] = typer.Option(None, "--total-trials",
+                                                    help="Run until the study holds this many trials in total"),
          base: Optional[Path] = typer.Option(None, help="Base run config YAML the space modifies"),
          set_: list[str] = typer.Option([], "--set", help="Override a base config key"),
          storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the home)"),
@@ -73,16 +77,22 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
 
     if sampler not in SAMPLERS:
         fail(f"--sampler={sampler!r}: must be one of {', '.join(SAMPLERS)}")
-    if trials < 1 or jobs < 1:
-        fail(f"--trials={trials} and --jobs={jobs} must be >= 1")
+    _check_tune_numbers(trials=trials, total_trials=total_trials, jobs=jobs, timeout=timeout, warmup=warmup,
+                        memory_limit_gb=memory_limit_gb, trial_timeout=trial_timeout, remeasure=remeasure,
+                        segment_steps=segment_steps, warm_start=simulate_warm_start)
     try:
         sp = SearchSpace.from_yaml(space)
         cfg = _base_config(base, set_)
+        sp.check_against(cfg)
     except ConfigError as exc:
         fail(str(exc))
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created ..." is not news
     name = study or f"study-{space.stem}"
     st = _storage_call(load_study, name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
                        warmup_steps=warmup)
+    trials = _trials_to_run(st, trials, total_trials, as_json)
     st.set_user_attr("space", sp.raw)
     if sampler == "grid":
         enqueue_grid(st, sp)
@@ -119,6 +129,39 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         _print_json(summary.to_dict())
     else:
         _print_study_table(st, summary)
+    if not summary.counts.get("COMPLETE"):
+        fail(f"study={st.study_name!r}: no trial completed ({_counts(summary.counts)}); each trial's reason "
+             f"is in the study table (workbench tune ... without --json) and on the dashboard", code=1)
+
+
+def _check_tune_numbers(**flags: Optional[float]) -> None:
+    """Every numeric option of `tune` in range, before a study or a process starts."""
+    minimum = {"trials": 1, "total_trials": 1, "jobs": 1, "warmup": 0, "remeasure": 0, "segment_steps": 1,
+               "warm_start": 0}
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if name in minimum:
+            check_number(flag, value, minimum[name])
+        else:  # timeout, trial_timeout, memory_limit_gb: seconds or GB, > 0
+            check_number(flag, value, 0, exclusive=True)
+    if flags["trials"] is not None and flags["total_trials"] is not None:
+        fail(f"--trials={flags['trials']} and --total-trials={flags['total_trials']}: give one of them")
+
+
+def _trials_to_run(st, trials: Optional[int], total_trials: Optional[int], quiet: bool) -> int:
+    """This command's trial count; says which rule applies when the study already has trials."""
+    existing = len(st.get_trials(deepcopy=False))
+    quiet = quiet or os.environ.get("WORKBENCH_TUNE_JOB") == "1"  # a --jobs child: its parent said it
+    say = (lambda _: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False, soft_wrap=True))
+    if total_trials is not None:
+        n = max(0, total_trials - existing)
+        say(f"study {st.study_name} has {existing} trials; --total-trials {total_trials}: running {n} more")
+        return n
+    n = 10 if trials is None else trials
+    if existing:
+        say(f"study {st.study_name} has {existing} trials; --trials {n} adds {n} more ({existing + n} in total; "
+            f"--total-trials N stops at N in total)")
+    return n
 
 
 def _storage_call(fn, *args, **kwargs):
@@ -137,12 +180,13 @@ def _spawn_jobs(argv: list[str], trials: int, jobs: int) -> list[subprocess.Pope
         return []
     shares = [trials // jobs + (1 if i < trials % jobs else 0) for i in range(jobs)][1:]
     args = list(argv[1:])
-    for flag in ("--jobs", "--trials"):
+    for flag in ("--jobs", "--trials", "--total-trials"):
         while flag in args:
             i = args.index(flag)
             del args[i:i + 2]
     return [subprocess.Popen([sys.executable, "-m", "workbench.cli", *args, "--jobs", "1", "--trials", str(n)],
-                             stdout=subprocess.DEVNULL, env=os.environ.copy()) for n in shares if n > 0]
+                             stdout=subprocess.DEVNULL, env={**os.environ, "WORKBENCH_TUNE_JOB": "1"})
+            for n in shares if n > 0]
 
 
 def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, quiet: bool) -> None:
@@ -155,14 +199,14 @@ def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, qu
     def render() -> Table:
         t = Table(title=f"study {st.study_name}")
         for col in ("trial", "current trial", "best tokens/s", "pruned", "failed"):
-            t.add_column(col)
+            t.add_column(col, min_width=len(col), overflow="fold")  # a long trial wraps; headers stay whole
         best = "-" if state["best"] is None else f"{state['best']:,.0f}"
         t.add_row(f"{state['done']}/{n}", str(state["current"]), best, str(state["PRUNED"]), str(state["FAIL"]))
         return t
 
     def on_event(kind: str, data: dict[str, Any]) -> None:
         if kind == "trial_start":
-            state["current"] = f"#{data['number']} {data['params']}"
+            state["current"] = f"#{data['number']} " + ", ".join(f"{k}={v}" for k, v in data["params"].items())
         else:
             state["done"] += 1
             if data["state"] in ("PRUNED", "FAIL"):
@@ -185,18 +229,28 @@ def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, qu
         return
     with live:
         run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
+    if not console.is_terminal:  # piped, Live leaves its last frame without a line end
+        console.line()
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {state.lower()}" for state, n in counts.items()) or "no trials"
 
 
 def _print_study_table(st, summary) -> None:
-    t = Table(title=f"study {st.study_name}: {summary.counts}")
-    for col in ("trial", "state", "values", "params", "reason"):
-        t.add_column(col)
+    from workbench.fmt import nums
+
+    t = Table(title=f"study {st.study_name}: {_counts(summary.counts)}")
+    for col in ("trial", "state", "tokens/s" if len(st.directions) == 1 else "values", "params", "reason"):
+        t.add_column(col, min_width=len(col), overflow="fold")
     for tr in st.get_trials(deepcopy=False):
-        vals = ", ".join(f"{v:,.1f}" for v in tr.values) if tr.values else "-"
-        t.add_row(str(tr.number), tr.state.name, vals, json.dumps(tr.params), str(tr.user_attrs.get("reason", "")))
+        params = ", ".join(f"{k}={v}" for k, v in tr.params.items())
+        t.add_row(str(tr.number), tr.state.name, nums(tr.values), params, str(tr.user_attrs.get("reason", "")))
     console.print(t)
     if summary.best_trial is not None:
-        console.print(f"best: trial {summary.best_trial} = {summary.best_value:,.1f} tokens/s; "
+        from workbench.fmt import num
+
+        console.print(f"best: trial {summary.best_trial} = {num(summary.best_value)} tokens/s; "
                       f"export with `workbench export {st.study_name}`")
 
 
@@ -204,6 +258,7 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
             as_json: bool = typer.Option(False, "--json")) -> None:
     """List the studies in a storage."""
     from tuning.study import list_studies
+    from workbench.fmt import nums
 
     rows = _storage_call(list_studies, storage)
     if as_json:
@@ -214,11 +269,11 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
         return
     t = Table(title="studies")
     for col in ("study", "trials", "complete", "pruned", "failed", "best"):
-        t.add_column(col)
+        t.add_column(col, min_width=len(col), justify="left" if col == "study" else "right")
     for r in rows:
         s = r["states"]
         t.add_row(r["name"], str(r["n_trials"]), str(s["COMPLETE"]), str(s["PRUNED"]), str(s["FAIL"]),
-                  str(r["best_values"]))
+                  nums(r["best_values"]))
     console.print(t)
 
 

@@ -69,8 +69,63 @@ def _per_rank_total(rows: list[dict[str, Any]], phase: str) -> dict[int, float]:
     return out
 
 
-def print_report(report: dict[str, Any], console) -> None:
+def fit_table(title: str, header: list[str], rows: list[list[str]], console, *, wide: bool = False,
+              transpose: bool = False) -> None:
+    """Print a table that fits the console: too wide, it is transposed (when `transpose`, e.g. ranks
+    as columns), then trailing columns are dropped with a note; `wide` prints every column."""
+    from rich.cells import cell_len
     from rich.table import Table
+
+    def build(head: list[str], body: list[list[str]]) -> Table:
+        t = Table(title=title)
+        for i, name in enumerate(head):
+            t.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+        for row in body:
+            t.add_row(*row)
+        return t
+
+    def width(head: list[str], body: list[list[str]], n: int) -> int:  # rich's box: 2 padding + 1 rule each
+        return 1 + sum(3 + max(cell_len(r[i]) for r in [head, *body]) for i in range(n))
+
+    if not wide and width(header, rows, len(header)) > console.width and transpose and rows:
+        flipped = [list(col) for col in zip(header, *rows)]
+        header, rows = flipped[0], flipped[1:]
+    shown = len(header)
+    while not wide and shown > 2 and width(header, rows, shown) > console.width:
+        shown -= 1
+    body = [r[:shown] for r in rows]
+    table = build(header[:shown], body)
+    if wide and width(header, body, shown) > console.width:  # as wide as it needs; the terminal wraps it
+        from rich.console import Console
+
+        Console(file=console.file, width=width(header, body, shown), color_system=console.color_system,
+                force_terminal=console.is_terminal).print(table)
+    else:
+        console.print(table)
+    if shown < len(header):
+        hidden = header[shown:]
+        names = ", ".join(hidden[:4]) + (", ..." if len(hidden) > 4 else "")
+        console.print(f"({len(hidden)} more columns: {names}; use --wide or --json)", highlight=False, markup=False)
+
+
+SUMMARY_LABELS = {"ratio": "wire / dense bytes (ratio)", "tokens_per_s": "tokens/s (median, steady)",
+                  "step_time_s": "step time (s)", "mfu": "MFU", "wall_s": "wall time (s)"}
+
+
+def summary_rows(summ: dict[str, Any]) -> list[list[str]]:
+    """A run summary as (metric, value) rows with readable labels and numbers."""
+    from workbench.fmt import num, pct, ratio
+
+    out = []
+    for key in sorted(summ):
+        value = summ[key]
+        shown = pct(value) if key == "mfu" else ratio(value) if key == "ratio" else num(value)
+        out.append([SUMMARY_LABELS.get(key, key.replace("_", " ")), shown])
+    return out
+
+
+def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None:
+    from workbench.fmt import num
 
     lay = report.get("layout") or {}
     head = f"[bold]{report['run_id']}[/] {report['status']}  ranks={report['world_size']}  " \
@@ -80,34 +135,30 @@ def print_report(report: dict[str, Any], console) -> None:
     console.print(head)
     if report.get("error"):
         console.print(f"[red]error (rank {report.get('error_rank')}):[/] {report['error']}", markup=True)
-    summ = report["summary"]
-    console.print({k: summ[k] for k in sorted(summ)})
+    fit_table("summary", ["metric", "value"], summary_rows(report["summary"]), console, wide=wide)
     rows = report["breakdown"]
     if rows:
         phases = [k for k in rows[0] if k not in ("step", "rank")]
-        t = Table(title="step-time breakdown (s), mean over steps, per rank")
-        t.add_column("rank")
-        for p in phases:
-            t.add_column(p, justify="right")
+        body = []
         for rank in sorted({r["rank"] for r in rows}):
             mine = [r for r in rows if r["rank"] == rank]
-            t.add_row(str(rank), *(f"{sum(r[p] for r in mine) / len(mine):.4f}" for p in phases))
-        console.print(t)
+            body.append([str(rank), *(num(sum(r[p] for r in mine) / len(mine)) for p in phases)])
+        fit_table("step-time breakdown (s), mean over steps", ["rank", *phases], body, console, wide=wide,
+                  transpose=True)
         gaps = report.get("breakdown_unexplained") or {}
         if gaps:
             console.print("wall time no phase explains (median per rank): "
                           + ", ".join(f"rank {r} {g:+.1%}" for r, g in gaps.items()))
     if report["collectives"]:
-        _print_collectives(report["collectives"], console)
+        frame = collectives_frame(report["collectives"])
+        body = [[row.axis, row.traffic, row.op, num(row.count), num(row.bytes), num(row[5]), num(row[6])]
+                for row in frame.itertuples(index=False)]
+        fit_table("collectives per mesh axis and type (per rank, whole run)",
+                  ["axis", "traffic", "op", "count", "bytes", "time (s)", "busbw (GB/s)"], body, console, wide=wide)
     if report["memory"]:
-        t = Table(title="memory per rank (GiB, peak)")
         names = sorted({n for m in report["memory"].values() for n in m})
-        t.add_column("rank")
-        for n in names:
-            t.add_column(n, justify="right")
-        for rank, m in sorted(report["memory"].items()):
-            t.add_row(str(rank), *(f"{m.get(n, 0.0):.4f}" for n in names))
-        console.print(t)
+        body = [[str(rank), *(num(m.get(n, 0.0)) for n in names)] for rank, m in sorted(report["memory"].items())]
+        fit_table("memory per rank (GiB, peak)", ["rank", *names], body, console, wide=wide, transpose=True)
 
 
 def collectives_frame(collectives: dict[str, dict[str, float]]):
@@ -124,16 +175,3 @@ def collectives_frame(collectives: dict[str, dict[str, float]]):
                      "count": v["count"], "bytes": v["bytes"], "time(s)": v["time(s)"],
                      "busbw(GB/s)": v["busbw(GB/s)"]})
     return pd.DataFrame(rows, columns=["axis", "traffic", "op", "count", "bytes", "time(s)", "busbw(GB/s)"])
-
-
-def _print_collectives(collectives: dict[str, dict[str, float]], console) -> None:
-    from rich.table import Table
-
-    t = Table(title="collectives per mesh axis and type (per rank, whole run)")
-    frame = collectives_frame(collectives)
-    for col in frame.columns:
-        t.add_column(col, justify="right")
-    for row in frame.itertuples(index=False):
-        t.add_row(row.axis, row.traffic, row.op, f"{row.count:.0f}", f"{row.bytes:,.0f}", f"{row[5]:.3f}",
-                  f"{row[6]:.3f}")
-    console.print(t)

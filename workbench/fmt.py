@@ -1,0 +1,56 @@
+"""Numbers for people: one formatting rule for every table the CLI and the dashboard print.
+
+`num(45815.01329358271)` is `45,815`, `num(48.61357569694519)` is `48.61`, `num(0.000123)` is
+`0.000123`; None and NaN read `n/a`. Units go in the column header, not in the cell.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+
+def num(value: Any, digits: int = 4) -> str:
+    """A number with about `digits` significant digits, thousands separated; other values as str()."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e12:
+        return f"{int(value):,}"
+    size = abs(value)
+    if size >= 1e12 or size < 1e-3:
+        return f"{value:.{digits}g}"
+    if size >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(size)))
+    return f"{value:,.{decimals}f}".rstrip("0").rstrip(".") if decimals else f"{value:,.0f}"
+
+
+def nums(values: Iterable[Any] | None, digits: int = 4) -> str:
+    """Several numbers, comma separated ('-' when there are none)."""
+    if values is None:
+        return "-"
+    out = [num(v, digits) for v in values]
+    return ", ".join(out) if out else "-"
+
+
+def pct(value: Any) -> str:
+    """A fraction as a percentage: 0.4213 -> '42.1%'."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{100 * value:.1f}%"
+
+
+def ratio(value: Any) -> str:
+    """A ratio of two like quantities: 0.25 -> '0.25x'."""
+    return "n/a" if value is None else f"{num(value, 3)}x"
+
+
+def gib(num_bytes: Any) -> str:
+    """Bytes as GiB with about four significant digits."""
+    return "n/a" if num_bytes is None else num(num_bytes / 2**30)
