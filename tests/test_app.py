@@ -103,8 +103,10 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
     if page == "compare":
         assert "Mean step-time breakdown by run" in titles and "loss by run" in titles
     if page == "export":
-        labels = [b.proto.label for b in at.get("download_button")]
-        assert len(labels) == 7 and "⬇ DeepSpeed JSON" in labels and "⬇ YAML config" in labels
+        buttons = at.get("download_button")
+        labels = [b.proto.label for b in buttons]
+        assert len(labels) == 7 and "DeepSpeed JSON" in labels and "YAML config" in labels
+        assert {b.proto.icon for b in buttons} == {":material/download:"}
     if page == "home":
         assert len(at.dataframe[0].value) == 2
 
