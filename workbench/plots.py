@@ -141,7 +141,8 @@ def fig_compare_curves(curves: pd.DataFrame, metric: str, unit_label: str) -> go
     for run, rows in curves.groupby("run"):
         rows = thin(rows.dropna(subset=[metric]))
         traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines", name=str(run)))
-    return _figure(traces, f"{metric} by run", "step", unit_label)
+    what = unit_label.split(" (")[0]
+    return _figure(traces, f"{what[:1].upper()}{what[1:]} by run", "step", unit_label)
 
 
 def fig_compare_breakdown(means: pd.DataFrame) -> go.Figure:
@@ -223,9 +224,13 @@ def fig_history(trials: pd.DataFrame, objective: str, objective_label: str, *, m
     traces = [go.Scatter(x=done["number"], y=done[objective], mode="markers", name="trial",
                          marker={"size": 6}),
               go.Scatter(x=done["number"], y=best, mode="lines", name="best so far", line={"shape": "hv"})]
-    if len(done) < MIN_TREND_TRIALS:
-        title += f": only {len(done)} complete trial{'s' if len(done) != 1 else ''}, no trend yet"
-    return _figure(traces, title, "trial number", objective_label, height=360)
+    notes = []
+    if len(done) < MIN_TREND_TRIALS:  # said on the chart, under the title (the toolbar covers long titles)
+        notes.append({"text": f"only {len(done)} complete trial{'s' if len(done) != 1 else ''}: no trend yet",
+                      "xref": "paper", "yref": "paper", "x": 0, "y": 1.02, "xanchor": "left",
+                      "yanchor": "bottom", "showarrow": False, "font": {"size": 13, "color": "#b35c00"}})
+    return _figure(traces, title, "trial number", objective_label, height=360, annotations=notes,
+                   margin={"t": 70})
 
 
 def too_few_trials(title: str, done: int, need: int = MIN_TREND_TRIALS) -> go.Figure:

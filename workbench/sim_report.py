@@ -13,11 +13,11 @@ from pathlib import Path
 import pandas as pd
 
 PAGE_WIDTH_PX = 1100
-KEY_COLUMNS = {  # column of enumerate_configs: header in the main table
-    "layout": "layout", "micro": "micro batch", "zero": "ZeRO", "recompute": "recompute",
-    "sequence_parallel": "seq. parallel", "schedule": "schedule",
-    "iteration_time_s": "iteration (s)", "vs_best": "vs best", "tflops_per_gpu": "TFLOP/s per GPU",
-    "mfu_pct": "MFU (%)", "memory_per_gpu_gb": "memory per GPU (GB)",
+KEY_COLUMNS = {  # column of enumerate_configs: header in the main table (short: the table must fit)
+    "layout": "layout", "micro": "micro", "zero": "ZeRO", "recompute": "recompute",
+    "sequence_parallel": "seq. par.", "schedule": "schedule",
+    "iteration_time_s": "iter. (s)", "vs_best": "vs best", "tflops_per_gpu": "TFLOP/s/GPU",
+    "mfu_pct": "MFU (%)", "memory_per_gpu_gb": "GB/GPU",
 }
 STYLE = f"""
 body {{ font-family: system-ui, sans-serif; max-width: {PAGE_WIDTH_PX}px; margin: 1.5em auto;
@@ -25,7 +25,7 @@ body {{ font-family: system-ui, sans-serif; max-width: {PAGE_WIDTH_PX}px; margin
 .answer {{ font-size: 1.2em; background: #eef5ff; border-left: 4px solid #1f77b4; padding: .6em 1em; }}
 .scroll {{ overflow-x: auto; max-width: 100%; }}
 table {{ border-collapse: collapse; font-size: .85em; }}
-th, td {{ padding: .2em .6em; border-bottom: 1px solid #ddd; text-align: right; white-space: nowrap; }}
+th, td {{ padding: .2em .5em; border-bottom: 1px solid #ddd; text-align: right; white-space: nowrap; }}
 th {{ background: #f4f4f4; }}
 details {{ margin: .8em 0; }}
 """
@@ -102,10 +102,11 @@ def sensitivity_figure(name: str, table: pd.DataFrame, overall_best_s: float | N
     fig = go.Figure(go.Bar(x=labels, y=times, text=text, textposition="outside", cliponaxis=False,
                            marker_color="#1f77b4", showlegend=False,
                            hovertext=[_config_text(r) for _, r in table.iterrows()]))
-    if overall_best_s:
-        fig.add_hline(y=overall_best_s, line_dash="dash", line_color="#d62728",
-                      annotation_text=f"overall best {overall_best_s:.3g} s", annotation_position="top left")
-    fig.update_layout(title=f"Sensitivity: {name.replace('_', ' ')} (best fitting config at each value)",
+    note = ""
+    if overall_best_s:  # the line is named in the title: a label on it would sit on the bars' labels
+        fig.add_hline(y=overall_best_s, line_dash="dash", line_color="#d62728")
+        note = f"; dashed: overall best {overall_best_s:.3g} s"
+    fig.update_layout(title=f"Sensitivity: {name.replace('_', ' ')} (best fitting config at each value{note})",
                       xaxis_title=" / ".join(k.replace("_", " ") for k in keys),
                       yaxis_title="iteration time (s)", height=340, showlegend=False,
                       margin={"l": 60, "r": 20, "t": 60, "b": 60},

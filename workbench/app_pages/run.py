@@ -160,13 +160,15 @@ st.title("Run")
 st.session_state.setdefault(FORM_KEY, True)
 with st.expander("New run", key=FORM_KEY, on_change="rerun", icon=":material/edit_note:"):
     launch_panel()
-st.fragment(run_every=1.0 if launched_job() else None)(pending_panel)()
+pending_slot = st.container()
 runs = common.runs_table(str(common.home()))
+follow_launched(list(runs["run_id"]))  # before the poller: once it is picked, polling stops
+with pending_slot:
+    st.fragment(run_every=1.0 if launched_job() else None)(pending_panel)()
 if runs.empty:
     common.empty_runs_message()
     st.stop()
 labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
-follow_launched(list(labels))
 RUN_ID = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="run_pick")
 STATUS = runs.loc[runs["run_id"] == RUN_ID, "status"].iloc[0]
 st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID)

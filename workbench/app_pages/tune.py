@@ -179,7 +179,11 @@ def study_panel(home: str, name: str) -> None:
     shown = trials.sort_values("number", ascending=False).head(MAX_TABLE_ROWS)
     if len(trials) > MAX_TABLE_ROWS:
         st.caption(f"newest {MAX_TABLE_ROWS} of {len(trials)} trials")
-    st.dataframe(shown, hide_index=True, width="stretch")
+    st.dataframe(shown, hide_index=True, width="stretch", column_config={
+        OBJECTIVE: st.column_config.NumberColumn(format="%.0f"),
+        "val_loss": st.column_config.NumberColumn(format="%.4f"),
+        "duration(s)": st.column_config.NumberColumn(format="%.1f"),
+        "reason": st.column_config.TextColumn(width="large")})
 
 
 def drill_down(home: str, name: str) -> None:
