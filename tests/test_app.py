@@ -235,6 +235,8 @@ def test_launch_folds_the_form_and_the_picker_follows_the_new_run(tmp_path, monk
         time.sleep(0.05)
         run_id = f"{config['name']}-0002"
         write_run(store, run_id, steps=2, ranks=2, status="running")
+        time.sleep(0.05)
+        write_run(store, "shell-0003", steps=2, ranks=2, status="running")  # started from a shell meanwhile
         job = ui_state.Job(job_id="j-new", pid=sleeper.pid, name=config["name"], started=time.time() - 0.5,
                            config_path="", log_path=str(tmp_path / "log"), run_id=run_id)
         ui_state.save_jobs([job], home)
@@ -246,8 +248,9 @@ def test_launch_folds_the_form_and_the_picker_follows_the_new_run(tmp_path, monk
         assert at.expander[0].proto.expanded and at.selectbox(key="run_pick").value == "old-0001"
         [b for b in at.button if b.label == "Launch run"][0].click().run()
         assert not at.exception
-        assert at.session_state["new_run_open"] is False  # the form folded
-        assert at.selectbox(key="run_pick").value == "tiny-0002"  # the picker follows the new run
+        # the picker follows the run this session launched, not merely the newest run
+        assert at.selectbox(key="run_pick").value == "tiny-0002"
+        assert "new_run_open" in at.session_state and at.session_state["new_run_open"] is False  # folded
         assert "running" in {m.label: m.value for m in at.metric}["status"]
     finally:
         sleeper.kill()
