@@ -60,7 +60,7 @@ def _alive(pid: int) -> bool:
     if child is not None:
         if child.poll() is None:
             return True
-        del _CHILDREN[pid]  # poll() waited for it: the zombie is gone
+        _CHILDREN.pop(pid, None)  # poll() waited for it: the zombie is gone
         return False
     try:
         os.kill(pid, 0)

@@ -128,9 +128,9 @@ def reap_children() -> int:
     <defunct>; returns how many were reaped."""
     from tuning import control
 
-    done = [pid for pid, child in _CHILDREN.items() if child.poll() is not None]
+    done = [pid for pid, child in list(_CHILDREN.items()) if child.poll() is not None]  # sessions are threads
     for pid in done:
-        del _CHILDREN[pid]
+        _CHILDREN.pop(pid, None)
     return len(done) + control.reap()
 
 

@@ -81,9 +81,11 @@ def empty_runs_message() -> None:
 
 
 def run_label(row: pd.Series) -> str:
-    """``run_id · status · layout`` for pickers (plain text: options render no icon font)."""
+    """``run_id · layout · started`` for pickers: facts that never change, because a keyed select
+    box keeps showing an option's old text when only its label changes (a status would go stale;
+    the run header shows it)."""
     badge = " · emulated link" if row["emulated"] else ""
-    return f"{row['run_id']} · {row['status']} · {row['layout']}{badge}"
+    return f"{row['run_id']} · {row['layout']} · {row['created']:%Y-%m-%d %H:%M}{badge}"
 
 
 def run_header(run: dict[str, Any]) -> None:

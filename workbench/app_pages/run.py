@@ -133,8 +133,9 @@ def stop_button(run: dict[str, Any]) -> None:
         st.rerun()
 
 
-def live_panel(run_id: str) -> None:
-    """Header, headline figures and every chart of the run; polled while it runs."""
+def live_panel(run_id: str, shown_status: str) -> None:
+    """Header, headline figures and every chart of the run; polled while it runs. Once the run
+    has ended, the whole page reruns (until the picker, ``shown_status``, agrees) to stop polling."""
     home = str(common.home())
     data = common.run_data(home, run_id)
     run = data["run"]
@@ -148,9 +149,7 @@ def live_panel(run_id: str) -> None:
         stop_button(run)
     common.headline(data)
     common.run_charts(data, key=f"run-{run_id}")
-    was_running = st.session_state.get(f"running-{run_id}", False)
-    st.session_state[f"running-{run_id}"] = run["status"] == "running"
-    if was_running and run["status"] != "running":
+    if shown_status == "running" and run["status"] != "running":  # the picker still says running
         common.runs_table.clear()
         st.rerun(scope="app")  # the run ended: leave polling mode
 
@@ -171,4 +170,4 @@ if runs.empty:
 labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
 RUN_ID = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="run_pick")
 STATUS = runs.loc[runs["run_id"] == RUN_ID, "status"].iloc[0]
-st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID)
+st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID, STATUS)
