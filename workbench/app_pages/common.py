@@ -74,6 +74,17 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
     }
 
 
+def shown(value: Any) -> str:
+    """A value as people read it: floats to 4 significant digits (thousands separated), the rest as is."""
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else str(value)
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return ""
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    return str(value)
+
+
 def empty_runs_message() -> None:
     """What to do when the store holds no run."""
     st.info("No runs yet: launch one on the **Run** page, or from a shell "
