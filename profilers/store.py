@@ -631,7 +631,7 @@ def _phase_table(long: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     if long.empty:
         return pd.DataFrame(columns=[*index, *PHASES, "total"])
     long = long.assign(name=long["name"].map(_phase))
-    wide = long.pivot_table(index=index, columns="name", values="value", aggfunc="sum")
+    wide = long.pivot(index=index, columns="name", values="value")  # one row per (index, name) already
     extra = sorted(set(wide.columns) - set(PHASES))
     wide = wide.reindex(columns=[*PHASES, *extra]).fillna(0.0)
     wide.columns.name = None

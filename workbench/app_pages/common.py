@@ -18,6 +18,7 @@ from workbench import plots
 
 LIVE_TTL_S = 1.0
 BREAKDOWN_STEPS = 500  # steps drawn in the breakdown-over-the-run chart (evenly spaced, last kept)
+COMM_STEPS = 500  # steps whose collectives the bandwidth scatter draws (a point per rank and op each)
 REFRESH_S = 1.5
 
 
@@ -65,7 +66,7 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
         "evals": evals[(evals["name"] == "val_loss") & (evals["rank"] == 0)],
         "breakdown": s.breakdown_steps(run_id, max_steps=BREAKDOWN_STEPS),  # mean over ranks
         "breakdown_ranks": s.breakdown_ranks(run_id),  # the last step, per rank
-        "comm": s.comm_points(run_id, max_steps=plots.MAX_POINTS),
+        "comm": s.comm_points(run_id, max_steps=COMM_STEPS),
         "gpu": s.series(run_id, "gpu", max_points=plots.MAX_POINTS),
         "host": s.series(run_id, "host", max_points=plots.MAX_POINTS),
         "memory": s.memory_peaks(run_id),
