@@ -5,15 +5,18 @@ Thin by design (STYLE habit 12): page config and navigation only; each page live
 """
 import streamlit as st
 
-st.set_page_config(page_title="Workbench", page_icon="⚙️", layout="wide")
+from workbench import ui_state
+
+st.set_page_config(page_title="Workbench", page_icon=":material/tune:", layout="wide")
 
 PAGES = [
-    st.Page("workbench/app_pages/home.py", title="Overview", icon="🏠", default=True),
-    st.Page("workbench/app_pages/hardware.py", title="Hardware", icon="🖥️"),
-    st.Page("workbench/app_pages/run.py", title="Run", icon="▶️"),
-    st.Page("workbench/app_pages/tune.py", title="Tune", icon="🎛️"),
-    st.Page("workbench/app_pages/whatif.py", title="What-if", icon="🔮"),
-    st.Page("workbench/app_pages/compare.py", title="Compare", icon="📊"),
-    st.Page("workbench/app_pages/export.py", title="Export", icon="📦"),
+    st.Page("workbench/app_pages/home.py", title="Overview", icon=":material/home:", default=True),
+    st.Page("workbench/app_pages/hardware.py", title="Hardware", icon=":material/memory:"),
+    st.Page("workbench/app_pages/run.py", title="Run", icon=":material/play_circle:"),
+    st.Page("workbench/app_pages/tune.py", title="Tune", icon=":material/tune:"),
+    st.Page("workbench/app_pages/whatif.py", title="What-if", icon=":material/science:"),
+    st.Page("workbench/app_pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page("workbench/app_pages/export.py", title="Export", icon=":material/download:"),
 ]
+ui_state.reap_children()  # background launchers and tuning workers that ended: no <defunct> left
 st.navigation(PAGES).run()

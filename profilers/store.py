@@ -531,6 +531,113 @@ class RunStore:
         return frame.reindex(list(dict.fromkeys(k for s in columns.values() for k in s)))
 
 
+    # -- bounded readers for charts: aggregated and thinned in SQL, whatever the run's length --
+    def _frame(self, sql: str, params: Sequence[Any], columns: list[str]) -> pd.DataFrame:
+        import pandas as pd
+
+        return pd.DataFrame.from_records([tuple(r) for r in self._query(sql, params)], columns=columns)
+
+    def _step_stride(self, run_id: str, kind: str, max_steps: int | None) -> tuple[str, list[Any]]:
+        """SQL condition keeping about ``max_steps`` evenly spaced steps of ``kind`` (last kept)."""
+        if not max_steps:
+            return "", []
+        lo, hi = self._query("SELECT MIN(step), MAX(step) FROM metrics WHERE run_id = ? AND kind = ?",
+                             (run_id, kind))[0]
+        n = hi - lo + 1 if hi is not None else 0  # steps are numbered without gaps
+        if n <= max_steps:
+            return "", []
+        stride = -(-n // max_steps)
+        return " AND ((step - ?) % ? = 0 OR step = ?)", [lo, stride, hi]
+
+    def step_frame(self, run_id: str) -> pd.DataFrame:
+        """One row per step: ``step``, ``time`` (latest), ``ranks`` (how many reported) and each
+        step metric by its stored name, averaged over ranks (`latest_steps` as a DataFrame)."""
+        long = self._frame("SELECT step, name, AVG(value), MAX(time), COUNT(*) FROM metrics "
+                           "WHERE run_id = ? AND kind = 'step' GROUP BY step, name ORDER BY step",
+                           (run_id,), ["step", "name", "value", "time", "ranks"])
+        if long.empty:
+            return long.drop(columns=["name", "value"])
+        wide = long.pivot(index="step", columns="name", values="value")
+        wide.columns.name = None
+        per_step = long.groupby("step").agg(time=("time", "max"), ranks=("ranks", "max"))
+        return per_step.join(wide).reset_index()
+
+    def breakdown_steps(self, run_id: str, max_steps: int | None = 500) -> pd.DataFrame:
+        """Step-time phases per step, mean over ranks (s): columns ``step``, one per phase and
+        ``total``; at most about ``max_steps`` evenly spaced steps (the last one kept)."""
+        cond, params = self._step_stride(run_id, "breakdown", max_steps)
+        long = self._frame("SELECT step, name, AVG(value) FROM metrics WHERE run_id = ? AND "
+                           f"kind = 'breakdown'{cond} GROUP BY step, name ORDER BY step",
+                           (run_id, *params), ["step", "name", "value"])
+        return _phase_table(long, ["step"])
+
+    def breakdown_ranks(self, run_id: str, step: int | None = None) -> pd.DataFrame:
+        """Step-time phases per rank of one step (default: the last): columns ``step``, ``rank``,
+        one per phase and ``total`` (the rows `breakdown_table` has for that step)."""
+        if step is None:
+            row = self._query("SELECT MAX(step) FROM metrics WHERE run_id = ? AND kind = 'breakdown'",
+                              (run_id,))[0]
+            step = row[0] if row[0] is not None else -1
+        long = self._frame("SELECT step, rank, name, value FROM metrics WHERE run_id = ? AND "
+                           "kind = 'breakdown' AND step = ? ORDER BY rank, rowid", (run_id, step),
+                           ["step", "rank", "name", "value"])
+        return _phase_table(long, ["step", "rank"])
+
+    def comm_points(self, run_id: str, max_steps: int | None = 2000) -> pd.DataFrame:
+        """Per (rank, step, op): ``size(B)`` (bytes per call) and ``busbw(GB/s)``, from the
+        ``OP/bytes``, ``OP/count`` and ``OP/busbw(GB/s)`` comm records; at most about
+        ``max_steps`` evenly spaced steps."""
+        cond, params = self._step_stride(run_id, "comm", max_steps)
+        sql = ("SELECT rank, step, substr(name, 1, instr(name, '/') - 1) AS op, "
+               "SUM(CASE WHEN name LIKE '%/bytes' THEN value END), "
+               "SUM(CASE WHEN name LIKE '%/count' THEN value END), "
+               "SUM(CASE WHEN name LIKE '%/busbw(GB/s)' THEN value END) FROM metrics "
+               f"WHERE run_id = ? AND kind = 'comm' AND instr(name, '/') > 0{cond} "
+               "GROUP BY rank, step, op ORDER BY step, rank")
+        raw = self._frame(sql, (run_id, *params), ["rank", "step", "op", "bytes", "count", "busbw(GB/s)"])
+        raw = raw.dropna(subset=["bytes", "busbw(GB/s)"])
+        raw["size(B)"] = raw["bytes"] / raw["count"].fillna(1.0).clip(lower=1.0)
+        return raw[["rank", "step", "op", "size(B)", "busbw(GB/s)"]].reset_index(drop=True)
+
+    def series(self, run_id: str, kind: str, max_points: int | None = 2000) -> pd.DataFrame:
+        """Sampled values of one kind (host, gpu, ...) as columns ``time``, ``name``, ``value``,
+        ``rank``, ``step``; at most about ``max_points`` evenly spaced samples per (name, rank)."""
+        columns = ["time", "name", "value", "rank", "step"]
+        # INDEXED BY: without it SQLite picks the (run_id, name) index and reads the whole run
+        longest = self._query("SELECT MAX(n) FROM (SELECT COUNT(*) AS n FROM metrics INDEXED BY "
+                              "metrics_kind_step WHERE run_id = ? AND kind = ? GROUP BY name, rank)",
+                              (run_id, kind))[0][0] or 0
+        if not max_points or longest <= max_points:
+            return self._frame("SELECT time, name, value, rank, step FROM metrics WHERE run_id = ? "
+                               "AND kind = ? ORDER BY time, rowid", (run_id, kind), columns)
+        # window functions (SQLite >= 3.25): number each series' samples, keep every k-th and the last
+        sql = ("SELECT time, name, value, rank, step FROM (SELECT time, name, value, rank, step, "
+               "(ROW_NUMBER() OVER w) - 1 AS i, COUNT(*) OVER (PARTITION BY name, rank) AS n FROM metrics "
+               "INDEXED BY metrics_kind_step WHERE run_id = ? AND kind = ? WINDOW w AS (PARTITION BY name, rank ORDER BY time, rowid)) "
+               "WHERE i % ((n + ? - 1) / ?) = 0 OR i = n - 1 ORDER BY time")
+        return self._frame(sql, (run_id, kind, max_points, max_points), columns)
+
+    def memory_peaks(self, run_id: str) -> pd.DataFrame:
+        """The highest value of each memory record per rank: columns ``rank``, ``name``, ``value``."""
+        return self._frame("SELECT rank, name, MAX(value) FROM metrics WHERE run_id = ? AND "
+                           "kind = 'memory' GROUP BY rank, name ORDER BY rank, name", (run_id,),
+                           ["rank", "name", "value"])
+
+
+def _phase_table(long: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+    """Long (index..., name, value) breakdown rows as one column per phase (s) plus ``total``."""
+    import pandas as pd
+
+    if long.empty:
+        return pd.DataFrame(columns=[*index, *PHASES, "total"])
+    long = long.assign(name=long["name"].map(_phase))
+    wide = long.pivot(index=index, columns="name", values="value")  # one row per (index, name) already
+    extra = sorted(set(wide.columns) - set(PHASES))
+    wide = wide.reindex(columns=[*PHASES, *extra]).fillna(0.0)
+    wide.columns.name = None
+    wide["total"] = wide.sum(axis=1)
+    return wide.reset_index()
+
 def _phase(name: str) -> str:
     return name[:-3] if name.endswith("(s)") else name
 

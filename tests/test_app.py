@@ -3,6 +3,7 @@ studies, and with a run in progress; plus the plotting module and the UI job reg
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -101,10 +102,14 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
         assert len(trials) == 12 and {"state", "reason", "run_id"} <= set(trials.columns)
         assert set(trials["state"]) == {"COMPLETE", "PRUNED", "FAIL"}
     if page == "compare":
-        assert "Mean step-time breakdown by run" in titles and "loss by run" in titles
+        assert {"Mean step-time breakdown by run", "Loss by run", "Throughput by run"} <= set(titles)
+        side = at.dataframe[0].value
+        assert all(len(v) <= 12 for v in side.loc["mean_tokens_per_s"])  # 40,983 not 40982.71359...
     if page == "export":
-        labels = [b.proto.label for b in at.get("download_button")]
-        assert len(labels) == 7 and "⬇ DeepSpeed JSON" in labels and "⬇ YAML config" in labels
+        buttons = at.get("download_button")
+        labels = [b.proto.label for b in buttons]
+        assert len(labels) == 7 and "DeepSpeed JSON" in labels and "YAML config" in labels
+        assert {b.proto.icon for b in buttons} == {":material/download:"}
     if page == "home":
         assert len(at.dataframe[0].value) == 2
 
@@ -207,3 +212,179 @@ def test_stop_job_ends_the_launcher_and_its_process_tree(tmp_path):
     assert proc.poll() is not None and ui_state.running_jobs(tmp_path) == []
     for child in children:
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+# -- issue 15: what a new user trips over ---------------------------------------------------
+EMOJI = re.compile("[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF\uFE0F]")
+
+
+def test_icons_are_material_symbols_not_emoji():
+    """Emoji need an emoji font (boxes without one); Streamlit serves its Material Symbols font."""
+    sources = [REPO / "app.py", *sorted((REPO / "workbench" / "app_pages").glob("*.py"))]
+    found = {p.name: EMOJI.findall(p.read_text()) for p in sources}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert ':material/' in (REPO / "app.py").read_text()
+
+
+def test_launch_folds_the_form_and_the_picker_follows_the_new_run(tmp_path, monkeypatch):
+    from workbench import ui_state
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "old-0001", steps=3, ranks=2, status="completed")
+    sleeper = subprocess.Popen(["sleep", "60"])
+
+    def fake_launch(config, *, home=None):  # registers at once, as a fast launcher would
+        time.sleep(0.05)
+        run_id = f"{config['name']}-0002"
+        write_run(store, run_id, steps=2, ranks=2, status="running")
+        time.sleep(0.05)
+        write_run(store, "shell-0003", steps=2, ranks=2, status="running")  # started from a shell meanwhile
+        job = ui_state.Job(job_id="j-new", pid=sleeper.pid, name=config["name"], started=time.time() - 0.5,
+                           config_path="", log_path=str(tmp_path / "log"), run_id=run_id)
+        ui_state.save_jobs([job], home)
+        return job
+
+    monkeypatch.setattr(ui_state, "launch_run", fake_launch)
+    try:
+        at = render(tmp_path, "run", monkeypatch)
+        assert at.expander[0].proto.expanded and at.selectbox(key="run_pick").value == "old-0001"
+        [b for b in at.button if b.label == "Launch run"][0].click().run()
+        assert not at.exception
+        # the picker follows the run this session launched, not merely the newest run
+        assert at.selectbox(key="run_pick").value == "tiny-0002"
+        assert "new_run_open" in at.session_state and at.session_state["new_run_open"] is False  # folded
+        assert "running" in {m.label: m.value for m in at.metric}["status"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        store.close()
+
+
+def _figure(at, title_start: str) -> dict:
+    for chart in at.get("plotly_chart"):
+        spec = json.loads(chart.proto.spec)
+        if spec["layout"]["title"]["text"].startswith(title_start):
+            return spec
+    raise AssertionError(f"no figure titled {title_start!r}: {chart_titles(at)}")
+
+
+def test_few_complete_trials_say_so_instead_of_drawing_noise(tmp_path, monkeypatch):
+    write_study(tmp_path, "few", trials=3)  # trials 0-2 complete
+    at = render(tmp_path, "tune", monkeypatch)
+    imp = _figure(at, "Parameter importances")
+    assert imp.get("data", []) == [] and "needs at least 5 complete trials" in imp["layout"]["annotations"][0]["text"]
+    history = _figure(at, "Optimisation history")["layout"]
+    assert "only 3 complete trials" in history["annotations"][0]["text"]
+
+
+def test_a_study_without_complete_trials_has_no_empty_axes(tmp_path, monkeypatch):
+    import optuna
+
+    from tuning.study import default_storage
+
+    study = optuna.create_study(study_name="none-done", storage=default_storage(tmp_path), direction="maximize")
+    dist = {"train.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
+    study.add_trials([optuna.trial.create_trial(params={"train.lr": 1e-3}, distributions=dist,
+                                                state=optuna.trial.TrialState.FAIL) for _ in range(2)])
+    at = render(tmp_path, "tune", monkeypatch)
+    history = _figure(at, "Optimisation history")
+    assert history.get("data", []) == [] and history["layout"]["xaxis"]["visible"] is False
+    assert "no complete trial yet" in history["layout"]["annotations"][0]["text"]
+
+
+def test_finished_tuning_workers_are_reaped(tmp_path):
+    """A worker that ended is waited for: no <defunct> child, and it is not listed as running."""
+    import psutil
+
+    from tuning import control
+
+    pids = control.start_workers("s", "params: {}\n", "name: x\n", n_trials=1, home=tmp_path,
+                                 extra_args=["--no-such-option"])  # the CLI refuses it and exits
+    proc = psutil.Process(pids[0])
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.status() not in (psutil.STATUS_ZOMBIE,):
+        time.sleep(0.2)
+    assert control.running_workers("s", home=tmp_path) == []
+    assert not psutil.pid_exists(pids[0]), "the finished worker stayed <defunct>"
+
+
+def test_study_reader_follows_a_study_through_optunas_api(tmp_path):
+    """Incremental refreshes (new, finished, enqueued trials) match Optuna's own full read."""
+    import optuna
+
+    from tuning.study import default_storage
+    from workbench.app_pages.studies import StudyReader
+
+    url = default_storage(tmp_path)
+    study = write_study(tmp_path, "inc", trials=20)
+    reader = StudyReader(url)
+
+    def same() -> None:
+        _, mine = reader.trials("inc")
+        theirs = optuna.load_study(study_name="inc", storage=url).get_trials(deepcopy=False)
+        assert [(t.number, t.state, t.values, t.params, t.user_attrs) for t in mine] == \
+               [(t.number, t.state, t.values, t.params, t.user_attrs) for t in theirs]
+
+    same()
+    running = study.ask()
+    running.suggest_float("train.lr", 1e-4, 1e-2, log=True)
+    study.enqueue_trial({"train.lr": 1e-3})
+    same()
+    study.tell(running, 123.0)
+    for _ in range(3):
+        study.tell(study.ask(), 5.0)
+    same()
+    write_study(tmp_path, "other", trials=3)
+    study.add_trials(optuna.load_study(study_name="other", storage=url).get_trials() * 30)  # a bulk add
+    same()
+    assert {s["study"] for s in reader.summaries()} == {"inc", "other"}
+    source = (REPO / "workbench" / "app_pages" / "studies.py").read_text()
+    assert "sqlite3" not in source and "trial_values" not in source  # no SQL on Optuna's schema
+
+
+def test_store_chart_readers_match_the_full_reads(tmp_path):
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "r-1", steps=120, ranks=2)
+    steps = pd.DataFrame(store.latest_steps("r-1", n=10_000))
+    frame = store.step_frame("r-1")
+    pd.testing.assert_frame_equal(frame[sorted(frame.columns)], steps[sorted(steps.columns)], check_dtype=False)
+    table = store.breakdown_table("r-1")
+    mean = table.drop(columns=["rank"]).groupby("step", as_index=False).mean()
+    pd.testing.assert_frame_equal(store.breakdown_steps("r-1", max_steps=None), mean, check_dtype=False)
+    thinned = store.breakdown_steps("r-1", max_steps=50)
+    assert len(thinned) <= 51 and thinned["step"].iloc[-1] == 119
+    last = store.breakdown_ranks("r-1")
+    assert list(last["rank"]) == [0, 1] and set(last["step"]) == {119}
+    comm = store.comm_points("r-1", max_steps=None)
+    assert len(comm) == 240 and (comm["size(B)"] > 0).all()
+    host = store.series("r-1", "host", max_points=None)
+    few = store.series("r-1", "host", max_points=30)
+    for name, rows in few.groupby("name"):
+        assert len(rows) <= 31 and rows["time"].max() == host[host["name"] == name]["time"].max()
+    peaks = store.memory_peaks("r-1")
+    assert set(peaks["name"]) == {"rss(GiB)", "params(GiB)"} and len(peaks) == 4
+    store.close()
+
+
+def test_simulator_report_compares_like_with_like_and_answers_first(tmp_path):
+    from tuning.hardware import load_cluster
+    from tuning.search import best_configs, enumerate_configs, sensitivities
+    from tuning.simulator import ModelSpec
+    from workbench import sim_report
+
+    model = ModelSpec(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200)
+    df = enumerate_configs(model, load_cluster("frontier"), 64, 512)
+    best, sens = best_configs(df, 10), sensitivities(df)
+    figs = {f.layout.title.text: f for f in sim_report.sensitivity_figures(df, sens)}
+    for name, table in sens.items():
+        bars = next(f for t, f in figs.items() if t.startswith(f"Sensitivity: {name.replace('_', ' ')}"))
+        # one bar per value of the knob, each the best config's time there: never a sum of configs
+        assert list(bars.data[0].y) == list(table["iteration_time_s"])
+        assert max(bars.data[0].y) < 5 * best["iteration_time_s"].iloc[0]
+    scatter = figs["Configurations that fit: TFLOP/s per GPU against memory per GPU"]
+    assert not any(getattr(tr.marker, "showscale", False) for tr in scatter.data)  # legend, no colour bar
+    text = sim_report.write_report(tmp_path / "r.html", df, best, sens, title="t").read_text()
+    assert text.index("Fastest configuration that fits") < text.index("<table")
+    main = text[:text.index("<h2>Details</h2>")]
+    tables = [t.split("</table>")[0] for t in main.split('class="dataframe"')[1:]]
+    assert len(tables) == 1 and tables[0].count("</th>") <= 12  # the key columns only

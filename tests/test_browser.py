@@ -1,7 +1,9 @@
 """End to end in a real headless Chromium (Debian `chromium`, driven by Playwright; no browser is
-downloaded): start the app, launch a tiny 2-rank run from the Run page and watch its charts
-update, start a 3-trial study from the Tune page, download the exported YAML. Screenshots go to
-artifacts/ (gitignored)."""
+downloaded): start the app, screenshot every page empty, launch a tiny 2-rank run from the Run
+page and watch its charts update, start a 3-trial study from the Tune page, download the exported
+YAML, screenshot every page again; and the simulator's HTML report laid out by the browser.
+Screenshots go to artifacts/ (gitignored): PAGE-empty.png, run-live.png, run-done.png,
+tune-finished.png, PAGE-finished.png, sim-report.png."""
 from __future__ import annotations
 
 import os
@@ -14,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +64,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                              "--server.headless", "true", "--browser.gatherUsageStats", "false",
                              "--server.fileWatcherType", "none"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    (home / "streamlit.pid").write_text(str(proc.pid))
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -111,6 +115,12 @@ def _finished(page) -> int:
     return sum(int(v) for v in values if v.isdigit())
 
 
+def _selectboxes(page) -> str:
+    """What every select box shows (its text, or its input's value)."""
+    return page.evaluate("""() => [...document.querySelectorAll('[data-testid="stSelectbox"]')].map(
+        e => e.innerText + ' ' + [...e.querySelectorAll('input')].map(i => i.value).join(' ')).join(' | ')""")
+
+
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -135,11 +145,37 @@ def test_launch_a_run_watch_it_tune_and_export(server, page):
         raise
 
 
+PAGES = {"overview": ("", "Workbench overview"), "hardware": ("hardware", "Hardware"), "run": ("run", "Run"),
+         "tune": ("tune", "Tune"), "whatif": ("whatif", "What-if"), "compare": ("compare", "Compare"),
+         "export": ("export", "Export")}
+LAPTOP_HEIGHT = 900  # px: what "visible without scrolling" means here
+
+
+def _settle(page, timeout_s: float = 20.0) -> None:
+    """Wait until no element is still a loading skeleton or spinner (a busy machine is slow)."""
+    deadline = time.time() + timeout_s
+    page.wait_for_timeout(500)
+    busy = page.locator('[data-testid="stSkeleton"], [data-testid="stSpinner"]')
+    while time.time() < deadline and busy.count():
+        page.wait_for_timeout(250)
+    page.wait_for_timeout(500)  # charts and the icon font settle
+
+
+def _shoot_every_page(page, url: str, stage: str) -> None:
+    """A full-page screenshot of every page into artifacts/ (NAME-STAGE.png); icons must render."""
+    for name, (path, heading) in PAGES.items():
+        page.goto(f"{url}/{path}")
+        page.get_by_role("heading", name=heading).wait_for(timeout=30_000)
+        _settle(page)
+        page.screenshot(path=str(ARTIFACTS / f"{name}-{stage}.png"), full_page=True)
+    # Material Symbols (the icons) are a font Streamlit serves itself: no emoji font needed
+    assert page.evaluate("[...document.fonts].some(f => f.family.includes('Material Symbols') "
+                         "&& f.status === 'loaded')")
+
+
 def _scenario(server, page) -> None:
     url, home = server
-    page.goto(url)
-    page.get_by_role("heading", name="Workbench overview").wait_for(timeout=30_000)
-    page.screenshot(path=str(ARTIFACTS / "01-overview.png"), full_page=True)
+    _shoot_every_page(page, url, "empty")
 
     # Run page: the form's defaults are a 2-layer d_model 32 model on 2 dp ranks, 15 steps
     page.goto(f"{url}/run")
@@ -148,15 +184,26 @@ def _scenario(server, page) -> None:
     # shows "–" or an early step, and the polled charts must move on to a later one
     page.get_by_text("Throughput and MFU").first.wait_for(timeout=90_000)
     first = _step(page)
-    page.screenshot(path=str(ARTIFACTS / "02-run-live.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "run-live.png"), full_page=True)
+    # the form folded away: the picker shows the new run and the first chart is on screen
+    assert not page.get_by_label("Sequence length").is_visible()
+    _wait_for(lambda: re.search(r"tiny-\S+ · dp2", _selectboxes(page)), 10, "the picker to show the new run")
+    assert page.locator(".js-plotly-plot").first.bounding_box()["y"] < LAPTOP_HEIGHT
     _wait_for(lambda: _step(page) > first, 120, "the charts to update with a later step")
     _wait_for(lambda: "completed" in _metric(page, "status"), 120, "the run to complete")
     assert int(_metric(page, "step")) == 14
     assert page.locator(".js-plotly-plot").count() >= 6
-    page.screenshot(path=str(ARTIFACTS / "03-run-done.png"), full_page=True)
+    # the page leaves polling mode: the Stop button is gone
+    _wait_for(lambda: page.get_by_role("button", name="Stop run").count() == 0, 30, "the Stop button to go")
+    page.screenshot(path=str(ARTIFACTS / "run-done.png"), full_page=True)
 
     # Tune page: a 3-trial study of 1-rank, 3-step trials
     _tune_and_export(url, page)
+    _shoot_every_page(page, url, "finished")
+    server_pid = int((home / "streamlit.pid").read_text())
+    zombies = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
+               if p.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == [], f"finished workers left <defunct>: {zombies}"
 
 
 def _tune_and_export(url: str, page) -> None:
@@ -170,7 +217,11 @@ def _tune_and_export(url: str, page) -> None:
     _wait_for(lambda: _finished(page) == 3, 240, "3 finished trials")
     assert int(_metric(page, "complete")) >= 1  # the median pruner may stop a slow one
     page.get_by_text("Optimisation history").first.wait_for(timeout=30_000)
-    page.screenshot(path=str(ARTIFACTS / "04-tune.png"), full_page=True)
+    # 3 trials are too few for importances: the page says so instead of drawing one bar at 1.00
+    page.get_by_text("needs at least 5 complete trials").first.wait_for(timeout=30_000)
+    # the workers ended: the page stops listing them (it reruns once they are reaped)
+    page.get_by_text("workers running: none").wait_for(timeout=30_000)
+    page.screenshot(path=str(ARTIFACTS / "tune-finished.png"), full_page=True)
 
     # Export page: download the best trial's YAML
     page.goto(f"{url}/export")
@@ -181,4 +232,23 @@ def _tune_and_export(url: str, page) -> None:
     info.value.save_as(str(target))
     text = target.read_text()
     assert "model:" in text and "parallel:" in text and "d_model: 32" in text
-    page.screenshot(path=str(ARTIFACTS / "05-export.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / "export-download.png"), full_page=True)
+
+
+def test_simulator_report_fits_a_laptop_screen(tmp_path, page):
+    """`workbench simulate --search --report` is readable at 1500 px: no page-wide scrolling."""
+    from tuning.hardware import load_cluster
+    from tuning.search import best_configs, enumerate_configs, sensitivities
+    from tuning.simulator import ModelSpec
+    from workbench.sim_report import write_report
+
+    model = ModelSpec(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200)
+    df = enumerate_configs(model, load_cluster("frontier"), 64, 512)
+    path = write_report(tmp_path / "r.html", df, best_configs(df, 10), sensitivities(df), title="18B on 64 GPUs")
+    page.set_viewport_size({"width": 1500, "height": 1000})
+    page.goto(path.as_uri())
+    page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1500
+    assert page.locator("p.answer").inner_text().startswith("Fastest configuration that fits")
+    page.screenshot(path=str(ARTIFACTS / "sim-report.png"), full_page=True)
+    page.set_viewport_size({"width": 1500, "height": 3200})

@@ -51,7 +51,17 @@ def study_dir(study_name: str, home: str | Path | None = None) -> Path:
     return path
 
 
+_CHILDREN: dict[int, subprocess.Popen] = {}
+"""Workers this process started: polled so that a finished one is reaped, not left <defunct>."""
+
+
 def _alive(pid: int) -> bool:
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        if child.poll() is None:
+            return True
+        _CHILDREN.pop(pid, None)  # poll() waited for it: the zombie is gone
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,6 +71,11 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def reap() -> int:
+    """Wait for every finished worker this process started (no <defunct> left); returns how many."""
+    return sum(not _alive(pid) for pid in list(_CHILDREN))
 
 
 def start_workers(study_name: str, space_yaml: str, base_config_yaml: str, *, storage: str | None = None,
@@ -78,8 +93,9 @@ def start_workers(study_name: str, space_yaml: str, base_config_yaml: str, *, st
         cmd = [sys.executable, "-m", "workbench.cli", "tune", str(folder / "space.yaml"), "--base",
                str(folder / "base.yaml"), "--trials", str(share), "--study", study_name, "--storage", storage,
                "--json", *(extra_args or [])]
-        log = open(folder / f"worker-{int(time.time())}-{i}.log", "w")
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(folder / f"worker-{int(time.time())}-{i}.log", "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _CHILDREN[proc.pid] = proc
         pids.append(proc.pid)
     data = _read(home)
     data.setdefault(study_name, []).extend({"pid": p, "started": time.time()} for p in pids)

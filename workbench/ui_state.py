@@ -116,11 +116,22 @@ def is_alive(pid: int) -> bool:
     """Whether the process runs (a zombie counts as finished)."""
     child = _CHILDREN.get(pid)
     if child is not None:
-        return child.poll() is None
+        return child.poll() is None  # poll() reaps a finished child
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
+
+
+def reap_children() -> int:
+    """Wait for every finished launcher and tuning worker this server started, so none stays
+    <defunct>; returns how many were reaped."""
+    from tuning import control
+
+    done = [pid for pid, child in list(_CHILDREN.items()) if child.poll() is not None]  # sessions are threads
+    for pid in done:
+        _CHILDREN.pop(pid, None)
+    return len(done) + control.reap()
 
 
 def resolve_run_id(job: Job, store: RunStore, home: Path | None = None) -> str | None:

@@ -17,8 +17,9 @@ from profilers.store import RunStore, default_home
 from workbench import plots
 
 LIVE_TTL_S = 1.0
+BREAKDOWN_STEPS = 500  # steps drawn in the breakdown-over-the-run chart (evenly spaced, last kept)
+COMM_STEPS = 500  # steps whose collectives the bandwidth scatter draws (a point per rank and op each)
 REFRESH_S = 1.5
-STATUS_ICONS = {"running": "🟢", "completed": "✅", "failed": "❌", "interrupted": "⏹️"}
 
 
 def home() -> Path:
@@ -53,48 +54,36 @@ def runs_table(home_path: str, limit: int = 200) -> pd.DataFrame:
                                       "created", "error"])
 
 
-def _frame(records: Any) -> pd.DataFrame:
-    return records if isinstance(records, pd.DataFrame) else pd.DataFrame(records)
-
-
-def comm_frame(raw: pd.DataFrame) -> pd.DataFrame:
-    """Per (rank, step, op): bytes per call ``size(B)`` and ``busbw(GB/s)`` from comm records."""
-    if raw.empty:
-        return pd.DataFrame(columns=["rank", "step", "op", "size(B)", "busbw(GB/s)"])
-    ops = raw[raw["name"].str.contains("/", regex=False)].copy()
-    parts = ops["name"].str.split("/", n=1, expand=True)
-    ops["op"], ops["field"] = parts[0], parts[1]
-    wide = ops.pivot_table(index=["rank", "step", "op"], columns="field", values="value",
-                           aggfunc="sum").reset_index()
-    if "bytes" not in wide or "busbw(GB/s)" not in wide:
-        return pd.DataFrame(columns=["rank", "step", "op", "size(B)", "busbw(GB/s)"])
-    count = wide["count"].clip(lower=1) if "count" in wide else 1.0
-    wide["size(B)"] = wide["bytes"] / count
-    return wide[["rank", "step", "op", "size(B)", "busbw(GB/s)"]]
-
-
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
 def run_data(home_path: str, run_id: str) -> dict[str, Any]:
-    """Everything the run charts draw, as plain frames (steps, evals, breakdown, comm, ...)."""
+    """Everything the run charts draw, as plain frames, aggregated and thinned by the store
+    (bounded size whatever the run's length): steps, evals, breakdown, comm, host, ..."""
     s = _store(home_path)
-    steps = pd.DataFrame(s.latest_steps(run_id, n=10_000_000))
-    if steps.empty:
-        steps = pd.DataFrame(columns=["step", "time", "ranks"])
-    memory = _frame(s.metrics(run_id, kind="memory", as_frame=True))
-    if not memory.empty:
-        memory = memory.groupby(["rank", "name"], as_index=False)["value"].max()
+    evals = s.series(run_id, "eval", max_points=plots.MAX_POINTS)
     return {
         "run": s.run(run_id),
-        "steps": steps,
-        "evals": _frame(s.metrics(run_id, kind="eval", name="val_loss", rank=0, as_frame=True)),
-        "breakdown": s.breakdown_table(run_id),
-        "comm": comm_frame(_frame(s.metrics(run_id, kind="comm", as_frame=True))),
-        "gpu": _frame(s.metrics(run_id, kind="gpu", as_frame=True)),
-        "host": _frame(s.metrics(run_id, kind="host", as_frame=True)),
-        "memory": memory,
+        "steps": s.step_frame(run_id),
+        "evals": evals[(evals["name"] == "val_loss") & (evals["rank"] == 0)],
+        "breakdown": s.breakdown_steps(run_id, max_steps=BREAKDOWN_STEPS),  # mean over ranks
+        "breakdown_ranks": s.breakdown_ranks(run_id),  # the last step, per rank
+        "comm": s.comm_points(run_id, max_steps=COMM_STEPS),
+        "gpu": s.series(run_id, "gpu", max_points=plots.MAX_POINTS),
+        "host": s.series(run_id, "host", max_points=plots.MAX_POINTS),
+        "memory": s.memory_peaks(run_id),
         "segments": s.segments(run_id),
         "read_at": time.time(),
     }
+
+
+def shown(value: Any) -> str:
+    """A value as people read it: floats to 4 significant digits (thousands separated), the rest as is."""
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else str(value)
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return ""
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    return str(value)
 
 
 def empty_runs_message() -> None:
@@ -104,22 +93,24 @@ def empty_runs_message() -> None:
 
 
 def run_label(row: pd.Series) -> str:
-    """``icon run_id · name · layout`` for pickers."""
+    """``run_id · layout · started`` for pickers: facts that never change, because a keyed select
+    box keeps showing an option's old text when only its label changes (a status would go stale;
+    the run header shows it)."""
     badge = " · emulated link" if row["emulated"] else ""
-    return f"{STATUS_ICONS.get(row['status'], '')} {row['run_id']} · {row['status']} · {row['layout']}{badge}"
+    return f"{row['run_id']} · {row['layout']} · {row['created']:%Y-%m-%d %H:%M}{badge}"
 
 
 def run_header(run: dict[str, Any]) -> None:
     """Status, layout, emulated-link badge and the failure reason of one run."""
     lay = run.get("layout") or {}
     cols = st.columns(4)
-    cols[0].metric("status", f"{STATUS_ICONS.get(run['status'], '')} {run['status']}")
+    cols[0].metric("status", run["status"])
     cols[1].metric("ranks", run["world_size"])
     cols[2].metric("layout", f"dp{lay.get('dp', '?')} · tp{lay.get('tp', '?')} · pp{lay.get('pp', '?')}")
     cols[3].metric("link", "emulated" if run.get("emulated") else "real")
     if run.get("emulated"):
         st.warning("Emulated link: communication was slowed to the configured bandwidth and latency "
-                   "(link.*); timings are not this machine's real network.", icon="🐢")
+                   "(link.*); timings are not this machine's real network.", icon=":material/network_check:")
     if run.get("error"):
         rank = run.get("error_rank")
         where = f" on rank {rank}" if rank is not None else ""
@@ -164,13 +155,13 @@ def timeline_figures(samples: pd.DataFrame, what: str) -> list[Any]:
 
 def run_charts(data: dict[str, Any], key: str) -> None:
     """Every chart of one run, two per row; a chart without data says what it waits for."""
-    steps, table = data["steps"], data["breakdown"]
+    steps, table, last = data["steps"], data["breakdown"], data["breakdown_ranks"]
     charts = [plots.fig_loss(steps, data["evals"]) if len(steps) else
               plots.empty_figure("Loss", "waiting for the first step"),
               plots.fig_throughput(steps) if len(steps) else
               plots.empty_figure("Throughput and MFU", "waiting for the first step")]
     if len(table):
-        charts += [plots.fig_breakdown_ranks(table, int(table["step"].max())),
+        charts += [plots.fig_breakdown_ranks(last, int(last["step"].max())),
                    plots.fig_breakdown_steps(table)]
     else:
         charts.append(plots.empty_figure("Step-time breakdown", "no breakdown records yet "
@@ -211,21 +202,26 @@ def _optuna_storage(url: str) -> Any:
     return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
 
 
-def studies_db(home_path: str) -> Path:
-    """The SQLite file behind `storage_url` (fast read path of `studies.py`)."""
-    return Path(storage_url(home_path).removeprefix("sqlite:///"))
+@st.cache_resource
+def _study_reader(url: str) -> Any:
+    from workbench.app_pages.studies import StudyReader
+
+    return StudyReader(url)
+
+
+def study_reader(home_path: str) -> Any:
+    """The `studies.StudyReader` of a home's storage (one per server: it caches finished trials)."""
+    return _study_reader(storage_url(home_path))
 
 
 @st.cache_data(ttl=2.0, show_spinner=False)
 def studies_table(home_path: str) -> pd.DataFrame:
     """One row per study: name, directions, trials, counts by state, best first objective."""
-    from workbench.app_pages import studies
-
     columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "best"]
     if not _has_studies(home_path):
         return pd.DataFrame(columns=columns)
     rows = []
-    for s in studies.summaries(studies_db(home_path)):
+    for s in study_reader(home_path).summaries():
         c = s["counts"]
         rows.append({"study": s["study"], "directions": " / ".join(s["directions"]),
                      "trials": sum(c.values()), "complete": c.get("COMPLETE", 0),
@@ -241,16 +237,10 @@ def load_study(home_path: str, name: str) -> Any:
     return optuna.load_study(study_name=name, storage=_optuna_storage(storage_url(home_path)))
 
 
-@st.cache_data(ttl=2.0, show_spinner=False)
 def study_trials(home_path: str, name: str) -> tuple[list[str], list[Any]]:
-    """(directions, FrozenTrials) of a study, read in one pass (Optuna's own reader as fallback)."""
-    from workbench.app_pages import studies
-
-    try:
-        return studies.read_trials(studies_db(home_path), name)
-    except (KeyError, ValueError, LookupError, __import__("sqlite3").Error):
-        study = load_study(home_path, name)
-        return [d.name.lower() for d in study.directions], study.get_trials(deepcopy=False)
+    """(directions, FrozenTrials) of a study, through the home's `StudyReader` (a cache already:
+    st.cache_data would pickle thousands of trials on every hit)."""
+    return study_reader(home_path).trials(name)
 
 
 @st.cache_data(ttl=2.0, show_spinner=False)

@@ -26,7 +26,7 @@ for run_id in picked:
     data = common.run_data(HOME, run_id)
     steps = data["steps"].assign(run=run_id)
     curves.append(steps)
-    table = data["breakdown"]
+    table = common.store().breakdown_steps(run_id, max_steps=None)  # every step: an exact mean
     if len(table):
         means[run_id] = table[[p for p in PHASES if p in table]].mean()
 curves_df = pd.concat(curves, ignore_index=True)
@@ -40,4 +40,4 @@ if means:
     st.plotly_chart(plots.fig_compare_breakdown(pd.DataFrame(means).T), width="stretch")
 st.subheader("Side by side")
 table = common.store().compare(picked)
-st.dataframe(table.astype(str), width="stretch")
+st.dataframe(table.map(common.shown), width="stretch")

@@ -55,8 +55,8 @@ def study_export(home: str) -> None:
         except Exception as exc:  # one format failing must not hide the others
             col.error(f"{label}: {exc}")
             continue
-        col.download_button(f"⬇ {label}", text, file_name=f"{name}-trial{trial}.{suffix}", mime=mime,
-                            key=f"dl-{fmt}")
+        col.download_button(label, text, file_name=f"{name}-trial{trial}.{suffix}", mime=mime,
+                            key=f"dl-{fmt}", icon=":material/download:")
     notes = {fmt: export_notes(study, trial, fmt) for fmt in ("megatron", "deepspeed")}
     for fmt, items in notes.items():
         if items:  # beside the file, never inside it
@@ -75,10 +75,10 @@ def run_export(home: str) -> None:
     run_id = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="export_run")
     config = (common.store().run(run_id) or {}).get("config") or {}
     left, right = st.columns(2)
-    left.download_button("⬇ run config (YAML)", yaml.safe_dump(config, sort_keys=False),
-                         file_name=f"{run_id}.yaml", mime="application/x-yaml", key="dl-run-yaml")
-    right.download_button("⬇ run config (JSON)", json.dumps(config, indent=2), file_name=f"{run_id}.json",
-                          mime="application/json", key="dl-run-json")
+    left.download_button("run config (YAML)", yaml.safe_dump(config, sort_keys=False), file_name=f"{run_id}.yaml",
+                         mime="application/x-yaml", key="dl-run-yaml", icon=":material/download:")
+    right.download_button("run config (JSON)", json.dumps(config, indent=2), file_name=f"{run_id}.json",
+                          mime="application/json", key="dl-run-json", icon=":material/download:")
 
 
 st.title("Export")

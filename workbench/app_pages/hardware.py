@@ -14,7 +14,7 @@ from profilers.host import host_info
 GIB = float(1 << 30)
 
 
-@st.cache_resource
+@st.cache_resource(show_spinner="Reading the machine's hardware and software versions…")
 def _static_facts() -> dict[str, Any]:
     """Facts that do not change while the server runs: host, versions, backends, GPU inventory."""
     facts: dict[str, Any] = {"host": host_info(), "gpus": nvml.gpu_inventory(),

@@ -25,4 +25,5 @@ st.subheader("Studies")
 if studies.empty:
     st.info("No studies yet: start one on the **Tune** page, or `workbench tune SPACE.yaml`.")
 else:
-    st.dataframe(studies, hide_index=True, width="stretch")
+    st.dataframe(studies, hide_index=True, width="stretch",
+                 column_config={"best": st.column_config.NumberColumn("best tokens/s", format="%.0f")})

@@ -1,6 +1,7 @@
 """Run: edit a config (form or YAML), launch it in the background, watch it live, stop it."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import streamlit as st
@@ -10,6 +11,9 @@ from engine.validate import COMPRESSORS
 from workbench import ui_state
 from workbench import report
 from workbench.app_pages import common
+
+FORM_KEY = "new_run_open"
+FOLLOW_S = 60.0  # the picker gives up following a launched run not listed after this long
 
 
 def form_config() -> dict[str, Any]:
@@ -60,6 +64,14 @@ def editor() -> str:
     return st.text_area("Run config (YAML)", key="yaml_text", height=260)
 
 
+def launch(config: dict[str, Any]) -> None:
+    """Launch button callback: start the run, fold the form away, make the picker follow it."""
+    job = ui_state.launch_run(config, home=common.home())
+    st.session_state["run_job"] = job.job_id
+    st.session_state[FORM_KEY] = False  # fold the form: the live charts come into view
+    st.toast(f"Launched {job.name} (pid {job.pid})", icon=":material/rocket_launch:")
+
+
 def launch_panel() -> None:
     """Editor, inline validation errors and the Launch button."""
     text = editor()
@@ -69,36 +81,39 @@ def launch_panel() -> None:
     if config is not None:
         world = config["parallel"]["dp"] * config["parallel"]["tp"] * config["parallel"]["pp"]
         st.caption(f"valid · {world} rank(s) · {config['train']['steps']} steps")
-    if st.button("Launch run", type="primary", disabled=config is None):
-        job = ui_state.launch_run(config, home=common.home())
-        st.session_state["run_job"] = job.job_id
-        st.session_state.pop("run_pick", None)
-        st.toast(f"Launched {job.name} (pid {job.pid})")
+    st.button("Launch run", type="primary", disabled=config is None, icon=":material/rocket_launch:",
+              on_click=launch, args=(config,))
 
 
-def pending_job() -> ui_state.Job | None:
-    """This session's launch whose run has not registered in the store yet."""
+def launched_job() -> ui_state.Job | None:
+    """This session's latest launch, while the picker has not moved to its run yet."""
     job_id = st.session_state.get("run_job")
-    for job in ui_state.load_jobs(common.home()):
-        if job.job_id == job_id and ui_state.resolve_run_id(job, common.store(), common.home()) is None:
-            return job
-    return None
+    return next((j for j in ui_state.load_jobs(common.home()) if j.job_id == job_id), None) if job_id else None
+
+
+def follow_launched(run_ids: list[str]) -> None:
+    """Point the Run picker at the run just launched once it is listed (then leave the picker alone)."""
+    job = launched_job()
+    if job is None:
+        return
+    run_id = ui_state.resolve_run_id(job, common.store(), common.home())
+    if run_id in run_ids:
+        st.session_state["run_pick"] = run_id
+    if run_id in run_ids or (run_id is not None and time.time() - job.started > FOLLOW_S):
+        st.session_state.pop("run_job", None)
 
 
 def pending_panel() -> None:
     """Polls until the launched run registers, then reruns the page to show it."""
-    job = pending_job()
+    job = launched_job()
     if job is None:
-        if st.session_state.pop("run_pending", False):
-            common.runs_table.clear()
-            st.session_state.pop("run_pick", None)  # show the run just launched
-            st.rerun(scope="app")
         return
-    st.session_state["run_pending"] = True
+    if ui_state.resolve_run_id(job, common.store(), common.home()) is not None:
+        common.runs_table.clear()
+        st.rerun(scope="app")  # the page picks the new run (follow_launched)
     if ui_state.is_alive(job.pid):
-        st.info(f"Starting `{job.name}` (pid {job.pid})…")
+        st.info(f"Starting `{job.name}` (pid {job.pid})…", icon=":material/hourglass_top:")
     else:
-        st.session_state["run_pending"] = False
         st.session_state.pop("run_job", None)
         log = open(job.log_path, errors="replace").read()[-3000:]
         st.error(f"The launcher exited before registering a run:\n\n```\n{log}\n```")
@@ -111,7 +126,7 @@ def stop_button(run: dict[str, Any]) -> None:
     if job is None:
         st.caption("Started outside this dashboard: stop it where it runs (Ctrl-C).")
         return
-    if st.button("Stop run", type="secondary", key=f"stop-{run['run_id']}"):
+    if st.button("Stop run", type="secondary", key=f"stop-{run['run_id']}", icon=":material/stop_circle:"):
         with st.spinner("Stopping every rank…"):
             ui_state.stop_job(job, store=common.store())
         common.run_data.clear()
@@ -119,8 +134,9 @@ def stop_button(run: dict[str, Any]) -> None:
         st.rerun()
 
 
-def live_panel(run_id: str) -> None:
-    """Header, headline figures and every chart of the run; polled while it runs."""
+def live_panel(run_id: str, shown_status: str) -> None:
+    """Header, headline figures and every chart of the run; polled while it runs. Once the run
+    has ended, the whole page reruns (until the picker, ``shown_status``, agrees) to stop polling."""
     home = str(common.home())
     data = common.run_data(home, run_id)
     run = data["run"]
@@ -139,22 +155,25 @@ def live_panel(run_id: str) -> None:
         if len(collectives):
             st.caption("Collectives per mesh axis and type (per rank, whole run)")
             st.dataframe(collectives, hide_index=True)
-    was_running = st.session_state.get(f"running-{run_id}", False)
-    st.session_state[f"running-{run_id}"] = run["status"] == "running"
-    if was_running and run["status"] != "running":
+    if shown_status == "running" and run["status"] != "running":  # the picker still says running
         common.runs_table.clear()
         st.rerun(scope="app")  # the run ended: leave polling mode
 
 
 st.title("Run")
-with st.expander("New run", expanded=True):
+# the form stays open until a launch folds it (the user can reopen it); state in FORM_KEY
+st.session_state.setdefault(FORM_KEY, True)
+with st.expander("New run", key=FORM_KEY, on_change="rerun", icon=":material/edit_note:"):
     launch_panel()
-st.fragment(run_every=1.0 if pending_job() else None)(pending_panel)()
+pending_slot = st.container()
 runs = common.runs_table(str(common.home()))
+follow_launched(list(runs["run_id"]))  # before the poller: once it is picked, polling stops
+with pending_slot:
+    st.fragment(run_every=1.0 if launched_job() else None)(pending_panel)()
 if runs.empty:
     common.empty_runs_message()
     st.stop()
 labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
 RUN_ID = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="run_pick")
 STATUS = runs.loc[runs["run_id"] == RUN_ID, "status"].iloc[0]
-st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID)
+st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID, STATUS)

@@ -1,7 +1,6 @@
 """Tune: define a search space, start/pause/resume/stop background workers, watch the study."""
 from __future__ import annotations
 
-import sqlite3
 import time
 from typing import Any
 
@@ -12,7 +11,6 @@ import yaml
 from engine.errors import ConfigError
 from workbench import plots, ui_state
 from workbench.app_pages import common
-from workbench.app_pages import studies as study_db
 
 DEFAULT_SPACE = """\
 # Every trial runs the base config with these keys changed (dotted config keys).
@@ -71,7 +69,7 @@ def start_form(home: str, name: str, control: Any) -> None:
     c3.caption("Starting again on an existing study continues it with the space above: edit the "
                "space between trials to tune live.")
     ok = not errors and not cfg_errors and control is not None and bool(name.strip())
-    if st.button("Start / continue study", type="primary", disabled=not ok):
+    if st.button("Start / continue study", type="primary", disabled=not ok, icon=":material/play_arrow:"):
         pids = control.start_workers(name.strip(), space_text, base_text,
                                      storage=common.storage_url(home), n_trials=int(n_trials),
                                      jobs=int(jobs), home=home)
@@ -86,66 +84,80 @@ def controls(home: str, name: str, control: Any) -> list[int]:
         return []
     storage = common.storage_url(home)
     pids = control.running_workers(name, home=home)
-    try:
-        paused = study_db.is_paused(common.studies_db(home), name)
-    except sqlite3.Error:
-        paused = control.is_paused(name, storage)
-    st.caption(f"workers running: {pids or 'none'} · {'paused' if paused else 'active'}")
+    paused = common.study_reader(home).is_paused(name)
+    st.caption(f"workers running: {', '.join(map(str, pids)) if pids else 'none'} · "
+               f"{'paused' if paused else 'active'}")
     c1, c2, c3 = st.columns(3)
-    if c1.button("Pause", disabled=paused):
+    if c1.button("Pause", disabled=paused, icon=":material/pause:"):
         control.pause(name, storage)
         st.rerun()
-    if c2.button("Resume", disabled=not paused):
+    if c2.button("Resume", disabled=not paused, icon=":material/play_arrow:"):
         control.resume(name, storage)
         st.rerun()
-    if c3.button("Stop workers", disabled=not pids):
+    if c3.button("Stop workers", disabled=not pids, icon=":material/stop:"):
         control.stop_workers(name, home=home)
         st.rerun()
     return pids
 
 
-# Parallel coordinates and importances use the newest FIGURE_TRIALS finished trials (both cost
-# O(trials) seconds in Optuna: 2 s and 1 s at 5,000); the optimisation history shows the newest
-# HISTORY_TRIALS (0.8 s for 5,000). Bare strings would be drawn by Streamlit's magic here.
+# Parallel coordinates and importances use the newest FIGURE_TRIALS complete trials, the
+# history the newest HISTORY_TRIALS trials (a browser draws thousands of lines slowly).
 FIGURE_TRIALS = 500
 HISTORY_TRIALS = 1000
+OBJECTIVE = "tokens/s"
+OBJECTIVE_LABEL = "throughput (tokens/s)"
+
+
+def importances(directions: list[str], trials: list[Any], name: str) -> dict[str, float]:
+    """optuna.importance of each parameter for the first objective (PED-ANOVA past 100 trials:
+    fANOVA, the default, takes seconds on hundreds of trials). PED-ANOVA rates what makes the
+    target low, so a maximised objective is negated (fANOVA does not mind the sign)."""
+    import optuna
+
+    from workbench.app_pages.studies import in_memory
+
+    study = in_memory(directions, trials, name)
+    evaluator = optuna.importance.PedAnovaImportanceEvaluator() if len(trials) > 100 else None
+    sign = -1.0 if directions[0] == "maximize" else 1.0
+    return optuna.importance.get_param_importances(study, evaluator=evaluator,
+                                                   target=lambda t: sign * t.values[0])
 
 
 @st.cache_data(ttl=5.0, show_spinner=False)
 def study_figures(home: str, name: str, n_done: int) -> list[Any]:
-    """optuna.visualization figures of a study (recomputed when its finished-trial count moves)."""
-    import optuna
+    """The study's figures (recomputed when its finished-trial count moves): history (or Pareto
+    front), parallel coordinates and parameter importances; a chart that needs more complete
+    trials than there are says so instead of drawing noise."""
     import optuna.visualization as vis
     from optuna.trial import TrialState
 
     from workbench.app_pages.studies import in_memory
 
     directions, trials = common.study_trials(home, name)
-    study = in_memory(directions, trials[-HISTORY_TRIALS:], name)
+    frame = common.trials_frame(home, name).sort_values("number")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
-    recent = in_memory(directions, done[-FIGURE_TRIALS:], name) if len(done) > FIGURE_TRIALS else study
-    multi = len(directions) > 1
+    recent = done[-FIGURE_TRIALS:]
     suffix = f" (newest {FIGURE_TRIALS} of {len(done)})" if len(done) > FIGURE_TRIALS else ""
     figs: list[Any] = []
-    if not multi:
-        shown = f" (newest {HISTORY_TRIALS} of {len(trials)})" if len(trials) > HISTORY_TRIALS else ""
-        figs.append(plots.label_optuna(vis.plot_optimization_history(study),
-                                       "Optimisation history" + shown, "throughput (tokens/s)"))
+    if len(directions) == 1:
+        figs.append(plots.fig_history(frame.tail(HISTORY_TRIALS), OBJECTIVE, OBJECTIVE_LABEL,
+                                      maximize=directions[0] == "maximize",
+                                      shown_of=len(trials) if len(trials) > HISTORY_TRIALS else None))
+    elif done:
+        figs.append(plots.label_optuna(vis.plot_pareto_front(in_memory(directions, recent, name), target_names=[
+            OBJECTIVE_LABEL, "val loss (nats/token)"]), "Pareto front" + suffix, "val loss (nats/token)"))
     else:
-        figs.append(plots.label_optuna(vis.plot_pareto_front(study, target_names=[
-            "throughput (tokens/s)", "val loss (nats/token)"]), "Pareto front", "val loss (nats/token)"))
-    target = (lambda t: t.values[0]) if multi else None
-    params = {k for t in done for k in t.params}
-    if done and params:
-        figs.append(plots.label_optuna(vis.plot_parallel_coordinate(
-            recent, target=target, target_name="tokens/s"), "Parallel coordinates (tokens/s)" + suffix,
-            "tokens/s"))
-    if len(done) >= 2 and len(params) > 1:
-        # fANOVA (the default) takes seconds on hundreds of trials; PED-ANOVA milliseconds
-        evaluator = optuna.importance.PedAnovaImportanceEvaluator() if len(done) > 100 else None
-        figs.append(plots.label_optuna(vis.plot_param_importances(
-            recent, target=target, target_name="tokens/s", evaluator=evaluator),
-            "Parameter importances for tokens/s" + suffix, "parameter"))
+        figs.append(plots.empty_figure("Pareto front", "no complete trial yet"))
+    if len(done) < plots.MIN_TREND_TRIALS:
+        figs.append(plots.too_few_trials("Parameter importances for tokens/s", len(done)))
+        return figs
+    complete = frame[frame["state"] == "COMPLETE"].tail(FIGURE_TRIALS)
+    params = [c for c in complete.columns if c.startswith("param:") and complete[c].notna().all()]
+    if params:
+        figs.append(plots.fig_parallel(complete, params, OBJECTIVE, "Parallel coordinates (tokens/s)" + suffix))
+    if len(params) > 1:
+        figs.append(plots.fig_importances(importances(directions, recent, name),
+                                          "Parameter importances for tokens/s" + suffix))
     return figs
 
 
@@ -167,7 +179,11 @@ def study_panel(home: str, name: str) -> None:
     shown = trials.sort_values("number", ascending=False).head(MAX_TABLE_ROWS)
     if len(trials) > MAX_TABLE_ROWS:
         st.caption(f"newest {MAX_TABLE_ROWS} of {len(trials)} trials")
-    st.dataframe(shown, hide_index=True, width="stretch")
+    st.dataframe(shown, hide_index=True, width="stretch", column_config={
+        OBJECTIVE: st.column_config.NumberColumn(format="%.0f"),
+        "val_loss": st.column_config.NumberColumn(format="%.4f"),
+        "duration(s)": st.column_config.NumberColumn(format="%.1f"),
+        "reason": st.column_config.TextColumn(width="large")})
 
 
 def drill_down(home: str, name: str) -> None:
@@ -209,7 +225,7 @@ def enqueue_form(home: str, name: str, control: Any) -> None:
     """Queue a hand-picked config (params as YAML) as the study's next trial."""
     text = st.text_area("Params to try next (YAML mapping of the space's keys)",
                         "batch.micro: 4\ncomm.compressor: none\ntrain.lr: 0.003\n", key="enqueue_yaml")
-    if st.button("Enqueue trial", disabled=control is None):
+    if st.button("Enqueue trial", disabled=control is None, icon=":material/playlist_add:"):
         try:
             params = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -261,6 +277,9 @@ workers = controls(HOME, name, CONTROL)
 @st.fragment(run_every=2.0 if workers else None)
 def live() -> None:
     study_panel(HOME, name)
+    if workers and CONTROL is not None and not CONTROL.running_workers(name, home=HOME):
+        common.studies_table.clear()
+        st.rerun(scope="app")  # the workers ended (and were reaped): redraw the controls, stop polling
 
 
 live()

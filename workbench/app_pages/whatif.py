@@ -70,7 +70,7 @@ else:
 st.subheader("Search every configuration")
 st.caption(f"{MODEL_KEY} ({MODEL.params / 1e9:.1f}B parameters) on {GPUS} GPUs of {CLUSTER}, "
            f"global batch {GLOBAL}: every valid tp, pp, dp, micro batch, ZeRO stage, recompute, schedule.")
-if st.button("Search", type="primary"):
+if st.button("Search", type="primary", icon=":material/search:"):
     st.session_state["whatif_search"] = (MODEL_KEY, CLUSTER, GPUS, GLOBAL)
 key = st.session_state.get("whatif_search")
 if key is None:
