@@ -60,14 +60,20 @@ def rank_space(space: SearchSpace, base: RunConfig, cluster, *, seed: int = 0) -
     return sorted(ranked, key=lambda item: -item[0])
 
 
-def enqueue_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *, top: int,
-                      home: str | Path | None = None) -> list[dict[str, Any]]:
-    """Enqueue the simulator's best `top` configs; needs a calibrated profile of this machine."""
+def _local_cluster(space: SearchSpace, base: RunConfig, top: int, home: str | Path | None):
+    """This machine's calibrated profile for the space's world size, or a ConfigError saying how to make it."""
     world = space.world_size or base.world_size
     cluster = local_profile(world, home)
     if cluster is None:
         raise ConfigError("--warm-start", top, f"needs this machine's hardware profile: run "
                           f"`workbench calibrate --world {world}` first")
+    return cluster
+
+
+def enqueue_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *, top: int,
+                      home: str | Path | None = None) -> list[dict[str, Any]]:
+    """Enqueue the simulator's best `top` configs; needs a calibrated profile of this machine."""
+    cluster = _local_cluster(space, base, top, home)
     chosen = [params for _, params in rank_space(space, base, cluster)[:top]]
     for params in chosen:
         study.enqueue_trial(params, skip_if_exists=True)
@@ -147,11 +153,7 @@ def prediction_trend(study: optuna.Study) -> pd.DataFrame:
 def rerank_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *, top: int,
                      home: str | Path | None = None) -> list[dict[str, Any]]:
     """Re-rank the space with the correction learnt so far and enqueue the best `top` not yet tried."""
-    world = space.world_size or base.world_size
-    cluster = local_profile(world, home)
-    if cluster is None:
-        raise ConfigError("--warm-start", top, f"needs this machine's hardware profile: run "
-                          f"`workbench calibrate --world {world}` first")
+    cluster = _local_cluster(space, base, top, home)
     factors = refit_correction(study)
     tried = [t.params for t in study.get_trials(deepcopy=False)]
     ranked = []
