@@ -193,6 +193,8 @@ def test_parse_config_lists_every_error_with_its_field():
     assert cfg is None and "layers" in errors[0].rule
     cfg, errors = parse_config("model: [1\n")
     assert cfg is None and "YAML" in errors[0].rule
+    cfg, errors = parse_config("model: {d_model: 1000000000}\n")  # refused before Launch, like `workbench run`
+    assert cfg is None and errors[0].field == "model.d_model" and "GiB" in errors[0].rule
 
 
 def test_stop_job_ends_the_launcher_and_its_process_tree(tmp_path):

@@ -85,6 +85,16 @@ def test_invalid_combination_never_launches(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_trial_this_machine_cannot_hold_is_pruned_before_launch(tmp_path):
+    space = SearchSpace.from_dict({"params": {"model.d_model": {"choices": [1_000_000_000]}}})
+    study = _study(tmp_path)
+    run_trials(study, Objective(_base(), space, home=tmp_path), 1)
+    (t,) = study.get_trials()
+    assert t.state == TrialState.PRUNED
+    assert t.user_attrs["reason"].startswith("does not fit: model.d_model=1000000000: the run needs an estimated")
+    assert "run_id" not in t.user_attrs and not (tmp_path / "runs").exists()
+
+
 def test_crashing_trial_fails_with_reason_and_study_goes_on(tmp_path):
     space = SearchSpace.from_dict({"params": {"data.path": {"choices": ["/nonexistent/corpus"]}}})
     study = _study(tmp_path, sampler="random")

@@ -82,6 +82,12 @@ class Objective:
         over = self._memory_over(cfg)
         if over:
             return self._prune(trial, over)
+        from engine.memory import check_fits
+
+        try:
+            check_fits(cfg)  # this machine's memory, as `workbench run` checks it
+        except ConfigError as exc:
+            return self._prune(trial, f"does not fit: {exc}")
         run_id = f"{cfg.name}-{trial.study.study_name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
         trial.set_user_attr("run_id", run_id)
         try:
