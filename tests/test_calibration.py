@@ -171,3 +171,20 @@ def test_cpu_share_is_measured_and_a_busy_machine_warns() -> None:
         spec = calibrate_local(1, host=host)
     assert any("calibration on a busy machine: load1=9.0" in str(w.message) for w in caught)
     assert spec.calibration_load1 == 9.0 and 0.0 < spec.calibration_cpu_share <= 1.0
+
+
+def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
+    """`workbench calibrate` shows progress: every measurement is announced before it runs."""
+    from tuning import calibration as cal
+
+    ran: list[str] = []
+    monkeypatch.setattr(cal, "measure_linear_gemms", lambda: ran.append("gemm") or [(1e6, 1e9), (1e8, 2e9)])
+    monkeypatch.setattr(cal, "measure_nongemm_bandwidth", lambda: ran.append("nongemm") or 5.0)
+    monkeypatch.setattr(cal, "measure_optimizer_rate", lambda: ran.append("adamw") or 2.0)
+    monkeypatch.setattr(cal, "measure_overheads", lambda base: ran.append("overheads") or
+                        {"overhead_layer_s": 1e-4, "overhead_microbatch_s": 1e-4, "overhead_step_s": 1e-3})
+    heard: list[tuple[str, int]] = []
+    cal.calibrate_local(1, progress=lambda name: heard.append((name, len(ran))))
+    assert [n for n, _ in heard] == ["GEMMs at the engine's shapes", "memory-bound ops", "AdamW rate",
+                                     "framework overhead (tiny runs)"]
+    assert [before for _, before in heard] == [0, 1, 2, 3]  # each announced before it ran

@@ -223,22 +223,27 @@ def measure_overheads(base: ClusterSpec, *, runs: Sequence[tuple[int, int]] = OV
     return out
 
 
-def measure_host() -> HostProfile:
-    """Run every single-process micro-benchmark (about 10 s on an idle 2-core host)."""
+def measure_host(progress: Callable[[str], None] = lambda _: None) -> HostProfile:
+    """Run every single-process micro-benchmark (about 10 s on an idle 2-core host); `progress`
+    hears the name of each one as it starts."""
     import torch
 
     load1 = os.getloadavg()[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        progress("GEMMs at the engine's shapes")
         gemm = measure_linear_gemms()
+        progress("memory-bound ops")
         nongemm = measure_nongemm_bandwidth()
+        progress("AdamW rate")
         optimizer = measure_optimizer_rate()
     finally:
         torch.set_num_threads(threads)
     host = HostProfile(gemm_points=gemm, nongemm_gb_s=nongemm, optimizer_gb_s=optimizer,
                        overheads={}, cpus=len(os.sched_getaffinity(0)), load1=load1)
     base = _profile(host, world=1, allreduce=(0.0, 1.0), overheads=False)
+    progress("framework overhead (tiny runs)")
     host.overheads = measure_overheads(base)
     return host
 
@@ -317,7 +322,7 @@ def _memory_gb() -> float:
 
 def calibrate_local(world: int, *, host: HostProfile | None = None,
                     allreduce: tuple[float, float] | None = None, share: float | None = None,
-                    parallel: bool = True) -> ClusterSpec:
+                    parallel: bool = True, progress: Callable[[str], None] = lambda _: None) -> ClusterSpec:
     """A `cpu-local-{world}` profile: `world` ranks ("GPUs") on this one node, fp32 rates.
 
     Measures what is not given: the host (`measure_host`) and the gloo all-reduce at `world`
@@ -326,7 +331,9 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
     """
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
-    host = host or measure_host()
+    host = host or measure_host(progress)  # `progress` hears each measurement's name as it starts
+    if allreduce is None and world > 1:
+        progress(f"gloo all-reduce at {world} ranks")
     if allreduce is None:
         allreduce = measure_allreduce(world) if world > 1 else (0.0, 1.0)
     if share is None:  # the 1-min load while measuring counted our own benchmark as 1 task
@@ -336,6 +343,7 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
     if world == 1 or not parallel:
         return profile
     if host.parallel is None:  # measured once at 2 ranks, scaled to `world` by the CPU share
+        progress("tensor-parallel and FSDP dispatch, pipeline sends (2-rank runs)")
         two = _profile(host, world=2, allreduce=measure_allreduce(2), share=cpu_share(2, cpus=host.cpus,
                                                                                       background=host.load1 - 1.0))
         host.parallel = {**measure_parallel_overheads(two), "share": two_share(host)}

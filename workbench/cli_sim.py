@@ -255,10 +255,16 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     check_number("--world", world, 1)
     import contextlib
 
-    busy = contextlib.nullcontext() if as_json else err.status(
-        f"measuring this machine: GEMMs, memory-bound ops, AdamW, gloo all-reduce at {world} ranks ...")
+    done: list[str] = []
+    busy = contextlib.nullcontext() if as_json else err.status("measuring this machine ...")
+
+    def step(name: str) -> None:  # "measuring 3: AdamW rate (done: GEMMs..., memory-bound ops)"
+        if not as_json:
+            busy.update(f"measuring {len(done) + 1}: {name}" + (f" (done: {', '.join(done)})" if done else ""))
+        done.append(name.split(" (")[0])
+
     with busy:
-        spec = calibrate_local(world)
+        spec = calibrate_local(world, progress=step)
     path = save_cluster(spec, output or default_home() / "hardware" / f"cpu-local-{world}.yaml")
     if as_json:
         _print_json({"profile": str(path), **cluster_to_dict(spec)})
