@@ -137,16 +137,16 @@ class Trainer:
         # launch queue (and float64 adds the float32 losses exactly as Python floats did)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i in range(accum):
-            xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
             last = i == accum - 1
             with (contextlib.nullcontext() if last else par.no_sync()):
                 with self.timer.phase("forward"), self.collectives.scope("forward"), self._autocast():
+                    xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
                     loss = loss_fn(par.forward(xs), ys) / accum
+                    total += loss.detach().double()
                 if last and self.comm is not None:
                     self.comm.begin_backward()
                 with self.timer.phase("backward"), self.collectives.scope("backward"):
                     loss.backward()
-            total += loss.detach().double()
         if self.comm is not None:
             # DDP's backward returns only once every bucket's all-reduce finished: the tail after
             # the last gradient was ready is communication that compute did not hide
@@ -199,6 +199,11 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         par, c = self.par, self.cfg
         par.train(True)
+        peak = None
+        if step == self.start_step and self.cfg.profile.enabled:  # set up before the step's clocks start
+            from engine.memory import ModelStatePeak
+
+            peak = ModelStatePeak(par.modules).__enter__()  # peak params + grads during backward
         t0 = time.perf_counter()
         self.timer.start_step()
         lr = lr_at(step, c)
@@ -206,11 +211,6 @@ class Trainer:
             group["lr"] = lr
         with self.timer.phase("data"):
             x, y = self._local_batch(step)
-        peak = None
-        if step == self.start_step and self.cfg.profile.enabled:
-            from engine.memory import ModelStatePeak
-
-            peak = ModelStatePeak(par.modules).__enter__()  # peak params + grads during backward
         local = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
         # launched before CO2's outer all-reduce (same dp group): waiting for it never waits for CO2;
         # issuing it is host time spent on communication, so the breakdown counts it there
