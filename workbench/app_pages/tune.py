@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import pandas as pd
@@ -119,8 +120,10 @@ def importances(directions: list[str], trials: list[Any], name: str) -> dict[str
     study = in_memory(directions, trials, name)
     evaluator = optuna.importance.PedAnovaImportanceEvaluator() if len(trials) > 100 else None
     sign = -1.0 if directions[0] == "maximize" else 1.0
-    return optuna.importance.get_param_importances(study, evaluator=evaluator,
-                                                   target=lambda t: sign * t.values[0])
+    with warnings.catch_warnings():  # PED-ANOVA warns that it rates low targets: the sign above handles it
+        warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes the importances")
+        return optuna.importance.get_param_importances(study, evaluator=evaluator,
+                                                       target=lambda t: sign * t.values[0])
 
 
 @st.cache_data(ttl=5.0, show_spinner=False)
