@@ -390,3 +390,16 @@ def test_simulator_report_compares_like_with_like_and_answers_first(tmp_path):
     main = text[:text.index("<h2>Details</h2>")]
     tables = [t.split("</table>")[0] for t in main.split('class="dataframe"')[1:]]
     assert len(tables) == 1 and tables[0].count("</th>") <= 12  # the key columns only
+
+
+def test_history_ticks_fall_on_whole_trial_numbers():
+    import pandas as pd
+
+    from workbench.plots import fig_history
+
+    two = fig_history(pd.DataFrame({"number": [0, 1], "state": ["COMPLETE"] * 2, "tokens/s": [1.0, 2.0]}),
+                      "tokens/s", "throughput")
+    assert two.layout.xaxis.dtick == 1  # plotly's auto ticks put a "0.5" between two trials
+    many = fig_history(pd.DataFrame({"number": range(60), "state": ["COMPLETE"] * 60, "tokens/s": [1.0] * 60}),
+                       "tokens/s", "throughput")
+    assert many.layout.xaxis.tickformat == "d"

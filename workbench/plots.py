@@ -230,7 +230,12 @@ def fig_history(trials: pd.DataFrame, objective: str, objective_label: str, *, m
                       "xref": "paper", "yref": "paper", "x": 0, "y": 1.02, "xanchor": "left",
                       "yanchor": "bottom", "showarrow": False, "font": {"size": 13, "color": "#b35c00"}})
     return _figure(traces, title, "trial number", objective_label, height=360, annotations=notes,
-                   margin={"t": 70})
+                   margin={"t": 70}, xaxis=_whole_ticks(done["number"]))
+
+
+def _whole_ticks(numbers: pd.Series) -> dict[str, Any]:
+    """Axis ticks on whole trial numbers only (plotly's auto ticks put 0.5 between two trials)."""
+    return {"dtick": 1} if numbers.max() - numbers.min() <= 20 else {"tickformat": "d"}
 
 
 def too_few_trials(title: str, done: int, need: int = MIN_TREND_TRIALS) -> go.Figure:
