@@ -49,7 +49,7 @@ def _files(tmp_path: Path, steps: int = 3) -> tuple[Path, Path]:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_HEARTBEAT_S": "1", "WORKBENCH_GRACE_S": "3",
+    return {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_HEARTBEAT_S": "1", "WORKBENCH_GRACE_S": "6",
             "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
 
 
@@ -114,7 +114,7 @@ def test_tuner_killed_twice_with_two_jobs_resumes_losing_nothing(tmp_path):
         done = {t.number: t.values for t in _trials(study, storage) if t.state == TrialState.COMPLETE}
         assert all(done[n] == v for n, v in kept.items())  # completed trials survive each kill unchanged
         kept = done
-        time.sleep(4)  # past the 3 s grace: the killed trials' heartbeats are stale
+        time.sleep(7)  # past the 6 s grace: the killed trials' heartbeats are stale
     out = subprocess.run(_tune(space, base, study, storage, trials=2), env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -189,3 +189,19 @@ def test_four_workers_share_one_study_and_one_store(tmp_path):
         assert summary["study"] == study and sum(summary["counts"].values()) <= total
     assert _workbench_processes(tmp_path) == []
     print(f"\nfour workers: {total} trials, {len(runs)} runs, wall {wall:.1f} s")
+
+
+def test_a_worker_whose_trial_another_worker_failed_goes_on(tmp_path):
+    """A worker stalled past the heartbeat grace finds its trial failed as stale by another worker:
+    it tells nothing more about that trial and runs the next one instead of crashing."""
+    from tuning.objective import TrialOutcome
+
+    class FailedMeanwhile:
+        def evaluate(self, trial):
+            if trial.number == 0:  # what another worker's fail_stale_trials does while this one works
+                trial.study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            return TrialOutcome(TrialState.COMPLETE, [1.0])
+
+    study = optuna.create_study(direction="maximize", storage=f"sqlite:///{tmp_path}/s.db")
+    run_trials(study, FailedMeanwhile(), 2)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.COMPLETE]

@@ -290,10 +290,12 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
         emit("trial_start", {"number": trial.number, "params": trial.params})
         with _Heartbeat(study, trial, study._storage.get_heartbeat_interval() or HEARTBEAT_S):
             outcome = objective.evaluate(trial)
+        # skip_if_finished: a worker stalled past the heartbeat grace (a loaded machine) may find its
+        # trial already failed as stale by another worker; it goes on to the next trial, not crash
         if outcome.state == TrialState.COMPLETE:
-            study.tell(trial, outcome.values)
+            study.tell(trial, outcome.values, skip_if_finished=True)
         else:
-            study.tell(trial, state=outcome.state)
+            study.tell(trial, state=outcome.state, skip_if_finished=True)
         emit("trial_end", {"number": trial.number, "state": outcome.state.name, "values": outcome.values,
                            "reason": outcome.reason})
 
