@@ -133,6 +133,9 @@ def _end_ranks(ok: bool, rank: int, run_dir: Path) -> bool:
 
 
 def _finish_outside_run(cfg, run_id: str, run_dir: Path, ok: bool, config_path: str, world: int) -> None:
+    # torchrun SIGTERMs this rank when a peer fails, maybe while it writes the outcome: the write is
+    # short, so it runs to the end (torchrun still SIGKILLs after its grace period)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _register_external_run(cfg, run_id, world, config_path)  # a no-op unless refused before registering
         _finish_external_run(cfg, run_id, run_dir, ok)
