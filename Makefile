@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: app test demo install clean chromium
+.PHONY: app test demo install clean chromium slurm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || { apt-get install -y python3-venv && $(PY) -m venv $(VENV); }
@@ -32,8 +32,13 @@ demo: $(STAMP)
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 || echo "chromium not installed: the browser test will skip"; }
 
-test: $(STAMP) chromium
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+# the Slurm tests start a one-node cluster (munged, slurmctld, slurmd as root, tests/slurm_cluster.py);
+# without root or apt they skip with a reason
+slurm:
+	@{ command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge) >/dev/null 2>&1 || echo "slurm not installed: the Slurm tests will skip"; }
+
+test: $(STAMP) chromium slurm
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
 
 clean:
 	rm -rf $(VENV)

@@ -76,6 +76,10 @@ def print_measured_comparison(*, rounds: int = 2) -> pd.DataFrame:
     print(f"calibration: load1 {host.load1:.1f}, cpus {host.cpus}, non-GEMM {host.nongemm_gb_s:.2f} GB/s, "
           f"AdamW {host.optimizer_gb_s:.2f} GB/s, overheads "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in host.overheads.items()))
+    print("measured per-rank compute share: " + ", ".join(f"world {w}: {v:.2f}" for w, v in sorted(host.shares.items()))
+          + "; multi-rank extras: " + ", ".join(
+              f"world {w}: {o['overhead_rank_step_s'] * 1e3:.2f} ms/step, {o['overhead_rank_layer_s'] * 1e3:.2f} ms/layer-mb"
+              for w, o in sorted(host.rank_overheads.items())))
     for world, spec in table.attrs["clusters"].items():
         print(f"  world {world}: GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s per rank, all-reduce "
               f"alpha {spec.intra_latency_s * 1e3:.2f} ms, busbw {spec.intra_bw_gb_s:.2f} GB/s")
@@ -83,13 +87,42 @@ def print_measured_comparison(*, rounds: int = 2) -> pd.DataFrame:
         print(table.round({"measured_s": 4, "simulated_s": 4, "error_pct": 1, "load1": 1}).to_string(index=False))
     errors = table["error_pct"].abs()
     print(f"{len(table)} configs: median |error| {errors.median():.1f}%, max {errors.max():.1f}% "
-          f"(target median <= 15%); load1 at start {start_load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+          f"(target median <= 10%); load1 at start {start_load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
     return table
+
+
+def print_moe_and_context(*, cluster: str = "dgx-a100-80gb", repeats: int = 3) -> None:
+    """Issues 18/19: search speed of the dense 1T space without and with the cp axes (interleaved,
+    medians), and the best configurations of an 8-expert top-2 MoE and a 128K-token GPT."""
+    spec = load_cluster(cluster)
+    spaces = {"dense space, cp=1 (the space before issue 19)": {"cp": [1]}, "with cp and cp_impl": {}}
+    times: dict[str, list[float]] = {k: [] for k in spaces}
+    sizes: dict[str, int] = {}
+    for _ in range(repeats):
+        for name, axes in spaces.items():
+            start = time.perf_counter()
+            sizes[name] = len(enumerate_configs(GPT_1T, spec, 3072, 3072, axes=axes))
+            times[name].append(time.perf_counter() - start)
+    for name, values in times.items():
+        seconds = statistics.median(values)
+        print(f"search, {name}: {sizes[name]:,} configs in {seconds:.3f} s, {sizes[name] / seconds:,.0f} configs/s")
+    shown = ["tp", "pp", "dp", "cp", "cp_impl", "ep", "micro", "zero", "recompute", "iteration_time_s",
+             "all_to_all_s", "cp_comm_s", "memory_per_gpu_gb"]
+    moe = ModelSpec(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, experts=8, top_k=2)
+    long = ModelSpec(layers=32, hidden=4096, heads=32, seq=131072, vocab=51200)
+    for title, model, gpus, batch in (("8 experts, top-2", moe, 64, 256), ("128K-token sequences", long, 64, 8)):
+        df = enumerate_configs(model, spec, gpus, batch)
+        print(f"{title}: {len(df):,} configs, {model.params / 1e9:.1f}B params "
+              f"({model.active_params / 1e9:.1f}B active) on {gpus} GPUs")
+        with pd.option_context("display.width", 200, "display.max_columns", 20):
+            print(best_configs(df, 5)[shown].round(4).to_string(index=False))
 
 
 def main() -> None:
     """Run every part of the simulator benchmark."""
     print_search_speed()
+    print()
+    print_moe_and_context()
     print()
     print_published_comparison()
     print()

@@ -40,6 +40,7 @@ class CommMonitor:
         self.dense_bytes = 0
         self.compressor_state: Any = None
         self.link = None
+        self._legs_seen: dict[str, list[int]] = {}  # bidirectional: per-leg totals at the last record
 
     def begin_backward(self) -> None:
         self.last_launch = self._mark()
@@ -74,7 +75,20 @@ class CommMonitor:
         wire = self.wire_bytes if self.dense_bytes else dense
         emit(step, "comm", "wire_bytes", float(wire))
         emit(step, "comm", "dense_bytes", float(dense))
+        self._record_legs(step, emit)
         self.bucket_bytes = self.wire_bytes = self.dense_bytes = 0
+
+
+    def _record_legs(self, step: int, emit: Emit) -> None:
+        """Bidirectional compression: this step's wire and dense bytes per leg (reduce, broadcast)."""
+        legs = getattr(self.compressor_state, "legs", None)
+        if legs is None:
+            return
+        for leg, (wire, dense) in legs.items():
+            seen = self._legs_seen.get(leg, [0, 0])
+            emit(step, "comm", f"{leg}_leg_wire_bytes", float(wire - seen[0]))
+            emit(step, "comm", f"{leg}_leg_dense_bytes", float(dense - seen[1]))
+            self._legs_seen[leg] = [wire, dense]
 
 
 def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any]:
@@ -83,13 +97,11 @@ def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any
     n = dist.get_world_size(group)
     monitor = CommMonitor(n, mark=trainer.timer.mark)
     state, hook = _compression_hook(cfg, ddp, group, monitor)
-    if cfg.link.gbps > 0:
-        from engine.comm.link import LinkEmulator
-
-        monitor.link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
+    if cfg.link.gbps > 0 or cfg.link.groups:
+        monitor.link = _link_of(cfg, group)
         # the cost reads monitor.link at each bucket, so a live tuner can change the link
         hook = monitor.link.wrap_hook(hook, group_size=n, cost=_link_cost(monitor, n))
-    if cfg.profile.enabled or cfg.comm.compressor != "none" or cfg.link.gbps > 0:
+    if cfg.profile.enabled or cfg.comm.compressor != "none" or cfg.link.gbps > 0 or cfg.link.groups:
         hook = monitor.track(hook)
         if trainer.collectives.enabled:
             hook = trainer.collectives.wrap_comm_hook(hook)
@@ -127,6 +139,11 @@ def _compression_hook(cfg: RunConfig, ddp: torch.nn.Module, group, monitor: Comm
                                         default_level=c.density, error_budget=c.error_budget,
                                         interval=c.adaptive_interval, on_bytes=monitor.on_bytes)
         hook: Callable = adaptive_hook
+    elif c.bidirectional:
+        from engine.comm.bidirectional import make_bidirectional_hook
+
+        state, hook = make_bidirectional_hook(c.compressor, process_group=group, density=c.density,
+                                              seed=cfg.train.seed, on_bytes=monitor.on_bytes)
     else:
         from engine.comm.compress import make_comm_hook
 
@@ -134,6 +151,24 @@ def _compression_hook(cfg: RunConfig, ddp: torch.nn.Module, group, monitor: Comm
                                      seed=cfg.train.seed, on_bytes=monitor.on_bytes)
     monitor.compressor_state = state
     return state, hook
+
+
+def install_fsdp_comm(trainer: Trainer, par: Parallelized) -> None:
+    """ZeRO-2/3 (FSDP2) with randk/topk: a compressed custom reduce-scatter on every fully_shard
+    group (engine/comm/fsdp_compress.py); its gradient bytes go to a CommMonitor like DDP's."""
+    cfg = trainer.cfg
+    if cfg.parallel.zero < 2 or cfg.comm.compressor == "none" or trainer.dims.dp == 1 or cfg.co2.enabled:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    from engine.comm.fsdp_compress import apply_fsdp_compression
+
+    monitor = CommMonitor(trainer.dims.dp, mark=trainer.timer.mark)
+    groups = [m for root in par.modules for m in root.modules() if isinstance(m, FSDPModule)]
+    monitor.compressor_state = apply_fsdp_compression(
+        groups, cfg.comm.compressor, process_group=trainer.mesh["dp"].get_group(), density=cfg.comm.density,
+        seed=cfg.train.seed, on_bytes=monitor.on_bytes)
+    trainer.comm = monitor
 
 
 def build_optimizer(par: Parallelized, cfg: RunConfig, mesh) -> torch.optim.Optimizer:
@@ -160,15 +195,39 @@ def install_co2(trainer: Trainer, par: Parallelized) -> None:
     trainer.co2 = CO2(par.modules[0], par.optimizer, process_group=trainer.mesh["dp"].get_group(), tau=o.tau,
                       outer_lr=o.outer_lr, outer_momentum=o.outer_momentum, clip=o.clip, penalty=o.penalty,
                       gap_penalty=o.gap_penalty, on_bytes=monitor.on_bytes,
-                      link=_link_of(cfg))
+                      link=_link_of(cfg, trainer.mesh["dp"].get_group()))
 
 
-def _link_of(cfg: RunConfig):
+def _link_of(cfg: RunConfig, group=None):
+    """The emulated link of `group`'s collectives: link.gbps, or with link.groups the hops its ring crosses."""
+    from engine.comm.link import LinkEmulator, topology_of
+
+    if cfg.link.groups:
+        topology = topology_of(cfg.link.groups, inter_gbps=cfg.link.inter_gbps,
+                               inter_latency_us=cfg.link.inter_latency_us)
+        return topology.link_for(dist.get_process_group_ranks(group) if group is not None
+                                 else range(dist.get_world_size()))
     if cfg.link.gbps <= 0:
         return None
-    from engine.comm.link import LinkEmulator
-
     return LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
+
+
+def install_link_groups(cfg: RunConfig, world: int) -> tuple[int, ...] | None:
+    """With link.groups: every torch.distributed collective and send pays the links it crosses
+    (engine/comm/link_patch.py), and the mesh order of `parallel.placement`; else None."""
+    if not cfg.link.groups or world < 2:
+        import sys
+
+        if "engine.comm.link_patch" in sys.modules:  # a previous run in this process emulated groups
+            sys.modules["engine.comm.link_patch"].emulate_topology(None)
+        return None
+    from engine.comm.link import topology_of
+    from engine.comm.link_patch import emulate_topology
+    from engine.placement import rank_order
+
+    emulate_topology(topology_of(cfg.link.groups, inter_gbps=cfg.link.inter_gbps,
+                                 inter_latency_us=cfg.link.inter_latency_us))
+    return tuple(rank_order(world, placement=cfg.parallel.placement, groups=[g.ranks for g in cfg.link.groups]))
 
 
 

@@ -32,6 +32,13 @@ class ModelConfig:
     dropout: float = 0.0  # dropout probability
     mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
     entry: str | None = None  # "module:function" returning (model, train_dataset); imported only when set
+    experts: int = 0  # Mixture-of-Experts: experts per MoE block; 0 = dense MLPs (engine/moe.py)
+    moe_every: int = 1  # every moe_every-th block is MoE (1 = all, 2 = every other, as GShard)
+    top_k: int = 2  # experts each token is routed to
+    capacity_factor: float = 1.25  # expert capacity = factor * tokens * top_k / experts; 0 = no dropping
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
+    # (model, train_dataset, step_fn) also works: step_fn(model, inputs, targets, lr) -> loss tensor runs
+    # the whole optimizer step itself (examples/minmax.py: extragradient); the engine's AdamW is not stepped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,21 +49,35 @@ class DataConfig:
     path: str | None = None  # file or folder of text files when source=files
     val_fraction: float = 0.05  # share of the corpus held out for validation
     split: str = "train"  # which split training reads (train | val)
+    lengths: str = "fixed"  # fixed (every sample seq_len) | lognormal | pareto (long tail) | a file of lengths
+    length_mean: float = 0.25  # lognormal: median length as a fraction of seq_len; pareto: the minimum
+    length_sigma: float = 1.0  # lognormal sigma (spread); pareto: the shape alpha (smaller = longer tail)
+    length_max: int = 0  # longest document in tokens; 0 = model.seq_len
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Parallel degrees and layout. World size = dp * tp * pp."""
+    """Parallel degrees and layout. World size = dp * tp * pp * cp."""
 
     dp: int = 1  # data-parallel degree
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree
     zero: int = 0  # ZeRO stage 0-3 (sharded data parallel)
     sequence_parallel: bool = False  # shard norms/dropout over tp
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
-    virtual: int = 1  # virtual stages (model chunks) per pipeline rank, interleaved only
-    layer_split: list[int] | None = None  # layers per pipeline stage; even split when unset
+    schedule: str = "1f1b"  # pipeline schedule: one of engine.validate.SCHEDULES
+    virtual: int = 1  # virtual stages (model chunks) per pipeline rank: interleaved, looped_bfs, zero_bubble
+    layer_split: list[int] | str | None = None  # layers per pipeline stage; even split when unset;
+    # "auto": split by the measured speed of each stage's rank group (Holmes' self-adapting partition)
     reshard_after_forward: bool = True  # ZeRO-3: free gathered params after forward
+    ep: int = 1  # expert-parallel degree: experts sharded over ep ranks carved out of dp (ep divides dp)
+    cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks (world = dp*tp*pp*cp)
+    cp_impl: str = "ulysses"  # ulysses (all-to-all seq<->heads) | ring (K/V blocks around the cp ring)
+    adaptive_sp: bool = False  # FlexSP: per step, sequences go to SP groups of solver-chosen sizes
+    adaptive_time_limit_s: float = 0.5  # FlexSP MILP time limit per step
+    adaptive_buckets: int = 8  # FlexSP length buckets per step
+    adaptive_token_cap: int = 0  # FlexSP memory cap in tokens per rank; 0 = twice an even share of the step
+    placement: str = "naive"  # naive: rank order | holmes: pp spans link.groups, tp (and dp where it fits) inside one
+    skip_ratio: float = 0.0  # schedule=skip (SkipPipe): fraction of the middle stages a micro-batch skips
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,6 +132,11 @@ class CommConfig:
     adaptive: bool = False  # layer-wise adaptive levels (L-GreCo)
     error_budget: float = 1.0  # adaptive: total error allowed, relative to the uniform level
     adaptive_interval: int = 50  # adaptive: steps between re-solving levels
+    moe_hierarchical: bool = False  # MoE all_to_all inside a node first, then across nodes (SE-MoE, DeepSpeed-MoE)
+    moe_compression: str = "none"  # none | lsh: LSH-MoE centroids of similar tokens instead of the tokens
+    lsh_buckets: int = 16  # lsh: cross-polytope buckets per hash (2 x projection width)
+    lsh_hashes: int = 1  # lsh: independent cross-polytope hashes combined into one code
+    bidirectional: bool = False  # randk | topk: compress the reduce and the broadcast leg (MASHA, engine/comm/bidirectional.py)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,11 +158,30 @@ class CO2Config:
 
 
 @dataclass(kw_only=True, slots=True)
+class LinkGroupConfig:
+    """Ranks sharing one NIC type (e.g. an InfiniBand island) and their intra-group link."""
+
+    name: str = "group"  # label (ib, roce, eth, ...)
+    ranks: list[int] = field(default_factory=list)  # global ranks in this group
+    gbps: float = 0.0  # intra-group bandwidth, Gbit/s (> 0)
+    latency_us: float = 0.0  # intra-group latency per collective, microseconds
+
+
+@dataclass(kw_only=True, slots=True)
 class LinkConfig:
-    """An emulated slower link (alpha-beta model); gbps=0 leaves the real link alone."""
+    """An emulated slower link (alpha-beta model); gbps=0 leaves the real link alone.
+
+    Heterogeneous: `groups` names rank groups with their own link and `inter_gbps` /
+    `inter_latency_us` the link joining them (engine/comm/link.py LinkTopology); each
+    collective and send then pays the links it crosses, and `gbps` must stay 0.
+    """
 
     gbps: float = 0.0
     latency_us: float = 0.0
+    ranks_per_node: int = 1  # ranks sharing a node: traffic between nodes crosses the emulated link (MoE all_to_all)
+    groups: list[LinkGroupConfig] | None = None  # rank groups, each with its own link
+    inter_gbps: float = 0.0  # link between groups, Gbit/s (needed with groups)
+    inter_latency_us: float = 0.0  # latency of the inter-group link, microseconds
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,6 +204,24 @@ class LiveConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """Where `--launcher slurm` runs a config: one Slurm job of nodes x gpus_per_node ranks (engine/slurm.py).
+
+    Unused by the local launcher. Each string goes into the batch script as `#SBATCH --key=value`."""
+
+    partition: str | None = None  # --partition; the site's default partition when unset
+    account: str | None = None  # --account to charge
+    time: str | None = None  # --time limit in Slurm's format: MM, HH:MM:SS, D-HH:MM:SS (site default when unset)
+    constraint: str | None = None  # --constraint, node features, e.g. "h100&ib"
+    nodes: int = 1  # nodes per run; must divide the world size dp*tp*pp
+    gpus_per_node: int = 0  # GPUs (= ranks) per node; 0: CPU ranks, world_size / nodes per node, no GPU request
+    cpus_per_rank: int = 1  # CPU cores asked per rank (--cpus-per-task = ranks per node * this)
+    sbatch: list[str] | None = None  # extra #SBATCH options, e.g. ["--qos=high", "--exclusive"]
+    setup: list[str] | None = None  # shell lines run before srun, e.g. ["module load cuda/12.4"]
+    telemetry_host: str | None = None  # the name compute nodes reach the launcher by (default: its host name)
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """One training run."""
 
@@ -174,12 +237,13 @@ class RunConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     live: LiveConfig = field(default_factory=LiveConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the Slurm job a run becomes (--launcher slurm)
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     backend: str = "auto"  # auto | gloo | nccl
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp * self.parallel.cp
 
     @property
     def grad_accum(self) -> int:
@@ -208,7 +272,7 @@ def to_dict(obj: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             value = to_dict(value)
         elif isinstance(value, list):
-            value = list(value)
+            value = [to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
         out[_RENAMED.get(f.name, f.name)] = value
     return out
 
@@ -228,11 +292,26 @@ def _type_name(tp: Any) -> str:
 def _coerce(path: str, value: Any, tp: Any) -> Any:
     """Check `value` against the annotated type; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # a section inside a list (link.groups entries)
+        return _build(tp, value, f"{path}.")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
             return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return _coerce(path, value, inner)
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        lists = [a for a in inner if typing.get_origin(a) is list]
+        if isinstance(value, list) and lists:  # a list names its wrong element (layer_split[1])
+            return _coerce(path, value, lists[0])
+        for option in inner[:-1]:  # e.g. layer_split: a list of integers or the string "auto"
+            try:
+                return _coerce(path, value, option)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(path, value, inner[-1])
+        except ConfigError:
+            if len(inner) == 1:
+                raise
+            raise ConfigError(path, value, "must be " + " or ".join(_type_name(a) for a in inner)) from None
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(path, value, f"must be {_type_name(tp)}")

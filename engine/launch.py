@@ -43,15 +43,17 @@ class RunResult:
         return self.steps[-1]["loss"] if self.steps else None
 
 
-def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                     rdzv_endpoint: str | None = None) -> list[str]:
-    """The exact torchrun command line of a run (also what `workbench export --format torchrun` prints)."""
+def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int | None = 0,
+                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
+    """The exact torchrun command line of a run (also what `workbench export --format torchrun` prints).
+    node_rank=None leaves node ranks to the c10d rendezvous (one srun task per node starts the same line)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv_endpoint}"]
+        cmd += [f"--nnodes={nnodes}"] + ([f"--node-rank={node_rank}"] if node_rank is not None else [])
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        cmd += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
     return cmd + ["-m", "engine.worker", "--config", str(cfg_path), "--run-dir", str(run_dir)]
 
 
@@ -142,26 +144,25 @@ def _first_failure(run_dir: Path, log: str) -> RankFailure:
 def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None = None, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
-           extra_env: dict[str, str] | None = None) -> RunResult:
-    """Validate, register the run, start the ranks, stream telemetry into the store, wait."""
-    from profilers.host import host_info, software_versions
-    from profilers.store import RunStore, default_home
+           extra_env: dict[str, str] | None = None, launcher: str = "local",
+           on_job: Callable[[Any], None] | None = None) -> RunResult:
+    """Validate, register the run, start the ranks, stream telemetry into the store, wait.
+    launcher="slurm" submits the run as one Slurm job of cfg.cluster instead (engine/slurm.py);
+    `on_job` then hears each change of the job's state (queued, running, done)."""
     from profilers.telemetry import TelemetryServer
 
+    if launcher == "slurm":
+        from engine.slurm import launch_slurm
+
+        return launch_slurm(cfg, home=home, run_id=run_id, timeout_s=timeout_s, on_progress=on_progress,
+                            parent=parent, raise_on_failure=raise_on_failure, extra_env=extra_env, on_job=on_job)
+    if launcher != "local":
+        raise ValueError(f"launcher={launcher!r} must be local or slurm")
     validate(cfg)
-    dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.world_size)
     if cfg.world_size % nnodes:
         raise ValueError(f"world size {cfg.world_size} is not divisible by nnodes={nnodes}")
-    home = Path(home) if home else default_home()
-    run_id = run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-    run_dir = home / "runs" / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.json"
-    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
-    store = RunStore.open_home(home)
-    store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=cfg.world_size,
-                     layout=dims.describe(), host=host_info(), versions=software_versions(),
-                     emulated=cfg.link.gbps > 0, parent=parent)
+    store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent)
+    home = run_dir.parent.parent
     server = TelemetryServer(store)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            "WORKBENCH_TELEMETRY": server.start(), "WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home),
@@ -194,7 +195,35 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
         status, failure = "failed", RankFailure(None, f"timed out after {timeout_s:.0f} s; every rank was stopped")
     elif status == "failed":
         failure = _first_failure(run_dir, log_text)
+    return finish(store, run_id, status, cfg, run_dir, started, failure, raise_on_failure)
+
+
+def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, parent: str | None):
+    """Validate and record a new run (status running) with its config file; every launcher starts here.
+    Returns (store, run_id, run_dir, config path)."""
+    from profilers.host import host_info, software_versions
+    from profilers.store import RunStore, default_home
+
+    validate(cfg)
+    dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.world_size, cp=cfg.parallel.cp)
+    home = Path(home) if home else default_home()
+    run_id = run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+    run_dir = home / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
+    store = RunStore.open_home(home)
+    store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=cfg.world_size,
+                     layout=dims.describe(), host=host_info(), versions=software_versions(),
+                     emulated=cfg.link.gbps > 0 or bool(cfg.link.groups), parent=parent)
+    return store, run_id, run_dir, cfg_path
+
+
+def finish(store, run_id: str, status: str, cfg: RunConfig, run_dir: Path, started: float,
+           failure: RankFailure | None, raise_on_failure: bool, extra_summary: dict[str, Any] | None = None) -> RunResult:
+    """Record the run's outcome and summary (every launcher ends here); raise the failure if asked."""
     result = _result(store, run_id, status, cfg, run_dir, started, failure)
+    result.summary.update(extra_summary or {})
     store.finish_run(run_id, status, error=result.error, error_rank=result.error_rank, summary=result.summary)
     if failure is not None and raise_on_failure:
         raise failure

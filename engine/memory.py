@@ -24,7 +24,13 @@ def _stage_layers(cfg: RunConfig) -> list[int]:
     from engine.parallel.pipeline import stage_layers
 
     p = cfg.parallel
-    chunks = stage_layers(cfg.model.layers, p.pp, p.virtual, p.layer_split)
+    # layer_split=auto is decided at start from measured speeds: estimate with the even split
+    split = p.layer_split if isinstance(p.layer_split, list) else None
+    if split is None and cfg.model.layers % (p.pp * p.virtual):
+        from engine.parallel.layer_split import proportional_split
+
+        split = proportional_split(cfg.model.layers, [1.0] * (p.pp * p.virtual))
+    chunks = stage_layers(cfg.model.layers, p.pp, p.virtual, split)
     return [sum(len(c) for c in chunks[rank::p.pp]) for rank in range(p.pp)]
 
 
@@ -34,6 +40,11 @@ def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
     m, tp = cfg.model, cfg.parallel.tp
     h, r = m.d_model, m.mlp_ratio
     block = (4 + 2 * r) * h * h / tp + 4 * h  # q,k,v,o + mlp split over tp; two LayerNorms replicated
+    if m.experts > 0:  # MoE blocks: router + this rank's experts/ep, replicated over tp (engine/parallel/expert.py)
+        from engine.moe import moe_layer_count
+
+        moe_mlp = h * m.experts + m.experts // max(cfg.parallel.ep, 1) * 2 * r * h * h
+        block += moe_layer_count(m) * (moe_mlp - 2 * r * h * h / tp) / max(m.layers, 1)
     root = 0.0
     last = cfg.parallel.pp - 1
     if stage == 0:

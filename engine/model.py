@@ -17,6 +17,22 @@ from torch.utils.checkpoint import checkpoint
 from engine.config import ModelConfig
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+                     doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over (b, heads, t, head_dim); with `doc_ids` (b, t), each run of equal ids
+    (a packed document) attends only within itself, as flash-attention's varlen kernels do."""
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    rows = []
+    for i in range(q.shape[0]):
+        _, counts = torch.unique_consecutive(doc_ids[i], return_counts=True)
+        bounds = [0, *torch.cumsum(counts, 0).tolist()]
+        rows.append(torch.cat([F.scaled_dot_product_attention(
+            q[i:i + 1, :, a:e], k[i:i + 1, :, a:e], v[i:i + 1, :, a:e], is_causal=True, dropout_p=dropout_p)
+            for a, e in zip(bounds[:-1], bounds[1:])], dim=2))
+    return torch.cat(rows, dim=0)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, heads: int, dropout: float) -> None:
         super().__init__()
@@ -26,13 +42,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, d_model, bias=False)
         self.wo = nn.Linear(d_model, d_model, bias=False)
         self.dropout = dropout
+        self.core = causal_attention  # context parallelism swaps in its own (engine/parallel/context.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # heads = width / head_dim, so a tensor-parallel shard sees only its local heads
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v, dropout_p=self.dropout if self.training else 0.0, doc_ids=doc_ids)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -50,22 +66,28 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, moe: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg.d_model, cfg.heads, cfg.dropout)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.dropout)
+        if moe:  # Mixture-of-Experts block (engine/moe.py)
+            from engine.moe import MoE
+
+            self.mlp: nn.Module = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.dropout)
         self.checkpointed = False
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def _forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # doc_ids only as a keyword and only when given: TP's PrepareModuleInput sees one input
+        x = x + (self.attn(self.ln1(x)) if doc_ids is None else self.attn(self.ln1(x), doc_ids=doc_ids))
         return x + self.mlp(self.ln2(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, doc_ids, use_reentrant=False)
+        return self._forward(x, doc_ids)
 
 
 class GPT(nn.Module):
@@ -77,7 +99,9 @@ class GPT(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        from engine.moe import is_moe_layer
+
+        self.layers = nn.ModuleDict({str(i): Block(cfg, moe=is_moe_layer(cfg, i)) for i in range(cfg.layers)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tok_emb.weight  # tied embeddings
@@ -90,13 +114,19 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (b, t) -> logits (b, t, vocab); on a middle pipeline stage, hidden -> hidden."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (b, t) -> logits (b, t, vocab); on a middle pipeline stage, hidden -> hidden.
+
+        `positions` ((t,) or (b, t)): position ids, 0..t-1 when None (a context-parallel shard
+        passes its slice; packed documents restart at 0). `doc_ids` (b, T): the packed document of
+        each token of the whole row (T = t, or the full sequence under context parallelism).
+        """
         if self.tok_emb is not None:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         for block in self.layers.values():
-            x = block(x)
+            x = block(x) if doc_ids is None else block(x, doc_ids)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.head is not None:
@@ -116,12 +146,26 @@ def build_model(cfg: ModelConfig, *, seed: int) -> GPT:
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:
-    """Analytic parameter counts (tied head counted once)."""
+    """Analytic parameter counts (tied head counted once).
+
+    MoE (model.experts > 0): `per_layer` is a dense block; `layers` and `total` hold every
+    expert; `active` counts the top_k experts a token passes through (plus the routers)."""
+    from engine.moe import moe_parameter_counts
+
     h, l = cfg.d_model, cfg.layers
-    per_layer = 4 * h * h + 2 * cfg.mlp_ratio * h * h + 4 * h  # q,k,v,o + mlp + two LayerNorms
+    mlp = 2 * cfg.mlp_ratio * h * h
+    per_layer = 4 * h * h + mlp + 4 * h  # q,k,v,o + mlp + two LayerNorms
     embedding = cfg.vocab * h + cfg.seq_len * h
-    return {"per_layer": per_layer, "layers": l * per_layer, "embedding": embedding,
-            "total": l * per_layer + embedding + 2 * h}
+    moe = moe_parameter_counts(cfg)
+    swapped = moe["moe_layers"] * mlp  # MLPs the MoE blocks replace
+    layers = l * per_layer - swapped + moe["router"] + moe["experts_total"]
+    active = l * per_layer - swapped + moe["router"] + moe["experts_active"]
+    out = {"per_layer": per_layer, "layers": layers, "embedding": embedding,
+           "total": layers + embedding + 2 * h}
+    if cfg.experts > 0:
+        out["active"] = active + embedding + 2 * h
+        out["experts"] = moe["experts_total"]
+    return out
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
@@ -130,9 +174,15 @@ def flops_per_token(cfg: ModelConfig) -> float:
     6 * (matmul parameters of the blocks + the vocab projection) + 12 * l * h * s for attention
     scores, as in Chowdhery et al. 2022 (PaLM) appendix B; equals the per-token form of
     Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h)) for mlp_ratio=4.
+    MoE blocks count the router and the top_k experts a token passes through (active
+    parameters, Fedus et al. 2021), with no dropped tokens.
     """
+    from engine.moe import moe_parameter_counts
+
     h, l, s = cfg.d_model, cfg.layers, cfg.seq_len
     matmul_params = l * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab * h
+    moe = moe_parameter_counts(cfg)
+    matmul_params += moe["router"] + moe["experts_active"] - moe["moe_layers"] * 2 * cfg.mlp_ratio * h * h
     return 6.0 * matmul_params + 12.0 * l * h * s
 
 

@@ -29,6 +29,7 @@ class Parallelized:
     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     after_backward: Callable[[], None] = lambda: None  # grad syncs not done by a wrapper
     hooks: dict[str, Any] = field(default_factory=dict)  # comm hook states (compression, co2, link)
+    experts: Any = None  # engine.parallel.expert.ExpertParallel when parallel.ep > 1
 
     def parameters(self) -> Iterator[nn.Parameter]:
         seen: set[int] = set()
@@ -43,14 +44,40 @@ class Parallelized:
             m.train(mode)
 
 
-def _data_parallel(model: nn.Module, cfg: RunConfig, mesh) -> nn.Module:
+def grad_axis(dims: ParallelDims) -> str:
+    """The mesh axis gradients are averaged over: dp, or dp x cp flattened under context parallelism."""
+    return "dp_cp" if dims.cp > 1 else "dp"
+
+
+def _data_parallel(model: nn.Module, cfg: RunConfig, mesh, axis: str = "dp", ignored_params=None) -> nn.Module:
     from engine.parallel.data import apply_data_parallel
 
     d = cfg.ddp
-    return apply_data_parallel(model, process_group=mesh["dp"].get_group(), dp_mesh=mesh["dp"],
+    return apply_data_parallel(model, process_group=mesh[axis].get_group(), dp_mesh=mesh[axis],
                                bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
                                static_graph=d.static_graph, find_unused_parameters=d.find_unused_parameters,
-                               broadcast_buffers=d.broadcast_buffers)
+                               broadcast_buffers=d.broadcast_buffers, ignored_params=ignored_params)
+
+
+def _expert_parallel(model: nn.Module, cfg: RunConfig, dims: ParallelDims):
+    """Shard the experts over ep ranks carved out of dp (None when parallel.ep == 1)."""
+    p, c = cfg.parallel, cfg.comm
+    if cfg.model.experts == 0 or p.ep == 1:
+        return None
+    import datetime
+
+    from engine.parallel.expert import apply_expert_parallel
+
+    link = None
+    if cfg.link.gbps > 0:
+        from engine.comm.link import LinkEmulator
+
+        link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
+    return apply_expert_parallel(model, dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=p.ep,
+                                 hierarchical=c.moe_hierarchical, ranks_per_node=cfg.link.ranks_per_node,
+                                 link=link, compression=c.moe_compression, lsh_buckets=c.lsh_buckets,
+                                 lsh_hashes=c.lsh_hashes, seed=cfg.train.seed,
+                                 timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
 
 
 def _no_sync_of(module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
@@ -59,12 +86,16 @@ def _no_sync_of(module: nn.Module) -> Callable[[], contextlib.AbstractContextMan
     return lambda: no_sync_context(module)
 
 
-def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh) -> None:
+def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh, device_type: str = "cpu") -> None:
     p = cfg.parallel
     if p.tp > 1:
         from engine.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sequence_parallel)
+    if p.cp > 1:  # after TP: Ulysses splits each tp rank's local heads again over cp
+        from engine.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"], impl=p.cp_impl, device_type=device_type)
     if hasattr(model, "set_activation_checkpointing"):  # a user's model (model.entry) may not have it
         model.set_activation_checkpointing(cfg.train.activation_checkpointing)
 
@@ -80,24 +111,34 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     model.to(device)
     if p.pp > 1:
         return _pipeline(model, cfg, dims, mesh, device=device)
+    if p.adaptive_sp and dims.world_size > 1:
+        # FlexSP: every rank holds the whole model; each step's groups are set by the trainer
+        from engine.parallel.adaptive_sp import sum_gradients
+
+        model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+        return Parallelized(modules=[model], forward=model, after_backward=lambda: sum_gradients(model))
     # TP first: ZeRO/FSDP2 then shards the DTensors TP produced (torchtitan's order); checkpointing
     # before wrapping so the wrappers see the recomputing blocks
-    _tp_and_checkpointing(model, cfg, mesh)
-    if dims.dp == 1 or cfg.co2.enabled:
+    _tp_and_checkpointing(model, cfg, mesh, device.type)
+    experts = _expert_parallel(model, cfg, dims)
+    if dims.dp * dims.cp == 1 or cfg.co2.enabled:
         # one replica, or CO2: each rank keeps a plain module and CO2 synchronises parameters itself
         return Parallelized(modules=[model], forward=model)
-    if p.zero > 0:
+    if p.zero > 1:  # ZeRO-1 is DDP (+ a sharded optimizer): _data_parallel keeps the ddp.* knobs
         from engine.parallel.zero import apply_zero
 
         wrapped = apply_zero(model, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward)
     else:
-        wrapped = _data_parallel(model, cfg, mesh)
+        wrapped = _data_parallel(model, cfg, mesh, grad_axis(dims), set(experts.expert_params) if experts else None)
     hooks: dict[str, Any] = {}
     if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
-        hooks = comm_hook_factory(wrapped, mesh["dp"].get_group())
+        hooks = comm_hook_factory(wrapped, mesh[grad_axis(dims)].get_group())
     # ZeRO-2/3 reduce-scatter every micro-batch (as ZeRO defines them): skipping the sync would
     # keep every block's full unsharded gradients until the last micro-batch
     no_sync = _no_sync_of(wrapped) if p.zero < 2 else contextlib.nullcontext
+    if experts is not None:  # expert gradients: summed over their replicas, not averaged by the dp wrapper
+        return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks, experts=experts,
+                            after_backward=experts.reduce_gradients)
     return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks)
 
 
@@ -116,7 +157,17 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
             return apply_zero(chunk, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward)
         return chunk
 
-    pipe = build_pipeline(model, mesh["pp"], schedule=p.schedule, virtual=p.virtual, layer_split=p.layer_split,
+    if p.schedule == "skip":
+        from engine.parallel.skippipe import build_skip_pipeline
+
+        _tp_and_checkpointing(model, cfg, mesh, device.type)
+        pipe = build_skip_pipeline(model, mesh["pp"], skip_ratio=p.skip_ratio, n_microbatches=cfg.grad_accum,
+                                   micro=cfg.batch.micro, loss_fn=loss_fn, device=device)
+        skip_dp = mesh["dp"].get_group() if dims.dp > 1 else None
+        return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe,
+                            after_backward=lambda: allreduce_grads(pipe.modules, skip_dp))
+    layer_split = _auto_split(model, cfg, dims, mesh) if p.layer_split == "auto" else p.layer_split
+    pipe = build_pipeline(model, mesh["pp"], schedule=p.schedule, virtual=p.virtual, layer_split=layer_split,
                           n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device, parallelize=per_chunk)
     dp_group = mesh["dp"].get_group() if dims.dp > 1 and p.zero == 0 else None
 
@@ -125,3 +176,17 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
             allreduce_grads(pipe.modules, dp_group)
 
     return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe, after_backward=after_backward)
+
+
+def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh) -> list[int]:
+    """parallel.layer_split=auto: layers per stage by each stage's measured speed (Holmes)."""
+    from engine.device import host_group
+    from engine.parallel.layer_split import auto_layer_split, layer_seconds
+
+    m = cfg.model
+    dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
+    block = model.layers["0"]
+    seconds = layer_seconds(block, micro=cfg.batch.micro, seq=m.seq_len, d_model=m.d_model,
+                            n_microbatches=cfg.grad_accum, dp_group=dp_group)
+    stage = mesh["pp"].get_local_rank()
+    return auto_layer_split(m.layers, stage=stage, pp=dims.pp, seconds=seconds, group=host_group())

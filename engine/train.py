@@ -65,8 +65,13 @@ class Trainer:
         # called after each step's records: a killed rank loses no completed step
         self.flush: Callable[[], object] = flush or (lambda: None)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
-                                 dist.get_world_size() if dist.is_initialized() else 1)
+        from engine.comm_setup import install_link_groups
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # before the CollectiveProfiler wraps torch.distributed: its records include the emulated links
+        order = install_link_groups(cfg, world)
+        self.dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, cp=cfg.parallel.cp,
+                                 order=order)
         self.coords = self.dims.coords(self.rank)
         self.mesh = self.dims.build_mesh(device.type) if dist.is_initialized() else None
         if dist.is_initialized():
@@ -78,7 +83,7 @@ class Trainer:
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
         self._step_events: list[dict[str, Any]] = []
         if self.collectives.enabled:  # records read tp:all_reduce, dp:all_gather, pp:send, ...
-            self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "tp")
+            self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "cp", "tp")
                                           if getattr(self.dims, axis) > 1})
         self.user_dataset = None
         self.par: Parallelized = self._build()
@@ -92,6 +97,11 @@ class Trainer:
             self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
             self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = peak_flops(device)
+        self._fwd_kw: dict[str, torch.Tensor] = {}  # per-sample forward inputs besides tokens (positions, doc_ids)
+        self._loss_norm: float | None = None  # packed data: local token-loss sum / this = share of the global mean
+        self.flexsp = None  # adaptive sequence parallelism: (GroupCache, CostModel) after calibration
+        if cfg.parallel.adaptive_sp and self.dims.world_size > 1:
+            self._calibrate_flexsp()
         if cfg.train.resume_from:
             self.start_step = ckpt.load(self, cfg.train.resume_from)
 
@@ -103,8 +113,11 @@ class Trainer:
             from engine.data import MapDataset, load_entry
 
             torch.manual_seed(self.cfg.train.seed)  # the same initial weights on every rank
-            model, dataset = load_entry(self.cfg.model.entry)
+            model, dataset, *step_fn = load_entry(self.cfg.model.entry)
             self.user_dataset = MapDataset(dataset)
+            # optional third item: step_fn(model, inputs, targets, lr) -> loss runs a whole
+            # optimizer step itself (e.g. extragradient: two gradient evaluations per step)
+            self.user_step = step_fn[0] if step_fn else None
         else:
             model = build_model(self.cfg.model, seed=self.cfg.train.seed)
         factory = None
@@ -113,6 +126,9 @@ class Trainer:
         par = parallelize(model, self.cfg, self.dims, self.mesh, device=self.device, comm_hook_factory=factory) \
             if self.mesh is not None else parallelize(model, self.cfg, self.dims, _NoMesh(), device=self.device)
         par.optimizer = build_optimizer(par, self.cfg, self.mesh)
+        from engine.comm_setup import install_fsdp_comm
+
+        install_fsdp_comm(self, par)  # ZeRO-2/3 + randk/topk: FSDP2's custom reduce-scatter
         from engine.comm_setup import install_co2
 
         install_co2(self, par)
@@ -121,9 +137,52 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
+        if c.data.lengths != "fixed" and self.user_dataset is None:
+            return self._packed_batch(step)
         x, y = local_batch(self.splits.train, global_batch=c.batch.global_, dp=self.dims.dp,
                            dp_rank=self.coords["dp"], seed=c.train.seed, step=step)
+        x, y = self._cp_shard(x, y)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _cp_shard(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
+                  doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cp rank's sequence chunk of a (dp-local) batch; positions and document ids of the
+        chunk go to the forward through `self._fwd_kw` (document ids stay whole: Ulysses attends
+        over the full row)."""
+        from engine.parallel.context import shard_sequence
+
+        cp, r = self.dims.cp, self.coords.get("cp", 0)
+        if positions is None and cp > 1:
+            positions = torch.arange(x.shape[1]).expand_as(x)
+        self._fwd_kw = {}
+        if positions is not None:
+            self._fwd_kw["positions"] = shard_sequence(positions, cp=cp, cp_rank=r).to(self.device)
+        if doc_ids is not None:
+            self._fwd_kw["doc_ids"] = doc_ids.to(self.device)
+        return shard_sequence(x, cp=cp, cp_rank=r), shard_sequence(y, cp=cp, cp_rank=r)
+
+    def _packed_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the packed variable-length global batch (engine/lengths.py)."""
+        from engine.lengths import packed_global_batch
+
+        c, d = self.cfg, self.cfg.data
+        packed = packed_global_batch(self.splits.train.tokens, rows=c.batch.global_, row_len=c.model.seq_len,
+                                     kind=d.lengths, mean=d.length_mean, sigma=d.length_sigma,
+                                     max_len=d.length_max or c.model.seq_len, seed=c.train.seed, step=step)
+        self.tokens_per_step = packed.real_tokens  # tokens/s counts real tokens, not padding
+        # each rank sums its token losses over 1/(dp*cp) of the global real tokens; the gradient
+        # average over dp x cp then gives the global token mean whatever each rank's share
+        self._loss_norm = packed.real_tokens / (self.dims.dp * self.dims.cp)
+        per, r = c.batch.global_ // self.dims.dp, self.coords["dp"]
+        rows = slice(r * per, (r + 1) * per)
+        x, y = self._cp_shard(packed.x[rows], packed.y[rows], packed.positions[rows], packed.doc_ids[rows])
+        return x.to(self.device), y.to(self.device)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, accum: int) -> torch.Tensor:
+        if self._loss_norm is None:
+            return loss_fn(logits, targets) / accum
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                                 reduction="sum") / self._loss_norm
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.precision == "bf16":
@@ -141,7 +200,10 @@ class Trainer:
             with (contextlib.nullcontext() if last else par.no_sync()):
                 with self.timer.phase("forward"), self.collectives.scope("forward"), self._autocast():
                     xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-                    loss = loss_fn(par.forward(xs), ys) / accum
+                    kw = {k: v[i * micro:(i + 1) * micro] for k, v in self._fwd_kw.items()}
+                    loss = self._loss(par.forward(xs, **kw), ys, accum)
+                    if self.cfg.model.experts > 0:  # + the MoE load-balancing loss of this forward
+                        loss = loss + _moe_aux_loss(par.modules) / accum
                     total += loss.detach().double()
                 if last and self.comm is not None:
                     self.comm.begin_backward()
@@ -166,6 +228,60 @@ class Trainer:
             return torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
         return loss.detach().double().reshape(1)
 
+    # ------------------------------------------------------------------ adaptive SP (FlexSP)
+    def _calibrate_flexsp(self) -> None:
+        from engine.parallel.adaptive_sp import GroupCache, calibrate
+
+        groups = GroupCache(self.cfg.train.timeout_s)
+        model = self.par.modules[0]
+        cost = calibrate(model, world=self.dims.world_size, groups=groups, seq_len=self.cfg.model.seq_len,
+                         device=self.device)
+        self.flexsp = (groups, cost)
+        for name, value in (("a1(s/token^2)", cost.a1), ("a2(s/token)", cost.a2), ("bias(s)", cost.bias),
+                            *((f"a2a_g{g}(s/token)", v) for g, v in cost.a2a.items())):
+            self.emit(self.start_step, "flexsp_cost", name, value)
+
+    def _adaptive_step(self, step: int) -> torch.Tensor:
+        """FlexSP: plan this step's sequences into SP groups, run this rank's group, record the plan."""
+        from engine.lengths import budget_documents
+        from engine.parallel.adaptive_sp import plan_step, run_step
+
+        c, d, world = self.cfg, self.cfg.data, self.dims.world_size
+        groups, cost = self.flexsp
+        with self.timer.phase("data"):
+            docs = budget_documents(self.splits.train.tokens, budget=c.batch.global_ * c.model.seq_len,
+                                    kind=d.lengths, mean=d.length_mean, sigma=d.length_sigma,
+                                    max_len=d.length_max or c.model.seq_len, seed=c.train.seed, step=step)
+            lengths = [doc.numel() - 1 for doc in docs]
+            cap = c.parallel.adaptive_token_cap or 2 * -(-sum(lengths) // world)
+            plan = plan_step(lengths, world=world, cap=cap, cost=cost, buckets=c.parallel.adaptive_buckets,
+                             time_limit_s=c.parallel.adaptive_time_limit_s, rank=self.rank)
+        self.tokens_per_step = sum(lengths)
+        with self.timer.phase("forward"):
+            share, report = run_step(self.par.modules[0], docs, plan, groups, rank=self.rank,
+                                     total_tokens=sum(lengths), cost=cost, device=self.device,
+                                     autocast=self._autocast())
+        if self.rank == 0:
+            self._record_plan(step, report, cap)
+        # _reduce_loss averages over the dp x cp ranks; the shares add up to the mean
+        return (share * world).double().reshape(1)
+
+    def _record_plan(self, step: int, report, cap: int) -> None:
+        e, plan = self.emit, report.plan
+        for name, value in (("solve(s)", plan.solve_s), ("predicted(s)", max(report.predicted_group_s)),
+                            ("measured(s)", max(report.measured_group_s)), ("groups", len(report.group_ranks)),
+                            ("max_tokens_per_rank", report.max_tokens_per_rank), ("token_cap", cap),
+                            ("milp", float(plan.solver == "milp"))):
+            e(step, "flexsp", name, float(value))
+        order = sorted(range(len(plan.sizes)), key=lambda j: -plan.sizes[j])
+        for j, (ranks, pred, meas) in enumerate(zip(report.group_ranks, report.predicted_group_s,
+                                                    report.measured_group_s)):
+            members = plan.members[order[j]]
+            for name, value in (("size", len(ranks)), ("first_rank", ranks[0]), ("sequences", len(members)),
+                                ("tokens", sum(report.lengths[i] for i in members)),
+                                ("predicted(s)", pred), ("measured(s)", meas)):
+                e(step, "flexsp_group", f"g{j}_{name}", float(value))
+
     def _reduce_loss(self, local: torch.Tensor) -> Callable[[], float]:
         """Launch the global-batch loss reduction (mean over dp of the last pipeline stage's loss)
         without waiting; the returned function waits and gives the Python float.
@@ -176,18 +292,20 @@ class Trainer:
             return lambda: local.item()
         work = None
         if self.dims.pp > 1:
-            src_is_last = self.coords["pp"] == self.dims.pp - 1
+            src_is_last = self.par.pipeline.is_last  # V schedules: the last stage is on pp rank 0
             local = local if src_is_last else torch.zeros_like(local)
             work = dist.all_reduce(local, group=self.mesh["pp"].get_group(), async_op=True)
-        if self.dims.dp > 1:
+        replicas = self.dims.dp * self.dims.cp  # cp ranks hold equal chunks: their mean is the batch's
+        if replicas > 1:
             if work is not None:
                 work.wait()  # on NCCL a stream wait, not a host one
-            work = dist.all_reduce(local, group=self.mesh["dp"].get_group(), async_op=True)
+            axis = "dp_cp" if self.dims.cp > 1 else "dp"
+            work = dist.all_reduce(local, group=self.mesh[axis].get_group(), async_op=True)
 
         def result() -> float:
             if work is not None:
                 work.wait()
-            return local.item() / self.dims.dp if self.dims.dp > 1 else local.item()
+            return local.item() / replicas if replicas > 1 else local.item()
 
         return result
 
@@ -209,9 +327,16 @@ class Trainer:
         lr = lr_at(step, c)
         for group in par.optimizer.param_groups:
             group["lr"] = lr
-        with self.timer.phase("data"):
-            x, y = self._local_batch(step)
-        local = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
+        if self.flexsp is not None:
+            local = self._adaptive_step(step)
+        else:
+            with self.timer.phase("data"):
+                x, y = self._local_batch(step)
+            if self.user_step is not None:  # model.entry's own step function (examples/minmax.py)
+                with self.timer.phase("backward"), self.collectives.scope("backward"), self._autocast():
+                    local = self.user_step(par.forward, x, y, lr).detach().double().reshape(1)
+            else:
+                local = self._pipeline_step(x, y) if par.pipeline is not None else self._micro_steps(x, y)
         # launched before CO2's outer all-reduce (same dp group): waiting for it never waits for CO2;
         # issuing it is host time spent on communication, so the breakdown counts it there
         with self.timer.phase("comm_exposed"):
@@ -219,7 +344,8 @@ class Trainer:
         with self.timer.phase("optimizer"):
             par.after_backward()
             grad_norm = self._clip()
-            par.optimizer.step()
+            if self.user_step is None:  # a user's step function has updated the parameters itself
+                par.optimizer.step()
             if peak is not None:
                 peak.__exit__(None, None, None)
                 self._record_memory_accounting(step, peak.peak)  # after the step: optimizer state exists
@@ -227,6 +353,8 @@ class Trainer:
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
         breakdown = self.timer.end_step()
+        if par.pipeline is not None:
+            emit_schedule(self.emit, step, par.pipeline)
         # host syncs left in a step: this loss .item() (after the optimizer, to report it), the
         # norm .item() in clip_grad_norm (a Python coefficient for DTensor and plain grads alike)
         # and, with profiling on, one event synchronise in StepTimer.end_step
@@ -265,9 +393,12 @@ class Trainer:
         max_norm = self.cfg.train.grad_clip
         pipe = self.par.pipeline
         pp_group = self.mesh["pp"].get_group() if pipe is not None else None
-        tied_copy = [m.head.weight for m in pipe.modules if _unwrap(m).head is not None] \
-            if pipe is not None and not pipe.is_first else []
-        norm = clip_grad_norm(list(self.par.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy)
+        # the last stage's head is a copy of the first stage's tok_emb (on one rank under V schedules)
+        tied_copy = [_unwrap(m).head.weight for m in pipe.modules
+                     if _unwrap(m).head is not None and _unwrap(m).tok_emb is None] if pipe is not None else []
+        ep = self.par.experts  # expert-parallel experts differ per ep rank: their squares sum over ep
+        norm = clip_grad_norm(list(self.par.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy,
+                              sharded=ep.expert_params if ep else (), shard_group=ep.ep_group if ep else None)
         return float(norm)
 
     @torch.no_grad()
@@ -279,6 +410,7 @@ class Trainer:
                               dp=self.dims.dp, dp_rank=self.coords["dp"])
         total = 0.0
         for x, y in batches:
+            x, y = self._cp_shard(x, y)
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
                 total += self._eval_batch(x, y)
@@ -290,7 +422,9 @@ class Trainer:
             loss = pipe.evaluate(x if pipe.is_first else None, y if pipe.is_last else None)
             return float(loss) if loss is not None else 0.0
         chunks = range(0, x.shape[0], micro)
-        return sum(loss_fn(self.par.forward(x[i:i + micro]), y[i:i + micro]).item() for i in chunks) / len(chunks)
+        kw = self._fwd_kw
+        return sum(loss_fn(self.par.forward(x[i:i + micro], **{k: v[i:i + micro] for k, v in kw.items()}),
+                           y[i:i + micro]).item() for i in chunks) / len(chunks)
 
     # ------------------------------------------------------------------ loop
     def run(self, on_boundary: Callable[["Trainer", int], None] | None = None) -> Iterator[StepMetrics]:
@@ -354,6 +488,11 @@ class Trainer:
                 sent = float(sum(ev["bytes"] for ev in events if ev["op"] != "ddp_bucket"))
                 e(s, "comm", "wire_bytes", sent)
                 e(s, "comm", "dense_bytes", sent)
+        if self.cfg.model.experts > 0:  # tokens this rank routed to each expert, and the drop rate
+            from engine.moe import step_stats
+
+            for name, value in step_stats(self.par.modules).items():
+                e(s, "moe", name, value)
         if self.cfg.profile.enabled:
             from profilers.memory import peak_memory
 
@@ -361,12 +500,39 @@ class Trainer:
                 e(s, "memory", name, value)
 
     co2 = None
+    user_step = None  # model.entry's optional step function
 
     def apply_knobs(self, knobs: dict[str, Any]) -> None:
         """Change knobs that need no restart, at a step boundary, on every rank alike."""
         from engine.comm_setup import apply_live_knobs
 
         apply_live_knobs(self, knobs)
+
+
+def _moe_aux_loss(modules) -> torch.Tensor | float:
+    from engine.moe import take_aux_loss
+
+    total = 0.0
+    for module in modules:
+        aux = take_aux_loss(module)
+        if aux is not None:
+            total = total + aux
+    return total
+
+
+def emit_schedule(emit: Emit, step: int, pipe: Any) -> None:
+    """The compute actions this rank executed in the step, as records of kind "schedule" (name
+    `<action>@start` / `<action>@end`, seconds from the step start; `@wall_start` epoch seconds)
+    and, under SkipPipe, each micro-batch's path as kind "skip_path" (name `mb<i>`, value the
+    bitmask of visited stages)."""
+    record = pipe.last_actions
+    emit(step, "schedule", "@wall_start", record["wall_start"])
+    emit(step, "schedule", "@total", record["total_s"])
+    for action, start, end in record["actions"]:
+        emit(step, "schedule", f"{action}@start", start)
+        emit(step, "schedule", f"{action}@end", end)
+    for mb, path in getattr(pipe, "last_paths", {}).items():
+        emit(step, "skip_path", f"mb{mb}", float(sum(1 << s for s in path)))
 
 
 def _unwrap(module):

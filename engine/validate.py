@@ -21,8 +21,17 @@ MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout
 # the names the engine implements, defined here (torch-free) and imported by their implementations:
 # engine/comm/compress.py keys its hooks by COMPRESSORS, engine/parallel/pipeline.py its schedules
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev", "skip")
+V_SCHEDULES = ("zbv", "dualpipev")  # stage ids V-shaped: rank r holds stages r and 2pp-1-r
+ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")  # split backward: input (I) then weight (W)
+VIRTUAL_SCHEDULES = ("interleaved", "looped_bfs", "zero_bubble")  # take parallel.virtual chunks per rank
+BIDIRECTIONAL_COMPRESSORS = ("randk", "topk")  # engine/comm/bidirectional.py compresses both legs of these
+FSDP_COMPRESSORS = ("randk", "topk")  # engine/comm/fsdp_compress.py: FSDP2's custom reduce-scatter (ZeRO-2/3)
 CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | our relative-gap variant
+MOE_COMPRESSIONS = ("none", "lsh")  # comm.moe_compression: engine/comm/lsh.py
+CP_IMPLS = ("ulysses", "ring")  # engine/parallel/context.py
+LENGTH_KINDS = ("fixed", "lognormal", "pareto")  # engine/lengths.py; any other value names a file
+PLACEMENTS = ("naive", "holmes")  # engine/placement.py: rank order | pp across link groups, dp/tp inside
 
 
 def divisors(n: int) -> list[int]:
@@ -88,7 +97,8 @@ def _degree_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     if min(p.dp, p.tp, p.pp) < 1:
         return
     if cfg.world_size > MAX_WORLD_SIZE:
-        yield ConfigError("parallel", f"dp*tp*pp={p.dp}*{p.tp}*{p.pp}={cfg.world_size}",
+        degrees = f"dp*tp*pp={p.dp}*{p.tp}*{p.pp}" if p.cp == 1 else f"dp*tp*pp*cp={p.dp}*{p.tp}*{p.pp}*{p.cp}"
+        yield ConfigError("parallel", f"{degrees}={cfg.world_size}",
                           f"world size must be <= {MAX_WORLD_SIZE}")
     if not 0 <= p.zero <= 3:
         yield ConfigError("parallel.zero", p.zero, "ZeRO stage must be 0, 1, 2 or 3")
@@ -105,19 +115,20 @@ def _degree_rules(cfg: RunConfig) -> Iterator[ConfigError]:
 def _pipeline_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     p, m = cfg.parallel, cfg.model
     yield from _choice("parallel.schedule", p.schedule, SCHEDULES)
-    if p.virtual > 1 and p.schedule != "interleaved":
-        yield ConfigError("parallel.virtual", p.virtual, "needs parallel.schedule=interleaved")
+    if p.virtual > 1 and p.schedule not in VIRTUAL_SCHEDULES:
+        yield ConfigError("parallel.virtual", p.virtual, f"needs parallel.schedule in {', '.join(VIRTUAL_SCHEDULES)}")
     if p.schedule == "interleaved" and p.pp > 1 and p.virtual < 2:
         yield ConfigError("parallel.virtual", p.virtual, "must be >= 2 for the interleaved schedule")
-    chunks = p.pp * max(p.virtual, 1)
-    if p.layer_split is not None:
+    yield from _new_schedule_rules(cfg)
+    chunks = p.pp * (2 if p.schedule in V_SCHEDULES else max(p.virtual, 1))
+    if isinstance(p.layer_split, list):
         if len(p.layer_split) != chunks:
             yield ConfigError("parallel.layer_split", p.layer_split,
                               f"needs pp*virtual = {p.pp}*{p.virtual} = {chunks} entries")
         elif sum(p.layer_split) != m.layers or min(p.layer_split) < 1:
             yield ConfigError("parallel.layer_split", p.layer_split,
                               f"entries must be >= 1 and sum to model.layers={m.layers}")
-    elif m.layers > 0 and p.pp > 0 and m.layers % chunks:
+    elif p.layer_split is None and m.layers > 0 and p.pp > 0 and m.layers % chunks:
         yield ConfigError("model.layers", m.layers,
                           f"must be divisible by pp*virtual = {p.pp}*{p.virtual} = {chunks} "
                           "(or give parallel.layer_split)")
@@ -130,6 +141,41 @@ def _pipeline_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         if p.schedule == "interleaved" and n_micro % p.pp:
             yield ConfigError("batch.global", cfg.batch.global_,
                               f"gives {n_micro} micro-batches, not a multiple of parallel.pp={p.pp} (interleaved)")
+        yield from _microbatch_rules(cfg, n_micro)
+
+
+def _new_schedule_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    """looped_bfs, modular, zero_bubble, zbv, dualpipev and skip (engine/parallel/schedules.py, skippipe.py)."""
+    p = cfg.parallel
+    if p.schedule in ("modular", "skip") and p.layer_split is not None:
+        yield ConfigError("parallel.layer_split", p.layer_split, f"is not used by schedule={p.schedule} (even split); leave it unset")
+    if p.schedule in ZERO_BUBBLE_SCHEDULES and p.zero > 0:
+        # measured: dp=2 x pp=2 ZeRO-3 zbv drifted 0.04 from the single-process loss by step 3
+        yield ConfigError("parallel.zero", p.zero, f"is not supported with schedule={p.schedule} (split I/W backward); use zero=0")
+    if not 0.0 <= p.skip_ratio < 1.0:
+        yield ConfigError("parallel.skip_ratio", p.skip_ratio, "must be in [0, 1)")
+    elif p.skip_ratio > 0 and p.schedule != "skip":
+        yield ConfigError("parallel.skip_ratio", p.skip_ratio, "needs parallel.schedule=skip")
+    if p.schedule == "skip":
+        if p.pp < 3:
+            yield ConfigError("parallel.pp", p.pp, "must be >= 3 for schedule=skip (only middle stages are skipped)")
+        for name, value in (("tp", p.tp), ("virtual", p.virtual)):
+            if value != 1:
+                yield ConfigError(f"parallel.{name}", value, "must be 1 with schedule=skip")
+        if p.zero > 0:
+            yield ConfigError("parallel.zero", p.zero, "must be 0 with schedule=skip (stages are not sharded)")
+
+
+def _microbatch_rules(cfg: RunConfig, n_micro: int) -> Iterator[ConfigError]:
+    p = cfg.parallel
+    need = 2 * p.pp if p.schedule == "dualpipev" else p.pp
+    if p.schedule in ("modular", "zero_bubble", "zbv", "dualpipev", "looped_bfs", "skip") and n_micro < need:
+        yield ConfigError("batch.global", cfg.batch.global_,
+                          f"gives {n_micro} micro-batches per pipeline, fewer than the {need} that {p.schedule} "
+                          f"needs (global >= dp*micro*{need} = {p.dp * cfg.batch.micro * need})")
+    elif p.schedule in ("modular", "zero_bubble") and n_micro % p.pp:
+        yield ConfigError("batch.global", cfg.batch.global_,
+                          f"gives {n_micro} micro-batches, not a multiple of parallel.pp={p.pp} ({p.schedule})")
 
 
 def _batch_rules(cfg: RunConfig) -> Iterator[ConfigError]:
@@ -175,8 +221,23 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                           "(compressors are DDP comm hooks; DP over TP/PP does not use DDP)")
     if p.zero == 1 and p.pp > 1:
         yield ConfigError("parallel.zero", 1, "use ZeRO stage 2 or 3 with parallel.pp > 1 (stage 1 shards a DDP optimizer)")
-    if c.compressor != "none" and p.zero > 0:
-        yield ConfigError("comm.compressor", c.compressor, "needs parallel.zero=0 (compressors are DDP comm hooks)")
+    if c.compressor not in ("none",) + FSDP_COMPRESSORS and p.zero > 1:
+        yield ConfigError("comm.compressor", c.compressor, f"needs parallel.zero=0 or 1 (or randk/topk) with "
+                          f"parallel.zero={p.zero}: ZeRO-2/3 run on FSDP2, whose gradient hook "
+                          "(set_custom_reduce_scatter) gets a flat buffer of many parameters' shards without their "
+                          "shapes (PowerSGD needs each matrix); fp16/bf16 there is FSDP2's MixedPrecisionPolicy, and "
+                          "an int8 reduce-scatter is not written")
+    if c.bidirectional and p.zero > 1:
+        yield ConfigError("comm.bidirectional", True, f"needs parallel.zero=0 or 1, not {p.zero}: under FSDP2 only "
+                          "the reduce-scatter carries gradients (compressed with comm.bidirectional=false); the other "
+                          "leg all-gathers parameters")
+    if c.adaptive and p.zero > 1:
+        yield ConfigError("comm.adaptive", True, "needs parallel.zero=0 or 1 (L-GreCo is a DDP comm hook)")
+    if c.bidirectional and c.compressor not in BIDIRECTIONAL_COMPRESSORS:
+        yield ConfigError("comm.bidirectional", True, f"needs comm.compressor in {', '.join(BIDIRECTIONAL_COMPRESSORS)} "
+                          f"(got {c.compressor})")
+    if c.bidirectional and c.adaptive:
+        yield ConfigError("comm.bidirectional", True, "cannot be combined with comm.adaptive (L-GreCo compresses one leg)")
     yield from _positive("co2.tau", o.tau)
     yield from _positive("co2.outer_lr", o.outer_lr)
     yield from _positive("co2.clip", o.clip, allow_zero=True)
@@ -195,6 +256,7 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                           "a .metadata file) written by train.checkpoint_interval")
     yield from _positive("link.gbps", cfg.link.gbps, allow_zero=True)
     yield from _positive("link.latency_us", cfg.link.latency_us, allow_zero=True)
+    yield from _link_group_rules(cfg)
     d = cfg.ddp
     yield from _positive("ddp.bucket_cap_mb", d.bucket_cap_mb)
     if d.static_graph and cfg.batch.micro > 0 and p.dp > 0 and cfg.batch.global_ % (p.dp * cfg.batch.micro) == 0 \
@@ -218,8 +280,209 @@ def _run_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("profile.trace_steps", pr.trace_steps, "must be [a, b] with 0 <= a <= b")
 
 
+SLURM_TIME = re.compile(r"(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|UNLIMITED|INFINITE)")
+LAUNCHERS = ("local", "slurm")  # engine/launch.py (torchrun on this machine) | engine/slurm.py (one job per run)
+
+
+def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    c = cfg.cluster
+    yield from _positive("cluster.nodes", c.nodes)
+    yield from _positive("cluster.gpus_per_node", c.gpus_per_node, allow_zero=True)
+    yield from _positive("cluster.cpus_per_rank", c.cpus_per_rank)
+    if c.nodes > 0 and cfg.world_size % c.nodes:
+        yield ConfigError("cluster.nodes", c.nodes, f"must divide the world size dp*tp*pp = {cfg.world_size}"
+                          f"{_try(cfg.world_size)}")
+    elif c.nodes > 0 and c.gpus_per_node > 0 and c.nodes * c.gpus_per_node != cfg.world_size:
+        yield ConfigError("cluster.gpus_per_node", c.gpus_per_node, f"nodes*gpus_per_node = {c.nodes}*{c.gpus_per_node} "
+                          f"= {c.nodes * c.gpus_per_node} must equal the world size dp*tp*pp = {cfg.world_size} "
+                          "(one rank per GPU)")
+    if c.time is not None and not SLURM_TIME.fullmatch(c.time):
+        yield ConfigError("cluster.time", c.time, "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, "
+                          "D-HH:MM or D-HH:MM:SS")
+    for name in ("partition", "account", "constraint", "telemetry_host"):
+        value = getattr(c, name)
+        if value is not None and not re.fullmatch(r"[^\s'\"\\#]+", value):
+            yield ConfigError(f"cluster.{name}", value, "must be one word: no spaces, quotes, '#' or backslashes")
+    for i, line in enumerate(c.sbatch or []):
+        if not re.fullmatch(r"--?[A-Za-z][\w-]*(=[^\n]*)?", line):
+            yield ConfigError(f"cluster.sbatch[{i}]", line, "must be one sbatch option like --qos=high "
+                              "(the '#SBATCH ' prefix is added)")
+    for i, line in enumerate(c.setup or []):
+        if "\n" in line or "\r" in line:
+            yield ConfigError(f"cluster.setup[{i}]", line, "must be one shell line (no line breaks)")
+
+
+def _moe_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    """Mixture-of-Experts and expert parallelism (engine/moe.py, engine/parallel/expert.py)."""
+    m, p, c = cfg.model, cfg.parallel, cfg.comm
+    yield from _positive("model.experts", m.experts, allow_zero=True)
+    yield from _positive("model.moe_every", m.moe_every)
+    yield from _positive("model.capacity_factor", m.capacity_factor, allow_zero=True)
+    yield from _positive("model.aux_loss_coef", m.aux_loss_coef, allow_zero=True)
+    yield from _positive("parallel.ep", p.ep)
+    yield from _choice("comm.moe_compression", c.moe_compression, MOE_COMPRESSIONS)
+    yield from _positive("comm.lsh_hashes", c.lsh_hashes)
+    yield from _positive("link.ranks_per_node", cfg.link.ranks_per_node)
+    if c.lsh_buckets < 2 or c.lsh_buckets % 2:
+        yield ConfigError("comm.lsh_buckets", c.lsh_buckets, "must be an even number >= 2 (2 x the projection width)")
+    if m.experts > 0 and not 1 <= m.top_k <= m.experts:
+        yield ConfigError("model.top_k", m.top_k, f"must be in [1, model.experts={m.experts}]")
+    if m.experts > 0 and m.entry is not None:
+        yield ConfigError("model.experts", m.experts, "applies to the built-in GPT only, not model.entry")
+    if m.experts > 0 and p.pp > 1:
+        yield ConfigError("model.experts", m.experts, "needs parallel.pp=1 (the pipeline schedule's loss "
+                          "does not carry the MoE load-balancing loss)")
+    if m.experts > 0 and p.sequence_parallel:
+        yield ConfigError("parallel.sequence_parallel", True, "is not supported with model.experts > 0 "
+                          "(MoE blocks keep experts replicated over tp)")
+    if m.experts > 0 and cfg.train.activation_checkpointing:
+        yield ConfigError("train.activation_checkpointing", True, "is not supported with model.experts > 0 "
+                          "(recomputing a block would route and exchange its tokens again)")
+    if p.ep > 1:
+        if m.experts == 0:
+            yield ConfigError("parallel.ep", p.ep, "needs model.experts > 0 (it shards experts)")
+        elif m.experts % p.ep:
+            yield ConfigError("parallel.ep", p.ep, f"must divide model.experts={m.experts}{_try(m.experts)}")
+        if p.dp > 0 and p.dp % p.ep:
+            yield ConfigError("parallel.ep", p.ep, f"must divide parallel.dp={p.dp} (ep ranks are carved "
+                              f"out of the dp ranks){_try(p.dp)}")
+        if p.zero > 0:
+            yield ConfigError("parallel.ep", p.ep, "needs parallel.zero=0 (ZeRO would shard expert "
+                              "parameters over dp ranks that hold different experts)")
+        if c.compressor != "none":
+            yield ConfigError("parallel.ep", p.ep, "needs comm.compressor=none (DDP compression hooks would "
+                              "see only the dense gradients; experts reduce separately)")
+        if cfg.co2.enabled:
+            yield ConfigError("parallel.ep", p.ep, "needs co2.enabled=false (CO2 averages every parameter over dp)")
+    if c.moe_compression != "none" and p.ep < 2:
+        yield ConfigError("comm.moe_compression", c.moe_compression, "needs parallel.ep > 1 (it compresses "
+                          "the expert all_to_all)")
+    if c.moe_hierarchical:
+        if p.ep < 2:
+            yield ConfigError("comm.moe_hierarchical", True, "needs parallel.ep > 1")
+        elif p.tp > 1:
+            yield ConfigError("comm.moe_hierarchical", True, "needs parallel.tp=1 (nodes are split by rank)")
+        elif cfg.link.ranks_per_node > 0 and p.ep % cfg.link.ranks_per_node and cfg.link.ranks_per_node % p.ep:
+            yield ConfigError("link.ranks_per_node", cfg.link.ranks_per_node,
+                              f"must divide parallel.ep={p.ep} for comm.moe_hierarchical{_try(p.ep)}")
+
+
+def _lengths_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    d, p, m = cfg.data, cfg.parallel, cfg.model
+    if d.lengths not in LENGTH_KINDS and not Path(d.lengths).is_file():
+        yield ConfigError("data.lengths", d.lengths, f"must be one of {', '.join(LENGTH_KINDS)} or a file of lengths")
+    yield from _positive("data.length_mean", d.length_mean)
+    yield from _positive("data.length_sigma", d.length_sigma)
+    if d.length_max < 0 or d.length_max > m.seq_len:
+        yield ConfigError("data.length_max", d.length_max, f"must be in [0, model.seq_len={m.seq_len}] "
+                          "(positions restart per document; 0 means seq_len)")
+    if d.lengths == "fixed":
+        return
+    if m.entry is not None:
+        yield ConfigError("data.lengths", d.lengths, "applies to the built-in GPT, not model.entry")
+    if p.pp > 1 or p.sequence_parallel:
+        yield ConfigError("data.lengths", d.lengths, "packed documents need parallel.pp=1 and no "
+                          "sequence_parallel (their document ids do not cross stage or SP boundaries)")
+
+
+def _context_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    p, m = cfg.parallel, cfg.model
+    yield from _positive("parallel.cp", p.cp)
+    yield from _choice("parallel.cp_impl", p.cp_impl, CP_IMPLS)
+    yield from _positive("parallel.adaptive_time_limit_s", p.adaptive_time_limit_s)
+    yield from _positive("parallel.adaptive_buckets", p.adaptive_buckets)
+    yield from _positive("parallel.adaptive_token_cap", p.adaptive_token_cap, allow_zero=True)
+    if p.cp < 1 or p.tp < 1:
+        return
+    if p.cp > 1:
+        if p.cp_impl == "ulysses" and m.heads > 0 and m.heads % (p.tp * p.cp):
+            yield ConfigError("parallel.cp", p.cp, f"with cp_impl=ulysses, tp*cp = {p.tp}*{p.cp} must divide "
+                              f"model.heads={m.heads} (each rank attends with heads/(tp*cp) heads){_try(m.heads // p.tp)}")
+        if m.seq_len > 0 and m.seq_len % p.cp:
+            yield ConfigError("model.seq_len", m.seq_len, f"must be divisible by parallel.cp={p.cp} (equal chunks)")
+        # not wired: pipeline stages pass hidden states without their chunk's positions; ZeRO/FSDP2 and
+        # CO2/compression hooks here reduce over the dp axis only, while cp gradients need dp x cp
+        for on, name in ((p.pp > 1, "parallel.pp > 1"), (p.zero > 0, "parallel.zero > 0"),
+                         (cfg.co2.enabled, "co2.enabled"), (cfg.comm.compressor != "none", "comm.compressor"),
+                         (m.entry is not None, "model.entry"), (p.sequence_parallel, "parallel.sequence_parallel"),
+                         (m.experts > 0, "model.experts > 0")):
+            if on:
+                yield ConfigError("parallel.cp", p.cp, f"context parallelism does not combine with {name} here")
+        if p.cp_impl == "ring" and (cfg.data.lengths != "fixed" or m.dropout > 0):
+            yield ConfigError("parallel.cp_impl", "ring", "has no packed-document masks or attention dropout "
+                              "here; use cp_impl=ulysses (or data.lengths=fixed, model.dropout=0)")
+    if p.adaptive_sp:
+        yield from _adaptive_rules(cfg)
+
+
+def _adaptive_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    p, m = cfg.parallel, cfg.model
+    world = p.dp * p.cp
+    if p.tp > 1 or p.pp > 1 or p.zero > 0 or cfg.co2.enabled or cfg.comm.compressor != "none" or m.entry or m.experts:
+        yield ConfigError("parallel.adaptive_sp", True, "needs tp=1, pp=1, zero=0, no co2, no compressor and the "
+                          "dense built-in GPT (its SP groups replicate the model over all dp*cp ranks)")
+    if world & (world - 1):
+        yield ConfigError("parallel.adaptive_sp", True, f"needs dp*cp = {world} to be a power of two (FlexSP "
+                          "group sizes are powers of two that use every rank)")
+    elif m.heads > 0 and m.heads % world:
+        yield ConfigError("parallel.adaptive_sp", True, f"needs dp*cp = {world} to divide model.heads={m.heads} "
+                          "(a group may span every rank with Ulysses)")
+    if p.cp_impl != "ulysses":
+        yield ConfigError("parallel.cp_impl", p.cp_impl, "adaptive_sp runs its groups with ulysses")
+def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    """link.groups (heterogeneous link emulation), parallel.placement and layer_split=auto."""
+    ln, p = cfg.link, cfg.parallel
+    yield from _choice("parallel.placement", p.placement, PLACEMENTS)
+    if isinstance(p.layer_split, str) and p.layer_split != "auto":
+        yield ConfigError("parallel.layer_split", p.layer_split, "must be a list of layers per stage or 'auto'")
+    if p.layer_split == "auto" and p.pp < 2:
+        yield ConfigError("parallel.layer_split", "auto", "needs parallel.pp > 1 (it splits layers across stages)")
+    if p.layer_split == "auto" and 0 < cfg.model.layers < p.pp:
+        yield ConfigError("parallel.layer_split", "auto", f"needs model.layers={cfg.model.layers} >= parallel.pp={p.pp} "
+                          "(every stage keeps a layer)")
+    if p.layer_split == "auto" and p.virtual > 1:
+        yield ConfigError("parallel.layer_split", "auto", "needs parallel.virtual=1 (one chunk per stage)")
+    if p.layer_split == "auto" and p.schedule not in ("gpipe", "1f1b"):
+        yield ConfigError("parallel.layer_split", "auto", f"needs parallel.schedule gpipe or 1f1b, not {p.schedule} "
+                          "(one chunk per stage, adjacent stages)")
+    if p.placement != "naive" and (p.cp > 1 or p.adaptive_sp):
+        yield ConfigError("parallel.placement", p.placement, "needs parallel.cp=1 and no adaptive_sp (placement "
+                          "orders the (pp, dp, tp) mesh; the cp mesh axis is not placed)")
+    if not ln.groups:
+        if p.placement == "holmes":
+            yield ConfigError("parallel.placement", "holmes", "needs link.groups (it places ranks by group)")
+        if ln.inter_gbps or ln.inter_latency_us:
+            yield ConfigError("link.inter_gbps", ln.inter_gbps, "applies only with link.groups")
+        return
+    if ln.gbps > 0:
+        yield ConfigError("link.gbps", ln.gbps, "must be 0 with link.groups (each group gives its own gbps)")
+    yield from _positive("link.inter_gbps", ln.inter_gbps)
+    yield from _positive("link.inter_latency_us", ln.inter_latency_us, allow_zero=True)
+    seen: dict[int, str] = {}
+    for i, g in enumerate(ln.groups):
+        yield from _positive(f"link.groups[{i}].gbps", g.gbps)
+        yield from _positive(f"link.groups[{i}].latency_us", g.latency_us, allow_zero=True)
+        if not g.ranks:
+            yield ConfigError(f"link.groups[{i}].ranks", g.ranks, "must list at least one rank")
+        for r in g.ranks:
+            if not 0 <= r < cfg.world_size:
+                yield ConfigError(f"link.groups[{i}].ranks", g.ranks, f"rank {r} is outside 0..{cfg.world_size - 1}")
+            elif r in seen:
+                yield ConfigError(f"link.groups[{i}].ranks", g.ranks, f"rank {r} is already in group '{seen[r]}'")
+            seen[r] = g.name
+    missing = sorted(set(range(cfg.world_size)) - set(seen))
+    if missing:
+        yield ConfigError("link.groups", [g.name for g in ln.groups], f"must place every rank; {missing} are in no group")
+    if p.placement == "holmes":
+        for i, g in enumerate(ln.groups):
+            if g.ranks and len(g.ranks) % p.tp:
+                yield ConfigError(f"link.groups[{i}].ranks", g.ranks,
+                                  f"holmes placement keeps each tp group of parallel.tp={p.tp} ranks in one link "
+                                  f"group: the group size {len(g.ranks)} must be a multiple of {p.tp}")
+
+
 RULES = (_model_rules, _data_rules, _degree_rules, _pipeline_rules, _batch_rules, _train_rules,
-         _comm_rules, _run_rules)
+         _comm_rules, _run_rules, _cluster_rules, _moe_rules, _lengths_rules, _context_rules)
 
 
 def check(cfg: RunConfig) -> list[ConfigError]:

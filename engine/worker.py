@@ -65,8 +65,8 @@ def _register_external_run(cfg, run_id: str, world: int, config_path: str) -> No
             return
         p = cfg.parallel
         store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=world,
-                         layout=ParallelDims(p.dp, p.tp, p.pp, cfg.world_size).describe(), host=host_info(),
-                         versions=software_versions(), emulated=cfg.link.gbps > 0)
+                         layout=ParallelDims(p.dp, p.tp, p.pp, cfg.world_size, cp=p.cp).describe(), host=host_info(),
+                         versions=software_versions(), emulated=cfg.link.gbps > 0 or bool(cfg.link.groups))
 
 
 def _finish_external_run(cfg, run_id: str, run_dir: Path, ok: bool) -> None:

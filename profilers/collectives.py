@@ -409,6 +409,26 @@ class CollectiveProfiler:
         return out
 
 
+@contextmanager
+def recorded(op: str, nbytes: int, group: Any, *, axis: str | None = None,
+             tensor: torch.Tensor | None = None) -> Iterator[None]:
+    """Record the block as one ``op`` collective of ``nbytes`` over ``group`` when a profiler is
+    enabled (e.g. an all_to_all plus the emulated link's wait); collectives issued inside are not
+    recorded again. ``axis`` labels it (default: the group's name); ``tensor`` on CUDA times it
+    with events."""
+    profiler = _PATCHES.active
+    if profiler is None or getattr(_local, "suppress", False):
+        yield
+        return
+    call = profiler.call(CANONICAL[op], nbytes, dist.get_world_size(group), group)
+    if axis is not None:
+        call.axis = axis
+    start, pending = profiler.begin(call, tensor)
+    with _suppressed():
+        yield
+    profiler.end(call, start, pending)
+
+
 class _TimedWork(dist.Work):
     """A Work without a future (gloo send/recv): the collective ends when ``wait()`` returns."""
 
@@ -554,4 +574,4 @@ from profilers.commbench import (  # noqa: E402  (commbench imports the math abo
 
 __all__ = ["CANONICAL", "PATCHED", "SWEEP_OPS", "CollectiveProfiler", "aggregate", "algbw",
            "blocking_time", "bus_factor", "busbw", "commbench", "event_key", "format_busbw_table",
-           "group_name", "now", "spawn_commbench", "split_key", "sweep_sizes", "union_time"]
+           "group_name", "now", "recorded", "spawn_commbench", "split_key", "sweep_sizes", "union_time"]

@@ -17,6 +17,7 @@ Kinds and example names (docs/architecture.md):
 | `host`      | `cpu(%)`, `rss(GiB)`, `sys_mem_used(GiB)`, `net_rx(B/s)`, `net_tx(B/s)`       |
 | `eval`      | `val_loss`                                                                    |
 | `knob`      | a knob changed at a step boundary, e.g. `comm.density`                        |
+| `moe`       | `tokens/e{i}` (tokens this rank routed to expert i), `drop_rate`, `imbalance` |
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-KINDS: tuple[str, ...] = ("step", "breakdown", "comm", "memory", "gpu", "host", "eval", "knob")
+KINDS: tuple[str, ...] = ("step", "breakdown", "comm", "memory", "gpu", "host", "eval", "knob", "moe")
 """The record kinds the dashboard knows; other kinds are stored but not specially drawn."""
 
 NO_STEP = -1

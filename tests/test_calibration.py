@@ -188,3 +188,81 @@ def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
     assert [n for n, _ in heard] == ["GEMMs at the engine's shapes", "memory-bound ops", "AdamW rate",
                                      "framework overhead (tiny runs)"]
     assert [before for _, before in heard] == [0, 1, 2, 3]  # each announced before it ran
+
+
+def test_layer_growth_splits_residuals_into_per_layer_and_per_step() -> None:
+    from tuning.calibration import layer_growth
+
+    # 1 and 3 layers, 4 micro-batches: 12 ms more for 8 more layer-micro-batches = 1.5 ms each;
+    # at 1 layer 14 ms - 4 x 1.5 ms = 8 ms per step
+    per_layer, per_step = layer_growth((1, 3), (0.014, 0.026), 4)
+    assert per_layer == pytest.approx(0.0015) and per_step == pytest.approx(0.008)
+
+
+def test_rate_share_is_median_together_over_median_alone() -> None:
+    from tuning.calibration import rate_share
+
+    assert rate_share([10.0, 12.0, 11.0], [5.5, 6.6, 6.0]) == pytest.approx(6.0 / 11.0)
+    assert rate_share([10.0], [10.5, 11.0]) == 1.0  # never above one core's rate
+
+
+def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) -> None:
+    """calibrate_local(2): rates x the measured share (not the even share), overheads / share plus the
+    tiny dp-run extras; a 1-rank config's step grows by exactly step + l x m x layer extra."""
+    from tuning import calibration as cal
+
+    host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=4.0, cpus=2,
+                       load1=1.0, overheads={"overhead_step_s": 0.002, "overhead_microbatch_s": 0.001,
+                                             "overhead_layer_s": 0.0005})
+    monkeypatch.setattr(cal, "measure_rate_share", lambda world: {2: 0.6}[world])
+    monkeypatch.setattr(cal, "measure_cpu_share", lambda world: 1.0)
+    monkeypatch.setattr(cal, "measure_allreduce", lambda world: (1e-3, 1.0))
+    monkeypatch.setattr(cal, "measure_p2p", lambda: (2e-4, 0.5))
+    monkeypatch.setattr(cal, "measure_rank_overheads",
+                        lambda profile, world: {"overhead_rank_step_s": 0.008, "overhead_rank_layer_s": 0.0015})
+    monkeypatch.setattr(cal, "measure_parallel_overheads",
+                        lambda profile: {"overhead_tp_layer_s": 0.003, "overhead_fsdp_layer_s": 0.002})
+    spec = calibrate_local(2, host=host)
+    assert spec.peak_flops == pytest.approx(0.6 * 2e9)  # the top GEMM rate x 0.6 (even share: 1.0)
+    assert spec.hbm_gb_s == pytest.approx(3.0) and spec.optimizer_gb_s == pytest.approx(2.4)
+    assert spec.overhead_step_s == pytest.approx(0.002 / 0.6 + 0.008)
+    assert spec.overhead_layer_s == pytest.approx(0.0005 / 0.6 + 0.0015)
+    assert spec.overhead_microbatch_s == pytest.approx(0.001 / 0.6)
+    assert spec.overhead_tp_layer_s == pytest.approx(0.003) and spec.p2p_latency_s == pytest.approx(2e-4)
+    assert spec.calibration_cpu_share == 1.0 and spec.calibration_load1 == 1.0  # recorded, not lost
+    without = dataclasses.replace(spec, overhead_step_s=0.002 / 0.6, overhead_layer_s=0.0005 / 0.6)
+    cfg = load_config(None, BASE)  # 1 rank, 2 layers, 2 micro-batches of 4: 8 ms + 2 x 2 x 1.5 ms = 14 ms
+    grow = predict_run(cfg, spec).iteration_time_s - predict_run(cfg, without).iteration_time_s
+    assert grow == pytest.approx(0.014)
+
+
+def test_check_error_refuses_beyond_the_threshold() -> None:
+    from tuning.calibration import check_error
+
+    ok = check_error(predicted_s=0.09, measured_s=0.1)
+    assert ok["error_pct"] == pytest.approx(-10.0) and ok["ok"]
+    bad = check_error(predicted_s=0.04, measured_s=0.1)  # 2.5x too fast, as issue 16 saw
+    assert bad["error_pct"] == pytest.approx(-60.0) and not bad["ok"]
+    assert check_error(predicted_s=0.124, measured_s=0.1, threshold=0.25)["ok"]
+
+
+def test_calibrate_refuses_to_save_when_the_check_run_is_off(monkeypatch, tmp_path) -> None:
+    """`workbench calibrate` prints the check run's figure; above 25% it saves nothing (exit 1) unless --force."""
+    import typer
+    from typer.testing import CliRunner
+
+    from tuning import calibration as cal
+    from workbench import cli_sim
+
+    app = typer.Typer()
+    app.command()(cli_sim.calibrate)  # one command: its options are the app's
+
+    monkeypatch.setattr(cal, "calibrate_local", lambda world, progress=None: _cluster(world))
+    verdict = {"config": "model.layers=3 ...", "load1": 1.0, **cal.check_error(predicted_s=0.04, measured_s=0.1)}
+    monkeypatch.setattr(cal, "check_calibration", lambda spec, world: verdict)
+    out = tmp_path / "p.yaml"
+    bad = CliRunner().invoke(app, ["--world", "2", "-o", str(out)])
+    assert bad.exit_code == 1 and not out.exists()
+    assert "error -60.0%" in bad.output and "calibration not saved" in bad.output
+    forced = CliRunner().invoke(app, ["--world", "2", "-o", str(out), "--force"])
+    assert forced.exit_code == 0 and out.exists()

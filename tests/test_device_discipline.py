@@ -21,8 +21,12 @@ PATHS = {
                         "comm.adaptive_interval=1", "comm.density=0.1", "live.every=2"],
     "dp2-co2": ["parallel.dp=2", "co2.enabled=true", "co2.tau=2"],
     "dp2-zero1": ["parallel.dp=2", "parallel.zero=1"],
+    "dp2-bidirectional": ["parallel.dp=2", "comm.compressor=topk", "comm.bidirectional=true", "comm.density=0.1"],
+    "dp2-zero2-randk": ["parallel.dp=2", "parallel.zero=2", "comm.compressor=randk", "comm.density=0.1"],
     "pp2": ["parallel.pp=2", "train.grad_clip=0.5"],
     "tp2": ["parallel.tp=2"],
+    "dp2-ep2-moe": ["parallel.dp=2", "parallel.ep=2", "model.experts=4", "comm.moe_compression=lsh",
+                    "comm.moe_hierarchical=true", "link.ranks_per_node=1", "train.grad_clip=0.5"],
 }
 
 

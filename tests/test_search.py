@@ -48,19 +48,21 @@ def test_enumeration_is_exactly_the_valid_set() -> None:
     gpus, batch = 16, 32
     axes = candidate_axes(model, gpus, batch, max_micro=8)
     expected = set()
+    assert axes["cp"] == [1, 2, 4, 8] and axes["cp_impl"] == ["ulysses", "ring"] and axes["ep"] == [1]
     for combo in itertools.product(*axes.values()):
         pick = dict(zip(axes, combo))
-        if gpus % (pick["tp"] * pick["pp"]):
+        if gpus % (pick["tp"] * pick["pp"] * pick["cp"]):
             continue
-        par = ParallelSpec(dp=gpus // (pick["tp"] * pick["pp"]), global_batch=batch, **pick)
-        duplicate = ((pick["zero"] and par.dp == 1) or (pick["sequence_parallel"] and pick["tp"] == 1)
-                     or (pick["schedule"] == "gpipe" and pick["pp"] == 1))
+        par = ParallelSpec(dp=gpus // (pick["tp"] * pick["pp"] * pick["cp"]), global_batch=batch, **pick)
+        duplicate = ((pick["zero"] and par.dp * par.cp == 1) or (pick["sequence_parallel"] and pick["tp"] == 1)
+                     or (pick["schedule"] == "gpipe" and pick["pp"] == 1)
+                     or (pick["cp"] == 1 and pick["cp_impl"] != "ulysses"))
         if not duplicate and not validate_parallel(model, A100, par, gpus=gpus):
             expected.add((par.tp, par.pp, par.virtual, par.micro, par.zero, par.recompute,
-                          par.sequence_parallel, par.schedule))
+                          par.sequence_parallel, par.schedule, par.cp, par.cp_impl, par.ep))
     df = enumerate_configs(model, A100, gpus, batch, axes=axes)
     got = set(zip(df.tp, df.pp, df.virtual, df.micro, df.zero, df.recompute,
-                  df.sequence_parallel, df.schedule))
+                  df.sequence_parallel, df.schedule, df.cp, df.cp_impl, df.ep))
     assert len(df) == len(got) == len(expected) > 0
     assert got == expected
 
@@ -71,7 +73,7 @@ def test_1t_space_on_3072_gpus_is_fast() -> None:
     elapsed = time.perf_counter() - start
     assert len(df) >= 10_000
     assert elapsed <= 60.0
-    assert (df.dp * df.tp * df.pp == 3072).all()
+    assert (df.dp * df.tp * df.pp * df.cp == 3072).all()
     assert set(RESULT_COLUMNS) <= set(df.columns) and df.attrs["units"]["iteration_time_s"] == "s"
     assert df["fits"].any() and not df["fits"].all()
     best = best_configs(df, 5)
@@ -109,7 +111,8 @@ def test_optuna_search_never_beats_exhaustive_and_is_seeded() -> None:
     assert study.best_params == again.best_params
     assert 0 < study.best_value <= best * (1 + 1e-12)
     trial = study.best_trial
-    par = ParallelSpec(dp=32 // (trial.params["tp"] * trial.params["pp"]), global_batch=128, **trial.params)
+    par = ParallelSpec(dp=32 // (trial.params["tp"] * trial.params["pp"] * trial.params["cp"]), global_batch=128,
+                       **trial.params)
     assert simulate(model, A100, par).tokens_per_s == pytest.approx(study.best_value)
     assert study.best_value >= 0.5 * best  # 40 TPE trials land within 2x of the optimum
 

@@ -92,6 +92,8 @@ class HostProfile:
     measured_at: float = field(default_factory=time.time)  # Unix seconds
     parallel: dict[str, float] | None = None  # TP / FSDP per-layer overheads at 2 ranks (+ "share")
     p2p: tuple[float, float] | None = None  # send/recv (alpha s, GB/s) at 2 ranks
+    shares: dict[int, float] = field(default_factory=dict)  # measured per-rank compute share by world size
+    rank_overheads: dict[int, dict[str, float]] = field(default_factory=dict)  # multi-rank extras by world size
 
 
 def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3) -> float:
@@ -279,20 +281,51 @@ def measure_parallel_overheads(profile: ClusterSpec, *, layers: tuple[int, int] 
     out = {}
     for key, extra in (("overhead_tp_layer_s", ["parallel.tp=2"]),
                        ("overhead_fsdp_layer_s", ["parallel.dp=2", "parallel.zero=3"])):
-        residual = []
-        for n in layers:
-            cfg = load_config(None, _tiny_overrides(n, microbatches * (2 if "parallel.dp=2" in extra else 1)) + extra)
-            measured = measure_run(cfg)["step_time_s"]
-            residual.append(measured - predict_run(cfg, profile).iteration_time_s)
-        out[key] = max(0.0, (residual[1] - residual[0]) / ((layers[1] - layers[0]) * microbatches))
+        residual = _tiny_residuals(profile, layers, microbatches * (2 if "parallel.dp=2" in extra else 1), extra)
+        out[key] = max(0.0, layer_growth(layers, residual, microbatches)[0])
     return out
 
 
+def _tiny_residuals(profile: ClusterSpec, layers: Sequence[int], global_batch: int, extra: list[str]) -> list[float]:
+    """Measured minus predicted step time of tiny launched runs with `layers[i]` layers."""
+    from engine.config import load_config
+
+    residual = []
+    for n in layers:
+        cfg = load_config(None, _tiny_overrides(n, global_batch) + extra)
+        residual.append(measure_run(cfg)["step_time_s"] - predict_run(cfg, profile).iteration_time_s)
+    return residual
+
+
+def layer_growth(layers: Sequence[int], residuals: Sequence[float], microbatches: int) -> tuple[float, float]:
+    """(per layer and micro-batch, per step) seconds from the residuals of runs with two layer counts:
+    the slope over the added layer-micro-batches, and what is left at zero layers (the intercept)."""
+    per_layer = (residuals[1] - residuals[0]) / ((layers[1] - layers[0]) * microbatches)
+    return per_layer, residuals[0] - per_layer * layers[0] * microbatches
+
+
+def measure_rank_overheads(profile: ClusterSpec, world: int, *, layers: tuple[int, int] = (1, 3),
+                           microbatches: int = 4) -> dict[str, float]:
+    """Host time a launched `world`-rank data-parallel run spends beyond the 1-rank in-process model,
+    from tiny dp=`world` runs (d_model 32, seq 16, `microbatches` per rank, `layers` layers; `profile`
+    without these terms prices them): per step (DDP bucket copies, the loss all-reduce, the launcher's
+    and gloo's threads on the same cores, per-step bookkeeping of a launched rank) and per layer and
+    micro-batch (DDP's per-parameter autograd hooks). Negative parts are 0 (ours: an intercept/slope
+    split of two runs, as `measure_parallel_overheads`)."""
+    residual = _tiny_residuals(profile, layers, microbatches * world, [f"parallel.dp={world}"])
+    per_layer, per_step = layer_growth(layers, residual, microbatches)
+    return {"overhead_rank_layer_s": max(0.0, per_layer), "overhead_rank_step_s": max(0.0, per_step)}
+
+
 def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], share: float = 1.0,
-             overheads: bool = True) -> ClusterSpec:
+             overheads: bool = True, rank: dict[str, float] | None = None) -> ClusterSpec:
     # Ranks time-share the cores (with each other and with other users): each rank's compute
-    # and host-side work runs at `share` of the single-process rate (cpu_share).
+    # and host-side work runs at `share` of the single-process rate (measure_rate_share). `rank`
+    # adds what a launched multi-rank run costs beyond that (measure_rank_overheads, already at world).
     ovh = {k: v / share for k, v in host.overheads.items()} if overheads else {}
+    if overheads and rank:
+        ovh["overhead_step_s"] = ovh.get("overhead_step_s", 0.0) + rank.get("overhead_rank_step_s", 0.0)
+        ovh["overhead_layer_s"] = ovh.get("overhead_layer_s", 0.0) + rank.get("overhead_rank_layer_s", 0.0)
     return cpu_profile(
         name=f"cpu-local-{world}", gemm_points=[(f, r * share) for f, r in host.gemm_points],
         intra=allreduce, gpus_per_node=world, memory_gb=_memory_gb() / world,
@@ -306,7 +339,8 @@ def _check_load(profile: ClusterSpec, host: HostProfile, world: int, share: floa
     import warnings
 
     measured = measure_cpu_share(world) / max(measure_cpu_share(1), 1e-9)
-    reason = busy_reason(load1=host.load1, cpus=host.cpus, measured_share=min(measured, 1.0), model_share=share)
+    even = cpu_share(world, cpus=host.cpus, background=host.load1 - 1.0)  # what a quiet host should give
+    reason = busy_reason(load1=host.load1, cpus=host.cpus, measured_share=min(measured, 1.0), model_share=even)
     if reason:
         warnings.warn(f"calibration on a busy machine: {reason}; rerun `workbench calibrate` when it is quiet",
                       RuntimeWarning, stacklevel=3)
@@ -326,8 +360,9 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
     """A `cpu-local-{world}` profile: `world` ranks ("GPUs") on this one node, fp32 rates.
 
     Measures what is not given: the host (`measure_host`) and the gloo all-reduce at `world`
-    ranks (`measure_allreduce`; unused at world 1). The CPU share per rank defaults to
-    `cpu_share` with the load other users put on the host while it was measured.
+    ranks (`measure_allreduce`; unused at world 1). The compute share per rank is measured with
+    `world` processes running the engine's kernel mix together (`measure_rate_share`); tiny launched
+    data-parallel runs add the multi-rank per-step and per-layer host time (`measure_rank_overheads`).
     """
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
@@ -336,23 +371,42 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
         progress(f"gloo all-reduce at {world} ranks")
     if allreduce is None:
         allreduce = measure_allreduce(world) if world > 1 else (0.0, 1.0)
-    if share is None:  # the 1-min load while measuring counted our own benchmark as 1 task
-        share = cpu_share(world, cpus=host.cpus, background=host.load1 - 1.0)
+    if share is None:
+        share = _measured_share(host, world, progress)
     profile = _profile(host, world=world, allreduce=allreduce, share=share)
+    if world > 1 and parallel:
+        if world not in host.rank_overheads:
+            progress(f"multi-rank step overhead (tiny {world}-rank runs)")
+            host.rank_overheads[world] = measure_rank_overheads(profile, world)
+        profile = _profile(host, world=world, allreduce=allreduce, share=share, rank=host.rank_overheads[world])
     profile = _check_load(profile, host, world, share)
     if world == 1 or not parallel:
         return profile
     if host.parallel is None:  # measured once at 2 ranks, scaled to `world` by the CPU share
+        two_ar = allreduce if world == 2 else measure_allreduce(2)
+        two_share_ = _measured_share(host, 2, progress)
+        if 2 not in host.rank_overheads:
+            progress("multi-rank step overhead (tiny 2-rank runs)")
+            host.rank_overheads[2] = measure_rank_overheads(_profile(host, world=2, allreduce=two_ar,
+                                                                     share=two_share_), 2)
         progress("tensor-parallel and FSDP dispatch, pipeline sends (2-rank runs)")
-        two = _profile(host, world=2, allreduce=measure_allreduce(2), share=cpu_share(2, cpus=host.cpus,
-                                                                                      background=host.load1 - 1.0))
-        host.parallel = {**measure_parallel_overheads(two), "share": two_share(host)}
+        two = _profile(host, world=2, allreduce=two_ar, share=two_share_, rank=host.rank_overheads[2])
+        host.parallel = {**measure_parallel_overheads(two), "share": two_share_}
         host.p2p = measure_p2p()
     scale = host.parallel["share"] / share
     return dataclasses.replace(
         profile, overhead_tp_layer_s=host.parallel["overhead_tp_layer_s"] * scale,
         overhead_fsdp_layer_s=host.parallel["overhead_fsdp_layer_s"] * scale,
         p2p_latency_s=host.p2p[0], p2p_bw_gb_s=host.p2p[1] * share)
+
+
+def _measured_share(host: HostProfile, world: int, progress: Callable[[str], None]) -> float:
+    """The per-rank compute share at `world` ranks, measured once per host profile (1.0 at one rank)."""
+    if world not in host.shares:
+        if world > 1:
+            progress(f"per-rank compute share ({world} processes together)")
+        host.shares[world] = measure_rate_share(world)
+    return host.shares[world]
 
 
 def _spin(seconds: float, barrier: Any, out: Any) -> None:
@@ -388,6 +442,63 @@ def measure_cpu_share(world: int, *, seconds: float = 0.5) -> float:
     for p in procs:
         p.join(timeout=30)
     return statistics.median(shares)
+
+
+def _kernel_loop(seconds: float, barrier: Any, out: Any) -> None:
+    """Worker of measure_rate_share: the engine's kernel mix (a linear layer's three GEMMs, LayerNorm,
+    GELU, an add) on one thread for `seconds` of wall time after the barrier; reports loops per second."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    x, w, dy = torch.randn(512, 128), torch.randn(512, 128), torch.randn(512, 512)
+
+    def step() -> None:
+        x @ w.T, dy @ w, dy.T @ x, F.layer_norm(dy, (512,)), F.gelu(dy), dy + dy
+
+    for _ in range(3):
+        step()  # warm-up
+    barrier.wait()
+    t0, loops = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        step()
+        loops += 1
+    out.put(loops / (time.perf_counter() - t0))
+
+
+def _concurrent_rates(world: int, seconds: float) -> list[float]:
+    """Loops per second of each of `world` processes running `_kernel_loop` together."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_kernel_loop, args=(seconds, barrier, out)) for _ in range(world)]
+    for p in procs:
+        p.start()
+    rates = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return rates
+
+
+def rate_share(alone: Sequence[float], together: Sequence[float]) -> float:
+    """Throughput share of each concurrent rank: median rate of the ranks run together over the median
+    rate of one process alone (repeats of each), at most 1. Unlike the even-share model it includes what
+    busy loops do not see: cores that are hardware threads of one physical core, shared caches and
+    memory bandwidth, and the load of other users at that moment."""
+    return min(1.0, statistics.median(together) / statistics.median(alone))
+
+
+def measure_rate_share(world: int, *, seconds: float = 1.0, repeats: int = 2) -> float:
+    """Measured per-rank compute share at `world` ranks (`rate_share`): the kernel mix alone and with
+    `world` processes together, interleaved `repeats` times. 1.0 at world 1."""
+    if world == 1:
+        return 1.0
+    alone, together = [], []
+    for _ in range(repeats):
+        alone += _concurrent_rates(1, seconds)
+        together += _concurrent_rates(world, seconds)
+    return rate_share(alone, together)
 
 
 def busy_reason(*, load1: float, cpus: int, measured_share: float, model_share: float) -> str | None:
@@ -438,6 +549,38 @@ def measure_run(cfg: Any, *, home: str | Path | None = None) -> dict[str, Any]:
         result = launch(cfg, home=home or tmp)
     return {"step_time_s": float(result.summary["step_time_s"]),
             "steps": [s["step_time_s"] for s in result.steps], "load1": load1}
+
+
+CHECK_THRESHOLD = 0.25  # a calibration whose check run is off by more is not saved (`workbench calibrate`)
+
+
+def check_overrides(world: int) -> list[str]:
+    """The short real run a calibration is checked against: data parallel over `world` ranks, 3 layers,
+    d_model 64, seq 32, 2 micro-batches of 2 per rank, 5 steps (not one of `VALIDATION_CONFIGS`)."""
+    return ["model.layers=3", "model.d_model=64", "model.heads=4", "model.seq_len=32", "batch.micro=2",
+            f"batch.global={4 * world}", f"parallel.dp={world}", "train.steps=5", "data.source=synthetic",
+            "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
+            "train.warmup_steps=0"]
+
+
+def check_error(*, predicted_s: float, measured_s: float, threshold: float = CHECK_THRESHOLD) -> dict[str, Any]:
+    """The check's verdict: error = predicted / measured - 1; `ok` when |error| <= threshold."""
+    error = predicted_s / measured_s - 1.0
+    return {"predicted_s": predicted_s, "measured_s": measured_s, "error_pct": 100.0 * error,
+            "threshold_pct": 100.0 * threshold, "ok": abs(error) <= threshold}
+
+
+def check_calibration(cluster: ClusterSpec, world: int, *, threshold: float = CHECK_THRESHOLD,
+                      home: str | Path | None = None) -> dict[str, Any]:
+    """Run the short real check run (`check_overrides`) and compare its median steady step time with
+    what `cluster` predicts for it (`check_error`, plus the config and the load while it ran)."""
+    from engine.config import load_config
+
+    cfg = load_config(None, check_overrides(world))
+    run = measure_run(cfg, home=home)
+    return {"config": " ".join(check_overrides(world)[:6]), "load1": run["load1"],
+            **check_error(predicted_s=predict_run(cfg, cluster).iteration_time_s, measured_s=run["step_time_s"],
+                          threshold=threshold)}
 
 
 def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int = 2,

@@ -169,7 +169,7 @@ def _comm_unmapped(cfg: RunConfig, target: str) -> list[str]:
         out.append(f"comm.compressor={cfg.comm.compressor} (no gradient compression hook in {target})")
     if cfg.co2.enabled:
         out.append(f"co2.enabled (no CO2 local-update overlap in {target})")
-    if cfg.link.gbps > 0:
+    if cfg.link.gbps > 0 or cfg.link.groups:
         out.append("link.* (an emulated link only exists in the workbench)")
     return out
 

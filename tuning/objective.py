@@ -52,12 +52,13 @@ class Objective:
     def __init__(self, base: RunConfig, space: SearchSpace, *, home: str | Path | None = None,
                  objective: str = THROUGHPUT, warmup_steps: int = 1, memory_limit_gb: float | None = None,
                  trial_timeout_s: float | None = 600.0, extra_env: dict[str, str] | None = None,
-                 cluster=None) -> None:
+                 cluster=None, launcher: str = "local") -> None:
         self.base, self.space, self.home = base, space, home
         self.objective, self.warmup = objective, warmup_steps
         self.memory_limit_gb, self.timeout = memory_limit_gb, trial_timeout_s
         self.extra_env = extra_env
         self.cluster = cluster  # a calibrated hardware profile: predictions are recorded per trial
+        self.launcher = launcher  # local (torchrun here) | slurm (a job per trial, cfg.cluster sizes it)
 
     def config_for(self, trial: optuna.trial.BaseTrial) -> RunConfig:
         """The validated config of a trial (raises ConfigError)."""
@@ -73,19 +74,18 @@ class Objective:
         except ConfigError as exc:
             return self._prune(trial, f"invalid: {exc}")
         trial.set_user_attr("config", cfg.to_dict())
-        if self.cluster is not None:  # multi-fidelity: the simulator's figure next to the measured one
-            from tuning.warmstart import predict_tokens_per_s
+        if self.cluster is not None:  # multi-fidelity: the simulator's figure (raw and corrected) next to the measured one
+            from tuning.warmstart import record_prediction
 
-            predicted = predict_tokens_per_s(cfg, self.cluster)
-            if predicted is not None:
-                trial.set_user_attr("predicted_tokens_per_s", predicted)
+            record_prediction(trial, cfg, self.cluster)
         over = self._memory_over(cfg)
         if over:
             return self._prune(trial, over)
         from engine.memory import check_fits
 
         try:
-            check_fits(cfg)  # this machine's memory, as `workbench run` checks it
+            if self.launcher == "local":  # this machine's memory, as `workbench run` checks it (not a cluster's nodes)
+                check_fits(cfg)
         except ConfigError as exc:
             return self._prune(trial, f"does not fit: {exc}")
         run_id = f"{cfg.name}-{trial.study.study_name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
@@ -93,7 +93,8 @@ class Objective:
         try:
             result = launch(cfg, home=self.home, run_id=run_id, timeout_s=self.timeout,
                             parent=f"study:{trial.study.study_name}#{trial.number}", raise_on_failure=False,
-                            on_progress=self._reporter(trial), extra_env=self.extra_env)
+                            on_progress=self._reporter(trial), extra_env=self.extra_env, launcher=self.launcher,
+                            on_job=self._job_recorder(trial) if self.launcher == "slurm" else None)
         except optuna.TrialPruned as exc:
             return self._prune(trial, f"pruned at step {exc}")
         return self._outcome(trial, result)
@@ -120,6 +121,17 @@ class Objective:
 
         return report
 
+    @staticmethod
+    def _job_recorder(trial: optuna.trial.Trial):
+        """Keep the trial's Slurm job id, state and queued/run seconds on the trial (the dashboard reads them)."""
+
+        def record(state) -> None:
+            for key, value in state.to_dict().items():
+                if value is not None:
+                    trial.set_user_attr(key, round(value, 3) if isinstance(value, float) else value)
+
+        return record
+
     def _prune(self, trial: optuna.trial.Trial, reason: str) -> TrialOutcome:
         trial.set_user_attr("reason", reason)
         return TrialOutcome(optuna.trial.TrialState.PRUNED, None, reason)
@@ -129,6 +141,11 @@ class Objective:
             error = result.error or "unknown failure"
             if "OutOfMemoryError" in error or "out of memory" in error:
                 return self._prune(trial, "oom")
+            if "Slurm ended job" in error or "sbatch refused" in error:  # Slurm's words: time limit, node failure
+                reason = error.split("failed: ", 1)[-1].splitlines()[0]
+                trial.set_user_attr("reason", reason)
+                state = optuna.trial.TrialState.PRUNED if " as PREEMPTED" in reason else optuna.trial.TrialState.FAIL
+                return TrialOutcome(state, None, reason)
             reason = "timeout" if "timed out" in error else f"crash (rank {result.error_rank}): {error.splitlines()[0]}"
             trial.set_user_attr("reason", reason)
             return TrialOutcome(optuna.trial.TrialState.FAIL, None, reason)

@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 
 from engine.validate import divisors as _divisors
+from engine.validate import VIRTUAL_SCHEDULES
 from tuning.hardware import GB, ClusterSpec
+from tuning.sim_schedule import schedule_bubble
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev", "skip")
 # Adam step traffic per parameter: fp32 master, momentum, variance read + written (24 B),
 # the gradient read and the 16-bit weight written (4 B). The step is memory-bound.
 OPTIMIZER_BYTES_PER_PARAM = 28.0
@@ -42,12 +44,27 @@ class ModelSpec:
     heads: int  # attention heads a (model.heads)
     seq: int  # sequence length s (model.seq_len)
     vocab: int  # vocabulary size V (model.vocab)
+    experts: int = 0  # experts per MoE block, 0 = dense (model.experts; tuning/sim_moe.py)
+    moe_every: int = 1  # every moe_every-th block is MoE (model.moe_every)
+    top_k: int = 2  # experts per token (model.top_k)
+    capacity_factor: float = 1.25  # expert capacity / mean share, 0 = unlimited (model.capacity_factor)
 
     @property
     def params(self) -> int:
-        """Parameters: 12 l h^2 + 13 l h + V h + s h (Narayanan et al. 2021, sec. 5.1)."""
+        """Parameters: 12 l h^2 + 13 l h + V h + s h (Narayanan et al. 2021, sec. 5.1); MoE: every expert."""
         lyr, h = self.layers, self.hidden
-        return 12 * lyr * h * h + 13 * lyr * h + self.vocab * h + self.seq * h
+        return 12 * lyr * h * h + 13 * lyr * h + self.vocab * h + self.seq * h + int(self._moe()["total"])
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: `params` with top_k experts per MoE block."""
+        return self.params - int(self._moe()["total"]) + int(self._moe()["active"])
+
+    def _moe(self) -> dict[str, float]:
+        from tuning.sim_moe import param_counts
+
+        return param_counts(layers=self.layers, hidden=self.hidden, experts=self.experts,
+                            moe_every=self.moe_every, top_k=self.top_k)
 
 
 def format_count(n: float) -> str:
@@ -82,6 +99,18 @@ class ParallelSpec:
     zero2_fsdp: bool = False  # ZeRO-2 as FSDP2 with reshard_after_forward=False: per-block gather in forward, RS in backward
     flash_attention: bool = False  # fused attention: no s x s scores in memory; backward recomputes Q K^T
     reshard_after_forward: bool = True  # ZeRO-3: free gathered blocks after forward (False: no backward gather)
+    # issue 18, MoE (tuning/sim_moe.py)
+    ep: int = 1  # expert-parallel degree, carved from dp (divides dp and model.experts)
+    moe_hierarchical: bool = False  # all_to_all inside the node first, then across nodes
+    moe_a2a_ratio: float = 1.0  # dense / wire bytes of the MoE all_to_all (LSH-MoE compression)
+    moe_padded: bool = True  # capacity-padded expert buffers (GShard, DeepSpeed); False: variable splits (the engine)
+    moe_imbalance: float = 1.0  # routed tokens of the busiest expert rank / the mean
+    # issue 19, context parallelism (tuning/sim_context.py)
+    cp: int = 1  # context-parallel degree: each sequence over cp ranks (world = dp tp pp cp)
+    cp_impl: str = "ulysses"  # ulysses (all-to-all) | ring (K/V blocks, overlapped)
+    attn_density: float = 1.0  # computed share of the s x s attention (packed long-tail batches)
+    adaptive_sp: bool = False  # FlexSP per-step groups (engine); priced as the static cp (not modelled)
+    skip_ratio: float = 0.0  # schedule=skip: fraction of middle stages a micro-batch skips (SkipPipe)
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -91,8 +120,8 @@ class ParallelSpec:
 
     @property
     def gpus(self) -> int:
-        """dp * tp * pp."""
-        return self.dp * self.tp * self.pp
+        """dp * tp * pp * cp."""
+        return self.dp * self.tp * self.pp * self.cp
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,7 +166,8 @@ def validate_parallel(
     if reasons:
         return reasons
     if gpus is not None and par.gpus != gpus:
-        reasons.append(f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {par.gpus} != gpus({gpus})")
+        cp = f" * cp({par.cp})" if par.cp != 1 else ""
+        reasons.append(f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}){cp} = {par.gpus} != gpus({gpus})")
     if cluster.total_gpus is not None and par.gpus > cluster.total_gpus:
         reasons.append(f"{par.gpus} GPUs asked but cluster {cluster.name} has {cluster.total_gpus}")
     if model.heads % par.tp:
@@ -152,11 +182,21 @@ def validate_parallel(
     if par.global_batch % (par.dp * par.micro):
         reasons.append(f"batch.global={par.global_batch} must be divisible by parallel.dp * "
                        f"batch.micro = {par.dp} * {par.micro} = {par.dp * par.micro}")
-    elif par.schedule == "interleaved" and (par.global_batch // (par.dp * par.micro)) % par.pp:
-        reasons.append(f"interleaved schedule needs the micro-batch count "
+    elif par.schedule in ("interleaved", "modular", "zero_bubble") and (par.global_batch // (par.dp * par.micro)) % par.pp:
+        reasons.append(f"{par.schedule} schedule needs the micro-batch count "
                        f"{par.global_batch // (par.dp * par.micro)} divisible by parallel.pp={par.pp}")
+    elif par.schedule == "dualpipev" and par.global_batch // (par.dp * par.micro) < 2 * par.pp:
+        reasons.append(f"dualpipev needs at least 2 * parallel.pp = {2 * par.pp} micro-batches")
+    if par.schedule in ("zbv", "dualpipev") and model.layers % (2 * par.pp):
+        reasons.append(f"{par.schedule} needs model.layers={model.layers} divisible by 2 * parallel.pp = {2 * par.pp}")
+    if par.schedule not in ("1f1b", "gpipe", "interleaved") and par.pp == 1:
+        reasons.append(f"parallel.schedule={par.schedule!r} needs parallel.pp > 1")
+    if par.schedule == "skip" and par.pp < 3:
+        reasons.append("parallel.schedule='skip' needs parallel.pp >= 3")
     reasons += _validate_knobs(model, par)
-    return reasons
+    from tuning import sim_context, sim_moe
+
+    return reasons + sim_moe.validate(model, par) + sim_context.validate(model, par)
 
 
 def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
@@ -167,8 +207,8 @@ def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
         reasons.append(f"recompute={par.recompute!r} must be one of {RECOMPUTE}")
     if par.schedule not in SCHEDULES:
         reasons.append(f"parallel.schedule={par.schedule!r} must be one of {SCHEDULES}")
-    if par.virtual > 1 and par.schedule != "interleaved":
-        reasons.append(f"parallel.virtual={par.virtual} needs parallel.schedule='interleaved'")
+    if par.virtual > 1 and par.schedule not in VIRTUAL_SCHEDULES:
+        reasons.append(f"parallel.virtual={par.virtual} needs parallel.schedule in {VIRTUAL_SCHEDULES}")
     if par.virtual > 1 and par.pp == 1:
         reasons.append(f"parallel.virtual={par.virtual} needs parallel.pp > 1")
     if par.sequence_parallel and model.seq % par.tp:
@@ -197,7 +237,18 @@ def _arrays(par: ParallelSpec) -> dict[str, np.ndarray]:
         "zero1_allreduce": np.asarray(par.zero1_allreduce),
         "zero2_fsdp": np.asarray(par.zero2_fsdp), "flash_attention": np.asarray(par.flash_attention),
         "reshard_after_forward": np.asarray(par.reshard_after_forward),
+        "ep": np.asarray(par.ep), "moe_hierarchical": np.asarray(par.moe_hierarchical),
+        "moe_a2a_ratio": np.asarray(float(par.moe_a2a_ratio)), "moe_padded": np.asarray(par.moe_padded),
+        "moe_imbalance": np.asarray(float(par.moe_imbalance)), "cp": np.asarray(par.cp),
+        "cp_impl": np.asarray(_cp_code(par.cp_impl)), "attn_density": np.asarray(float(par.attn_density)),
+        "skip_ratio": np.asarray(float(par.skip_ratio)),
     }
+
+
+def _cp_code(impl: str) -> int:
+    from tuning.sim_context import CP_IMPLS
+
+    return CP_IMPLS.index(impl) if impl in CP_IMPLS else -1
 
 
 def _collective(nbytes: np.ndarray, factor: np.ndarray, bw_gb_s: np.ndarray,
@@ -408,6 +459,50 @@ def _flops(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarr
     return model + c["global_batch"] * extra, model
 
 
+def _cp_degree(c: dict[str, np.ndarray]) -> int | None:
+    """The rows' context-parallel degree; None when the rows hold several."""
+    cp = c.get("cp")
+    if cp is None or cp.size == 0:
+        return 1
+    first = int(cp.flat[0])
+    return first if cp.ndim == 0 or not (cp != first).any() else None
+
+
+def _extend_activations(model: ModelSpec, local: ModelSpec, c: dict[str, np.ndarray],
+                        act: dict[str, np.ndarray], cp: int) -> dict[str, np.ndarray]:
+    """Issues 18/19: attention scores under cp / long-tail batches, MoE blocks' expert activations."""
+    from tuning import sim_context, sim_moe
+
+    act = dict(act)
+    extra = act["attn"] * (sim_context.score_memory_scale(c, cp) - 1.0)
+    act["attn"], act["full"] = act["attn"] + extra, act["full"] + extra
+    act["stored"] = act["stored"] + np.where(c["recompute"] == 0, extra, 0.0)
+    if model.experts:  # per layer on average: a stage's MoE blocks / its layers
+        moe = sim_moe.activation_delta(local, c) * sim_moe.moe_layer_count(
+            model.layers, model.experts, model.moe_every) / model.layers
+        act["full"] = act["full"] + moe
+        act["stored"] = act["stored"] + np.where(c["recompute"] == 2, 0.0, moe)
+    return act
+
+
+def _extend_times(model: ModelSpec, local: ModelSpec, cluster: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
+                  times: dict[str, np.ndarray], cp: int) -> tuple[dict[str, np.ndarray], ...]:
+    """Issues 18/19, per micro-batch: (times with attention over cp and expert GEMMs, the compute
+    windows other traffic may hide under, all_to_all s, cp comm s)."""
+    from tuning import sim_context, sim_moe
+
+    times = sim_context.add_attention(times, local, cluster, c, cp)
+    cp_comm, ring_hidden = sim_context.cp_comm_time(local, cluster, gpus, c, cp)
+    a2a = np.zeros(np.shape(c["tp"]))
+    if model.experts:
+        blocks = sim_moe.moe_layer_count(model.layers, model.experts, model.moe_every) / c["pp"]
+        delta = blocks * sim_moe.expert_compute_delta(local, cluster, c)
+        times = {**times, "fwd": times["fwd"] + delta, "bwd": times["bwd"] + delta * (2.0 + (c["recompute"] == 2))}
+        a2a = sim_moe.a2a_time(local, cluster, gpus, c, cp)
+    windows = {**times, "fwd": times["fwd"] - ring_hidden["fwd"], "bwd": times["bwd"] - ring_hidden["bwd"]}
+    return times, windows, a2a, cp_comm
+
+
 def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
                     cols: dict[str, Any]) -> dict[str, np.ndarray]:
     """Price many configurations at once; `cols` holds equal-length arrays of ParallelSpec fields.
@@ -416,27 +511,61 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
     2 interleaved (SCHEDULES). No validation: pass valid rows (see `tuning.search`).
     """
     c = {k: np.asarray(v) for k, v in cols.items()}
+    cp = _cp_degree(c)
+    if cp is None:  # several cp degrees: one pass each (tuning/sim_context.py)
+        from tuning.sim_context import by_degree
+
+        return by_degree(evaluate_arrays, model, cluster, gpus, c)
     c["num_mb"] = c["global_batch"] // (c["dp"] * c["micro"])
     nmb, p, v = c["num_mb"], c["pp"], c["virtual"]
-    act = _activation_bytes(model, c)
-    times = _compute_times(model, cluster, c, act)
-    comm = _tp_pp_comm(model, cluster, gpus, c)
+    # issues 18/19: MoE blocks, context parallelism (a rank holds s/cp tokens), long-tail attention
+    extended = model.experts > 0 or cp > 1 or bool(np.any(c.get("attn_density", 1.0) != 1.0))
+    local = model
+    if extended:
+        from tuning import sim_context
+
+        local = sim_context.local_model(model, cp)
+    act = _activation_bytes(local, c)
+    a2a_mb = cp_mb = np.zeros(())
+    if extended:
+        act = _extend_activations(model, local, c, act, cp)
+    times = windows = _compute_times(local, cluster, c, act)
+    if extended:
+        times, windows, a2a_mb, cp_mb = _extend_times(model, local, cluster, gpus, c, times, cp)
+    comm = _tp_pp_comm(local, cluster, gpus, c)
     psi = _stage_params(model, c)
-    dp = _dp_comm(model, cluster, gpus, c, psi, times)
-    mem = _memory(model, cluster, c, psi, act)
+    cg = c if cp == 1 else {**c, "dp": c["dp"] * cp}  # gradients are reduced over dp x cp ranks
+    if model.experts:
+        from tuning.sim_moe import dp_and_memory
+
+        dp, mem, psi_opt = dp_and_memory(model, local, cluster, gpus, cg, psi, act, windows)
+    else:
+        dp = _dp_comm(model, cluster, gpus, cg, psi, windows)
+        mem = _memory(local, cluster, cg, psi, act)
+        psi_opt = psi / np.where(c["zero"] >= 1, cg["dp"], 1)
     per_mb = times["fwd"] + times["bwd"] + comm["tp"] + comm["pp"]
+    per_mb = per_mb + a2a_mb + cp_mb
+    bubble = schedule_bubble(c["schedule"], p, nmb, v, model.layers, c.get("skip_ratio", 0.0))
     out = {
         "compute_s": nmb * (times["fwd"] + times["bwd"]),
         "tp_comm_s": nmb * comm["tp"],
         "pp_comm_s": nmb * comm["pp"],
-        "bubble_s": (p - 1) / v * per_mb,  # (p-1)/(v m) of the m micro-batches' time
+        # bubble / ideal time from walking the schedule's action list (tuning/sim_schedule.py)
+        "bubble_s": bubble * nmb * per_mb,
         "dp_comm_exposed_s": dp["exposed"],
-        "optimizer_s": psi / np.where(c["zero"] >= 1, c["dp"], 1) * OPTIMIZER_BYTES_PER_PARAM
+        "optimizer_s": psi_opt * OPTIMIZER_BYTES_PER_PARAM
         / ((cluster.optimizer_gb_s or cluster.hbm_gb_s * cluster.hbm_efficiency) * GB) + cluster.overhead_step_s,
+        "all_to_all_s": nmb * a2a_mb,  # MoE dispatch/combine (tuning/sim_moe.py)
+        "cp_comm_s": nmb * cp_mb,  # context-parallel exposed communication (tuning/sim_context.py)
     }
     iteration = sum(out.values())
     executed, model_flops = _flops(model, c)
-    total_gpus = c["dp"] * c["tp"] * p
+    if extended:
+        from tuning import sim_context, sim_moe
+
+        for delta in (sim_moe.flops_delta(model, c), sim_context.flops_delta(model, c)):
+            executed, model_flops = executed + delta[0], model_flops + delta[1]
+    total_gpus = c["dp"] * c["tp"] * p * cp
     out.update({
         "iteration_time_s": iteration,
         "tokens_per_s": c["global_batch"] * model.seq / iteration,
@@ -445,9 +574,11 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
         "memory_per_gpu_gb": mem["total"] / GB, "fits": mem["fits"],
         "mem_params_gb": mem["params"] / GB, "mem_grads_gb": mem["grads"] / GB,
         "mem_optimizer_gb": mem["optimizer"] / GB, "mem_activations_gb": mem["activations"] / GB,
-        "num_microbatches": nmb, "bubble_fraction": (p - 1) / (v * nmb),
+        "num_microbatches": nmb,
+        "bubble_fraction": bubble,
         "dp_comm_total_s": dp["total"], "flops_per_iteration": executed,
         "model_flops_per_iteration": model_flops, "params_per_gpu": psi,
+        "expert_params_per_gpu": dp.get("expert_params", np.zeros(())),
     })
     return out
 
@@ -463,7 +594,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
     if reasons:
         raise ValueError("invalid parallel config: " + "; ".join(reasons))
     r = {k: np.asarray(v).item() for k, v in evaluate_arrays(model, cluster, par.gpus, _arrays(par)).items()}
-    return SimResult(
+    result = SimResult(
         iteration_time_s=r["iteration_time_s"],
         breakdown={k: r[f"{k}_s"] for k in _BREAKDOWN},
         tokens_per_s=r["tokens_per_s"], tflops_per_gpu=r["tflops_per_gpu"], mfu=r["mfu"],
@@ -475,6 +606,12 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
         dp_comm_total_s=r["dp_comm_total_s"],
         extra={"params_per_gpu": r["params_per_gpu"], "params_total": model.params},
     )
+    if model.experts:  # issue 18: the MoE all_to_all as its own entry, active vs total parameters
+        result.breakdown["all_to_all"] = r["all_to_all_s"]
+        result.extra.update(params_active=model.active_params, expert_params_per_gpu=r["expert_params_per_gpu"])
+    if par.cp > 1:  # issue 19: context-parallel communication (exposed)
+        result.breakdown["cp_comm"] = r["cp_comm_s"]
+    return result
 
 
 # ---------------------------------------------------------------- run config mapping
@@ -518,13 +655,17 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
     Reads model.{layers,d_model,heads,seq_len,vocab}, parallel.{dp,tp,pp,zero,virtual,schedule,
     sequence_parallel,reshard_after_forward}, batch.{global,micro}, train.activation_checkpointing, precision,
     comm.{compressor,density,rank}, co2.enabled, ddp.bucket_cap_mb; missing keys take the
-    engine's defaults.
+    engine's defaults. Issue 18: model.{experts,moe_every,top_k,capacity_factor}, parallel.ep,
+    comm.{moe_hierarchical,moe_compression}; issue 19: parallel.{cp,cp_impl,adaptive_sp} and
+    data.{lengths,length_mean,length_sigma,length_max} (the long-tail attention density).
     """
     mdl, par, batch = cfg.get("model", {}), cfg.get("parallel", {}), cfg.get("batch", {})
     train, comm, ddp = cfg.get("train", {}), cfg.get("comm", {}), cfg.get("ddp", {})
     model = ModelSpec(layers=int(mdl.get("layers", 2)), hidden=int(mdl.get("d_model", 64)),
                       heads=int(mdl.get("heads", 4)), seq=int(mdl.get("seq_len", 64)),
-                      vocab=int(mdl.get("vocab", 256)))
+                      vocab=int(mdl.get("vocab", 256)), experts=int(mdl.get("experts", 0)),
+                      moe_every=int(mdl.get("moe_every", 1)), top_k=int(mdl.get("top_k", 2)),
+                      capacity_factor=float(mdl.get("capacity_factor", 1.25)))
     spec = ParallelSpec(
         dp=int(par.get("dp", 1)), tp=int(par.get("tp", 1)), pp=int(par.get("pp", 1)),
         virtual=int(par.get("virtual", 1)), zero=int(par.get("zero", 0)),
@@ -540,4 +681,12 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
         zero2_fsdp=True,  # the engine's ZeRO-2 is FSDP2 per block with reshard_after_forward=False
         reshard_after_forward=bool(par.get("reshard_after_forward", True)),
     )
+    from tuning import sim_context, sim_moe
+
+    spec.ep, spec.cp, spec.cp_impl = int(par.get("ep", 1)), int(par.get("cp", 1)), str(par.get("cp_impl", "ulysses"))
+    spec.adaptive_sp = bool(par.get("adaptive_sp", False))
+    spec.moe_hierarchical = bool(comm.get("moe_hierarchical", False))
+    spec.moe_a2a_ratio = sim_moe.LSH_A2A_RATIO if comm.get("moe_compression", "none") == "lsh" else 1.0
+    spec.moe_padded = False  # the engine dispatches with variable splits, dropping beyond capacity
+    spec.attn_density = sim_context.density_from_config(cfg.get("data", {}), model.seq)
     return model, spec

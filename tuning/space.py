@@ -11,6 +11,9 @@ params:
   comm.rank: {low: 1, high: 8, when: {comm.compressor: [powersgd]}}
 fixed: {train.steps: 8}            # applied to every trial
 ```
+Pipeline schedules are searchable like any key (`SCHEDULE_PARAMS` below is a ready-made set):
+`parallel.schedule`, `parallel.virtual` when the schedule takes virtual stages, and
+`parallel.skip_ratio` when it is SkipPipe.
 A param is `choices: [...]`, or `low/high` (int when both are ints, `log`, `step`), or
 `layouts`. `when` makes it conditional on earlier params. Unknown keys are errors that name
 the param, like config errors.
@@ -30,25 +33,41 @@ from engine.config import LIVE_KNOBS, RunConfig, apply_overrides, from_dict, rep
 from engine.errors import ConfigError
 from engine.validate import MAX_WORLD_SIZE, divisors as _divisors
 
+SCHEDULE_PARAMS: dict[str, Any] = {  # schedule, virtual stages and skip ratio (engine.validate names)
+    "parallel.schedule": {"choices": ["gpipe", "1f1b", "interleaved", "looped_bfs", "modular", "zero_bubble",
+                                      "zbv", "dualpipev", "skip"]},
+    "parallel.virtual": {"choices": [2, 4], "when": {"parallel.schedule": ["interleaved", "looped_bfs", "zero_bubble"]}},
+    "parallel.skip_ratio": {"choices": [0.33, 0.5], "when": {"parallel.schedule": ["skip"]}},
+}
 _SPEC_KEYS = {"choices", "low", "high", "log", "step", "layouts", "when"}
 LIVE_KEYS = (*LIVE_KNOBS, "batch.accum")  # batch.accum sets batch.micro
 
 
-def layouts(world_size: int) -> list[str]:
-    """Every dp*tp*pp factorisation of world_size, as 'dp2-tp1-pp2' strings."""
+def layouts(world_size: int, *, cp: bool = False) -> list[str]:
+    """Every dp*tp*pp factorisation of world_size, as 'dp2-tp1-pp2' strings; with `cp`, every
+    dp*tp*pp*cp one as 'dp1-tp1-pp1-cp4' (layouts: [dp, tp, pp, cp])."""
     out = []
     for dp in _divisors(world_size):  # divisors, not every (dp, tp) pair: O(d(n)^2), not O(n^2)
         for tp in _divisors(world_size // dp):
-            out.append(f"dp{dp}-tp{tp}-pp{world_size // (dp * tp)}")
+            rest = world_size // (dp * tp)
+            if not cp:
+                out.append(f"dp{dp}-tp{tp}-pp{rest}")
+                continue
+            for pp in _divisors(rest):
+                out.append(f"dp{dp}-tp{tp}-pp{pp}-cp{rest // pp}")
     return out
 
 
 def parse_layout(name: str) -> dict[str, int]:
-    match = re.fullmatch(r"dp(\d+)-tp(\d+)-pp(\d+)", str(name))
+    match = re.fullmatch(r"dp(\d+)-tp(\d+)-pp(\d+)(?:-cp(\d+))?", str(name))
     if not match:
-        raise ConfigError("parallel.layout", name, "must look like 'dp2-tp1-pp1' (or use layouts: [dp, tp, pp])")
-    dp, tp, pp = (int(g) for g in match.groups())
-    return {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp}
+        raise ConfigError("parallel.layout", name, "must look like 'dp2-tp1-pp1' or 'dp1-tp1-pp1-cp4' "
+                          "(or use layouts: [dp, tp, pp] / [dp, tp, pp, cp])")
+    dp, tp, pp = (int(g) for g in match.groups()[:3])
+    out = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp}
+    if match.group(4) is not None:
+        out["parallel.cp"] = int(match.group(4))
+    return out
 
 
 @dataclass(slots=True)
@@ -300,7 +319,10 @@ def _param(key: str, spec: Any, world: int | None) -> Param:
     if "layouts" in spec:
         if world is None:
             raise ConfigError(where, spec, "layouts needs space.world_size")
-        return Param(key, choices=layouts(world), when=when)
+        dims = spec["layouts"]
+        if dims not in (["dp", "tp", "pp"], ["dp", "tp", "pp", "cp"]):
+            raise ConfigError(f"{where}.layouts", dims, "must be [dp, tp, pp] or [dp, tp, pp, cp]")
+        return Param(key, choices=layouts(world, cp="cp" in dims), when=when)
     if "choices" in spec:
         choices = spec["choices"]
         if not isinstance(choices, list) or not choices:

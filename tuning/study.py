@@ -289,7 +289,12 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
         trial = study.ask()
         emit("trial_start", {"number": trial.number, "params": trial.params})
         with _Heartbeat(study, trial, study._storage.get_heartbeat_interval() or HEARTBEAT_S):
-            outcome = objective.evaluate(trial)
+            try:
+                outcome = objective.evaluate(trial)
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM of a cancelled worker job: the trial ends with why
+                trial.set_user_attr("reason", "interrupted: its tuner worker was stopped (Ctrl-C, SIGTERM or scancel)")
+                study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                raise
         # skip_if_finished: a worker stalled past the heartbeat grace (a loaded machine) may find its
         # trial already failed as stale by another worker; it goes on to the next trial, not crash
         if outcome.state == TrialState.COMPLETE:
@@ -340,7 +345,8 @@ def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats:
         cfg: RunConfig = from_dict(t.user_attrs["config"])
         values = [t.values[0]]
         for _ in range(repeats):
-            result = launch(cfg, home=objective.home, raise_on_failure=False, parent=f"study:{study.study_name}#{t.number}:remeasure")
+            result = launch(cfg, home=objective.home, raise_on_failure=False, parent=f"study:{study.study_name}#{t.number}:remeasure",
+                            launcher=getattr(objective, "launcher", "local"))
             steady = [s["tokens_per_s"] for s in result.steps[objective.warmup:] if "tokens_per_s" in s]
             if steady:
                 values.append(median_ci(steady)[0])
@@ -365,3 +371,34 @@ def summarize(study: optuna.Study, storage: str) -> StudySummary:
             summary.best_value = [t.values for t in front]
             summary.best_params = {str(t.number): t.params for t in front}
     return summary
+
+
+LAUNCHER_ATTR = "launcher"  # study user attribute: how its trials start, set by its first worker
+
+
+def study_launcher(study: optuna.Study, asked: str | None) -> str:
+    """The launcher every worker of the study uses: the study's own (set by its first worker), else the
+    one asked for, else local. A worker asking for another one is refused with both names."""
+    have = study.user_attrs.get(LAUNCHER_ATTR)
+    if have is None:
+        chosen = asked or "local"
+        study.set_user_attr(LAUNCHER_ATTR, chosen)
+        return chosen
+    if asked is not None and asked != have:
+        raise ValueError(f"--launcher={asked}: study {study.study_name!r} runs its trials with --launcher {have} "
+                         f"(set by its first worker); use --launcher {have}, or another --study")
+    return have
+
+
+def job_table(trials: list[optuna.trial.FrozenTrial]) -> list[dict[str, Any]]:
+    """One row per trial that ran as a Slurm job: its job id, phase (queued | running | done), Slurm's
+    state, the trial's state and the seconds it queued and ran (what the dashboard shows)."""
+    rows = []
+    for t in trials:
+        a = t.user_attrs
+        if "slurm_job_id" not in a:
+            continue
+        rows.append({"trial": t.number, "job": a["slurm_job_id"], "phase": a.get("slurm_phase", "queued"),
+                     "slurm state": a.get("slurm_state", "PENDING"), "trial state": t.state.name,
+                     "queued (s)": a.get("queued_s"), "ran (s)": a.get("run_s"), "reason": a.get("reason", "")})
+    return rows

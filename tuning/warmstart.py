@@ -127,27 +127,81 @@ def refit_correction(study: optuna.Study) -> dict[str, float]:
     return fit_correction([(cls, m, p) for _, cls, m, p in _finished(study)])
 
 
+def record_prediction(trial: optuna.trial.Trial, cfg: RunConfig, cluster) -> None:
+    """Record the simulator's prediction for a trial about to run, raw and corrected with every trial
+    finished so far (`refit_correction`): tokens/s and step time (s), the strategy class, the factor
+    applied and how many finished trials it was learnt from. A config the simulator cannot price
+    records nothing."""
+    from tuning.calibration import predict_run
+
+    try:
+        result = predict_run(cfg, cluster)
+    except ValueError:
+        return
+    cls = trial_class(cfg.to_dict())
+    samples = [(c, m, p) for _, c, m, p in _finished(trial.study)]
+    factors = fit_correction(samples) if samples else {"*": 1.0}
+    factor = factors.get(cls, factors["*"])
+    step = float(result.iteration_time_s)
+    for key, value in {"predicted_tokens_per_s": float(result.tokens_per_s), "predicted_step_time_s": step,
+                       "strategy_class": cls, "correction_factor": factor, "correction_trials": len(samples),
+                       "corrected_tokens_per_s": float(result.tokens_per_s) * factor,
+                       "corrected_step_time_s": step / factor}.items():
+        trial.set_user_attr(key, value)
+
+
+TREND_COLUMNS = ["trial", "strategy_class", "measured", "predicted", "corrected", "error_pct", "corrected_error_pct",
+                 "measured_step_s", "predicted_step_s", "corrected_step_s", "correction_factor", "correction_trials"]
+
+
 def prediction_trend(study: optuna.Study) -> pd.DataFrame:
     """Predicted vs measured per finished trial, raw and corrected with the trials before it.
 
-    Columns: trial, strategy_class, measured, predicted, corrected, error_pct, corrected_error_pct
-    (prediction / measured - 1), trend_abs_error_pct (running median of |corrected error|): the
-    data of the Tune page's predicted-vs-measured plot and its error trend.
+    Columns: trial, strategy_class, measured, predicted, corrected (tokens/s), error_pct and
+    corrected_error_pct (prediction / measured - 1, in tokens/s), the same as step times
+    (measured_step_s, predicted_step_s, corrected_step_s), correction_factor and correction_trials
+    (the factor applied and the finished trials it came from), trend_abs_error_pct (running median of
+    |corrected error|): the data of the Tune page's predicted-vs-measured plot and its error trend.
+    A trial that recorded its corrected prediction when it started (`record_prediction`) shows
+    that; older trials are corrected here with the trials finished before them in number order.
     """
     import pandas as pd
 
+    attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
     rows, seen = [], []
     for number, cls, measured, predicted in _finished(study):
-        factors = fit_correction(seen)
-        corrected = predicted * factors.get(cls, factors["*"])
+        rec = attrs[number]
+        if "correction_factor" in rec:
+            factor, learnt = float(rec["correction_factor"]), int(rec.get("correction_trials", 0))
+        else:
+            factors = fit_correction(seen) if seen else {"*": 1.0}
+            factor, learnt = factors.get(cls, factors["*"]), len(seen)
+        corrected = predicted * factor
+        step = rec.get("predicted_step_time_s")
         rows.append({"trial": number, "strategy_class": cls, "measured": measured, "predicted": predicted,
                      "corrected": corrected, "error_pct": 100.0 * (predicted / measured - 1),
-                     "corrected_error_pct": 100.0 * (corrected / measured - 1)})
+                     "corrected_error_pct": 100.0 * (corrected / measured - 1),
+                     # tokens per step are fixed within a trial: step time scales as 1 / tokens/s
+                     "measured_step_s": step * predicted / measured if step else None,
+                     "predicted_step_s": step, "corrected_step_s": step / factor if step else None,
+                     "correction_factor": factor, "correction_trials": learnt})
         seen.append((cls, measured, predicted))
-    df = pd.DataFrame(rows, columns=["trial", "strategy_class", "measured", "predicted", "corrected", "error_pct",
-                                     "corrected_error_pct"])
+    df = pd.DataFrame(rows, columns=TREND_COLUMNS)
     df["trend_abs_error_pct"] = df["corrected_error_pct"].abs().expanding().median()
     return df
+
+
+def trend_summary(trend: pd.DataFrame, *, first: int = 3) -> dict[str, Any]:
+    """Median |error| of the corrected predictions over the first and the last `first` trials (and
+    of the raw ones over all trials): the figure that says whether the study's predictions improved."""
+    if trend.empty:
+        return {"trials": 0}
+    head, tail = trend.head(first), trend.tail(first)
+    return {"trials": len(trend), "first_trials": [int(x) for x in head["trial"]],
+            "last_trials": [int(x) for x in tail["trial"]],
+            "first_median_abs_error_pct": float(head["corrected_error_pct"].abs().median()),
+            "last_median_abs_error_pct": float(tail["corrected_error_pct"].abs().median()),
+            "raw_median_abs_error_pct": float(trend["error_pct"].abs().median())}
 
 
 def rerank_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *, top: int,

@@ -71,7 +71,11 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         nnodes: int = typer.Option(1, help="Nodes (multi-node: run the same command on each)"),
         node_rank: int = typer.Option(0, help="This node's rank"),
         rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (multi-node)"),
-        timeout: Optional[float] = typer.Option(None, help="Stop every rank after this many seconds")) -> None:
+        timeout: Optional[float] = typer.Option(None, help="Stop every rank after this many seconds"),
+        launcher: str = typer.Option("local", help="local (torchrun on this machine) | slurm (one Slurm job "
+                                     "of cluster.nodes nodes; see the config's cluster: section)"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="With --launcher slurm: print the batch script "
+                                     "and srun line, submit nothing")) -> None:
     """Train one config on dp*tp*pp ranks and record its telemetry."""
     import signal
 
@@ -83,8 +87,11 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     check_number("--timeout", timeout, 0, exclusive=True)
     check_number("--nnodes", nnodes, 1)
     check_number("--node-rank", node_rank, 0, maximum=nnodes - 1)
+    check_launcher(launcher, dry_run, multi_node=nnodes > 1 or rdzv_endpoint is not None)
     try:
         cfg = _load(config, set_)
+        if launcher == "slurm":
+            return _run_on_slurm(cfg, timeout, dry_run, as_json)
         if cfg.world_size % nnodes:
             fail(f"--nnodes={nnodes}: must divide the world size dp*tp*pp = {cfg.world_size}")
         from engine.memory import check_fits
@@ -109,7 +116,56 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         _print_summary(result)
 
 
-def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float]):
+def check_launcher(launcher: str, dry_run: bool, *, multi_node: bool = False) -> None:
+    """--launcher is local or slurm; --dry-run and slurm go together; Slurm sizes its own nodes."""
+    from engine.validate import LAUNCHERS
+
+    if launcher not in LAUNCHERS:
+        fail(f"--launcher={launcher!r}: must be one of {', '.join(LAUNCHERS)}")
+    if dry_run and launcher != "slurm":
+        fail("--dry-run: shows a Slurm job; add --launcher slurm")
+    if multi_node and launcher == "slurm":
+        fail("--nnodes/--rdzv-endpoint: Slurm starts every node itself; set cluster.nodes (--set cluster.nodes=2)")
+
+
+def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -> None:
+    """`run --launcher slurm`: print the job (--dry-run) or submit it and follow it to its end."""
+    from engine.slurm import SlurmError, dry_run as slurm_dry_run
+
+    if dry_run:
+        sys.stdout.write(slurm_dry_run(cfg))
+        return
+    stop_on_sigterm()
+    try:
+        result = _run_with_progress(cfg, 1, 0, None, timeout, launcher="slurm") if not as_json else \
+            _launch_slurm_quietly(cfg, timeout)
+    except RankFailure as exc:
+        fail(str(exc), code=1)
+    except SlurmError as exc:
+        fail(str(exc), code=1)
+    except KeyboardInterrupt:
+        fail("interrupted: the run's Slurm job was cancelled and the run is marked interrupted", code=130)
+    _print_json(_run_json(result)) if as_json else _print_summary(result)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a dashboard's stop, scancel of an enclosing job) unwinds like Ctrl-C: jobs are cancelled."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def _launch_slurm_quietly(cfg, timeout: Optional[float]):
+    from engine.launch import launch
+
+    return launch(cfg, timeout_s=timeout, launcher="slurm")
+
+
+def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float],
+                       launcher: str = "local"):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from engine.launch import launch
@@ -122,6 +178,11 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
             info = f"loss {step.get('loss', float('nan')):.4f}  {step.get('tokens_per_s', 0):,.0f} tok/s"
             progress.update(task, completed=step["step"] + 1, info=info)
 
+        def on_job(state) -> None:  # --launcher slurm: the job's phase until the first step lands
+            progress.update(task, info=f"Slurm job {state.job_id} {state.state.lower()}")
+
+        if launcher == "slurm":
+            return launch(cfg, timeout_s=timeout, on_progress=on_progress, launcher="slurm", on_job=on_job)
         return launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, timeout_s=timeout,
                       on_progress=on_progress)
 

@@ -15,9 +15,13 @@ MODEL_PRESETS = {  # Narayanan et al. 2021 Table 1 shapes (seq 2048, vocab 51200
     "1t": "layers=128,hidden=25600,heads=160,seq=2048,vocab=51200",
 }
 MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
+MOE_MODEL_KEYS = {"experts": int, "moe_every": int, "top_k": int, "capacity_factor": float}  # optional (issue 18)
 CONFIG_KEYS = {"tp": int, "pp": int, "dp": int, "micro": int, "global_batch": int, "zero": int,
                "virtual": int, "recompute": str, "sequence_parallel": bool, "compression_ratio": float,
-               "co2": bool, "schedule": str}
+               "co2": bool, "schedule": str, "flash_attention": bool,
+               # issue 18 (MoE) and issue 19 (context parallelism)
+               "ep": int, "moe_hierarchical": bool, "moe_a2a_ratio": float, "moe_padded": bool,
+               "moe_imbalance": float, "cp": int, "cp_impl": str, "attn_density": float}
 
 
 def parse_pairs(text: str, allowed: dict[str, type], where: str) -> dict[str, Any]:
@@ -40,19 +44,21 @@ def parse_pairs(text: str, allowed: dict[str, type], where: str) -> dict[str, An
 def _model(text: str):
     from tuning.simulator import ModelSpec
 
-    spec = parse_pairs(MODEL_PRESETS.get(text.lower(), text), {k: int for k in MODEL_KEYS}, "--model")
+    spec = parse_pairs(MODEL_PRESETS.get(text.lower(), text), {k: int for k in MODEL_KEYS} | MOE_MODEL_KEYS, "--model")
     missing = [k for k in MODEL_KEYS if k not in spec]
     if missing:
         raise typer.BadParameter(f"--model: missing {', '.join(missing)} (or name a preset: {', '.join(MODEL_PRESETS)})")
     for key, value in spec.items():
-        if value < 1:
+        if value < 1 and key not in ("experts", "capacity_factor"):
             fail(f"--model: {key}={value} must be >= 1")
+        if value < 0:
+            fail(f"--model: {key}={value} must be >= 0")
     return ModelSpec(**spec)
 
 
 def _check_config(pairs: dict[str, Any]) -> dict[str, Any]:
     """--config degrees and batch sizes are >= 1, zero is 0-3, the compression ratio in (0, 1]."""
-    for key in ("tp", "pp", "dp", "micro", "global_batch", "virtual"):
+    for key in ("tp", "pp", "dp", "micro", "global_batch", "virtual", "ep", "cp"):
         if key in pairs and pairs[key] < 1:
             fail(f"--config: {key}={pairs[key]} must be >= 1")
     if not 0 <= pairs.get("zero", 0) <= 3:
@@ -63,7 +69,7 @@ def _check_config(pairs: dict[str, Any]) -> dict[str, Any]:
 
 
 # --search tables: these columns first, with short headers (units in the header)
-SEARCH_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "virtual": "v", "micro": "micro", "zero": "zero",
+SEARCH_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "virtual": "v", "micro": "micro", "zero": "zero",
                   "recompute": "recompute", "iteration_time_s": "iter (s)", "tokens_per_s": "tokens/s",
                   "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU", "memory_per_gpu_gb": "mem/GPU (GB)",
                   "fits": "fits"}
@@ -84,8 +90,8 @@ def print_frame(title: str, df, *, wide: bool, first: tuple[str, ...] = ()) -> N
 
 def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
              gpus: Optional[int] = typer.Option(None, help="Total GPUs (required unless --validate)"),
-             model: Optional[str] = typer.Option(None, help="layers=..,hidden=..,heads=..,seq=..,vocab=.. or 22b|175b|1t (required unless --validate)"),
-             config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=..,virtual=..]"),
+             model: Optional[str] = typer.Option(None, help="layers=..,hidden=..,heads=..,seq=..,vocab=..[,experts=..,top_k=..,moe_every=..,capacity_factor=..] or 22b|175b|1t (required unless --validate)"),
+             config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=..,virtual=..,ep=..,cp=..,cp_impl=ulysses|ring,moe_hierarchical=..]"),
              search: bool = typer.Option(False, help="Enumerate every valid config instead of one"),
              global_batch: int = typer.Option(1536, help="Global batch for --search"),
              top: int = typer.Option(10, help="Best configs shown by --search"),
@@ -129,14 +135,15 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
     except ValueError as exc:
         fail(str(exc))
     out = result.to_dict()
-    out.update({"model_params": mdl.params, "cluster": spec.name, "gpus": gpus})
+    out.update({"model_params": mdl.params, "model_params_active": mdl.active_params, "cluster": spec.name, "gpus": gpus})
     out.update(_interval(result.iteration_time_s, par))
     if as_json:
         _print_json(out)
         return
     from tuning.simulator import format_count
 
-    t = Table(title=f"{format_count(mdl.params)} params on {gpus} GPUs ({spec.name})")
+    active = f" ({format_count(mdl.active_params)} active)" if mdl.experts else ""
+    t = Table(title=f"{format_count(mdl.params)} params{active} on {gpus} GPUs ({spec.name})")
     t.add_column("metric")
     t.add_column("value", justify="right")
     from workbench.fmt import num, pct
@@ -242,12 +249,24 @@ def _validate(as_json: bool) -> None:
              f"hardware: {src['hardware']}")
 
 
+def _check_against_run(spec, world: int, step) -> dict:
+    from tuning.calibration import check_calibration
+
+    step(f"check run ({world} ranks, 5 steps)")
+    return check_calibration(spec, world)
+
+
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
               output: Optional[Path] = typer.Option(None, "-o", "--output",
                                                     help="Profile file (default: <home>/hardware/cpu-local-WORLD.yaml)"),
-              as_json: bool = typer.Option(False, "--json")) -> None:
+              as_json: bool = typer.Option(False, "--json"),
+              check: bool = typer.Option(True, "--check/--no-check",
+                                         help="Check the profile against a short real run before saving it"),
+              force: bool = typer.Option(False, "--force", help="Save even when the check run is off by more "
+                                                                "than the threshold")) -> None:
     """Measure this machine (GEMM rates at the engine's shapes, memory-bound ops, AdamW,
-    framework overhead, gloo all-reduce alpha-beta) into a hardware profile for the simulator."""
+    framework overhead, gloo all-reduce alpha-beta) into a hardware profile for the simulator,
+    then check it against a short real run (refused above 25% error unless --force)."""
     from profilers.store import default_home
     from tuning.calibration import calibrate_local
     from tuning.hardware import cluster_to_dict, save_cluster
@@ -265,9 +284,18 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
 
     with busy:
         spec = calibrate_local(world, progress=step)
+        verdict = _check_against_run(spec, world, step) if check else None
+    if verdict is not None and not as_json:
+        console.print(f"check run ({verdict['config']}): predicted {verdict['predicted_s']:.4f} s, measured "
+                      f"{verdict['measured_s']:.4f} s, error {verdict['error_pct']:+.1f}% (threshold "
+                      f"{verdict['threshold_pct']:.0f}%, load1 {verdict['load1']:.1f})", soft_wrap=True)
+    if verdict is not None and not verdict["ok"] and not force:
+        fail(f"calibration not saved: the check run was off by {verdict['error_pct']:+.1f}% (> "
+             f"{verdict['threshold_pct']:.0f}%); rerun when the machine is quiet, or save anyway with --force",
+             code=1)
     path = save_cluster(spec, output or default_home() / "hardware" / f"cpu-local-{world}.yaml")
     if as_json:
-        _print_json({"profile": str(path), **cluster_to_dict(spec)})
+        _print_json({"profile": str(path), **cluster_to_dict(spec), "check": verdict})
         return
     console.print(f"GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s per rank; all-reduce alpha "
                   f"{spec.intra_latency_s * 1e6:.0f} us, busbw {spec.intra_bw_gb_s:.2f} GB/s; written to {path}")

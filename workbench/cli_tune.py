@@ -1,6 +1,7 @@
 """`workbench tune`, `studies` and `export`: Optuna studies over real runs, from the shell."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,7 +70,14 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
          live: bool = typer.Option(False, help="Tune live knobs inside one run, a segment per trial"),
          segment_steps: int = typer.Option(5, help="Steps per live segment"),
          simulate_warm_start: int = typer.Option(0, "--warm-start", help="Enqueue the simulator's top K configs"),
-         as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end")) -> None:
+         as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end"),
+         launcher: Optional[str] = typer.Option(None, help="local | slurm: how trials start (a Slurm job each, "
+                                                "sized by the config's cluster: section); kept in the study so "
+                                                "every worker agrees; default: the study's, else local"),
+         workers: int = typer.Option(0, help="With --launcher slurm: submit K tuner worker jobs sharing the "
+                                     "study (use a PostgreSQL --storage); 0 runs the trials from here"),
+         dry_run: bool = typer.Option(False, "--dry-run", help="With --launcher slurm: print the first trial's "
+                                      "batch script and srun line, submit nothing")) -> None:
     """Search the engine's knobs with real runs (Optuna)."""
     from tuning.objective import Objective
     from tuning.space import SearchSpace
@@ -80,6 +88,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     _check_tune_numbers(trials=trials, total_trials=total_trials, jobs=jobs, timeout=timeout, warmup=warmup,
                         memory_limit_gb=memory_limit_gb, trial_timeout=trial_timeout, remeasure=remeasure,
                         segment_steps=segment_steps, warm_start=simulate_warm_start)
+    _check_slurm_flags(launcher, workers, dry_run, live=live, jobs=jobs)
     try:
         sp = SearchSpace.from_yaml(space)
         cfg = _base_config(base, set_)
@@ -89,9 +98,16 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created ..." is not news
+    if dry_run:  # before any study exists: nothing is written or submitted
+        from workbench.cli_slurm import tune_dry_run
+
+        tune_dry_run(cfg, sp, objective=objective, warmup=warmup, sampler=sampler, seed=seed, workers=workers,
+                     trials=trials or total_trials or 10, argv=sys.argv[1:])
+        return
     name = study or f"study-{space.stem}"
     st = _storage_call(load_study, name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
                        warmup_steps=warmup)
+    launcher = _study_launcher(st, launcher)
     trials = _trials_to_run(st, trials, total_trials, as_json)
     st.set_user_attr("space", sp.raw)
     if sampler == "grid":
@@ -103,7 +119,13 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
             enqueue_simulated(st, sp, cfg, top=simulate_warm_start)
         except ConfigError as exc:
             fail(str(exc))
-    if live:
+    if workers:  # the trials run in K worker jobs; this command submits them and waits
+        from workbench.cli_slurm import submit_workers, wait_for_workers
+
+        ids = submit_workers(cfg, sys.argv[1:], workers=workers, trials=trials, seed=seed, storage=storage,
+                             quiet=as_json)
+        wait_for_workers(ids, as_json)
+    elif live:
         from tuning.live import LiveTuner
 
         try:
@@ -116,7 +138,12 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         from tuning.warmstart import local_profile
 
         obj = Objective(cfg, sp, objective=objective, warmup_steps=warmup, memory_limit_gb=memory_limit_gb,
-                        trial_timeout_s=trial_timeout, cluster=local_profile(sp.world_size or cfg.world_size))
+                        trial_timeout_s=trial_timeout, cluster=local_profile(sp.world_size or cfg.world_size),
+                        launcher=launcher)
+        if launcher == "slurm":  # a cancelled worker job (SIGTERM) cancels its trial's job on the way out
+            from workbench.cli import stop_on_sigterm
+
+            stop_on_sigterm()
         children = _spawn_jobs(sys.argv, trials, jobs)
         mine = trials // jobs + (1 if trials % jobs else 0)
         _run_with_display(st, obj, mine, timeout, space, as_json)
@@ -125,13 +152,62 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         if remeasure:
             remeasure_best(st, obj, remeasure)
     summary = summarize(st, storage or "default sqlite")
+    trend = _prediction_trend(st)
     if as_json:
-        _print_json(summary.to_dict())
+        _print_json({**summary.to_dict(), **trend})
     else:
         _print_study_table(st, summary)
+        _print_prediction_trend(trend)
     if not summary.counts.get("COMPLETE"):
         fail(f"study={st.study_name!r}: no trial completed ({_counts(summary.counts)}); each trial's reason "
              f"is in the study table (workbench tune ... without --json) and on the dashboard", code=1)
+
+
+def _check_slurm_flags(launcher: Optional[str], workers: int, dry_run: bool, *, live: bool, jobs: int) -> None:
+    """--launcher, --workers and --dry-run: in range and in agreement, before a study or a job exists."""
+    from workbench.cli import check_launcher
+
+    check_launcher(launcher or "local", dry_run)
+    check_number("--workers", workers, 0)
+    if workers and launcher != "slurm":
+        fail(f"--workers={workers}: submits tuner jobs to Slurm; add --launcher slurm (on this machine: --jobs)")
+    if launcher == "slurm" and (live or jobs > 1):
+        fail("--launcher slurm: " + ("--live tunes one local run" if live else
+                                     f"--jobs={jobs} starts local workers; use --workers {jobs}"))
+
+
+def _study_launcher(st, asked: Optional[str]) -> str:
+    from tuning.study import study_launcher
+
+    try:
+        return study_launcher(st, asked)
+    except ValueError as exc:
+        fail(str(exc))
+def _prediction_trend(st) -> dict[str, Any]:
+    """Simulator vs measured per trial and the error trend, for studies that recorded predictions."""
+    from tuning.warmstart import prediction_trend, trend_summary
+
+    trend = prediction_trend(st)
+    if trend.empty:
+        return {}
+    return {"prediction_trend": json.loads(trend.to_json(orient="records")), "prediction_summary": trend_summary(trend)}
+
+
+def _print_prediction_trend(trend: dict[str, Any]) -> None:
+    if not trend:
+        return
+    t = Table(title="simulator vs measured step time (corrected with the trials finished before each)")
+    for col in ("trial", "class", "measured s", "predicted s", "corrected s", "error", "corrected error", "factor"):
+        t.add_column(col, justify="right")
+    for r in trend["prediction_trend"]:
+        secs = [("-" if r[k] is None else f"{r[k]:.4f}") for k in ("measured_step_s", "predicted_step_s", "corrected_step_s")]
+        t.add_row(str(r["trial"]), r["strategy_class"], *secs, f"{r['error_pct']:+.1f}%",
+                  f"{r['corrected_error_pct']:+.1f}%", f"{r['correction_factor']:.3f}")
+    console.print(t)
+    s = trend["prediction_summary"]
+    console.print(f"median |corrected error|: trials {s['first_trials']} {s['first_median_abs_error_pct']:.1f}%, "
+                  f"trials {s['last_trials']} {s['last_median_abs_error_pct']:.1f}% (raw, all trials: "
+                  f"{s['raw_median_abs_error_pct']:.1f}%)")
 
 
 def _check_tune_numbers(**flags: Optional[float]) -> None:

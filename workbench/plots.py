@@ -118,6 +118,26 @@ def fig_busbw(comm: pd.DataFrame) -> go.Figure:
                    "bus bandwidth (GB/s)", xaxis={"type": "log"})
 
 
+def fig_moe_load(per_step: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Tokens each rank routed to each expert (summed over steps), one bar group per expert."""
+    totals: dict[int, list[float]] = {}
+    for row in per_step:
+        acc = totals.setdefault(int(row["rank"]), [0.0] * len(row["tokens_per_expert"]))
+        for e, n in enumerate(row["tokens_per_expert"]):
+            acc[e] += n
+    traces = [go.Bar(name=f"rank {rank}", x=[f"e{e}" for e in range(len(v))], y=v) for rank, v in sorted(totals.items())]
+    return _figure(traces, "Tokens per expert per rank (whole run)", "expert", "tokens (count)", barmode="stack")
+
+
+def fig_moe_drops(per_step: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Drop rate per step and rank."""
+    ranks = sorted({int(r["rank"]) for r in per_step})
+    traces = [go.Scatter(name=f"rank {rank}", mode="lines+markers",
+                         x=[r["step"] for r in per_step if r["rank"] == rank],
+                         y=[r.get("drop_rate", 0.0) for r in per_step if r["rank"] == rank]) for rank in ranks]
+    return _figure(traces, "MoE token drop rate", "step", "dropped share (fraction)")
+
+
 def fig_timeline(samples: pd.DataFrame, title: str, unit_label: str) -> go.Figure:
     """Sampled values (columns time, name, value, rank) against wall-clock time, one line each."""
     traces = []
@@ -231,6 +251,30 @@ def fig_history(trials: pd.DataFrame, objective: str, objective_label: str, *, m
                       "yanchor": "bottom", "showarrow": False, "font": {"size": 13, "color": "#b35c00"}})
     return _figure(traces, title, "trial number", objective_label, height=360, annotations=notes,
                    margin={"t": 70}, xaxis=_whole_ticks(done["number"]))
+
+
+def fig_prediction_trend(trend: pd.DataFrame) -> go.Figure:
+    """Simulator vs real per trial of a warm-started study: measured, predicted and corrected step time
+    (left axis, s) and the corrected prediction's running median |error| (right axis, %).
+
+    ``trend`` has the columns of ``tuning.warmstart.prediction_trend``.
+    """
+    title = "Simulator vs measured step time per trial"
+    data = trend.dropna(subset=["measured_step_s"]) if "measured_step_s" in trend else trend.iloc[0:0]
+    if data.empty:
+        return empty_figure(title, "no trial with a simulator prediction yet (tune with a calibrated profile)")
+    x = data["trial"]
+    traces = [go.Scatter(x=x, y=data["measured_step_s"], mode="markers", name="measured",
+                         marker={"size": 9, "color": "#2ca02c"}),
+              go.Scatter(x=x, y=data["predicted_step_s"], mode="markers", name="simulator (raw)",
+                         marker={"size": 8, "symbol": "x", "color": "#7f7f7f"}),
+              go.Scatter(x=x, y=data["corrected_step_s"], mode="lines+markers", name="simulator (corrected)",
+                         marker={"size": 7, "color": "#1f77b4"}),
+              go.Scatter(x=x, y=data["trend_abs_error_pct"], mode="lines", name="median |error| so far (%)",
+                         yaxis="y2", line={"dash": "dot", "color": "#d62728"})]
+    return _figure(traces, title, "trial number", "step time (s)", height=360, xaxis=_whole_ticks(x),
+                   yaxis2={"title": {"text": "median |corrected error| (%)"}, "overlaying": "y", "side": "right",
+                           "rangemode": "tozero"}, margin={"r": 60})
 
 
 def _whole_ticks(numbers: pd.Series) -> dict[str, Any]:

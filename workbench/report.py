@@ -31,7 +31,35 @@ def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | N
         "segments": store.segments(run_id),
         "trace_dir": trace_dir(run.get("summary") or {}),
         "breakdown_unexplained": _unexplained(breakdown, store.metrics(run_id, kind="step", name="wall_time(s)")),
+        "moe": moe_report(store, run_id),
+        "schedule": _schedule(store, run_id),
     }
+
+
+def moe_report(store: RunStore, run_id: str) -> dict[str, Any]:
+    """Mixture-of-Experts load per step and rank: tokens routed to each expert (before dropping),
+    drop rate and imbalance (max / mean expert load); empty for a dense run."""
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for rec in store.metrics(run_id, kind="moe"):
+        row = rows.setdefault((rec.step, rec.rank), {"step": rec.step, "rank": rec.rank, "tokens_per_expert": {}})
+        if rec.name.startswith("tokens/e"):
+            row["tokens_per_expert"][int(rec.name[len("tokens/e"):])] = rec.value
+        else:
+            row[rec.name] = rec.value
+    if not rows:
+        return {}
+    per_step = [rows[k] for k in sorted(rows)]
+    for row in per_step:
+        row["tokens_per_expert"] = [row["tokens_per_expert"][e] for e in sorted(row["tokens_per_expert"])]
+    return {"per_step": per_step,
+            "mean_drop_rate": sum(r.get("drop_rate", 0.0) for r in per_step) / len(per_step)}
+
+
+def _schedule(store: RunStore, run_id: str) -> dict[str, Any] | None:
+    """Measured vs predicted bubble per rank of a pipeline run (workbench/schedule_view.py)."""
+    from workbench.schedule_view import schedule_report
+
+    return schedule_report(store, run_id)
 
 
 def _unexplained(rows: list[dict[str, Any]], walls: list) -> dict[int, float]:
@@ -58,7 +86,8 @@ def trace_dir(summary: dict[str, Any]) -> str | None:
     return str(Path(traces[0]).parent) if traces else None
 
 
-AXIS_MEANING = {"tp": "TP/SP", "dp": "DDP/FSDP/CO2", "pp": "pipeline", "": "other"}
+AXIS_MEANING = {"tp": "TP/SP", "dp": "DDP/FSDP/CO2", "pp": "pipeline", "": "other",
+                "ep": "MoE experts", "ep_intra": "MoE in node", "ep_inter": "MoE across nodes"}
 """What the collectives on each mesh axis are (the axis prefix of a collective's name)."""
 
 
@@ -133,6 +162,13 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
     if report["emulated"]:
         head += "  [yellow](emulated link)[/]"
     console.print(head)
+    if report.get("schedule"):
+        sched = report["schedule"]
+        cells = "  ".join(f"rank {r}: {v['measured']:.1%}" + (f" (predicted {v['predicted']:.1%})"
+                                                               if v["predicted"] is not None else "")
+                          for r, v in sched["per_rank"].items())
+        console.print(f"pipeline {sched['schedule']} bubble at step {sched['step']}, measured vs predicted "
+                      f"from its action list: {cells}", markup=False, highlight=False)
     if report.get("error"):
         console.print(f"[red]error (rank {report.get('error_rank')}):[/] {report['error']}", markup=True)
     fit_table("summary", ["metric", "value"], summary_rows(report["summary"]), console, wide=wide)
@@ -155,6 +191,16 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
                 for row in frame.itertuples(index=False)]
         fit_table("collectives per mesh axis and type (per rank, whole run)",
                   ["axis", "traffic", "op", "count", "bytes", "time (s)", "busbw (GB/s)"], body, console, wide=wide)
+    moe = report.get("moe") or {}
+    if moe:
+        body = []
+        for rank in sorted({r["rank"] for r in moe["per_step"]}):
+            mine = [r for r in moe["per_step"] if r["rank"] == rank]
+            tokens = [sum(col) for col in zip(*(r["tokens_per_expert"] for r in mine))]
+            body.append([str(rank), *(num(t) for t in tokens), f"{sum(r.get('drop_rate', 0.0) for r in mine) / len(mine):.1%}"])
+        experts = len(moe["per_step"][0]["tokens_per_expert"])
+        fit_table("MoE tokens routed per expert (whole run) and mean drop rate", ["rank", *(f"e{i}" for i in range(experts)),
+                  "dropped"], body, console, wide=wide)
     if report["memory"]:
         names = sorted({n for m in report["memory"].values() for n in m})
         body = [[str(rank), *(num(m.get(n, 0.0)) for n in names)] for rank, m in sorted(report["memory"].items())]

@@ -33,7 +33,9 @@ details {{ margin: .8em 0; }}
 
 def _layout(row: pd.Series) -> str:
     return f"tp{int(row['tp'])} pp{int(row['pp'])} dp{int(row['dp'])}" + (
-        f" v{int(row['virtual'])}" if int(row.get("virtual", 1)) > 1 else "")
+        f" v{int(row['virtual'])}" if int(row.get("virtual", 1)) > 1 else "") + (
+        f" cp{int(row['cp'])} {row.get('cp_impl', '')}" if int(row.get("cp", 1)) > 1 else "") + (
+        f" ep{int(row['ep'])}" if int(row.get("ep", 1)) > 1 else "")
 
 
 def headline(df: pd.DataFrame, best: pd.DataFrame) -> str:

@@ -9,6 +9,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -162,3 +163,64 @@ def _timer() -> _Timer:
         if _TIMER is None:
             _TIMER = _Timer()
         return _TIMER
+
+
+# ---- heterogeneous links: named rank groups joined by an inter-group link ------------------
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RankGroup:
+    """Ranks that share one NIC type (e.g. an InfiniBand island) and the link between them."""
+
+    name: str
+    ranks: tuple[int, ...]
+    gbps: float
+    latency_us: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkTopology:
+    """Rank groups with their own intra-group link, joined by one inter-group link (Holmes' setting:
+    clusters whose NICs differ, joined by Ethernet).
+
+    A collective over a set of ranks runs as one ring (ours, as NCCL builds rings): inside one
+    group it runs at that group's link; a ring spanning groups crosses the inter-group link (at
+    least twice) and every group it touches, so it runs at the slowest of those hops and pays
+    the largest latency. A point-to-point send crosses exactly one hop: the intra-group link of
+    its group, or the inter-group link.
+    """
+
+    groups: tuple[RankGroup, ...]
+    inter_gbps: float
+    inter_latency_us: float = 0.0
+
+    def group_of(self, rank: int) -> RankGroup:
+        for group in self.groups:
+            if rank in group.ranks:
+                return group
+        raise ValueError(f"rank {rank} is in no link.groups entry ({', '.join(g.name for g in self.groups)})")
+
+    def link_for(self, ranks: Sequence[int]) -> LinkEmulator:
+        """The link a ring collective over `ranks` (global ranks) really runs at."""
+        touched = {self.group_of(r).name: self.group_of(r) for r in ranks}.values()
+        hops = [(g.gbps, g.latency_us) for g in touched]
+        if len(hops) > 1:
+            hops.append((self.inter_gbps, self.inter_latency_us))
+        return LinkEmulator(gbps=min(g for g, _ in hops), latency_us=max(lat for _, lat in hops))
+
+    def delay_for(self, op: str, nbytes: float, ranks: Sequence[int]) -> float:
+        """Seconds collective `op` on `nbytes` takes among `ranks` over the links it crosses."""
+        return self.link_for(ranks).delay_for(op, nbytes, len(ranks))
+
+    def p2p_delay(self, nbytes: float, src: int, dst: int) -> float:
+        """Seconds a send of `nbytes` from `src` to `dst` takes on the one hop between them."""
+        if src == dst:
+            return 0.0
+        return self.link_for((src, dst)).delay_for("send", nbytes, 2)
+
+
+def topology_of(groups: Sequence[Any], *, inter_gbps: float, inter_latency_us: float = 0.0) -> LinkTopology:
+    """A LinkTopology from `link.groups` entries (anything with name, ranks, gbps, latency_us)."""
+    return LinkTopology(groups=tuple(RankGroup(name=g.name, ranks=tuple(g.ranks), gbps=g.gbps,
+                                               latency_us=g.latency_us) for g in groups),
+                        inter_gbps=inter_gbps, inter_latency_us=inter_latency_us)

@@ -46,16 +46,22 @@ def _has_dtensor_params(model: nn.Module) -> bool:
 def apply_data_parallel(model: nn.Module, *, process_group: dist.ProcessGroup | None = None,
                         dp_mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0,
                         gradient_as_bucket_view: bool = True, static_graph: bool = False,
-                        find_unused_parameters: bool = False, broadcast_buffers: bool = False) -> nn.Module:
+                        find_unused_parameters: bool = False, broadcast_buffers: bool = False,
+                        ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Replicate `model` over the dp group; gradients are averaged over it in backward.
 
     Plain parameters: `DistributedDataParallel` over `process_group` (or `dp_mesh`'s group)
     with the given bucket/overlap knobs; returns the DDP wrapper. Tensor-parallel (DTensor)
     parameters: FSDP2's `replicate` over `dp_mesh` (required then), applied in place; returns
     `model`. Initial weights must already be equal on every dp rank (same seed).
+    `ignored_params` are neither broadcast nor averaged (expert-parallel experts reduce themselves).
     """
     if process_group is None and dp_mesh is not None:
         process_group = dp_mesh.get_group()
+    if ignored_params and not _has_dtensor_params(model):
+        ids = {id(p) for p in ignored_params}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters() if id(p) in ids])
     if not _has_dtensor_params(model):
         # torch 2.13 renamed broadcast_buffers (warns) to forward_sync_buffers; older torch lacks it
         renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -72,7 +78,7 @@ def apply_data_parallel(model: nn.Module, *, process_group: dist.ProcessGroup | 
     logger.warning("data parallel over tensor-parallel parameters uses FSDP2 replicate: bucket_cap_mb, "
                    "gradient_as_bucket_view, static_graph, find_unused_parameters, broadcast_buffers "
                    "and DDP comm hooks do not apply")
-    replicate(model, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh, ignored_params=set(ignored_params or ()))
     return model
 
 
@@ -108,7 +114,8 @@ def _group_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
                    pp_group: dist.ProcessGroup | None = None,
-                   not_in_norm: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+                   not_in_norm: Iterable[torch.Tensor] = (),
+                   sharded: Iterable[torch.Tensor] = (), shard_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip gradients in place to a global 2-norm of `max_norm`; return the norm before clipping.
 
     Works for plain tensors (replicated: counted once, as every rank holds the same gradient),
@@ -118,9 +125,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
     stages hold disjoint parameters: pass `pp_group` to sum the squares over the stages.
     `max_norm <= 0` only measures. `not_in_norm` are clipped but not counted (the last pipeline
     stage's copy of the tied head, whose gradient equals the first stage's embedding gradient).
+    `sharded` plain parameters differ across `shard_group` (expert-parallel experts): their
+    squares are summed over it.
     """
     groups: dict[object, list[torch.Tensor]] = {}
-    skip = {id(p) for p in not_in_norm}
+    sharded = [p for p in sharded if p.grad is not None]
+    skip = {id(p) for p in not_in_norm} | {id(p) for p in sharded}
     seen: set[int] = set(skip)
     for p in params:
         if p.grad is None or id(p) in seen:
@@ -133,6 +143,11 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
         total_sq = torch.stack(squares).sum()
     else:  # no gradient here (a stage without parameters): a zero on the device pp_group serves
         total_sq = torch.zeros((), device=comm_device(pp_group) if pp_group is not None else "cpu")
+    if shard_group is not None:
+        shard_sq = _group_norm([p.grad for p in sharded]).float() ** 2 if sharded \
+            else torch.zeros((), device=comm_device(shard_group))
+        dist.all_reduce(shard_sq, group=shard_group)
+        total_sq = total_sq + shard_sq.to(total_sq.device)
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
@@ -141,7 +156,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
         for ps in groups.values():
             for p in ps:
                 p.grad.mul_(coef)  # a Python float: DTensor and plain gradients alike
-        for p in not_in_norm:
+        for p in [*not_in_norm, *sharded]:
             if p.grad is not None:
                 p.grad.mul_(coef)
     return total

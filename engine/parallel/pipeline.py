@@ -3,8 +3,9 @@
 `build_pipeline` cuts a full `GPT` into stage chunks the torchtitan way (deep-copy the model per
 chunk, delete the blocks the chunk does not own, set `tok_emb`/`pos_emb` to None except on the
 first chunk and `ln_f`/`head` to None except on the last), wraps each chunk in a
-`PipelineStage` and drives them with GPipe, 1F1B or interleaved 1F1B. Rank r of the pp group
-holds chunks r, r + pp, r + 2 pp, ... (Narayanan et al. 2021, section 2.2).
+`PipelineStage` and runs the schedule's action list (engine/parallel/schedules.py) on torch's
+`_PipelineScheduleRuntime`. Rank r of the pp group holds chunks r, r + pp, r + 2 pp, ...
+(Narayanan et al. 2021, section 2.2); under zbv / dualpipev chunks r and 2pp-1-r (V shape).
 
 Tied embeddings across stages follow Megatron-LM's embedding group: the first stage owns
 `tok_emb.weight`, the last stage owns `head.weight`, two Parameters initialised identically;
@@ -23,20 +24,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
     ScheduleInterleaved1F1B,
     _Action,
     _ComputationType,
     _format_pipeline_order,
+    _PipelineScheduleRuntime,
 )
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.device import host_group
 from engine.model import GPT
+from engine.parallel.schedules import _single_stage_order, chunks_per_rank, schedule_actions, stage_to_rank
 from engine.validate import SCHEDULES
-
-_SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
 def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual: int = 1) -> float:
@@ -92,19 +91,6 @@ def describe_schedule(schedule: str, pp: int, n_microbatches: int, virtual: int 
     return _format_pipeline_order(_unit_time_grid(orders, num_stages))
 
 
-def _single_stage_order(schedule: str, stage: int, pp: int, m: int) -> list[_Action]:
-    """GPipe: all forwards then all backwards; 1F1B: pp-1-stage warm-up forwards, then F/B pairs."""
-    fwd = [_Action(stage, _ComputationType.FORWARD, i) for i in range(m)]
-    bwd = [_Action(stage, _ComputationType.FULL_BACKWARD, i) for i in range(m)]
-    if schedule == "gpipe":
-        return fwd + bwd
-    warmup = min(pp - 1 - stage, m)
-    order = fwd[:warmup]
-    for i in range(m - warmup):
-        order += [fwd[warmup + i], bwd[i]]
-    return order + bwd[m - warmup:]
-
-
 def _unit_time_grid(orders: dict[int, list[_Action]], num_stages: int) -> dict[int, list[_Action | None]]:
     finished: dict[tuple[int, str, int | None], int] = {}
     grid: dict[int, list[_Action | None]] = {r: [] for r in orders}
@@ -146,6 +132,7 @@ class _Clock:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.spans: list[tuple[Any, Any, bool]] = []
+        self.actions: list[tuple[str, Any, Any]] = []  # (torch action string, start, end) as executed
 
     def mark(self) -> Any:
         """Now, on this clock."""
@@ -190,6 +177,25 @@ class _TimedStage(PipelineStage):
         return self._clock.timed(super().backward_maybe_with_nosync, backward_type, bwd_kwargs,
                                  last_backward=last_backward, backward=True)
 
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._recorded("F", fwd_chunk_id, super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        return self._recorded("B" if full_backward else "I", bwd_chunk_id, super().backward_one_chunk, bwd_chunk_id,
+                              loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        return self._recorded("W", bwd_chunk_id, super().backward_weight_one_chunk, bwd_chunk_id,
+                              last_backward=last_backward)
+
+    def _recorded(self, kind: str, mb: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = self._clock.mark()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._clock.actions.append((f"{self.stage_index}{kind}{mb}", start, self._clock.mark()))
+
     def _compute_outputs(self, *args: torch.Tensor, module: nn.Module, **kwargs: Any) -> Any:
         # shape inference only: through DDP's forward it would arm the reducer outside no_sync,
         # which then records every parameter twice and fails its bucket rebuild (torch 2.13)
@@ -213,8 +219,11 @@ class Pipeline:
     """
 
     def __init__(self, *, stages: list[_TimedStage], schedule: Any, n_microbatches: int,
-                 clock: _Clock, embedding_group: dist.ProcessGroup | None) -> None:
+                 clock: _Clock, embedding_group: dist.ProcessGroup | None,
+                 actions: dict[int, list[_Action]] | None = None, name: str = "") -> None:
         self.stages = stages
+        self.name = name
+        self.actions = actions or {}  # the planned compute actions of every pp rank (schedules.py)
         self.schedule = schedule
         self.n_microbatches = n_microbatches
         self.modules: list[nn.Module] = [s.submod for s in stages]
@@ -224,6 +233,8 @@ class Pipeline:
         self._embedding_group = embedding_group
         self._tied_synced = True
         self._step_marks: tuple[Any, Any, list[tuple[Any, Any, bool]]] | None = None
+        self._step_actions: list[tuple[str, Any, Any]] = []
+        self._wall_start = 0.0
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
         """Forward + backward of all micro-batches of this rank's local batch; then the tied-grad sync.
@@ -234,10 +245,12 @@ class Pipeline:
         """
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         args = (inputs,) if self.is_first else ()
-        self._clock.spans = []
+        self._clock.spans, self._clock.actions = [], []
+        self._wall_start = time.time()
         start = self._clock.mark()
         self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
         self._step_marks = (start, self._clock.mark(), list(self._clock.spans))  # evaluate() adds more
+        self._step_actions = list(self._clock.actions)
         self._tied_synced = False
         self.sync_tied_grads()
         return torch.stack(losses).sum().detach() if losses else None
@@ -256,10 +269,18 @@ class Pipeline:
         `step` calls it; a second call in the same step does nothing (summing twice would
         double the gradient). Must run on every rank of the embedding group.
         """
-        if self._tied_synced or self._embedding_group is None:
+        if self._tied_synced:
             return
         self._tied_synced = True
-        for weight in self._tied_weights():
+        tied = self._tied_weights()
+        if len(tied) == 2 and tied[0] is not tied[1]:  # V schedules: the first and the last stage live on this rank
+            total = sum(w.grad if w.grad is not None else torch.zeros_like(w) for w in tied)
+            for weight in tied:
+                weight.grad = total.clone()
+            return
+        if self._embedding_group is None:
+            return
+        for weight in tied:
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             dist.all_reduce(_local(weight.grad), group=self._embedding_group)
@@ -273,6 +294,18 @@ class Pipeline:
             if gpt.head is not None:
                 weights.append(gpt.head.weight)
         return weights
+
+    @property
+    def last_actions(self) -> dict[str, Any]:
+        """The compute actions this rank executed in the last `step`, in order, with seconds from
+        the step's start: {"wall_start": epoch seconds of the start, "actions": [[action, start_s,
+        end_s], ...], "total_s": ...}. Shape inference on a first step is not an action."""
+        if self._step_marks is None:
+            return {"wall_start": 0.0, "actions": [], "total_s": 0.0}
+        start, end, _ = self._step_marks
+        rows = [[name, self._clock.seconds(start, a), self._clock.seconds(start, b)]
+                for name, a, b in self._step_actions]
+        return {"wall_start": self._wall_start, "actions": rows, "total_s": self._clock.seconds(start, end)}
 
     @property
     def last_timing(self) -> dict[str, float]:
@@ -301,13 +334,16 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
     wrapped module. Must be called on every rank of the world (it creates the embedding groups).
     """
     _check_schedule(schedule)
+    if schedule == "skip":
+        raise ValueError("parallel.schedule='skip' runs on engine.parallel.skippipe.build_skip_pipeline")
     group = pp_mesh.get_group()
     pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
-    chunks_per_rank = virtual if schedule == "interleaved" else 1
-    plan = stage_layers(model.cfg.layers, pp, chunks_per_rank, layer_split)
+    per_rank = chunks_per_rank(schedule, virtual, layers=model.cfg.layers, pp=pp)
+    plan = stage_layers(model.cfg.layers, pp, per_rank, layer_split if schedule != "modular" else None)
     num_stages, clock = len(plan), _Clock(device)
+    placement = stage_to_rank(schedule, pp, num_stages)
     stages = []
-    for stage_index in range(pp_rank, num_stages, pp):
+    for stage_index in sorted(s for s, r in placement.items() if r == pp_rank):
         chunk = _build_chunk(model, plan[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1)
         if parallelize is not None:
             chunk = parallelize(chunk)
@@ -317,12 +353,15 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
         # schedules sum micro-batch gradients; 1/m makes them those of the mean loss
         return clock.timed(loss_fn, output, target) / n_microbatches
 
-    if schedule == "interleaved":
-        runner = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=scaled_loss, scale_grads=False)
-    else:
-        runner = _SCHEDULE_CLASSES[schedule](stages[0], n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    actions = schedule_actions(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual=virtual,
+                               layers=model.cfg.layers)
+    # torch's runtime executes any compute-only action list (it adds send/recv, unshard/reshard)
+    runner = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    runner.pipeline_order = dict(actions)
+    runner._prepare_schedule_with_comms(actions)
     return Pipeline(stages=stages, schedule=runner, n_microbatches=n_microbatches, clock=clock,
-                    embedding_group=_embedding_group(group) if pp > 1 else None)
+                    embedding_group=_embedding_group(group) if pp > 1 and placement[num_stages - 1] != 0 else None,
+                    actions=actions, name=schedule)
 
 
 @torch.no_grad()

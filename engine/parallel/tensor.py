@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from engine.model import GPT
+from engine.model import GPT, MLP
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, object]:
@@ -79,7 +79,10 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
     if sequence_parallel and model.cfg.seq_len % tp:
         raise ValueError(f"sequence_parallel needs tp={tp} to divide model.seq_len={model.cfg.seq_len}")
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        plan = _block_plan(sequence_parallel)
+        if not isinstance(block.mlp, MLP):  # an MoE block: experts stay replicated over tp (engine/parallel/expert.py)
+            plan = {k: v for k, v in plan.items() if not k.startswith("mlp")}
+        parallelize_module(block, tp_mesh, plan)
     if sequence_parallel:
         if not model.layers:
             raise ValueError("sequence_parallel needs at least one block on this pipeline stage")

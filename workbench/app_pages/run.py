@@ -155,9 +155,44 @@ def live_panel(run_id: str, shown_status: str) -> None:
         if len(collectives):
             st.caption("Collectives per mesh axis and type (per rank, whole run)")
             st.dataframe(collectives, hide_index=True)
+    with st.container():  # Mixture-of-Experts: expert load and dropped tokens (empty for dense runs)
+        moe = report.moe_report(common.store(), run_id)
+        if moe:
+            from workbench import plots
+
+            left, right = st.columns(2)
+            left.plotly_chart(plots.fig_moe_load(moe["per_step"]), key=f"moe-load-{run_id}")
+            right.plotly_chart(plots.fig_moe_drops(moe["per_step"]), key=f"moe-drops-{run_id}")
+    with st.container():  # adaptive sequence parallelism: the plan of each step
+        flexsp_panel(run_id)
+    with st.container():  # pipeline runs: the executed schedule as a rank x time grid
+        from workbench.schedule_view import schedule_figure, schedule_report
+
+        sched = schedule_report(common.store(), run_id)
+        if sched is not None:
+            st.caption("Executed pipeline schedule (last recorded step): gaps are the bubble")
+            st.plotly_chart(schedule_figure(sched), key=f"schedule-{run_id}")
     if shown_status == "running" and run["status"] != "running":  # the picker still says running
         common.runs_table.clear()
         st.rerun(scope="app")  # the run ended: leave polling mode
+
+
+def flexsp_panel(run_id: str) -> None:
+    """Adaptive SP (FlexSP): each step's groups (sizes, tokens) and predicted vs measured time."""
+    from workbench.flexsp_view import flexsp_frames
+
+    steps, groups = flexsp_frames(common.store().metrics(run_id, as_frame=True))
+    if steps.empty:
+        return
+    import plotly.express as px
+
+    st.caption("Adaptive sequence parallelism: groups per step (ranks, tokens) and the slowest "
+               "group's predicted vs measured time")
+    if not groups.empty:
+        fig = px.bar(groups, x="step", y="size", color="tokens", hover_data=["first_rank", "sequences",
+                     "predicted(s)", "measured(s)"], labels={"size": "ranks per group"})
+        st.plotly_chart(fig, key=f"flexsp-groups-{run_id}")
+    st.dataframe(steps, hide_index=True)
 
 
 st.title("Run")

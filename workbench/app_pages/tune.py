@@ -115,6 +115,7 @@ def importances(directions: list[str], trials: list[Any], name: str) -> dict[str
     target low, so a maximised objective is negated (fANOVA does not mind the sign)."""
     import optuna
 
+    from tuning.warmstart import prediction_trend
     from workbench.app_pages.studies import in_memory
 
     study = in_memory(directions, trials, name)
@@ -134,6 +135,7 @@ def study_figures(home: str, name: str, n_done: int) -> list[Any]:
     import optuna.visualization as vis
     from optuna.trial import TrialState
 
+    from tuning.warmstart import prediction_trend
     from workbench.app_pages.studies import in_memory
 
     directions, trials = common.study_trials(home, name)
@@ -151,6 +153,8 @@ def study_figures(home: str, name: str, n_done: int) -> list[Any]:
             OBJECTIVE_LABEL, "val loss (nats/token)"]), "Pareto front" + suffix, "val loss (nats/token)"))
     else:
         figs.append(plots.empty_figure("Pareto front", "no complete trial yet"))
+    if any("predicted_tokens_per_s" in t.user_attrs for t in done):  # a study with a calibrated profile
+        figs.append(plots.fig_prediction_trend(prediction_trend(in_memory(directions, done, name))))
     if len(done) < plots.MIN_TREND_TRIALS:
         figs.append(plots.too_few_trials("Parameter importances for tokens/s", len(done)))
         return figs
@@ -186,6 +190,24 @@ def study_panel(home: str, name: str) -> None:
         OBJECTIVE: st.column_config.NumberColumn(format="%.0f"),
         "val_loss": st.column_config.NumberColumn(format="%.4f"),
         "duration(s)": st.column_config.NumberColumn(format="%.1f"),
+        "reason": st.column_config.TextColumn(width="large")})
+    jobs_panel(home, name)
+
+
+def jobs_panel(home: str, name: str) -> None:
+    """Trials that ran as Slurm jobs (--launcher slurm): queued / running / done per job id."""
+    from tuning.study import job_table
+
+    rows = job_table(common.study_trials(home, name)[1])
+    if not rows:
+        return
+    st.subheader("Slurm jobs")
+    phases = pd.Series([r["phase"] for r in rows]).value_counts()
+    for col, phase in zip(st.columns(3), ("queued", "running", "done")):
+        col.metric(f"jobs {phase}", int(phases.get(phase, 0)))
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch", column_config={
+        "queued (s)": st.column_config.NumberColumn(format="%.0f"),
+        "ran (s)": st.column_config.NumberColumn(format="%.0f"),
         "reason": st.column_config.TextColumn(width="large")})
 
 

@@ -22,10 +22,11 @@ def _divisors(n: int) -> list[int]:
 
 
 @st.cache_data(show_spinner=False, max_entries=4)
-def search(model_key: str, cluster: str, gpus: int, global_batch: int) -> pd.DataFrame:
-    """Every valid configuration priced (vectorised; cached per input)."""
+def search(model_key: str, cluster: str, gpus: int, global_batch: int, experts: int = 0, top_k: int = 2,
+           seq: int = 2048) -> pd.DataFrame:
+    """Every valid configuration priced (vectorised; cached per input), ep and cp included."""
     layers, hidden, heads = MODELS[model_key]
-    model = ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=51200)
+    model = ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=51200, experts=experts, top_k=top_k)
     return enumerate_configs(model, load_cluster(cluster), gpus, global_batch)
 
 
@@ -49,8 +50,20 @@ micro = c[2].select_slider("micro batch", _divisors(GLOBAL), value=1)
 zero = c[3].select_slider("ZeRO", [0, 1, 2, 3], value=1)
 recompute = c[4].selectbox("recompute", ["none", "selective", "full"], index=1)
 virtual = c[5].select_slider("virtual stages", [1, 2, 4, 8], value=1)
-par = ParallelSpec(dp=GPUS // (tp * pp), tp=tp, pp=pp, micro=micro, global_batch=GLOBAL, zero=zero,
-                   recompute=recompute, virtual=virtual)
+with st.expander("Mixture-of-Experts and long sequences (context parallelism)"):
+    c = st.columns(6)
+    experts = c[0].select_slider("experts (0 = dense)", [0, 4, 8, 16, 32, 64], value=0)
+    top_k = c[1].select_slider("top-k", [1, 2, 4], value=2)
+    seq = c[2].select_slider("sequence length", [2048, 4096, 8192, 16384, 32768, 65536, 131072], value=2048)
+    cp = c[3].select_slider("cp", _divisors(GPUS // (tp * pp)), value=1)
+    cp_impl = c[4].selectbox("cp implementation", ["ulysses", "ring"])
+    ep_options = [e for e in _divisors(GPUS // (tp * pp * cp)) if experts and experts % e == 0] or [1]
+    ep = c[5].select_slider("ep", ep_options, value=1)
+    hierarchical = st.checkbox("hierarchical all_to_all (inside the node first)")
+MODEL = ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=51200, experts=experts, top_k=top_k)
+par = ParallelSpec(dp=GPUS // (tp * pp * cp), tp=tp, pp=pp, micro=micro, global_batch=GLOBAL, zero=zero,
+                   recompute=recompute, virtual=virtual, ep=ep, cp=cp, cp_impl=cp_impl,
+                   moe_hierarchical=hierarchical)
 try:
     result = simulate(MODEL, spec, par)
 except ValueError as exc:
@@ -69,9 +82,9 @@ else:
 
 st.subheader("Search every configuration")
 st.caption(f"{MODEL_KEY} ({MODEL.params / 1e9:.1f}B parameters) on {GPUS} GPUs of {CLUSTER}, "
-           f"global batch {GLOBAL}: every valid tp, pp, dp, micro batch, ZeRO stage, recompute, schedule.")
+           f"global batch {GLOBAL}: every valid tp, pp, dp, cp, ep, micro batch, ZeRO stage, recompute, schedule.")
 if st.button("Search", type="primary", icon=":material/search:"):
-    st.session_state["whatif_search"] = (MODEL_KEY, CLUSTER, GPUS, GLOBAL)
+    st.session_state["whatif_search"] = (MODEL_KEY, CLUSTER, GPUS, GLOBAL, experts, top_k, seq)
 key = st.session_state.get("whatif_search")
 if key is None:
     st.info("Press **Search** to price every configuration of this model and cluster.")

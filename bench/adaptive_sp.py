@@ -1,0 +1,120 @@
+"""Adaptive sequence parallelism (FlexSP) vs every static sequence-parallel degree, world 4.
+
+The same long-tail documents each step, the same execution (engine/parallel/adaptive_sp.py: each
+group packs its documents into one row with document masks and runs Ulysses over its ranks), only
+the plan differs: the solver's per-step groups, or n/g groups of g ranks for a static degree g
+(sequences longest first to the least-loaded group with room). Strategies are interleaved within
+each step (rotating order) and medians reported. A static degree whose groups cannot hold the
+step's longest document under the token cap is infeasible and left out.
+
+Prints, side by side: median step time per strategy (the adaptive one includes its solver),
+adaptive / best static (goal <= 0.8), solver time as a share of the adaptive step (goal < 5%),
+and the largest tokens per rank against the cap.
+
+    python bench/adaptive_sp.py [--world 4] [--steps 8] [--seq-len 1024] [--cap 512]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from common import run_world
+
+
+def _measure(rank: int, world: int, args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from engine.config import ModelConfig
+    from engine.data import SYNTHETIC_TOKENS
+    from engine.lengths import budget_documents
+    from engine.model import build_model
+    from engine.parallel.adaptive_sp import GroupCache, broadcast_plan, calibrate, run_step, sum_gradients
+    from engine.parallel.flexsp import powers_of_two, solve, uniform_plan
+
+    cfg = ModelConfig(layers=args.layers, d_model=args.d_model, heads=args.heads, seq_len=args.seq_len, vocab=256)
+    model = build_model(cfg, seed=0)
+    groups = GroupCache(600.0)
+    cost = calibrate(model, world=world, groups=groups, seq_len=cfg.seq_len, device=torch.device("cpu"))
+    tokens = torch.randint(0, 256, (SYNTHETIC_TOKENS,), generator=torch.Generator().manual_seed(0))
+    names = ["adaptive"] + [f"static-{g}" for g in powers_of_two(world)]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    solve_s, peak, predicted, measured = [], {n: 0 for n in names}, [], []
+    for step in range(args.steps + 1):  # step 0 warms up (process groups, allocator)
+        docs = budget_documents(tokens, budget=args.budget, kind="lognormal", mean=args.median, sigma=args.sigma,
+                                max_len=cfg.seq_len, seed=1, step=step)
+        lengths = [d.numel() - 1 for d in docs]
+        order = names[step % len(names):] + names[:step % len(names)]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "adaptive":
+                plan = solve(lengths, n=world, cap=args.cap, cost=cost, buckets=args.buckets,
+                             time_limit_s=args.time_limit) if rank == 0 else None
+                plan = broadcast_plan(plan)
+            else:
+                g = int(name.split("-")[1])
+                plan = uniform_plan(lengths, n=world, g=g, cap=args.cap, cost=cost)
+                if plan is None:  # this degree cannot hold the step's documents
+                    times[name].append(float("inf"))
+                    continue
+            _, report = run_step(model, docs, plan, groups, rank=rank, total_tokens=sum(lengths), cost=cost,
+                                 device=torch.device("cpu"))
+            sum_gradients(model)
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            if step == 0:
+                continue
+            times[name].append(elapsed)
+            peak[name] = max(peak[name], report.max_tokens_per_rank)
+            if name == "adaptive":
+                solve_s.append(plan.solve_s)
+                predicted.append(max(report.predicted_group_s))
+                measured.append(max(report.measured_group_s))
+                if rank == 0 and step <= 3:
+                    print(f"step {step}: groups {[len(r) for r in report.group_ranks]} "
+                          f"tokens {[t for t in (d['tokens'] for d in plan.describe(lengths))]} "
+                          f"longest doc {max(lengths)}", flush=True)
+    # a static degree that cannot hold some step's documents cannot train this data at all
+    med = {n: (float("inf") if float("inf") in v else statistics.median(v)) for n, v in times.items() if v}
+    return {"median_s": med, "solve_s": statistics.median(solve_s), "peak_tokens": peak, "cap": args.cap,
+            "predicted_s": statistics.median(predicted), "measured_s": statistics.median(measured),
+            "cost": {"a1": cost.a1, "a2": cost.a2, "bias": cost.bias, "a2a": cost.a2a}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=1024, help="longest document")
+    ap.add_argument("--cap", type=int, default=640, help="memory cap, tokens per rank")
+    ap.add_argument("--budget", type=int, default=2048, help="real tokens per step")
+    ap.add_argument("--median", type=float, default=0.08, help="median document length / seq-len")
+    ap.add_argument("--sigma", type=float, default=1.2, help="lognormal sigma")
+    ap.add_argument("--buckets", type=int, default=8)
+    ap.add_argument("--time-limit", type=float, default=0.2, help="MILP time limit per step (s)")
+    args = ap.parse_args()
+    r = run_world(_measure, args.world, args)
+    med = r["median_s"]
+    static = {n: t for n, t in med.items() if n != "adaptive" and t != float("inf")}
+    best = min(static, key=static.get)
+    print(f"world {args.world}, {args.steps} steps, ~{args.budget} tokens/step, lognormal lengths "
+          f"(median {args.median * args.seq_len:.0f}, sigma {args.sigma}, max {args.seq_len}), cap {args.cap} tokens/rank")
+    print(f"cost model (calibrated): {r['cost']}")
+    for n, t in med.items():
+        shown = "infeasible (a step's tokens over the cap)" if t == float("inf") else f"{t * 1000:8.1f} ms"
+        print(f"  {n:10s} median step {shown}   max tokens/rank {r['peak_tokens'][n]}")
+    print(f"adaptive / best static ({best}): {med['adaptive'] / static[best]:.3f}  (goal <= 0.8)")
+    print(f"solver: {r['solve_s'] * 1000:.1f} ms per step = {100 * r['solve_s'] / med['adaptive']:.1f}% of the "
+          f"adaptive step (goal < 5%)")
+    print(f"adaptive predicted vs measured slowest group: {r['predicted_s'] * 1000:.1f} ms vs {r['measured_s'] * 1000:.1f} ms")
+    print(f"max tokens per rank (adaptive) {r['peak_tokens']['adaptive']} vs cap {r['cap']}")
+
+
+if __name__ == "__main__":
+    main()

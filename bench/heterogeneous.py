@@ -1,0 +1,101 @@
+"""Holmes-style placement vs naive placement on two emulated NIC groups joined by a slow link.
+
+World 4, pp=2 x dp=2. The emulated network (engine link.groups): group "ib" = ranks 0 and 2,
+group "eth" = ranks 1 and 3, each fast inside (100 Gbit/s, 5 us), 1 Gbit/s (50 us) between
+them: the job's ranks alternate between two clusters, as a scheduler listing nodes by name can
+hand them out. A communication-bound setting (16 tokens per step, 12.6M parameters: each stage's
+gradient all-reduce is 25 MB, 0.2 s at 1 Gbit/s), as a large model's is over Ethernet in Holmes'
+setting; the machine's 2 cores run all 4 ranks. The naive placement (rank order) puts each stage's dp pair (0,1) and (2,3) across
+the slow link; Holmes puts each stage inside one group and only the pipeline's sends across.
+
+Prints measured tokens/s of each placement (interleaved repeats, medians), their ratio, and the
+simulator's predicted ratio for the same pair (tuning/sim_network.py on this host's calibrated
+profile), with the gap between the two ratios.
+
+    python bench/heterogeneous.py [--rounds 3] [--steps 7] [--inter-gbps 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import load_config  # noqa: E402
+from engine.launch import launch  # noqa: E402
+
+GROUPS = ("link.groups=[{name: ib, ranks: [0, 2], gbps: 100, latency_us: 5}, "
+          "{name: eth, ranks: [1, 3], gbps: 100, latency_us: 5}]")
+BASE = ["parallel.pp=2", "parallel.dp=2", "parallel.schedule=1f1b", "model.layers=4", "model.d_model=512",
+        "model.heads=4", "model.seq_len=4", "batch.global=4", "batch.micro=1", "data.source=synthetic",
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
+        "train.warmup_steps=0", GROUPS, "link.inter_gbps=1", "link.inter_latency_us=50"]
+PLACEMENTS = {"naive": ["parallel.placement=naive"], "holmes": ["parallel.placement=holmes"]}
+
+
+def measure(name: str, steps: int, home: Path, extra: list[str]) -> float:
+    """Tokens/s of one launch: tokens per step / the median steady step time."""
+    cfg = load_config(None, BASE + extra + PLACEMENTS[name] + [f"train.steps={steps}", f"name=het-{name}"])
+    result = launch(cfg, home=home)
+    return cfg.batch.global_ * cfg.model.seq_len / float(result.summary["step_time_s"])
+
+
+def predicted(steps: int, extra_overrides: list[str]) -> dict[str, dict[str, float]]:
+    """The simulator's tokens/s and breakdown of each placement on this host's calibrated profile."""
+    from engine.comm.link import topology_of
+    from tuning.calibration import calibrate_local, measure_allreduce
+    from tuning.sim_network import simulate_placement
+    from tuning.simulator import from_run_config
+
+    # every collective that matters here (the dp all-reduces) runs in a 2-rank group: the host's own
+    # gloo all-reduce is fitted at that size
+    profile = calibrate_local(4, allreduce=measure_allreduce(2), parallel=False)
+    print(f"calibrated host: gloo all-reduce {profile.intra_bw_gb_s:.3f} GB/s bus, {profile.intra_latency_s * 1e3:.2f} ms "
+          f"alpha; each rank {profile.calibration_cpu_share:.2f} of a core", flush=True)
+    out = {}
+    for name, extra in PLACEMENTS.items():
+        cfg = load_config(None, BASE + extra_overrides + extra + [f"train.steps={steps}"])
+        model, par = from_run_config(cfg.to_dict())
+        topo = topology_of(cfg.link.groups, inter_gbps=cfg.link.inter_gbps, inter_latency_us=cfg.link.inter_latency_us)
+        out[name] = simulate_placement(model, profile, par, topology=topo, placement=cfg.parallel.placement)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--inter-gbps", type=float, default=1.0, help="the link between the groups (Gbit/s)")
+    args = ap.parse_args()
+    extra = [f"link.inter_gbps={args.inter_gbps}"]
+    print(f"host: {os.cpu_count()} cpus, load1 {os.getloadavg()[0]:.1f} at start (other jobs share the machine); "
+          f"inter-group link {args.inter_gbps} Gbit/s")
+    sim = predicted(args.steps, extra)
+    print("simulated tokens/s: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in sim.items()), flush=True)
+    got: dict[str, list[float]] = {name: [] for name in PLACEMENTS}
+    with tempfile.TemporaryDirectory(prefix="bench-het-") as tmp:
+        for r in range(args.rounds):  # interleaved: a slow phase of the shared machine hits both
+            for name in PLACEMENTS:
+                t0 = time.perf_counter()
+                got[name].append(measure(name, args.steps, Path(tmp), extra))
+                print(f"round {r + 1} {name:7s} {got[name][-1]:8.1f} tokens/s  "
+                      f"({time.perf_counter() - t0:.0f} s, load1 {os.getloadavg()[0]:.1f})", flush=True)
+    med = {name: statistics.median(v) for name, v in got.items()}
+    ratio, sim_ratio = med["holmes"] / med["naive"], sim["holmes"]["tokens_per_s"] / sim["naive"]["tokens_per_s"]
+    print(f"\n{'placement':10s} {'measured tok/s':>15s} {'simulated tok/s':>16s}  simulated breakdown (s)")
+    for name in PLACEMENTS:
+        s = sim[name]
+        parts = ", ".join(f"{k[:-2]} {s[k]:.3f}" for k in ("compute_s", "bubble_s", "pp_comm_s", "dp_comm_exposed_s",
+                                                          "optimizer_s"))
+        print(f"{name:10s} {med[name]:15.1f} {s['tokens_per_s']:16.1f}  {parts}")
+    print(f"\nholmes / naive tokens/s: measured {ratio:.2f}x (goal >= 1.5x), simulated {sim_ratio:.2f}x; "
+          f"simulated ratio off by {100 * (sim_ratio - ratio) / ratio:+.1f}% (goal within 15%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Every pipeline schedule at pp=4: step time, measured vs simulated bubble, peak activations;
+SkipPipe's step-time ratio to 1f1b; optionally SkipPipe's loss after N steps vs 1f1b.
+
+Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 micro-batches. The
+measured bubble of a rank is 1 - (its executed compute actions' time) / (its step time), from the
+actions the engine recorded; the simulated one walks the schedule's own action list
+(tuning/sim_schedule.py) with each action costing the measured mean of its (stage, kind), so the
+two differ only by what the walk leaves out (p2p latency, Python overhead). Peak activations: the
+most (stage, micro-batch) forwards a rank held before their backward, times one stage's
+activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
+5 a s^2 b per layer, times 2 for fp32).
+
+    python bench/schedules.py [--steps 6] [--loss-steps 150]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import load_config  # noqa: E402
+from engine.launch import launch  # noqa: E402
+from profilers.store import RunStore  # noqa: E402
+from tuning.sim_schedule import executed_steps, measured_bubble, peak_in_flight, predicted_timeline  # noqa: E402
+
+LAYERS, D, HEADS, SEQ, GLOBAL, MICRO, PP = 8, 64, 4, 32, 16, 2, 4
+MODEL = [f"model.layers={LAYERS}", f"model.d_model={D}", f"model.heads={HEADS}", f"model.seq_len={SEQ}",
+         f"batch.global={GLOBAL}", f"batch.micro={MICRO}", f"parallel.pp={PP}", "profile.host_interval_s=0",
+         "profile.nvml_interval_s=0", "train.warmup_steps=0", "model.dropout=0.0"]
+SCHEDULES = {
+    "gpipe": [], "1f1b": [], "interleaved": ["parallel.virtual=2"], "looped_bfs": ["parallel.virtual=2"],
+    "modular": [], "zero_bubble": ["parallel.virtual=2"], "zbv": [], "dualpipev": [],
+    "skip": ["parallel.skip_ratio=0.33"],
+}
+
+
+def _run(name: str, steps: int, home: Path, extra: list[str] | None = None) -> tuple[str, RunStore]:
+    overrides = MODEL + [f"parallel.schedule={name}"] + SCHEDULES[name] + (extra or [])
+    cfg = load_config(None, overrides + [f"train.steps={steps}", f"name=sched-{name}"])
+    result = launch(cfg, home=home)
+    return result.run_id, RunStore.open_home(home)
+
+
+def measure(name: str, steps: int, home: Path) -> dict:
+    run_id, store = _run(name, steps, home)
+    frame = store.step_frame(run_id)
+    step_col = next(c for c in frame.columns if c.startswith("step_time"))
+    executed = executed_steps(store.metrics(run_id, kind="schedule") + store.metrics(run_id, kind="skip_path"))
+    late = sorted(executed)[2:] or sorted(executed)  # the first steps include shape inference
+    virtual = 2 if SCHEDULES[name] == ["parallel.virtual=2"] else 1
+    measured, simulated, peaks = [], [], []
+    for step in late:
+        ranks = executed[step]
+        measured.append(statistics.fmean(measured_bubble(ranks).values()))
+        timeline = predicted_timeline(ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO,
+                                      virtual=virtual, layers=LAYERS)
+        simulated.append(statistics.fmean(timeline.bubble_fraction(r) for r in timeline.rows))
+        peaks.append(max(peak_in_flight(row["actions"]) for row in ranks.values()))
+    layers_per_stage = LAYERS // (PP * (2 if name in ("interleaved", "looped_bfs", "zero_bubble", "zbv", "dualpipev",
+                                                      "modular") else 1))
+    stage_bytes = 2 * (34 * SEQ * MICRO * D + 5 * HEADS * SEQ * SEQ * MICRO) * layers_per_stage
+    return {"step_s": statistics.median(frame[step_col].iloc[2:] if len(frame) > 2 else frame[step_col]),
+            "measured": statistics.median(measured), "simulated": statistics.median(simulated),
+            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20}
+
+
+def loss_after(name: str, steps: int, home: Path) -> float:
+    run_id, store = _run(name, steps, home, ["train.lr=0.003"])
+    frame = store.step_frame(run_id)
+    loss_col = next(c for c in frame.columns if c.startswith("loss"))
+    return float(frame[loss_col].tail(10).mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--loss-steps", type=int, default=0, help="also train 1f1b and skip this long (0: skip it)")
+    ap.add_argument("--only", nargs="*", default=list(SCHEDULES))
+    args = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only:
+            rows[name] = measure(name, args.steps, Path(tmp))
+            print(name, rows[name], flush=True)
+        losses = {n: loss_after(n, args.loss_steps, Path(tmp)) for n in ("1f1b", "skip")} if args.loss_steps else {}
+    print(f"pp={PP}, layers={LAYERS}, d={D}, seq={SEQ}, {GLOBAL // MICRO} micro-batches, {args.steps} steps each "
+          f"(median of steps 3+; load avg {os.getloadavg()[0]:.1f} on a shared 2-core machine)")
+    print(f"{'schedule':12s} {'step s':>8s} {'bubble measured':>16s} {'bubble simulated':>17s} {'diff pts':>9s} "
+          f"{'peak act (mb-stages)':>21s} {'peak act MiB':>13s}")
+    for name, r in rows.items():
+        print(f"{name:12s} {r['step_s']:8.3f} {r['measured']:16.3f} {r['simulated']:17.3f} "
+              f"{100 * (r['measured'] - r['simulated']):9.1f} {r['peak_mb']:21d} {r['peak_mib']:13.2f}")
+    if "skip" in rows and "1f1b" in rows:
+        print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b: {rows['skip']['step_s'] / rows['1f1b']['step_s']:.3f}"
+              "  (goal <= 0.8)")
+    if losses:
+        print(f"loss (mean of last 10 of {args.loss_steps} steps, equal tokens): 1f1b {losses['1f1b']:.4f}, "
+              f"skip {losses['skip']:.4f}, skip/1f1b - 1 = {100 * (losses['skip'] / losses['1f1b'] - 1):+.2f}% "
+              "(goal within 5%)")
+
+
+if __name__ == "__main__":
+    main()

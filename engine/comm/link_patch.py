@@ -1,0 +1,236 @@
+"""Every collective and point-to-point send issued through `torch.distributed` pays the emulated
+links it really crosses (`LinkTopology`): the heterogeneous side of link emulation.
+
+`emulate_topology(topology)` replaces the c10d functions (as `profilers.collectives` does, and
+below it, so recorded times include the emulated link) with wrappers that:
+- collectives (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, ...): finish no
+  earlier than issue + `topology.delay_for(op, bytes, ranks of the group)`; a synchronous call
+  sleeps what is left, an asynchronous one returns a Work whose `wait()` does;
+- send / isend: sleep `topology.p2p_delay(bytes, me, peer)` before the real send is issued, so the
+  receiver gets the data no earlier than the slow hop allows (ours: the sender is held for the
+  transfer, as a blocking send on that link would be; recv/irecv add nothing).
+
+- functional collectives (DTensor: tensor and sequence parallel), the op packets of
+  `torch.ops._c10d_functional`: the issuing call returns no earlier than issue + the delay
+  (ours: DTensor waits for each result right before its first use, so holding the issue is
+  what a slow link costs it).
+
+Left to other layers: DDP's bucket all-reduces (C++ reducer) are delayed by the comm hook
+wrapper (`LinkEmulator.wrap_hook`, with `topology.link_for(dp ranks)`), and a Work consumed
+through `get_future()` (DDP comm hooks) is not delayed here, so a bucket never pays twice.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.comm.link import LinkTopology
+
+_COLLECTIVES: dict[str, tuple[str, str, int]] = {  # function -> (op, bytes argument, position)
+    "all_reduce": ("all_reduce", "tensor", 0), "all_gather": ("all_gather", "tensor_list", 0),
+    "all_gather_into_tensor": ("all_gather", "output_tensor", 0),
+    "reduce_scatter": ("reduce_scatter", "input_list", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", 1), "broadcast": ("broadcast", "tensor", 0),
+    "reduce": ("reduce", "tensor", 0), "all_to_all": ("all_to_all", "input_tensor_list", 1),
+    "all_to_all_single": ("all_to_all", "input", 1),
+}
+_SENDS = ("send", "isend")
+
+
+class _State:
+    topology: LinkTopology | None = None
+    originals: dict[tuple[Any, str], Callable[..., Any]] = {}
+    ranks: dict[str, tuple[int, ...]] = {}
+
+
+_STATE = _State()
+_LOCK = threading.Lock()
+
+
+def emulate_topology(topology: LinkTopology | None) -> None:
+    """Make every later collective and send pay `topology`'s links; None restores torch's functions.
+
+    Install it before anything else wraps torch.distributed (the Trainer does, before its
+    CollectiveProfiler), so the profiler's records include the emulated time.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    with _LOCK:
+        _STATE.topology = topology
+        _STATE.ranks = {}
+        if topology is None:
+            for (module, name), original in _STATE.originals.items():
+                setattr(module, name, original)
+            _STATE.originals = {}
+            return
+        if _STATE.originals:
+            return
+        for name in (*_COLLECTIVES, *_SENDS):
+            original = getattr(c10d, name)
+            wrapper = _make_wrapper(name, original)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    _STATE.originals[(module, name)] = original
+                    setattr(module, name, wrapper)
+        _install_functional()
+
+
+def _install_functional() -> None:
+    from profilers.functional import OPS
+
+    namespace = torch.ops._c10d_functional
+    for name in OPS:
+        try:
+            packet = getattr(namespace, name)
+        except (AttributeError, RuntimeError):  # an op this torch does not have
+            continue
+        _STATE.originals[(namespace, name)] = packet
+        setattr(namespace, name, _DelayedOp(name, packet))
+
+
+class _DelayedOp:
+    """Stands in for one `torch.ops._c10d_functional` op packet: the call returns no earlier than
+    issue + the emulated delay; everything else (`.default`, schema, hashing) is the packet's."""
+
+    def __init__(self, name: str, packet: Any) -> None:
+        self._name, self._packet = name, packet
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        topology = _STATE.topology
+        if topology is None:
+            return self._packet(*args, **kwargs)
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        from profilers.functional import OPS
+
+        start = time.perf_counter()
+        op, name_at, size_at, times_size = OPS[self._name]
+        group = args[name_at]
+        pg = _resolve_process_group(group) if isinstance(group, str) else group
+        ranks = _group_ranks(pg)
+        nbytes = _nbytes(args[0]) * (len(ranks) if times_size else 1)
+        out = self._packet(*args, **kwargs)
+        _sleep_until(start + topology.delay_for(op, nbytes, ranks))
+        return out
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._packet, attr)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or self._packet == other
+
+    def __hash__(self) -> int:
+        return hash(self._packet)
+
+    def __repr__(self) -> str:
+        return f"_DelayedOp({self._packet!r})"
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    """Global ranks of `group` (None: the world), cached by the group's name."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    key = pg.group_name
+    if key not in _STATE.ranks:
+        _STATE.ranks[key] = tuple(dist.get_process_group_ranks(pg))
+    return _STATE.ranks[key]
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    import inspect
+
+    params = list(inspect.signature(original).parameters)
+
+    def arg(args: tuple, kwargs: dict, key: str, default: Any = None) -> Any:
+        if key in kwargs:
+            return kwargs[key]
+        index = params.index(key) if key in params else len(args)
+        return args[index] if index < len(args) else default
+
+    def send_wrapper(*args: Any, **kwargs: Any) -> Any:
+        topology = _STATE.topology
+        if topology is not None:
+            group = arg(args, kwargs, "group")
+            dst = arg(args, kwargs, "dst")
+            if dst is None:
+                dst = dist.get_global_rank(group, arg(args, kwargs, "group_dst"))
+            seconds = topology.p2p_delay(_nbytes(arg(args, kwargs, "tensor")), dist.get_rank(), dst)
+            if seconds > 0:
+                time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    op, payload, _ = _COLLECTIVES.get(name, ("", "", 0))
+
+    def collective_wrapper(*args: Any, **kwargs: Any) -> Any:
+        topology = _STATE.topology
+        if topology is None:
+            return original(*args, **kwargs)
+        start = time.perf_counter()
+        ranks = _group_ranks(arg(args, kwargs, "group"))
+        deadline = start + topology.delay_for(op, _nbytes(arg(args, kwargs, payload)), ranks)
+        result = original(*args, **kwargs)
+        if isinstance(result, dist.Work):
+            return _DelayedWork(result, deadline)
+        _sleep_until(deadline)
+        return result
+
+    wrapper = send_wrapper if name in _SENDS else collective_wrapper
+    wrapper.__name__ = name
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+class _DelayedWork(dist.Work):
+    """An asynchronous collective whose `wait()` returns no earlier than its emulated deadline."""
+
+    def __init__(self, inner: dist.Work, deadline: float) -> None:
+        super().__init__()
+        self._inner, self._deadline = inner, deadline
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        result = self._inner.wait(*args, **kwargs)
+        _sleep_until(self._deadline)
+        return result
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed() and time.perf_counter() >= self._deadline
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -1,0 +1,205 @@
+"""Adaptive sequence parallelism (FlexSP) at run time: calibrate the cost model, then each step
+split the ranks into the plan's groups and run every group's sequences with Ulysses over it.
+
+The solver is engine/parallel/flexsp.py (pure). Here: process groups (one `new_group` per group
+of each size pattern, cached), the calibration of attention/linear and all-to-all time on this
+machine, and one step: rank 0 solves and broadcasts the plan, each group packs its sequences into
+one row (document ids keep them apart, positions restart), shards it over its ranks and runs
+forward and backward; gradients are summed over all ranks (every rank holds the whole model).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.lengths import IGNORE
+from engine.model import GPT, causal_attention
+from engine.parallel.context import shard_sequence, ulysses_attention
+from engine.parallel.flexsp import CostModel, Plan, powers_of_two, solve
+
+
+def group_layout(sizes: list[int]) -> list[list[int]]:
+    """Global ranks of each group: largest first, contiguous (aligned, since sizes are powers of two)."""
+    out, at = [], 0
+    for g in sorted(sizes, reverse=True):
+        out.append(list(range(at, at + g)))
+        at += g
+    return out
+
+
+class GroupCache:
+    """The process groups of every size pattern used so far (created once, on every rank, in order)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import datetime
+
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def get(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        key = tuple(ranks)
+        if key not in self.groups:  # every rank reaches here with the same plan, so calls match
+            self.groups[key] = None if len(ranks) == 1 else dist.new_group(ranks, timeout=self.timeout)
+        return self.groups[key]
+
+    def pattern(self, sizes: list[int]) -> list[tuple[list[int], dist.ProcessGroup | None]]:
+        return [(ranks, self.get(ranks)) for ranks in group_layout(sizes)]
+
+
+@dataclass(slots=True)
+class StepReport:
+    """One adaptive step as data: the plan, the predicted and measured times, tokens per rank."""
+
+    plan: Plan
+    lengths: list[int]
+    group_ranks: list[list[int]]
+    predicted_group_s: list[float]
+    measured_group_s: list[float]
+    max_tokens_per_rank: int
+
+
+def _set_core(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    core = causal_attention if group is None else functools.partial(ulysses_attention, group=group)
+    for module in model.modules():
+        if hasattr(module, "core") and hasattr(module, "head_dim"):
+            module.core = core
+
+
+def _pack_row(docs: list[torch.Tensor], multiple: int) -> tuple[torch.Tensor, ...]:
+    """One row of the group's documents padded to a multiple of the group size: x, y, positions, doc ids."""
+    n = sum(d.numel() - 1 for d in docs)
+    width = -(-n // multiple) * multiple
+    x, y = torch.zeros(1, width, dtype=torch.long), torch.full((1, width), IGNORE, dtype=torch.long)
+    pos, ids = torch.zeros(1, width, dtype=torch.long), torch.full((1, width), -1, dtype=torch.long)
+    at = 0
+    for j, d in enumerate(docs):
+        k = d.numel() - 1
+        x[0, at:at + k], y[0, at:at + k], pos[0, at:at + k], ids[0, at:at + k] = d[:-1], d[1:], torch.arange(k), j
+        at += k
+    return x, y, pos, ids
+
+
+def broadcast_plan(plan: Plan | None, group=None) -> Plan:
+    """Rank 0's plan on every rank (HiGHS under a time limit need not give every rank the same)."""
+    from engine.device import host_group
+
+    box = [plan]
+    dist.broadcast_object_list(box, src=0, group=group or host_group())
+    return box[0]
+
+
+def run_step(model: GPT, docs: list[torch.Tensor], plan: Plan, groups: GroupCache, *, rank: int,
+             total_tokens: int, cost: CostModel, device: torch.device,
+             autocast=None) -> tuple[torch.Tensor, StepReport]:
+    """Forward and backward of this rank's share of the step under `plan`; returns the rank's
+    loss share (its token-loss sum / the step's real tokens: the shares add up to the mean) and
+    the step report (measured times gathered from every rank)."""
+    import contextlib
+
+    lengths = [d.numel() - 1 for d in docs]
+    order = sorted(range(len(plan.sizes)), key=lambda j: -plan.sizes[j])  # as group_layout lays them
+    layout = groups.pattern(plan.sizes)
+    mine = next(i for i, (ranks, _) in enumerate(layout) if rank in ranks)
+    ranks, group = layout[mine]
+    members = plan.members[order[mine]]
+    g = len(ranks)
+    x, y, pos, ids = _pack_row([docs[i] for i in members], g)
+    me = ranks.index(rank)
+    _set_core(model, group)
+    t0 = time.perf_counter()
+    with autocast or contextlib.nullcontext():
+        logits = model(shard_sequence(x, cp=g, cp_rank=me).to(device),
+                       positions=shard_sequence(pos, cp=g, cp_rank=me).to(device), doc_ids=ids.to(device))
+        target = shard_sequence(y, cp=g, cp_rank=me).to(device)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                                 reduction="sum") / total_tokens
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    times = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    from engine.device import host_group
+
+    dist.all_gather(times, elapsed, group=host_group())  # host floats: the host group (gloo)
+    measured = [max(times[r].item() for r in rs) for rs, _ in layout]
+    predicted = [cost.group_time([lengths[i] for i in plan.members[order[j]]], len(rs))
+                 for j, (rs, _) in enumerate(layout)]
+    per_rank = max(-(-sum(lengths[i] for i in plan.members[order[j]]) // len(rs)) for j, (rs, _) in enumerate(layout))
+    report = StepReport(plan, lengths, [rs for rs, _ in layout], predicted, measured, per_rank)
+    return loss.detach(), report
+
+
+def sum_gradients(model: nn.Module, group=None) -> None:
+    """Sum the gradients over all ranks (each rank's loss is its share of the step's mean)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+    dist.all_reduce(flat, group=group)
+    at = 0
+    for gr in grads:
+        gr.copy_(flat[at:at + gr.numel()].view_as(gr))
+        at += gr.numel()
+
+
+# ---------------------------------------------------------------- calibration
+
+def _time(fn, repeats: int = 3) -> float:
+    """Least seconds of `fn` over `repeats` calls, all ranks starting together."""
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, device: torch.device) -> CostModel:
+    """Fit (a1 s^2 + a2 s + bias) to one rank's forward+backward of one sequence at four lengths,
+    then each group size's sequence-parallel overhead per token: the same forward+backward of a
+    seq_len sequence sharded over every group of g ranks at once (Ulysses), minus 1/g of the same
+    sequence's single-rank time. That overhead is the all-to-all time as it really costs here, waits for
+    the slowest group member included. All ranks measure at once (as they run); rank 0's numbers
+    go to every rank."""
+    lengths = sorted({max(2, seq_len // 8), max(2, seq_len // 4), max(2, seq_len // 2), seq_len})
+    full = torch.randint(0, model.cfg.vocab, (1, seq_len), device=device)
+    sizes = [g for g in powers_of_two(world)[1:] if seq_len % g == 0 and model.cfg.heads % g == 0]
+    single = {s: float("inf") for s in lengths}
+    grouped = {g: float("inf") for g in sizes}
+    for _ in range(3):  # rounds interleave every measurement: a load change on a shared machine hits all alike
+        _set_core(model, None)
+        for s in lengths:
+            single[s] = min(single[s], _time(lambda: model(full[:, :s]).float().mean().backward(), repeats=1))
+        for g in sizes:
+            ranks, group = next((r, grp) for r, grp in groups.pattern([g] * (world // g)) if dist.get_rank() in r)
+            _set_core(model, group)
+            me = ranks.index(dist.get_rank())
+            local = shard_sequence(full, cp=g, cp_rank=me)
+            pos = shard_sequence(torch.arange(seq_len, device=device), cp=g, cp_rank=me, dim=0)
+            grouped[g] = min(grouped[g], _time(lambda: model(local, positions=pos).float().mean().backward(),
+                                               repeats=1))
+    rows = [[s * s, s, 1.0] for s in lengths]
+    a1, a2, bias = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                      torch.tensor([single[s] for s in lengths], dtype=torch.float64)[:, None]
+                                      ).solution[:, 0].tolist()
+    a1, a2, bias = max(a1, 0.0), max(a2, 0.0), max(bias, 0.0)
+    # the group's overhead over 1/g of the same sequence's single-rank time, per token of its share
+    a2a = {g: max(0.0, grouped[g] - single[seq_len] / g) * g / seq_len for g in sizes}
+    _set_core(model, None)
+    model.zero_grad(set_to_none=True)
+    box = [CostModel(a1=a1, a2=a2, a2a=a2a, bias=bias)]
+    from engine.device import host_group
+
+    dist.broadcast_object_list(box, src=0, group=host_group())  # one cost model everywhere: plans must agree
+    return box[0]
+
+
+def plan_step(lengths: list[int], *, world: int, cap: int, cost: CostModel, buckets: int,
+              time_limit_s: float, rank: int) -> Plan:
+    """Rank 0 solves; every rank gets the same plan."""
+    plan = solve(lengths, n=world, cap=cap, cost=cost, buckets=buckets, time_limit_s=time_limit_s) if rank == 0 else None
+    return broadcast_plan(plan)

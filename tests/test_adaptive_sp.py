@@ -1,0 +1,121 @@
+"""Adaptive sequence parallelism at run time (engine/parallel/adaptive_sp.py): whatever the groups
+of a step, 4 ranks train exactly as one process running every document alone (5 steps, 1e-4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel_harness import run_ranks, tiny_model_config
+
+STEPS, LR, MAX_NORM, BUDGET = 5, 1e-2, 0.5, 64
+# one size pattern per step, unsorted on purpose (the layout puts the largest groups first)
+PATTERNS = [[4], [2, 2], [1, 2, 1], [1, 1, 1, 1], [2, 1, 1]]
+
+
+def _docs(step: int) -> list[torch.Tensor]:
+    from engine.lengths import budget_documents
+
+    cfg = tiny_model_config()
+    tokens = torch.randint(0, cfg.vocab, (8192,), generator=torch.Generator().manual_seed(0))
+    return budget_documents(tokens, budget=BUDGET, kind="lognormal", mean=0.3, sigma=0.8, max_len=cfg.seq_len,
+                            seed=1, step=step)
+
+
+def _plan(step: int, n_docs: int):
+    from engine.parallel.flexsp import Plan
+
+    sizes = PATTERNS[step]
+    members = [list(range(j, n_docs, len(sizes))) for j in range(len(sizes))]  # round robin
+    return Plan(sizes, members, 0.0, "test")
+
+
+def _body(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from engine.model import build_model
+    from engine.parallel.adaptive_sp import GroupCache, run_step, sum_gradients
+    from engine.parallel.flexsp import CostModel
+    from engine.parallel.zero import build_optimizer
+
+    model = build_model(tiny_model_config(), seed=0)
+    opt = build_optimizer(model, stage=0, lr=LR, weight_decay=0.1)
+    groups = GroupCache(120.0)
+    losses, tokens_per_rank = [], []
+    for step in range(STEPS):
+        docs = _docs(step)
+        total = sum(d.numel() - 1 for d in docs)
+        share, report = run_step(model, docs, _plan(step, len(docs)), groups, rank=rank, total_tokens=total,
+                                 cost=CostModel(a1=0.0, a2=1.0), device=torch.device("cpu"))
+        sum_gradients(model)
+        dist.all_reduce(share)
+        losses.append(share.item())
+        tokens_per_rank.append(report.max_tokens_per_rank)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"loss": losses, "groups": len(groups.groups), "tokens_per_rank": tokens_per_rank}
+
+
+def _reference() -> list[float]:
+    from engine.model import build_model
+    from engine.parallel.zero import build_optimizer
+
+    model = build_model(tiny_model_config(), seed=0)
+    opt = build_optimizer(model, stage=0, lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        docs = _docs(step)
+        total = sum(d.numel() - 1 for d in docs)
+        loss = sum(F.cross_entropy(model(d[None, :-1]).reshape(-1, 256), d[1:], reduction="sum") for d in docs) / total
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def test_every_group_pattern_trains_like_one_process():
+    ref = _reference()
+    outs = run_ranks(4, _body)
+    for out in outs:
+        assert max(abs(a - b) for a, b in zip(out["loss"], ref)) <= 1e-4, (out["loss"], ref)
+    # groups of 2 and 4 ranks are created once and reused: {0..3}, {0,1}, {2,3}
+    assert outs[0]["groups"] == 3 + 4  # + the four single-rank "groups" (no process group needed)
+
+
+def test_group_layout_puts_larger_groups_first_on_contiguous_ranks():
+    from engine.parallel.adaptive_sp import group_layout
+
+    assert group_layout([1, 2, 1]) == [[0, 1], [2], [3]]
+    assert group_layout([1, 4, 1, 2]) == [[0, 1, 2, 3], [4, 5], [6], [7]]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (["parallel.adaptive_sp=true", "parallel.dp=3"], r"dp\*cp = 3 to be a power of two"),
+    (["parallel.adaptive_sp=true", "parallel.dp=2", "parallel.tp=2"], r"needs tp=1, pp=1"),
+    (["parallel.adaptive_sp=true", "parallel.dp=2", "parallel.cp_impl=ring"], r"adaptive_sp runs its groups with ulysses"),
+])
+def test_adaptive_sp_validation(bad, match):
+    from engine.config import load_config
+    from engine.errors import ConfigError, ConfigErrors
+
+    with pytest.raises((ConfigError, ConfigErrors), match=match):
+        load_config(None, ["model.heads=4", "model.d_model=32"] + bad)
+
+
+def test_run_page_tables_of_the_recorded_plans():
+    import pandas as pd
+
+    from workbench.flexsp_view import flexsp_frames
+
+    rows = [(0, "flexsp", "predicted(s)", 0.5), (0, "flexsp", "measured(s)", 0.6), (0, "flexsp", "groups", 2),
+            (0, "flexsp_group", "g0_size", 2), (0, "flexsp_group", "g0_tokens", 900),
+            (0, "flexsp_group", "g1_size", 1), (0, "flexsp_group", "g1_tokens", 300), (0, "step", "loss", 5.0)]
+    metrics = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
+    steps, groups = flexsp_frames(metrics)
+    assert steps.loc[0, "predicted(s)"] == 0.5 and steps.loc[0, "measured(s)"] == 0.6
+    assert groups[["group", "size", "tokens"]].values.tolist() == [[0, 2, 900], [1, 1, 300]]
+    empty, _ = flexsp_frames(metrics[metrics["kind"] == "step"])
+    assert empty.empty

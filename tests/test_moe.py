@@ -1,0 +1,254 @@
+"""Mixture-of-Experts: routing math, analytic counts, validation, and expert parallelism through the
+real launcher matching one process (fp32, 5 steps, no token dropping, fixed routing seed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import ModelConfig, load_config
+from engine.errors import ConfigError, ConfigErrors
+from engine.moe import capacity, route
+from engine.parallel.expert import expert_group_ranks, node_split, transpose_chunks
+
+MOE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
+       "model.experts=4", "model.top_k=2", "model.capacity_factor=0", "model.aux_loss_coef=0.01",
+       "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2", "train.grad_clip=0.5",
+       "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=5", "train.weight_decay=0.1"]
+
+
+# ---------------------------------------------------------------- routing and counts (fast)
+
+def test_route_top2_gates_capacity_and_aux():
+    # 4 tokens, 2 experts: every token prefers expert 0
+    logits = torch.tensor([[2.0, 0.0], [1.0, 0.0], [3.0, 0.0], [0.5, 0.0]])
+    r = route(logits, top_k=1, capacity_factor=1.0)  # capacity ceil(1 * 4 * 1 / 2) = 2
+    assert r.routed.tolist() == [4, 0]
+    assert r.counts.tolist() == [2, 0]  # tokens 2 and 3 dropped (first come, first served)
+    assert r.token.tolist() == [0, 1]
+    p0 = torch.softmax(logits, -1)
+    assert torch.allclose(r.gate, p0[:2, 0])  # Switch: top-1 gate is the router probability
+    # Switch aux loss: E * sum f_e P_e with f = (1, 0)
+    assert r.aux_loss.item() == pytest.approx(2 * p0[:, 0].mean().item(), rel=1e-6)
+    r2 = route(logits, top_k=2, capacity_factor=0)
+    assert r2.counts.tolist() == [4, 4] and r2.expert.tolist() == [0] * 4 + [1] * 4
+    assert torch.allclose(r2.gate.view(2, 4).sum(0), torch.ones(4))  # GShard: renormalised top-2 gates
+
+
+def test_capacity_formula():
+    assert capacity(64, experts=4, top_k=2, factor=1.25) == 40
+    assert capacity(64, experts=4, top_k=2, factor=0) == 128
+
+
+def test_moe_parameter_and_flop_counts_match_the_module():
+    from engine.model import build_model, count_parameters, flops_per_token
+
+    cfg = ModelConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256, experts=8, top_k=2, moe_every=2)
+    counts = count_parameters(cfg)
+    assert counts["total"] == sum(p.numel() for p in build_model(cfg, seed=0).parameters())
+    dense = ModelConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256)
+    expert = 2 * 4 * 32 * 32
+    # 2 MoE blocks: active = dense + routers + (top_k - 1) experts per MoE block
+    assert counts["active"] == count_parameters(dense)["total"] + 2 * 32 * 8 + 2 * expert
+    assert flops_per_token(cfg) == flops_per_token(dense) + 6 * (2 * 32 * 8 + 2 * expert)
+
+
+def test_expert_groups_and_hierarchical_layout():
+    ep_groups, replicas = expert_group_ranks(dp=4, tp=2, pp=1, ep=2)
+    assert ep_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert node_split([4, 5, 6, 7], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        node_split([0, 1, 2], 2)  # 2 members on node 0, 1 on node 1
+    # chunks (a=2, b=2) with sizes [[1, 2], [3, 0]] -> b-major: a0b0, a1b0, a0b1, a1b1
+    assert transpose_chunks([[1, 2], [3, 0]]).tolist() == [0, 3, 4, 5, 1, 2]
+
+
+def test_lsh_sends_fewer_centroids_and_restores_tokens_exactly_through_an_identity_expert():
+    from engine.comm.lsh import LSHCompressor, cross_polytope_codes
+
+    torch.manual_seed(0)
+    tokens = torch.randn(64, 16)
+    expert = torch.tensor([0] * 40 + [2] * 24)
+    lsh = LSHCompressor(16, buckets=8, hashes=1, seed=3)
+    centroids, counts, restore = lsh.compress(tokens, expert, torch.tensor([40, 0, 24, 0]))
+    assert counts[1] == 0 and counts[3] == 0 and 2 <= centroids.shape[0] <= 16  # <= 8 buckets per expert
+    assert int(counts.sum()) == centroids.shape[0]
+    assert torch.allclose(restore(centroids), tokens, atol=1e-6)  # E(c) + (x - c) = x for E = identity
+    # cross-polytope: a code depends on direction only; opposite vectors take the opposite vertex
+    proj = lsh.projections
+    assert torch.equal(cross_polytope_codes(tokens, proj), cross_polytope_codes(3 * tokens, proj))
+    assert torch.equal((cross_polytope_codes(-tokens, proj) - cross_polytope_codes(tokens, proj)).abs(),
+                       torch.full((64,), 4))
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["model.experts=4", "parallel.dp=4", "parallel.ep=3"], "parallel.ep"),
+    (["model.experts=4", "parallel.dp=2", "parallel.ep=4"], "parallel.ep"),
+    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep"),
+    (["model.experts=4", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1"], "parallel.ep"),
+    (["model.experts=4", "parallel.dp=2", "parallel.ep=2", "comm.compressor=fp16"], "parallel.ep"),
+    (["model.experts=4", "parallel.pp=2"], "model.experts"),
+    (["model.experts=4", "model.top_k=5"], "model.top_k"),
+    (["model.experts=4", "comm.moe_compression=lsh"], "comm.moe_compression"),
+    (["model.experts=4", "parallel.dp=2", "parallel.ep=2", "comm.moe_compression=zip"], "comm.moe_compression"),
+    (["model.experts=4", "parallel.dp=4", "parallel.ep=4", "comm.moe_hierarchical=true",
+      "link.ranks_per_node=3"], "link.ranks_per_node"),
+])
+def test_validate_rejects_unsupported_moe_combinations(overrides, field):
+    with pytest.raises((ConfigError, ConfigErrors)) as info:
+        load_config(None, overrides)
+    assert field in str(info.value)
+
+
+# ---------------------------------------------------------------- expert parallelism, real ranks
+
+EP_LAYOUTS = {
+    "ep2": ["parallel.dp=2", "parallel.ep=2"],
+    "ep4": ["parallel.dp=4", "parallel.ep=4"],
+    "ep2-dp4": ["parallel.dp=4", "parallel.ep=2"],
+    "ep2-dp2-tp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+    # two emulated nodes of 2 ranks: inside-node all_to_all, then across nodes; exact, so parity holds
+    "ep4-hierarchical": ["parallel.dp=4", "parallel.ep=4", "comm.moe_hierarchical=true", "link.ranks_per_node=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    from engine.train import Trainer
+
+    torch.set_num_threads(1)
+    steps = list(Trainer(load_config(None, MOE), device=torch.device("cpu")).run())
+    return [m.loss for m in steps], steps[-1].val_loss
+
+
+@pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
+@pytest.mark.parametrize("name", list(EP_LAYOUTS))
+def test_expert_parallel_matches_single_process(tmp_path, moe_reference, name):
+    from engine.launch import launch
+
+    ref, ref_val = moe_reference
+    cfg = load_config(None, MOE + EP_LAYOUTS[name])
+    result = launch(cfg, home=tmp_path)
+    got = [s["loss"] for s in result.steps]
+    assert len(got) == 5
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, (got, ref)
+    assert abs(result.summary["val_loss"] - ref_val) <= 1e-4
+
+
+@pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
+def test_show_json_has_all_to_all_records_and_expert_load(tmp_path):
+    """`workbench show --json` of a real ep=2 run (with LSH compression and token dropping)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engine.launch import launch
+
+    cfg = load_config(None, MOE + ["parallel.dp=2", "parallel.ep=2", "train.steps=2", "model.capacity_factor=1.0",
+                                   "comm.moe_compression=lsh", "train.eval_interval=0"])
+    result = launch(cfg, home=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "show", result.run_id, "--json"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "WORKBENCH_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    a2a = report["collectives"]["ep:all_to_all"]
+    assert a2a["bytes"] > 0 and a2a["busbw(GB/s)"] > 0 and a2a["ranks"] == 2
+    # per layer and micro-batch: counts, dispatch, combine forward; dispatch, combine backward
+    assert a2a["count"] == 2 * 2 * 2 * 5  # steps x micro-batches x MoE layers x 5
+    moe = report["moe"]["per_step"]
+    assert {(r["step"], r["rank"]) for r in moe} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for row in moe:
+        # 2 micro-batches x 2 samples x 16 tokens x top-2 x 2 MoE layers routed by each rank per step
+        assert len(row["tokens_per_expert"]) == 4 and sum(row["tokens_per_expert"]) == 2 * 2 * 16 * 2 * 2
+        assert 0.0 <= row["drop_rate"] < 1.0
+
+
+def test_moe_example_and_its_search_space_are_valid():
+    from engine.config import replace
+    from tuning.space import SearchSpace
+
+    base = load_config("examples/moe.yaml")
+    assert base.model.experts == 4 and base.parallel.ep == 2 and base.world_size == 2
+    space = SearchSpace.from_yaml("examples/moe_space.yaml")
+    space.check_against(base)
+    points = space.grid()
+    assert {p["parallel.ep"] for p in points} == {1, 2}
+    assert {p.get("comm.moe_compression") for p in points} == {None, "none", "lsh"}
+    for point in points:  # every point of the space is a valid run of the example
+        replace(base, space.to_overrides(point, base))
+
+
+def test_moe_report_figures_and_text():
+    """The Run page's MoE figures and `show`'s MoE table from a report's `moe` section."""
+    import io
+
+    from rich.console import Console
+
+    from workbench import plots
+    from workbench.report import print_report
+
+    per_step = [{"step": s, "rank": r, "tokens_per_expert": [10.0 * (r + 1), 5.0, 0.0, 1.0], "drop_rate": 0.25 * r,
+                 "imbalance": 2.0} for s in range(2) for r in range(2)]
+    load = plots.fig_moe_load(per_step)
+    assert [t.name for t in load.data] == ["rank 0", "rank 1"]
+    assert list(load.data[1].y) == [40.0, 10.0, 0.0, 2.0]  # summed over the two steps
+    drops = plots.fig_moe_drops(per_step)
+    assert list(drops.data[1].y) == [0.25, 0.25]
+    for fig in (load, drops):  # the dashboard's rule: a title and a unit on the y axis
+        assert fig.layout.title.text and "(" in fig.layout.yaxis.title.text
+    report = {"run_id": "r", "status": "done", "world_size": 2, "layout": {}, "emulated": False, "error": None,
+              "summary": {}, "breakdown": [], "collectives": {}, "memory": {}, "moe": {"per_step": per_step}}
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=120))
+    assert "MoE tokens routed per expert" in out.getvalue() and "25.0%" in out.getvalue()
+
+
+def _exchange_vs_local(rank: int, world: int, hierarchical: bool) -> float:
+    """Every token of both ranks goes to expert 0 (rank 0's): rank 1's experts get no rows, rank 1
+    sends everything; the exchanged outputs must equal the experts applied locally."""
+    from engine.moe import MoE
+    from engine.parallel.expert import apply_expert_parallel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=8, experts=4, top_k=1, capacity_factor=0)
+    ref = MoE(cfg)
+    layer = MoE(cfg)
+    layer.load_state_dict(ref.state_dict())
+    model = torch.nn.ModuleDict({"moe": layer})
+    apply_expert_parallel(model, dp=2, tp=1, pp=1, ep=2, hierarchical=hierarchical, ranks_per_node=1)
+    tokens = torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    counts = torch.tensor([5 + rank, 0, 0, 0])
+    got = layer.exchange(tokens, counts)
+    got.sum().backward()
+    want = ref.run_experts(tokens.detach(), counts)
+    return float((got - want).abs().max()) + float((tokens.grad - torch.autograd.grad(
+        ref.run_experts(tokens, counts).sum(), tokens)[0]).abs().max())
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_exchange_with_empty_splits_equals_local_experts(hierarchical):
+    from parallel_harness import run_ranks
+
+    # rank 1 holds experts 2, 3 and receives nothing; before the fix: IndexError on its empty buffer
+    assert max(run_ranks(2, _exchange_vs_local, hierarchical, timeout=120)) < 1e-6
+
+
+@pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (4, 1), (1, 2)])
+def test_memory_estimate_counts_this_ranks_experts(ep, tp):
+    from engine.memory import estimate_memory
+    from engine.model import build_model
+
+    cfg = load_config(None, MOE + ["model.experts=8", "model.moe_every=2", "model.layers=4",
+                                   f"parallel.dp={ep}", f"parallel.ep={ep}", f"parallel.tp={tp}"])
+    model = build_model(cfg.model, seed=0)
+    held = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            held += p.numel() / ep  # apply_expert_parallel keeps experts/ep of each MoE layer
+        elif "layers." in name and p.dim() == 2 and "router" not in name:
+            held += p.numel() / tp  # attention (and dense MLP) matmuls split over tp
+        else:
+            held += p.numel()
+    params = estimate_memory(cfg)["params"] / 4
+    assert params == pytest.approx(held, rel=1e-9)

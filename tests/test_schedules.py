@@ -1,0 +1,361 @@
+"""Schedules as data (engine/parallel/schedules.py): the action lists, and torch's runtime executing
+them with single-process loss parity (fp32, 5 AdamW steps, 1e-4) at pp=2 and pp=4, with dp=2 under
+ZeRO-3 where they compose.
+
+Two spawned runs: world 2 (pp=2, every schedule) and world 4 (pp=4, every schedule; dp=2 x pp=2
+under ZeRO-3 with looped_bfs and zbv).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.model import build_model, loss_fn
+from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
+from engine.validate import SCHEDULES
+from parallel_harness import run_ranks
+
+SEED, STEPS, GLOBAL_BATCH, MICRO, LR = 0, 5, 16, 2, 1e-2
+CFG = ModelConfig(layers=8, d_model=16, heads=2, seq_len=8, vocab=64, dropout=0.0)
+TOL = 1e-4
+RUN = [s for s in SCHEDULES if s != "skip"]
+NEW = ["looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev"]  # pp=2 gpipe/1f1b/interleaved: test_pipeline.py
+VIRTUAL = 2  # interleaved, looped_bfs, zero_bubble
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    starts = torch.randint(0, CFG.vocab, (STEPS, GLOBAL_BATCH, 1), generator=gen)
+    tokens = (starts + torch.arange(CFG.seq_len + 1)) % CFG.vocab
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def _reference_losses() -> list[float]:
+    model = build_model(CFG, seed=SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train(mesh, schedule: str, zero3: bool = False, skip_ratio: float | None = None) -> dict:
+    import torch.distributed as dist
+
+    from engine.parallel.pipeline import allreduce_grads, build_pipeline
+    from engine.parallel.skippipe import build_skip_pipeline
+    from engine.parallel.zero import apply_zero
+
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    local = GLOBAL_BATCH // dp
+    pipe = build_skip_pipeline(build_model(CFG, seed=SEED), mesh["pp"], skip_ratio=skip_ratio,
+                               n_microbatches=local // MICRO, micro=MICRO, loss_fn=loss_fn) \
+        if skip_ratio is not None else build_pipeline(build_model(CFG, seed=SEED), mesh["pp"], schedule=schedule, virtual=VIRTUAL,
+                          n_microbatches=local // MICRO, loss_fn=loss_fn, device="cpu",
+                          parallelize=(lambda c: apply_zero(c, mesh["dp"], stage=3)) if zero3 else None)
+    opt = torch.optim.AdamW([p for m in pipe.modules for p in m.parameters()], lr=LR)
+    rows = slice(dp_rank * local, (dp_rank + 1) * local)
+    losses, executed, paths = [], [], []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = pipe.step(x[rows], y[rows])
+        if not zero3:
+            allreduce_grads(pipe.modules, mesh["dp"].get_group())
+        opt.step()
+        losses.append(None if loss is None else loss.item())
+        executed.append(pipe.last_actions)
+        paths.append(dict(getattr(pipe, "last_paths", {})))
+    dist.barrier()
+    return {"losses": losses, "is_last": pipe.is_last, "executed": executed, "paths": paths,
+            "planned": [str(a) for a in pipe.actions[mesh["pp"].get_local_rank()]]}
+
+
+def _world(rank: int, world_size: int, pp: int, part: str = "schedules") -> dict:
+    from engine.mesh import ParallelDims
+
+    mesh = ParallelDims(dp=1, tp=1, pp=pp, world_size=pp).build_mesh("cpu")
+    if pp == 2:
+        return {s: _train(mesh, s) for s in NEW}
+    if part == "schedules":
+        return {s: _train(mesh, s) for s in RUN}
+    out = {}
+    if world_size == 4:
+        out["skip0"] = _train(mesh, "skip", skip_ratio=0.0)
+        out["skip50"] = _train(mesh, "skip", skip_ratio=0.5)
+        dp_mesh = ParallelDims(dp=2, tp=1, pp=2, world_size=4).build_mesh("cpu")
+        out["dp2_zero3_looped_bfs"] = _train(dp_mesh, "looped_bfs", zero3=True)
+        out["dp2_manual_zbv"] = _train(dp_mesh, "zbv")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return _reference_losses()
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return run_ranks(2, _world, 2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict]:
+    return run_ranks(4, _world, 4, "schedules", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4_skip_dp() -> list[dict]:
+    return run_ranks(4, _world, 4, "skip_dp", timeout=900)
+
+
+def _losses(results: list[dict], layout: str) -> list[float]:
+    last = [r[layout]["losses"] for r in results if r[layout]["is_last"]]
+    return [statistics.fmean(step) for step in zip(*last)]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule", NEW)
+def test_pp2_every_schedule_matches_single_process(world2, reference, schedule):
+    got = _losses(world2, schedule)
+    assert max(abs(a - b) for a, b in zip(got, reference)) <= TOL, (got, reference)
+    assert reference[-1] < reference[0] - 0.1  # it trains, so parity is not trivially met
+    # the engine executed exactly the planned compute actions, in order (OVERLAP_F_B runs F then B)
+    for rank in world2:
+        executed = [a for a, _, _ in rank[schedule]["executed"][-1]["actions"]]
+        assert executed == _flat(rank[schedule]["planned"]), schedule
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", RUN)
+def test_pp4_every_schedule_matches_single_process(world4, reference, layout):
+    _check_layout(world4, reference, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["skip0", "dp2_zero3_looped_bfs", "dp2_manual_zbv"])
+def test_pp4_skip0_and_dp2_match_single_process(world4_skip_dp, reference, layout):
+    _check_layout(world4_skip_dp, reference, layout)
+
+
+def _check_layout(world4: list[dict], reference: list[float], layout: str) -> None:
+    got = _losses(world4, layout)
+    assert max(abs(a - b) for a, b in zip(got, reference)) <= TOL, (got, reference)
+    step = world4[0][layout]["executed"][-1]
+    starts = [start for _, start, _ in step["actions"]]
+    assert starts == sorted(starts) and 0 <= starts[0] and step["actions"][-1][2] <= step["total_s"]
+
+
+def _flat(planned: list[str]) -> list[str]:
+    from torch.distributed.pipelining.schedules import _Action
+
+    return [str(a) for s in planned for a in compute_actions(_Action.from_str(s))] if planned else []
+
+
+@pytest.mark.parametrize("schedule", RUN)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_stage_and_microbatch_runs_once(schedule, pp):
+    m, layers = 8, 8
+    actions = schedule_actions(schedule=schedule, pp=pp, n_microbatches=m, virtual=VIRTUAL, layers=layers)
+    v = chunks_per_rank(schedule, VIRTUAL, layers=layers, pp=pp)
+    placement = stage_to_rank(schedule, pp, pp * v)
+    done = Counter()
+    for rank, order in actions.items():
+        for action in (a for outer in order for a in compute_actions(outer)):
+            assert placement[action.stage_index] == rank
+            done[(action.stage_index, action.computation_type.value, action.microbatch_index)] += 1
+    kinds = {k for _, k, _ in done}
+    assert kinds == ({"F", "I", "W"} if schedule in ("zero_bubble", "zbv") else
+                     {"F", "B", "I", "W"} if schedule == "dualpipev" else {"F", "B"})
+    for stage in range(pp * v):
+        for mb in range(m):
+            assert done[(stage, "F", mb)] == 1
+            backward = done[(stage, "B", mb)] + done[(stage, "I", mb)]
+            assert backward == 1 and done[(stage, "W", mb)] == done[(stage, "I", mb)]
+
+
+def test_modular_places_layer_i_on_rank_i_mod_pp():
+    from engine.parallel.pipeline import stage_layers
+
+    pp, layers = 4, 8
+    v = chunks_per_rank("modular", layers=layers, pp=pp)
+    assert v == layers // pp
+    placement = stage_to_rank("modular", pp, pp * v)
+    for stage, block_ids in enumerate(stage_layers(layers, pp, v)):
+        assert block_ids == [stage] and placement[stage] == stage % pp
+
+
+def test_v_schedules_put_first_and_last_stage_on_rank0():
+    assert stage_to_rank("zbv", 4, 8) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 3, 5: 2, 6: 1, 7: 0}
+    assert stage_to_rank("interleaved", 4, 8)[7] == 3
+
+
+def test_looped_bfs_runs_each_stage_breadth_first():
+    """Breadth-first: a rank runs every micro-batch through a stage before the next stage."""
+    order = [str(a) for a in schedule_actions(schedule="looped_bfs", pp=2, n_microbatches=4, virtual=2)[0]]
+    assert order[:8] == ["0F0", "0F1", "0F2", "0F3", "2F0", "2F1", "2F2", "2F3"]
+    assert order[8:12] == ["2B3", "2B2", "2B1", "2B0"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+@pytest.mark.timeout(900)
+def test_skippipe_runs_the_recorded_paths(world4_skip_dp, reference):
+    """skip_ratio 0.5 at pp=4: each micro-batch skips one of the two middle stages; a middle rank
+    runs exactly the micro-batches whose recorded path visits it, and the loss departs from the
+    full pipeline's (skip0 above matches the single process: the executor itself is exact)."""
+    for rank, result in enumerate(world4_skip_dp):
+        for step, paths in enumerate(result["skip50"]["paths"]):
+            assert all(p[0] == 0 and p[-1] == 3 and len(p) == 3 for p in paths.values())
+            visiting = sorted(mb for mb, p in paths.items() if rank in p)
+            ran = sorted(int(a.split("F")[1]) for a, _, _ in result["skip50"]["executed"][step]["actions"] if "F" in a)
+            assert ran == visiting
+        assert result["skip50"]["paths"][0] != result["skip50"]["paths"][1]  # paths change per step
+    got = _losses(world4_skip_dp, "skip50")
+    assert max(abs(a - b) for a, b in zip(got, reference)) > 1e-3  # a shorter network: not the full pipeline
+    assert got[-1] < got[0] - 0.05  # and it trains
+
+
+def test_skip_paths_visit_every_middle_stage_equally():
+    from engine.parallel.skippipe import skip_paths
+
+    for step in range(3):
+        paths = skip_paths(pp=6, n_microbatches=8, skip_ratio=0.5, step=step)  # 4 middle stages, skip 2
+        assert all(p[0] == 0 and p[-1] == 5 and len(p) == 4 and p == sorted(p) for p in paths.values())
+        visits = Counter(s for p in paths.values() for s in p[1:-1])
+        assert visits == {1: 4, 2: 4, 3: 4, 4: 4}
+    assert skip_paths(pp=4, n_microbatches=2, skip_ratio=0.0) == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize("cap", [1, 2, 4])
+def test_skip_actions_respect_the_memory_cap(cap):
+    from engine.parallel.skippipe import skip_actions, skip_paths
+    from tuning.sim_schedule import peak_in_flight, walk
+
+    paths = skip_paths(pp=4, n_microbatches=8, skip_ratio=0.5)
+    actions = skip_actions(paths, pp=4, mem_cap=cap)
+    for stage, order in actions.items():
+        assert peak_in_flight([(str(a), 0.0, 0.0) for a in order]) <= cap
+        assert sorted(a.microbatch_index for a in order if a.computation_type.value == "F") == \
+            [mb for mb, p in paths.items() if stage in p]
+    walk(actions, stage_rank={s: s for s in range(4)}, paths=paths)  # runs to the end: no deadlock
+
+
+def test_walk_prices_the_bubble_from_the_action_list():
+    """Unit costs (F 1, B 2): GPipe and 1F1B idle (p-1)(F+B) per rank, i.e. (p-1)/m of the compute
+    (Narayanan et al. 2021); the zero-bubble lists fill most of it; skipping stages shortens the fill."""
+    from tuning.sim_schedule import bubble_ratio
+
+    assert bubble_ratio("gpipe", 4, 8) == pytest.approx(3 / 8)
+    assert bubble_ratio("1f1b", 4, 8) == pytest.approx(3 / 8)
+    assert bubble_ratio("interleaved", 4, 8, 2) == pytest.approx(3 / 16)
+    assert bubble_ratio("zbv", 4, 8) < bubble_ratio("zero_bubble", 4, 8, 1) <= bubble_ratio("1f1b", 4, 8) / 2
+    assert bubble_ratio("skip", 4, 8, skip_ratio=0.5) < bubble_ratio("1f1b", 4, 8)
+    assert bubble_ratio("1f1b", 1, 8) == 0.0
+
+
+def test_simulator_prices_every_schedule():
+    from tuning.simulator import SCHEDULES as SIM_SCHEDULES, ModelSpec, ParallelSpec, simulate
+    from tuning.hardware import load_cluster
+
+    model = ModelSpec(layers=8, hidden=256, heads=4, seq=128, vocab=256)
+    assert set(SIM_SCHEDULES) == set(SCHEDULES)
+    bubbles = {}
+    for name in SCHEDULES:
+        par = ParallelSpec(pp=4, micro=1, global_batch=8, schedule=name,
+                           virtual=2 if name in ("interleaved", "looped_bfs") else 1,
+                           skip_ratio=0.5 if name == "skip" else 0.0)
+        bubbles[name] = simulate(model, load_cluster("dgx-a100-80gb"), par).bubble_fraction
+    assert bubbles["1f1b"] == pytest.approx(3 / 8) and bubbles["zbv"] < bubbles["1f1b"]
+
+
+def test_validate_names_the_new_schedule_rules():
+    from engine.config import load_config
+    from engine.errors import ConfigError, ConfigErrors
+
+    def errors(*overrides: str) -> str:
+        with pytest.raises((ConfigError, ConfigErrors)) as info:
+            load_config(None, list(overrides))
+        return str(info.value)
+
+    assert "parallel.skip_ratio" in errors("parallel.skip_ratio=0.3")  # schedule is not skip
+    assert "parallel.pp" in errors("parallel.schedule=skip", "parallel.pp=2", "batch.global=16", "batch.micro=2")
+    assert "parallel.zero" in errors("parallel.schedule=zbv", "parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
+                                     "model.layers=4", "batch.global=16", "batch.micro=2")
+    assert "parallel.virtual" in errors("parallel.schedule=gpipe", "parallel.pp=2", "parallel.virtual=2")
+
+
+def test_schedule_virtual_and_skip_ratio_are_searchable():
+    """tuning/space.py: SCHEDULE_PARAMS names every schedule (validate's names) and every point of
+    its grid that the base config admits is a valid run config."""
+    from engine.config import load_config, replace
+    from tuning.space import SCHEDULE_PARAMS, SearchSpace
+
+    assert set(SCHEDULE_PARAMS["parallel.schedule"]["choices"]) == set(SCHEDULES)
+    space = SearchSpace.from_dict({"params": SCHEDULE_PARAMS, "fixed": {}})
+    base = load_config(None, ["parallel.pp=4", "model.layers=16", "batch.global=16", "batch.micro=2"])
+    points = space.grid()
+    assert {p["parallel.schedule"] for p in points} == set(SCHEDULES)
+    assert {p.get("parallel.skip_ratio") for p in points if p["parallel.schedule"] == "skip"} == {0.33, 0.5}
+    for point in points:
+        replace(base, space.to_overrides(point, base))  # validates: raises on an invalid config
+
+
+def test_search_enumerates_every_schedule():
+    from tuning.hardware import load_cluster
+    from tuning.search import ALL_SCHEDULE_AXIS, enumerate_configs
+    from tuning.simulator import ModelSpec
+
+    model = ModelSpec(layers=8, hidden=256, heads=4, seq=128, vocab=256)
+    df = enumerate_configs(model, load_cluster("dgx-a100-80gb"), 8, 32, axes={"schedule": ALL_SCHEDULE_AXIS})
+    assert set(df["schedule"].astype(str)) == set(SCHEDULES)
+    pp4 = df[(df.pp == 4) & (df.micro == 1) & (df.zero == 0) & (df.recompute == "none") & ~df.sequence_parallel
+             & (df.tp == 1) & (df.virtual == 1) & (df.cp == 1) & (df.ep == 1)].set_index("schedule")
+    assert pp4.loc["zbv", "bubble_fraction"] < pp4.loc["1f1b", "bubble_fraction"]
+
+
+def test_show_reads_the_executed_schedule(tmp_path):
+    """workbench show / the Run page: measured bubble per rank = 1 - busy / step time from the
+    recorded actions (hand-computed here), predicted from the 1f1b action list, and a grid figure."""
+    from profilers.records import Record
+    from profilers.store import RunStore
+    from workbench.schedule_view import schedule_figure, schedule_report
+
+    store = RunStore.open_home(tmp_path)
+    cfg = {"parallel": {"pp": 2, "schedule": "1f1b", "dp": 1, "virtual": 1}, "batch": {"global": 4, "micro": 2},
+           "model": {"layers": 2}}
+    store.create_run("r1", name="t", config=cfg, world_size=2)
+    # rank 0: 0F0 [0,1] 0F1 [1,2] 0B0 [4,6] 0B1 [7,9], step 10 s -> busy 6, bubble 0.4
+    # rank 1: 1F0 [1,2] 1B0 [2,4] 1F1 [4,5] 1B1 [5,7], step 10 s -> busy 6, bubble 0.4
+    spans = {0: [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 4, 6), ("0B1", 7, 9)],
+             1: [("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 4, 5), ("1B1", 5, 7)]}
+    records = []
+    for rank, actions in spans.items():
+        records += [Record("r1", rank, 3, "schedule", "@total", 10.0, 0.0),
+                    Record("r1", rank, 3, "schedule", "@wall_start", 100.0, 0.0)]
+        for name, start, end in actions:
+            records += [Record("r1", rank, 3, "schedule", f"{name}@start", float(start), 0.0),
+                        Record("r1", rank, 3, "schedule", f"{name}@end", float(end), 0.0)]
+    store.write(records)
+    report = schedule_report(store, "r1")
+    assert report["step"] == 3 and report["schedule"] == "1f1b"
+    assert report["per_rank"][0]["measured"] == pytest.approx(0.4)
+    assert report["per_rank"][1]["measured"] == pytest.approx(0.4)
+    # predicted: F 1 s, B 2 s (the measured means) on the 1f1b list: makespan 1+1+2+1+2+2 = 9 ... rank 0 busy 6
+    assert report["per_rank"][0]["predicted"] == pytest.approx(1 - 6 / 9)
+    fig = schedule_figure(report)
+    assert {trace.name for trace in fig.data} == {"F", "B"}
+    assert sum(len(trace.x) for trace in fig.data) == 8

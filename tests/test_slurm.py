@@ -1,0 +1,360 @@
+"""--launcher slurm against a real one-node Slurm (munged, slurmctld, slurmd started by the session
+fixture; skipped with the reason where they cannot be installed or started), plus the pure parts:
+validation of the cluster: section, the batch script, Slurm's reason and the study's launcher."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+
+from engine.config import load_config
+from engine.errors import ConfigError
+from engine.slurm import JobState, batch_script, job_state, parse_scontrol, slurm_reason, srun_command
+from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
+
+REPO = Path(__file__).resolve().parent.parent
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+TINY = ["model.layers=1", "model.d_model=32", "model.heads=2", "model.seq_len=32", "batch.micro=2",
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0"]
+
+
+def _cfg(*overrides: str):
+    return load_config(REPO / "examples" / "tiny.yaml", [*TINY, *overrides])
+
+
+# ------------------------------------------------------------------ pure: no cluster needed
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.nodes=3", "cluster.nodes=3: must divide the world size dp*tp*pp = 2; try 1, 2"),
+    ("cluster.gpus_per_node=8", "cluster.gpus_per_node=8: nodes*gpus_per_node = 1*8 = 8 must equal the world size"),
+    ("cluster.time=2h", "cluster.time='2h': must be a Slurm time limit"),
+    ("cluster.sbatch=[qos=high]", "cluster.sbatch[0]='qos=high': must be one sbatch option like --qos=high"),
+    ("cluster.partition='gpu x'", "cluster.partition='gpu x': must be one word"),
+    ("cluster.cpus_per_rank=0", "cluster.cpus_per_rank=0: must be > 0"),
+])
+def test_a_bad_cluster_field_is_one_line_naming_it(override, message):
+    with pytest.raises(ConfigError) as info:
+        _cfg(override)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
+    cfg = load_config(REPO / "examples" / "tiny.yaml", [
+        "parallel.dp=16", "batch.global=64", "cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.partition=gpu",
+        "cluster.account=proj42", "cluster.time=01:00:00", "cluster.constraint=h100", "cluster.cpus_per_rank=4",
+        "cluster.sbatch=[--exclusive]", "cluster.setup=['source /shared/venv/bin/activate']"])
+    run_dir = Path("/shared/home/runs/r1")
+    srun = srun_command(run_dir / "config.json", run_dir, nodes=2, nproc=8)
+    script = batch_script(cfg, job_name="r1", output=run_dir / "slurm-%j.out", env={"WORKBENCH_RUN_ID": "r1"},
+                          srun=srun)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
+                 "#SBATCH --time=01:00:00", "#SBATCH --constraint=h100", "#SBATCH --exclusive",
+                 "source /shared/venv/bin/activate", 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
+        assert line in script.splitlines(), line
+    last = script.splitlines()[-1]
+    assert last.startswith("exec srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 ")
+    for arg in ("--nproc-per-node=8", "--nnodes=2", "--rdzv-backend=c10d", '"--rdzv-endpoint=$HEAD:$PORT"',
+                '"--rdzv-id=$SLURM_JOB_ID"', "-m engine.worker"):
+        assert arg in last, arg
+    assert "--node-rank" not in last  # the c10d rendezvous numbers the nodes
+
+
+def test_slurm_reason_uses_slurms_own_words():
+    line = ("JobId=7 JobName=r1 JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15 SubmitTime=2026-11-22T18:16:04 "
+            "StartTime=2026-11-22T18:16:05 EndTime=2026-11-22T18:17:05")
+    f = parse_scontrol(line)
+    assert (f["JobState"], f["Reason"], f["ExitCode"]) == ("TIMEOUT", "TimeLimit", "0:15")
+    state = JobState("7", "TIMEOUT", "TimeLimit", "0:15", 0.0, 1.0, 61.0)
+    out = "slurmstepd-vm: error: *** JOB 7 ON vm CANCELLED AT 2026-11-22T18:17:05 DUE TO TIME LIMIT ***\n"
+    assert slurm_reason(state, out) == ("Slurm ended job 7 as TIMEOUT (reason TimeLimit), exit code 0:15: "
+                                        "*** JOB 7 ON vm CANCELLED AT 2026-11-22T18:17:05 DUE TO TIME LIMIT ***")
+    assert (state.phase, state.queued_s, state.run_s) == ("done", 1.0, 60.0)
+    assert JobState("8", "PENDING").phase == "queued" and JobState("8", "COMPLETING").phase == "running"
+
+
+def test_every_worker_of_a_study_uses_its_launcher():
+    from tuning.study import study_launcher
+
+    st = optuna.create_study()
+    assert study_launcher(st, "slurm") == "slurm" and st.user_attrs["launcher"] == "slurm"
+    assert study_launcher(st, None) == "slurm"  # a worker without --launcher follows the study
+    with pytest.raises(ValueError, match="runs its trials with --launcher slurm"):
+        study_launcher(st, "local")
+
+
+def _cli(*args: str, home: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "WORKBENCH_HOME": str(home), "OMP_NUM_THREADS": "1", "COLUMNS": "400", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], cwd=REPO, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_dry_run_prints_the_first_trials_job_and_submits_nothing(tmp_path):
+    out = _cli("tune", "examples/space.yaml", "--base", "examples/tiny.yaml", "--launcher", "slurm", "--dry-run",
+               "--workers", "2", "--seed", "0", "--set", "cluster.partition=gpu", home=tmp_path,
+               env={"SLURM_CONF": "/nonexistent"})  # no Slurm is asked
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "# first trial: parallel.layout=" in out.stdout and "#SBATCH --partition=gpu" in out.stdout
+    assert "# srun line:\nsrun --nodes=1" in out.stdout and "# worker job 1 of 2" in out.stdout
+    assert "tune examples/space.yaml --base examples/tiny.yaml --set cluster.partition=gpu --launcher slurm " \
+           "--workers 0 --trials 5 --seed 0" in out.stdout  # a worker's share of the default 10 trials
+    assert not (tmp_path / "studies.db").exists() and not (tmp_path / "runs").exists()
+    bad = _cli("run", "examples/tiny.yaml", "--dry-run", home=tmp_path)
+    assert bad.returncode == 2 and "--dry-run: shows a Slurm job; add --launcher slurm" in bad.stderr
+
+
+# ------------------------------------------------------------------ against a real Slurm
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A one-node Slurm for the session; SLURM_CONF points every client call (and child) at it."""
+    base = Path(tempfile.mkdtemp(prefix="wb-slurm-"))
+    cluster = SlurmCluster(base)
+    try:
+        cluster.start()
+    except ClusterUnavailable as exc:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(str(exc))
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SLURM_CONF", str(cluster.conf))
+    yield cluster
+    patch.undo()
+    cluster.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+
+
+def _left(run_dir: Path) -> list[str]:
+    """Processes still running for this run (its folder is on every rank's command line)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                out.append(f"{p.pid} {' '.join(p.info['cmdline'])[:120]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_a_two_rank_run_through_slurm_lands_its_steps_in_the_store(tmp_path):
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    seen = []
+    result = launch(_cfg("parallel.dp=2", "batch.global=4", "train.steps=3"), home=tmp_path, launcher="slurm",
+                    on_job=lambda s: seen.append(s.phase))
+    assert result.status == "completed", result.error
+    store = RunStore.open_home(tmp_path)
+    steps = {rank: sorted({r.step for r in store.metrics(result.run_id, kind="step", name="loss", rank=rank)})
+             for rank in (0, 1)}
+    assert steps == {0: [0, 1, 2], 1: [0, 1, 2]}
+    row = store.run(result.run_id)
+    s = row["summary"]
+    assert row["status"] == "completed" and s["slurm_state"] == "COMPLETED"
+    assert job_state(s["slurm_job_id"]).state == "COMPLETED"
+    assert s["queued_s"] >= 0 and s["run_s"] > 0 and row["started"] >= row["created"] - 1  # queue time apart
+    assert seen[-1] == "done" and "running" in seen
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_a_job_sbatch_refuses_is_a_failed_run_with_slurms_message(tmp_path):
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    result = launch(_cfg("parallel.dp=1", "batch.global=2", "cluster.partition=nosuchpartition"), home=tmp_path,
+                    launcher="slurm", raise_on_failure=False)
+    assert result.status == "failed" and "sbatch refused" in result.error and "invalid partition" in result.error
+    assert RunStore.open_home(tmp_path).run(result.run_id)["status"] == "failed"
+
+
+def _space(tmp_path: Path, steps: int) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text("params:\n  train.lr: {choices: [0.001, 0.002, 0.003, 0.004]}\n"
+                    f"fixed:\n  train.steps: {steps}\n")
+    return path
+
+
+def _objective(tmp_path: Path, steps: int):
+    from tuning.objective import Objective
+    from tuning.space import SearchSpace
+
+    return Objective(_cfg("parallel.dp=1", "batch.global=2"), SearchSpace.from_yaml(_space(tmp_path, steps)),
+                     home=tmp_path, launcher="slurm", trial_timeout_s=300)
+
+
+class _AlwaysPrune(optuna.pruners.BasePruner):
+    def prune(self, study, trial) -> bool:
+        return True
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_pruning_a_trial_cancels_its_job_and_leaves_no_process(tmp_path):
+    study = optuna.create_study(direction="maximize", pruner=_AlwaysPrune())
+    trial = study.ask()
+    outcome = _objective(tmp_path, steps=500).evaluate(trial)
+    assert outcome.state == optuna.trial.TrialState.PRUNED and outcome.reason.startswith("pruned at step")
+    attrs = trial.user_attrs if hasattr(trial, "user_attrs") else study.trials[0].user_attrs
+    assert job_state(attrs["slurm_job_id"]).state == "CANCELLED" and attrs["slurm_phase"] == "done"
+    assert _left(tmp_path / "runs" / attrs["run_id"]) == []
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_a_timed_out_trial_cancels_its_job(tmp_path):
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    trial = study.ask()
+    objective = _objective(tmp_path, steps=100000)
+    objective.timeout = 2.0  # seconds of running; the queue and the ranks' start count only once running
+    outcome = objective.evaluate(trial)
+    attrs = study.trials[0].user_attrs
+    assert outcome.state == optuna.trial.TrialState.FAIL and outcome.reason == "timeout", outcome.reason
+    assert job_state(attrs["slurm_job_id"]).state == "CANCELLED"
+    assert _left(tmp_path / "runs" / attrs["run_id"]) == []
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_a_job_killed_by_scancel_is_a_failed_trial_with_slurms_reason(tmp_path):
+    from profilers.store import RunStore
+
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    trial = study.ask()
+    done: dict = {}
+    worker = threading.Thread(target=lambda: done.update(outcome=_objective(tmp_path, steps=500).evaluate(trial)))
+    worker.start()
+    deadline, attrs = time.time() + 300, {}
+    while time.time() < deadline and worker.is_alive():  # wait for the job to run and a step to land
+        attrs = study.trials[0].user_attrs
+        if attrs.get("slurm_phase") == "running" and RunStore.open_home(tmp_path).latest_steps(attrs["run_id"], n=1):
+            break
+        time.sleep(0.5)
+    assert attrs.get("slurm_phase") == "running", attrs
+    subprocess.run(["scancel", attrs["slurm_job_id"]], check=True, timeout=30)
+    worker.join(timeout=120)
+    outcome = done["outcome"]
+    assert outcome.state == optuna.trial.TrialState.FAIL
+    assert outcome.reason.startswith(f"Slurm ended job {attrs['slurm_job_id']} as CANCELLED"), outcome.reason
+    assert f"*** JOB {attrs['slurm_job_id']} ON" in outcome.reason  # slurmstepd's own line
+    run = RunStore.open_home(tmp_path).run(attrs["run_id"])
+    assert run["status"] == "failed" and "CANCELLED" in run["error"]
+    assert _left(tmp_path / "runs" / attrs["run_id"]) == []
+
+
+def _postgres_listens() -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", 5432), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(900)  # two worker jobs x two trial jobs; minutes on a loaded 2-core machine
+def test_two_worker_jobs_share_a_four_trial_study_on_postgresql(tmp_path):
+    if not _postgres_listens():
+        pytest.skip("no PostgreSQL server listens on 127.0.0.1:5432")
+    from tuning.study import make_storage
+
+    name = f"slurm-{uuid.uuid4().hex[:8]}"
+    base = tmp_path / "base.yaml"
+    base.write_text((REPO / "examples" / "tiny.yaml").read_text())
+    sets = [a for s in [*TINY, "parallel.dp=1", "batch.global=2"] for a in ("--set", s)]
+    try:
+        out = _cli("tune", str(_space(tmp_path, steps=2)), "--base", str(base), *sets, "--launcher", "slurm",
+                   "--workers", "2", "--trials", "4", "--sampler", "grid", "--pruner", "none", "--storage", PG_URL,
+                   "--study", name, "--json", home=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        st = optuna.load_study(study_name=name, storage=make_storage(PG_URL))
+        trials = st.get_trials()
+        assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), \
+            [(t.state.name, t.user_attrs.get("reason")) for t in trials]
+        assert sorted(t.params["train.lr"] for t in trials) == [0.001, 0.002, 0.003, 0.004]  # distinct trials
+        assert len({t.user_attrs["slurm_job_id"] for t in trials}) == 4 and st.user_attrs["launcher"] == "slurm"
+        assert len({t.user_attrs["run_id"] for t in trials}) == 4
+    finally:
+        try:
+            optuna.delete_study(study_name=name, storage=make_storage(PG_URL))
+        except KeyError:
+            pass
+
+
+@pytest.mark.xdist_group("dashboard")
+def test_tune_page_shows_trials_queued_running_done_per_job(tmp_path, monkeypatch):
+    """The dashboard's Slurm panel from trials as `--launcher slurm` leaves them (user attributes)."""
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from tuning.study import default_storage, job_table
+
+    study = optuna.create_study(study_name="jobs", storage=default_storage(tmp_path), direction="maximize")
+    dist = {"train.lr": optuna.distributions.CategoricalDistribution([0.001, 0.002, 0.003])}
+    phases = [("41", "PENDING", "queued", None, None), ("42", "RUNNING", "running", 3.0, None),
+              ("43", "COMPLETED", "done", 2.0, 30.0)]
+    for i, (job, state, phase, queued, ran) in enumerate(phases):
+        attrs = {"slurm_job_id": job, "slurm_state": state, "slurm_phase": phase, "run_id": f"r{i}"}
+        attrs.update({k: v for k, v in (("queued_s", queued), ("run_s", ran)) if v is not None})
+        done = phase == "done"
+        study.add_trial(optuna.trial.create_trial(
+            state=optuna.trial.TrialState.COMPLETE if done else optuna.trial.TrialState.RUNNING,
+            values=[100.0] if done else None, params={"train.lr": [0.001, 0.002, 0.003][i]}, distributions=dist,
+            user_attrs=attrs))
+    rows = job_table(study.get_trials())
+    assert [(r["trial"], r["job"], r["phase"]) for r in rows] == [(0, "41", "queued"), (1, "42", "running"),
+                                                                  (2, "43", "done")]
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    st.cache_data.clear()
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
+    at.switch_page("workbench/app_pages/tune.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Slurm jobs" in [h.value for h in at.subheader]
+    metrics = {m.label: m.value for m in at.metric}
+    assert (metrics["jobs queued"], metrics["jobs running"], metrics["jobs done"]) == ("1", "1", "1")
+    table = next(d.value for d in at.dataframe if "job" in d.value.columns)
+    assert list(table["job"]) == ["41", "42", "43"] and list(table["ran (s)"].fillna(-1)) == [-1, -1, 30.0]
+
+
+def test_a_stopped_worker_fails_its_trial_with_why(tmp_path):
+    """A tuner worker stopped mid-trial (Ctrl-C, or SIGTERM when its worker job is cancelled: the trial's
+    job is cancelled on the way out) tells its trial FAIL with why, instead of leaving it RUNNING."""
+    from tuning.study import load_study, run_trials
+
+    class Interrupted:
+        def evaluate(self, trial):
+            raise KeyboardInterrupt
+
+    study = load_study("stopped", home=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_trials(study, Interrupted(), 2)
+    (trial,) = study.get_trials()
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs["reason"].startswith("interrupted: its tuner worker was stopped")

@@ -1,0 +1,72 @@
+"""Learning from real trials: a short real warm-started study records, per trial, the simulator's
+prediction (raw and corrected with the trials finished before it) next to the measured value."""
+from __future__ import annotations
+
+import math
+import uuid
+
+import pandas as pd
+import pytest
+
+from engine.config import load_config
+from tuning.hardware import cpu_profile, save_cluster
+from tuning.objective import Objective
+from tuning.space import SearchSpace
+from tuning.study import load_study, run_trials
+from tuning.warmstart import enqueue_simulated, local_profile, prediction_trend, trend_summary
+
+pytestmark = pytest.mark.xdist_group("launch")
+
+BASE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "train.steps=4",
+        "batch.global=8", "batch.micro=4", "train.warmup_steps=0", "profile.host_interval_s=0",
+        "profile.nvml_interval_s=0", "train.timeout_s=60"]
+
+
+def test_warm_started_study_records_predictions_and_applies_the_correction(tmp_path) -> None:
+    # a made-up host profile, deliberately off (the mechanism under test, not the calibration)
+    profile = cpu_profile(name="cpu-local-1", gemm_points=[(1e5, 5e9), (1e7, 2e10), (1e9, 4e10)],
+                          intra=(1e-4, 0.5), gpus_per_node=1, memory_gb=8.0)
+    save_cluster(profile, tmp_path / "hardware" / "cpu-local-1.yaml")
+    base = load_config(None, BASE)
+    space = SearchSpace.from_dict({"world_size": 1, "params": {"batch.micro": {"choices": [2, 4, 8]}}})
+    study = load_study(f"w-{uuid.uuid4().hex[:6]}", f"sqlite:///{tmp_path}/studies.db", seed=0,
+                       sampler="random", pruner="none")
+    enqueue_simulated(study, space, base, top=3, home=tmp_path)
+    run_trials(study, Objective(base, space, home=tmp_path, cluster=local_profile(1, tmp_path)), 3)
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    ratios = []
+    for t in trials:
+        a = t.user_attrs
+        assert a["predicted_tokens_per_s"] > 0 and a["predicted_step_time_s"] > 0 and a["tokens_per_s"] > 0
+        # the same class (1 rank): factor = exp(mean log-ratio shrunk twice): hand-derived from the records,
+        # none, r0^(3/4), (r0 r1)^(4/9) with r = measured / predicted tokens/s of the trials before
+        expected = {0: 1.0, 1: ratios[0] ** 0.75 if ratios else None,
+                    2: (ratios[0] * ratios[1]) ** (4 / 9) if len(ratios) > 1 else None}[t.number]
+        assert a["correction_trials"] == t.number
+        assert a["correction_factor"] == pytest.approx(expected, rel=1e-9)
+        assert a["corrected_tokens_per_s"] == pytest.approx(a["predicted_tokens_per_s"] * expected, rel=1e-9)
+        assert a["corrected_step_time_s"] == pytest.approx(a["predicted_step_time_s"] / expected, rel=1e-9)
+        ratios.append(a["tokens_per_s"] / a["predicted_tokens_per_s"])
+    trend = prediction_trend(study)
+    assert list(trend["trial"]) == [0, 1, 2]
+    for (_, row), t in zip(trend.iterrows(), trials):
+        a = t.user_attrs
+        assert row["corrected_error_pct"] == pytest.approx(100 * (a["corrected_tokens_per_s"] / a["tokens_per_s"] - 1))
+        tokens = 8 * 32  # batch.global x seq_len per step
+        assert row["measured_step_s"] == pytest.approx(tokens / a["tokens_per_s"], rel=1e-6)
+    summary = trend_summary(trend, first=1)
+    assert summary["first_median_abs_error_pct"] == pytest.approx(abs(trend["error_pct"].iloc[0]))
+    assert math.isfinite(summary["last_median_abs_error_pct"])
+
+
+def test_prediction_trend_figure_draws_measured_raw_corrected_and_the_error_trend() -> None:
+    from workbench.plots import fig_prediction_trend
+
+    trend = pd.DataFrame({"trial": [0, 1], "measured_step_s": [0.2, 0.1], "predicted_step_s": [0.1, 0.05],
+                          "corrected_step_s": [0.1, 0.09], "trend_abs_error_pct": [50.0, 30.0]})
+    fig = fig_prediction_trend(trend)
+    assert [tr.name for tr in fig.data] == ["measured", "simulator (raw)", "simulator (corrected)",
+                                            "median |error| so far (%)"]
+    assert list(fig.data[0].y) == [0.2, 0.1] and fig.data[3].yaxis == "y2"
+    assert "no trial" in fig_prediction_trend(trend.iloc[0:0]).layout.annotations[0].text
