@@ -232,3 +232,43 @@ def test_simulator_searches_placements() -> None:
     dp4 = df[df.dp == 4]
     assert len(dp4) == 2 and dp4.iteration_time_s.nunique() == 1
     assert (dp4.iteration_time_s > df.iteration_time_s[0]).all()
+
+
+# ---- a collective's link time starts when its last rank joins ------------------------------
+
+# rank 0 alone in "a", rank 1 alone in "b", 0.1 Gbit/s between: a 1 MB 2-rank all_reduce takes
+# 1e6 / 12.5e6 = 80 ms on the link, counted from when BOTH ranks have joined (a ring cannot send
+# before its last member arrives)
+LATE = LinkTopology(groups=(RankGroup(name="a", ranks=(0,), gbps=100.0), RankGroup(name="b", ranks=(1,), gbps=100.0)),
+                    inter_gbps=0.1)
+LATE_S = 0.25  # rank 1 joins each collective this much after rank 0
+
+
+def _late_joiner(rank: int, world: int) -> dict:
+    from torch.distributed import _functional_collectives as funcol
+
+    from engine.comm.link_patch import emulate_topology
+
+    emulate_topology(LATE)
+    t = torch.zeros(250_000)  # 1 MB
+    calls = {"sync": lambda: dist.all_reduce(t), "async": lambda: dist.all_reduce(t, async_op=True).wait(),
+             "functional": lambda: funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))}
+    out = {}
+    for name, call in calls.items():
+        dist.barrier()
+        if rank == 1:
+            time.sleep(LATE_S)
+        out[f"{name}_join"] = time.perf_counter()  # the machine's monotonic clock, shared by the ranks
+        call()
+        out[f"{name}_end"] = time.perf_counter()
+    emulate_topology(None)
+    return out
+
+
+@pytest.mark.slow
+def test_link_time_counts_from_the_last_rank_to_join() -> None:
+    early, late = run_ranks(2, _late_joiner)
+    for name in ("sync", "async", "functional"):
+        # old: the early rank's link time ran while it waited for the late one (it returned at the real end)
+        assert early[f"{name}_end"] - late[f"{name}_join"] >= 1e6 / 12.5e6, name
+        assert late[f"{name}_end"] - late[f"{name}_join"] >= 1e6 / 12.5e6, name

@@ -4,14 +4,19 @@ links it really crosses (`LinkTopology`): the heterogeneous side of link emulati
 `emulate_topology(topology)` replaces the c10d functions (as `profilers.collectives` does, and
 below it, so recorded times include the emulated link) with wrappers that:
 - collectives (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, ...): finish no
-  earlier than issue + `topology.delay_for(op, bytes, ranks of the group)`; a synchronous call
-  sleeps what is left, an asynchronous one returns a Work whose `wait()` does;
+  earlier than join + `topology.delay_for(op, bytes, ranks of the group)`, where join is when the
+  LAST rank of the group issued it (a ring sends nothing before all its members are there; a
+  rank that waited for a late peer does not get that wait counted as link time). The ranks
+  learn the join time from an 8-byte MAX all_reduce of their issue times (wall clock, shared
+  by the ranks of one host) issued just before the real collective (ours: its real cost is part
+  of the emulated time, as it runs inside it). A synchronous call sleeps what is left, an
+  asynchronous one returns a Work whose `wait()` does;
 - send / isend: sleep `topology.p2p_delay(bytes, me, peer)` before the real send is issued, so the
   receiver gets the data no earlier than the slow hop allows (ours: the sender is held for the
   transfer, as a blocking send on that link would be; recv/irecv add nothing).
 
 - functional collectives (DTensor: tensor and sequence parallel), the op packets of
-  `torch.ops._c10d_functional`: the issuing call returns no earlier than issue + the delay
+  `torch.ops._c10d_functional`: the issuing call returns no earlier than join + the delay
   (ours: DTensor waits for each result right before its first use, so holding the issue is
   what a slow link costs it).
 
@@ -46,6 +51,7 @@ class _State:
     topology: LinkTopology | None = None
     originals: dict[tuple[Any, str], Callable[..., Any]] = {}
     ranks: dict[str, tuple[int, ...]] = {}
+    raw_all_reduce: Callable[..., Any] | None = None  # torch's own, for the join-time exchange
 
 
 _STATE = _State()
@@ -70,6 +76,7 @@ def emulate_topology(topology: LinkTopology | None) -> None:
             return
         if _STATE.originals:
             return
+        _STATE.raw_all_reduce = c10d.all_reduce
         for name in (*_COLLECTIVES, *_SENDS):
             original = getattr(c10d, name)
             wrapper = _make_wrapper(name, original)
@@ -108,14 +115,17 @@ class _DelayedOp:
 
         from profilers.functional import OPS
 
-        start = time.perf_counter()
+        start = time.time()
         op, name_at, size_at, times_size = OPS[self._name]
         group = args[name_at]
         pg = _resolve_process_group(group) if isinstance(group, str) else group
         ranks = _group_ranks(pg)
         nbytes = _nbytes(args[0]) * (len(ranks) if times_size else 1)
+        seconds = topology.delay_for(op, nbytes, ranks)
+        joined = _Join(start, pg, async_op=False) if seconds > 0 else None
         out = self._packet(*args, **kwargs)
-        _sleep_until(start + topology.delay_for(op, nbytes, ranks))
+        if joined is not None:
+            _sleep_until(joined.time() + seconds)
         return out
 
     def __getattr__(self, attr: str) -> Any:
@@ -177,13 +187,16 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
         topology = _STATE.topology
         if topology is None:
             return original(*args, **kwargs)
-        start = time.perf_counter()
-        ranks = _group_ranks(arg(args, kwargs, "group"))
-        deadline = start + topology.delay_for(op, _nbytes(arg(args, kwargs, payload)), ranks)
+        start = time.time()
+        group = arg(args, kwargs, "group")
+        seconds = topology.delay_for(op, _nbytes(arg(args, kwargs, payload)), _group_ranks(group))
+        if seconds <= 0:
+            return original(*args, **kwargs)
+        joined = _Join(start, group, async_op=bool(arg(args, kwargs, "async_op", False)))
         result = original(*args, **kwargs)
         if isinstance(result, dist.Work):
-            return _DelayedWork(result, deadline)
-        _sleep_until(deadline)
+            return _DelayedWork(result, joined, seconds)
+        _sleep_until(joined.time() + seconds)
         return result
 
     wrapper = send_wrapper if name in _SENDS else collective_wrapper
@@ -194,25 +207,47 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
 
 
 def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.perf_counter()
+    """Sleep until wall-clock time `deadline` (time.time(): the clock the ranks exchange)."""
+    remaining = deadline - time.time()
     if remaining > 0:
         time.sleep(remaining)
 
 
-class _DelayedWork(dist.Work):
-    """An asynchronous collective whose `wait()` returns no earlier than its emulated deadline."""
+class _Join:
+    """When the last rank of `group` issued a collective: MAX of the ranks' issue times, exchanged
+    by torch's own all_reduce (not the emulated one) just before the real collective is issued."""
 
-    def __init__(self, inner: dist.Work, deadline: float) -> None:
+    def __init__(self, start: float, group: Any, *, async_op: bool) -> None:
+        self._stamp = torch.tensor([start], dtype=torch.float64)
+        assert _STATE.raw_all_reduce is not None
+        self._work = _STATE.raw_all_reduce(self._stamp, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+
+    def time(self) -> float:
+        """The join time (waits for the exchange of an asynchronous collective)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return float(self._stamp.item())
+
+    def done(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+class _DelayedWork(dist.Work):
+    """An asynchronous collective whose `wait()` returns no earlier than join + its emulated link time."""
+
+    def __init__(self, inner: dist.Work, joined: _Join, seconds: float) -> None:
         super().__init__()
-        self._inner, self._deadline = inner, deadline
+        self._inner, self._joined, self._seconds = inner, joined, seconds
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         result = self._inner.wait(*args, **kwargs)
-        _sleep_until(self._deadline)
+        _sleep_until(self._joined.time() + self._seconds)
         return result
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed() and time.perf_counter() >= self._deadline
+        return (self._inner.is_completed() and self._joined.done()
+                and time.time() >= self._joined.time() + self._seconds)
 
     def is_success(self) -> bool:
         return self._inner.is_success()
