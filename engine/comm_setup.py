@@ -100,7 +100,8 @@ def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any
     if cfg.link.gbps > 0 or cfg.link.groups:
         monitor.link = _link_of(cfg, group)
         # the cost reads monitor.link at each bucket, so a live tuner can change the link
-        hook = monitor.link.wrap_hook(hook, group_size=n, cost=_link_cost(monitor, n))
+        hook = monitor.link.wrap_hook(hook, group_size=n, cost=_link_cost(monitor, n),
+                                      group=group if group is not None else dist.group.WORLD)
     if cfg.profile.enabled or cfg.comm.compressor != "none" or cfg.link.gbps > 0 or cfg.link.groups:
         hook = monitor.track(hook)
         if trainer.collectives.enabled:

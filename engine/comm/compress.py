@@ -474,7 +474,8 @@ def apply_compression(
         compressor, process_group=process_group, density=density, rank=rank, seed=seed, on_bytes=on_bytes
     )
     if link is not None:
-        hook = link.wrap_hook(hook, group_size=state.group_size(), cost=_link_cost(link))
+        hook = link.wrap_hook(hook, group_size=state.group_size(), cost=_link_cost(link),
+                              group=process_group if process_group is not None else dist.group.WORLD)
     ddp_model.register_comm_hook(state, hook)
     return state
 

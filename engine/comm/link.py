@@ -53,8 +53,11 @@ class LinkEmulator:
             return 0.0
         return num_ops * self.latency_us * 1e-6 + wire_bytes / self.bytes_per_s
 
-    def wrap_hook(self, hook: HookFn, *, group_size: int, cost: CostFn | None = None) -> HookFn:
+    def wrap_hook(self, hook: HookFn, *, group_size: int, cost: CostFn | None = None, group: Any = None) -> HookFn:
         """Wrap a DDP comm hook so each bucket's future completes no earlier than start + delay.
+
+        start: when the last rank of `group` (the dp process group) launched the bucket (`Join`),
+        or, without a group, when this rank did.
 
         The delay runs on a timer thread, so backward keeps going while the "link" is busy, as it
         would on a real slow link. `cost(state, bucket)` gives the delay in seconds once the real
@@ -72,6 +75,7 @@ class LinkEmulator:
 
         def emulated_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             start = time.perf_counter()
+            join = Join(time.time(), group) if group is not None and group_size > 1 else None
             inner = hook(state, bucket)
             out: torch.futures.Future = torch.futures.Future()
 
@@ -82,8 +86,9 @@ class LinkEmulator:
                 except Exception as exc:  # noqa: BLE001 - forwarded to DDP through the future
                     out.set_exception(exc)
                     return
+                joined = start if join is None else start + max(0.0, join.time() - join.start)
                 with lock:
-                    deadline = max(start, link_free[0]) + seconds
+                    deadline = max(joined, link_free[0]) + seconds
                     link_free[0] = deadline
                 _timer().complete_at(deadline, out, value)
 
@@ -115,6 +120,37 @@ class LinkEmulator:
         if remaining > 0:
             time.sleep(remaining)
         return result
+
+
+class Join:
+    """When the last rank of `group` (None: the world) issued a collective: the MAX of the ranks'
+    issue times `start` (wall clock, time.time(): shared by the ranks of one host), exchanged by
+    an 8-byte all_reduce on the process group itself (below torch.distributed's functions, so no
+    wrapper, emulated link or profiler sees it). Issue it just before the real collective, in the
+    same order on every rank; `time()` waits for it (ours: a ring sends nothing before its last
+    member is there, so an emulated link time counts from then).
+    """
+
+    def __init__(self, start: float, group: Any = None) -> None:
+        self.start = start
+        self._stamp = torch.tensor([start], dtype=torch.float64)
+        self._work = None
+        c10d = dist.distributed_c10d
+        pg = group if group is not None else c10d._get_default_group()
+        if not c10d._rank_not_in_group(pg):
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self._work = pg.allreduce([self._stamp], opts)
+
+    def time(self) -> float:
+        """The last rank's issue time (waits for the exchange)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return float(self._stamp.item())
+
+    def done(self) -> bool:
+        return self._work is None or self._work.is_completed()
 
 
 def _is_waitable(obj: Any) -> bool:

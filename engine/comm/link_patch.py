@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.comm.link import LinkTopology
+from engine.comm.link import Join, LinkTopology
 
 _COLLECTIVES: dict[str, tuple[str, str, int]] = {  # function -> (op, bytes argument, position)
     "all_reduce": ("all_reduce", "tensor", 0), "all_gather": ("all_gather", "tensor_list", 0),
@@ -51,7 +51,6 @@ class _State:
     topology: LinkTopology | None = None
     originals: dict[tuple[Any, str], Callable[..., Any]] = {}
     ranks: dict[str, tuple[int, ...]] = {}
-    raw_all_reduce: Callable[..., Any] | None = None  # torch's own, for the join-time exchange
 
 
 _STATE = _State()
@@ -76,7 +75,6 @@ def emulate_topology(topology: LinkTopology | None) -> None:
             return
         if _STATE.originals:
             return
-        _STATE.raw_all_reduce = c10d.all_reduce
         for name in (*_COLLECTIVES, *_SENDS):
             original = getattr(c10d, name)
             wrapper = _make_wrapper(name, original)
@@ -122,7 +120,7 @@ class _DelayedOp:
         ranks = _group_ranks(pg)
         nbytes = _nbytes(args[0]) * (len(ranks) if times_size else 1)
         seconds = topology.delay_for(op, nbytes, ranks)
-        joined = _Join(start, pg, async_op=False) if seconds > 0 else None
+        joined = Join(start, pg) if seconds > 0 else None
         out = self._packet(*args, **kwargs)
         if joined is not None:
             _sleep_until(joined.time() + seconds)
@@ -192,7 +190,7 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
         seconds = topology.delay_for(op, _nbytes(arg(args, kwargs, payload)), _group_ranks(group))
         if seconds <= 0:
             return original(*args, **kwargs)
-        joined = _Join(start, group, async_op=bool(arg(args, kwargs, "async_op", False)))
+        joined = Join(start, group)
         result = original(*args, **kwargs)
         if isinstance(result, dist.Work):
             return _DelayedWork(result, joined, seconds)
@@ -213,30 +211,10 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(remaining)
 
 
-class _Join:
-    """When the last rank of `group` issued a collective: MAX of the ranks' issue times, exchanged
-    by torch's own all_reduce (not the emulated one) just before the real collective is issued."""
-
-    def __init__(self, start: float, group: Any, *, async_op: bool) -> None:
-        self._stamp = torch.tensor([start], dtype=torch.float64)
-        assert _STATE.raw_all_reduce is not None
-        self._work = _STATE.raw_all_reduce(self._stamp, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
-
-    def time(self) -> float:
-        """The join time (waits for the exchange of an asynchronous collective)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return float(self._stamp.item())
-
-    def done(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-
 class _DelayedWork(dist.Work):
     """An asynchronous collective whose `wait()` returns no earlier than join + its emulated link time."""
 
-    def __init__(self, inner: dist.Work, joined: _Join, seconds: float) -> None:
+    def __init__(self, inner: dist.Work, joined: Join, seconds: float) -> None:
         super().__init__()
         self._inner, self._joined, self._seconds = inner, joined, seconds
 
