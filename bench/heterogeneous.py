@@ -38,11 +38,25 @@ BASE = ["parallel.pp=2", "parallel.dp=2", "parallel.schedule=1f1b", "model.layer
 PLACEMENTS = {"naive": ["parallel.placement=naive"], "holmes": ["parallel.placement=holmes"]}
 
 
-def measure(name: str, steps: int, home: Path, extra: list[str]) -> float:
-    """Tokens/s of one launch: tokens per step / the median steady step time."""
+# where a step's time goes, per rank (medians over the steps after the first two): the pipeline
+# schedule (forward, backward, waits), the dp gradient all-reduce (real + emulated link, from the
+# last rank's join), and the optimizer phase (that all-reduce + clip + AdamW)
+PARTS = {"schedule": ("schedule", "@total"), "dp_allreduce": ("comm", "dp:all_reduce/time(s)"),
+         "optimizer_phase": ("breakdown", "optimizer(s)")}
+
+
+def measure(name: str, steps: int, home: Path, extra: list[str]) -> tuple[float, dict[str, float]]:
+    """Tokens/s of one launch (tokens per step / the median steady step time) and its step parts (s)."""
+    from profilers.store import RunStore
+
     cfg = load_config(None, BASE + extra + PLACEMENTS[name] + [f"train.steps={steps}", f"name=het-{name}"])
     result = launch(cfg, home=home)
-    return cfg.batch.global_ * cfg.model.seq_len / float(result.summary["step_time_s"])
+    store = RunStore.open_home(home)
+    parts = {}
+    for part, (kind, metric) in PARTS.items():
+        values = [r.value for r in store.metrics(result.run_id, kind=kind, name=metric) if r.step >= 2]
+        parts[part] = statistics.median(values) if values else float("nan")
+    return cfg.batch.global_ * cfg.model.seq_len / float(result.summary["step_time_s"]), parts
 
 
 def predicted(steps: int, extra_overrides: list[str]) -> dict[str, dict[str, float]]:
@@ -78,13 +92,17 @@ def main() -> None:
     sim = predicted(args.steps, extra)
     print("simulated tokens/s: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in sim.items()), flush=True)
     got: dict[str, list[float]] = {name: [] for name in PLACEMENTS}
+    parts: dict[str, list[dict[str, float]]] = {name: [] for name in PLACEMENTS}
     with tempfile.TemporaryDirectory(prefix="bench-het-") as tmp:
         for r in range(args.rounds):  # interleaved: a slow phase of the shared machine hits both
             for name in PLACEMENTS:
                 t0 = time.perf_counter()
-                got[name].append(measure(name, args.steps, Path(tmp), extra))
-                print(f"round {r + 1} {name:7s} {got[name][-1]:8.1f} tokens/s  "
-                      f"({time.perf_counter() - t0:.0f} s, load1 {os.getloadavg()[0]:.1f})", flush=True)
+                tps, part = measure(name, args.steps, Path(tmp), extra)
+                got[name].append(tps)
+                parts[name].append(part)
+                print(f"round {r + 1} {name:7s} {tps:8.1f} tokens/s  ({time.perf_counter() - t0:.0f} s, load1 "
+                      f"{os.getloadavg()[0]:.1f}); per rank: " + ", ".join(f"{k} {v:.3f} s" for k, v in part.items()),
+                      flush=True)
     med = {name: statistics.median(v) for name, v in got.items()}
     ratio, sim_ratio = med["holmes"] / med["naive"], sim["holmes"]["tokens_per_s"] / sim["naive"]["tokens_per_s"]
     print(f"\n{'placement':10s} {'measured tok/s':>15s} {'simulated tok/s':>16s}  simulated breakdown (s)")
@@ -93,6 +111,9 @@ def main() -> None:
         parts = ", ".join(f"{k[:-2]} {s[k]:.3f}" for k in ("compute_s", "bubble_s", "pp_comm_s", "dp_comm_exposed_s",
                                                           "optimizer_s"))
         print(f"{name:10s} {med[name]:15.1f} {s['tokens_per_s']:16.1f}  {parts}")
+    print("measured step parts (s, medians over rounds, ranks, steps): " + "; ".join(
+        f"{name} " + ", ".join(f"{k} {statistics.median(p[k] for p in parts[name]):.3f}" for k in PARTS)
+        for name in PLACEMENTS))
     print(f"\nholmes / naive tokens/s: measured {ratio:.2f}x (goal >= 1.5x), simulated {sim_ratio:.2f}x; "
           f"simulated ratio off by {100 * (sim_ratio - ratio) / ratio:+.1f}% (goal within 15%)")
 
