@@ -92,14 +92,14 @@ def main() -> None:
     sim = predicted(args.steps, extra)
     print("simulated tokens/s: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in sim.items()), flush=True)
     got: dict[str, list[float]] = {name: [] for name in PLACEMENTS}
-    parts: dict[str, list[dict[str, float]]] = {name: [] for name in PLACEMENTS}
+    step_parts: dict[str, list[dict[str, float]]] = {name: [] for name in PLACEMENTS}
     with tempfile.TemporaryDirectory(prefix="bench-het-") as tmp:
         for r in range(args.rounds):  # interleaved: a slow phase of the shared machine hits both
             for name in PLACEMENTS:
                 t0 = time.perf_counter()
                 tps, part = measure(name, args.steps, Path(tmp), extra)
                 got[name].append(tps)
-                parts[name].append(part)
+                step_parts[name].append(part)
                 print(f"round {r + 1} {name:7s} {tps:8.1f} tokens/s  ({time.perf_counter() - t0:.0f} s, load1 "
                       f"{os.getloadavg()[0]:.1f}); per rank: " + ", ".join(f"{k} {v:.3f} s" for k, v in part.items()),
                       flush=True)
@@ -112,7 +112,7 @@ def main() -> None:
                                                           "optimizer_s"))
         print(f"{name:10s} {med[name]:15.1f} {s['tokens_per_s']:16.1f}  {parts}")
     print("measured step parts (s, medians over rounds, ranks, steps): " + "; ".join(
-        f"{name} " + ", ".join(f"{k} {statistics.median(p[k] for p in parts[name]):.3f}" for k in PARTS)
+        f"{name} " + ", ".join(f"{k} {statistics.median(p[k] for p in step_parts[name]):.3f}" for k in PARTS)
         for name in PLACEMENTS))
     print(f"\nholmes / naive tokens/s: measured {ratio:.2f}x (goal >= 1.5x), simulated {sim_ratio:.2f}x; "
           f"simulated ratio off by {100 * (sim_ratio - ratio) / ratio:+.1f}% (goal within 15%)")
