@@ -321,7 +321,7 @@ class Trainer:
         if step == self.start_step and self.cfg.profile.enabled:  # set up before the step's clocks start
             from engine.memory import ModelStatePeak
 
-            peak = ModelStatePeak(par.modules).__enter__()  # peak params + grads during backward
+            peak = ModelStatePeak(par.modules).start()  # peak params + grads during backward
         t0 = time.perf_counter()
         self.timer.start_step()
         lr = lr_at(step, c)
@@ -346,9 +346,8 @@ class Trainer:
             grad_norm = self._clip()
             if self.user_step is None:  # a user's step function has updated the parameters itself
                 par.optimizer.step()
-            if peak is not None:
-                peak.__exit__(None, None, None)
-                self._record_memory_accounting(step, peak.peak)  # after the step: optimizer state exists
+            if peak is not None:  # after the step: optimizer state exists
+                self._record_memory_accounting(step, peak.stop())
             par.optimizer.zero_grad(set_to_none=True)
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
