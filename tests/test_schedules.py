@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.model import build_model, loss_fn
 from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
 from engine.validate import SCHEDULES
-from parallel_harness import run_ranks
+from parallel_harness import counting_batches, run_ranks, single_process_losses
 
 SEED, STEPS, GLOBAL_BATCH, MICRO, LR = 0, 5, 16, 2, 1e-2
 CFG = ModelConfig(layers=8, d_model=16, heads=2, seq_len=8, vocab=64, dropout=0.0)
@@ -28,23 +28,11 @@ VIRTUAL = 2  # interleaved, looped_bfs, zero_bubble
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1234)
-    starts = torch.randint(0, CFG.vocab, (STEPS, GLOBAL_BATCH, 1), generator=gen)
-    tokens = (starts + torch.arange(CFG.seq_len + 1)) % CFG.vocab
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    return counting_batches(steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=CFG.seq_len, vocab=CFG.vocab)
 
 
 def _reference_losses() -> list[float]:
-    model = build_model(CFG, seed=SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return single_process_losses(CFG, _batches(), seed=SEED, lr=LR)
 
 
 def _train(mesh, schedule: str, zero3: bool = False, skip_ratio: float | None = None) -> dict:
