@@ -213,7 +213,7 @@ class ClusterConfig:
     account: str | None = None  # --account to charge
     time: str | None = None  # --time limit in Slurm's format: MM, HH:MM:SS, D-HH:MM:SS (site default when unset)
     constraint: str | None = None  # --constraint, node features, e.g. "h100&ib"
-    nodes: int = 1  # nodes per run; must divide the world size dp*tp*pp
+    nodes: int = 1  # nodes per run; must divide the world size dp*tp*pp(*cp)
     gpus_per_node: int = 0  # GPUs (= ranks) per node; 0: CPU ranks, world_size / nodes per node, no GPU request
     cpus_per_rank: int = 1  # CPU cores asked per rank (--cpus-per-task = ranks per node * this)
     sbatch: list[str] | None = None  # extra #SBATCH options, e.g. ["--qos=high", "--exclusive"]

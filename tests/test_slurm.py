@@ -48,6 +48,11 @@ def test_a_bad_cluster_field_is_one_line_naming_it(override, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+def test_cluster_rules_name_cp_in_the_world_size_when_it_is_used():
+    with pytest.raises(ConfigError, match=r"cluster.nodes=3: must divide the world size dp\*tp\*pp\*cp = 4"):
+        _cfg("parallel.cp=2", "cluster.nodes=3")
+
+
 def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
     cfg = load_config(REPO / "examples" / "tiny.yaml", [
         "parallel.dp=16", "batch.global=64", "cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.partition=gpu",
