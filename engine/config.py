@@ -178,7 +178,7 @@ class LinkConfig:
 
     gbps: float = 0.0
     latency_us: float = 0.0
-    ranks_per_node: int = 1  # ranks sharing a node: traffic between nodes crosses the emulated link (MoE all_to_all)
+    ranks_per_node: int = 1  # ranks sharing a node: traffic between nodes crosses the emulated link (MoE all_to_all); groups, when set, are the nodes
     groups: list[LinkGroupConfig] | None = None  # rank groups, each with its own link
     inter_gbps: float = 0.0  # link between groups, Gbit/s (needed with groups)
     inter_latency_us: float = 0.0  # latency of the inter-group link, microseconds

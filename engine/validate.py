@@ -475,6 +475,12 @@ def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     missing = sorted(set(range(cfg.world_size)) - set(seen))
     if missing:
         yield ConfigError("link.groups", [g.name for g in ln.groups], f"must place every rank; {missing} are in no group")
+    rpn = ln.ranks_per_node
+    blocks = [list(range(s, min(s + rpn, cfg.world_size))) for s in range(0, cfg.world_size, max(rpn, 1))]
+    if rpn > 1 and sorted(sorted(g.ranks) for g in ln.groups) != blocks:
+        yield ConfigError("link.ranks_per_node", rpn, f"disagrees with link.groups {[list(g.ranks) for g in ln.groups]} "
+                          f"(with both set, each group must be {rpn} consecutive ranks); leave ranks_per_node=1 and "
+                          "the groups are the nodes")
     if p.placement == "holmes":
         for i, g in enumerate(ln.groups):
             if g.ranks and len(g.ranks) % p.tp:
