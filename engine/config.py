@@ -178,7 +178,8 @@ class LinkConfig:
 
     gbps: float = 0.0
     latency_us: float = 0.0
-    ranks_per_node: int = 1  # ranks sharing a node: traffic between nodes crosses the emulated link (MoE all_to_all); groups, when set, are the nodes
+    ranks_per_node: int = 1  # ranks sharing a node (MoE all_to_all): traffic between nodes crosses the emulated link
+    # (with link.groups set, the groups are the nodes)
     groups: list[LinkGroupConfig] | None = None  # rank groups, each with its own link
     inter_gbps: float = 0.0  # link between groups, Gbit/s (needed with groups)
     inter_latency_us: float = 0.0  # latency of the inter-group link, microseconds

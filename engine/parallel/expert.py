@@ -15,8 +15,9 @@ receive splits), one of the tokens (dispatch) and one of the outputs (combine); 
 the two token all_to_alls in reverse. With `hierarchical`, each token exchange is two steps,
 inside the node then across nodes with the same local index (SE-MoE, DeepSpeed-MoE's
 hierarchical all-to-all); nodes are the `link.groups` entries when set (heterogeneous links),
-else `ranks_per_node` consecutive ranks, the groups the link emulator treats as one machine. An emulated link (engine/comm/link.py) delays the bytes a
-rank sends off its node: latency per off-node message plus bytes / bandwidth.
+else `ranks_per_node` consecutive ranks, the groups the link emulator treats as one machine. An
+emulated link (engine/comm/link.py) delays the bytes a rank sends off its node: latency per
+off-node message plus bytes / bandwidth.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def node_split(ranks: list[int], node_of: Callable[[int], int] | int) -> list[li
         nodes.setdefault(where(r), []).append(i)
     split = list(nodes.values())
     if len({len(n) for n in split}) != 1 or [i for n in split for i in n] != list(range(len(ranks))):
-        raise ValueError(f"ep group {ranks} does not split into equal, consecutive nodes (nodes: {[where(r) for r in ranks]})")
+        raise ValueError(f"ep group {ranks} does not split into equal, consecutive nodes "
+                         f"(nodes: {[where(r) for r in ranks]})")
     return split
 
 
