@@ -161,26 +161,32 @@ def _time(fn, repeats: int = 3) -> float:
     return best
 
 
-def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, device: torch.device) -> CostModel:
+def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, device: torch.device,
+              rounds: int = 5) -> CostModel:
     """Fit (a1 s^2 + a2 s + bias) to one rank's forward+backward of one sequence at four lengths
-    (non-negative least squares), then each group size g's sequence-parallel overhead: the same
+    (non-negative least squares), the per-sequence constant from the same seq_len tokens as 16 packed
+    documents, then each group size g's sequence-parallel overhead: the same
     forward+backward of a sequence sharded over every group of g ranks at once (Ulysses) at two
     lengths, minus 1/g of the single-rank model, split into a per-token all-to-all cost and a
     constant per group (`fit_group_overhead`). That overhead is the all-to-all as it really costs
     here, latency and waits for the slowest group member included. All ranks measure at once (as
-    they run); rank 0's numbers go to every rank."""
+    they run), `rounds` times (medians); rank 0's numbers go to every rank."""
     from scipy.optimize import nnls
 
     lengths = sorted({max(2, seq_len // 8), max(2, seq_len // 4), max(2, seq_len // 2), seq_len})
     full = torch.randint(0, model.cfg.vocab, (1, seq_len), device=device)
     sizes = [g for g in powers_of_two(world)[1:] if seq_len % (2 * g) == 0 and model.cfg.heads % g == 0]
     two = (seq_len // 2, seq_len)
-    single = {s: float("inf") for s in lengths}
-    grouped = {(g, s): float("inf") for g in sizes for s in two}
-    for _ in range(3):  # rounds interleave every measurement: a load change on a shared machine hits all alike
+    single: dict[int, list[float]] = {s: [] for s in lengths}
+    grouped: dict[tuple[int, int], list[float]] = {(g, s): [] for g in sizes for s in two}
+    docs = max(1, min(16, seq_len // 2))  # a packed row of short documents, as the steps run them
+    ids_docs = (torch.arange(seq_len, device=device) * docs // seq_len)[None]
+    pos_docs = torch.arange(seq_len, device=device) % (seq_len // docs)
+    packed: list[float] = []
+    for _ in range(rounds):  # rounds interleave every measurement: a load change on a shared machine hits all alike
         _set_core(model, None)
         for s in lengths:
-            single[s] = min(single[s], _time(lambda: model(full[:, :s]).float().mean().backward(), repeats=1))
+            single[s].append(_time(lambda: model(full[:, :s]).float().mean().backward(), repeats=1))
         for g in sizes:
             ranks, group = next((r, grp) for r, grp in groups.pattern([g] * (world // g)) if dist.get_rank() in r)
             _set_core(model, group)
@@ -188,16 +194,24 @@ def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, devic
             for s in two:
                 local = shard_sequence(full[:, :s], cp=g, cp_rank=me)
                 pos = shard_sequence(torch.arange(s, device=device), cp=g, cp_rank=me, dim=0)
-                grouped[g, s] = min(grouped[g, s], _time(lambda: model(local, positions=pos).float().mean().backward(),
-                                                         repeats=1))
+                grouped[g, s].append(_time(lambda: model(local, positions=pos).float().mean().backward(), repeats=1))
+        _set_core(model, None)  # the same tokens as `docs` documents packed in one row: the per-document cost
+        packed.append(_time(lambda: model(full, positions=pos_docs, doc_ids=ids_docs).float().mean().backward(),
+                            repeats=1))
+    # the median, not the least: on a shared machine the steps pay the load too, and the least of a
+    # few samples is mostly luck
+    single = {s: float(np.median(v)) for s, v in single.items()}
+    grouped = {k: float(np.median(v)) for k, v in grouped.items()}
     (a1, a2, bias), _ = nnls(np.array([[s * s, s, 1.0] for s in lengths]), np.array([single[s] for s in lengths]))
-    base = CostModel(a1=float(a1), a2=float(a2), bias=float(bias))
+    base = CostModel(a1=float(a1), a2=float(a2), bias=float(bias))  # one unpacked sequence: no per_seq
+    one = base.group_time([seq_len // docs] * docs, 1)  # the packed row as the model without per_seq prices it
+    per_seq = max(0.0, (float(np.median(packed)) - one) / docs)
     a2a, group_bias = {}, {}
     for g in sizes:
         a2a[g], group_bias[g] = fit_group_overhead(base, g, {s: grouped[g, s] for s in two})
     _set_core(model, None)
     model.zero_grad(set_to_none=True)
-    box = [CostModel(a1=base.a1, a2=base.a2, a2a=a2a, bias=base.bias, group_bias=group_bias)]
+    box = [CostModel(a1=base.a1, a2=base.a2, a2a=a2a, bias=base.bias, group_bias=group_bias, per_seq=per_seq)]
     from engine.device import host_group
 
     dist.broadcast_object_list(box, src=0, group=host_group())  # one cost model everywhere: plans must agree

@@ -23,12 +23,16 @@ Ours: the paper's solver (SCIP) takes a balanced initial solution; scipy's milp 
 point, so the balanced plan bounds M from above and is the answer when HiGHS finds nothing within
 the limit; a memory-aware greedy (LPT) plan is the fallback when neither is feasible. Slots of one size are
 ordered (m[p] >= m[p+1]) to cut symmetric branches, and group size 1 is allowed (their code skips it).
-Two more of ours: a per-size constant `group_bias[g]` (Ulysses runs a fixed number of all-to-alls
-per layer whatever the tokens; their a2a term is per token only), and the valid cut
+More of ours: a per-size constant `group_bias[g]` (Ulysses runs a fixed number of all-to-alls
+per layer whatever the tokens; their a2a term is per token only), a per-sequence constant `per_seq`
+that is not split over the group (packed documents run attention one document at a time here, on
+every rank of the group, where their GPUs run one varlen kernel), and the valid cut
 sum_p g_p T_p <= N M (the device-seconds of the plan fit N devices for M seconds) that gives the LP
 relaxation the work bound, so HiGHS proves (near-)optimality in far fewer nodes; HiGHS stops at
 a relative gap `gap` (default 5%: below the error of bucket boundaries, and it ends most
-searches that a 1% gap sends to the time limit).
+searches that a 1% gap sends to the time limit). And before any MILP, the best of the balanced and
+greedy plans is compared with a lower bound of every plan (`lower_bound`); within the gap of it,
+HiGHS is not started at all (scipy's milp takes no incumbent, so HiGHS cannot prune with it).
 """
 from __future__ import annotations
 
@@ -41,16 +45,18 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds of one sequence of s tokens in a group of g ranks: (a1 s^2 + a2 s)/g + a2a[g] s/g + bias."""
+    """Seconds of one sequence of s tokens in a group of g ranks: (a1 s^2 + a2 s)/g + a2a[g] s/g + per_seq;
+    a used group adds bias + group_bias[g]."""
 
     a1: float  # attention: seconds per token^2
     a2: float  # everything linear in tokens: seconds per token
     a2a: dict[int, float] = field(default_factory=dict)  # group size -> all-to-all seconds per token (size 1: 0)
     bias: float = 0.0  # per-group constant per step (the paper's beta1)
     group_bias: dict[int, float] = field(default_factory=dict)  # group size -> extra constant (ours: collective latency)
+    per_seq: float = 0.0  # ours: seconds per packed sequence that every rank of its group pays (not split over g)
 
     def seq_time(self, s: float, g: int) -> float:
-        return (self.a1 * s * s + self.a2 * s + self.a2a.get(g, 0.0) * s) / g
+        return (self.a1 * s * s + self.a2 * s + self.a2a.get(g, 0.0) * s) / g + self.per_seq
 
     def fixed(self, g: int) -> float:
         """A used group's constant seconds per step."""
@@ -73,6 +79,7 @@ class Plan:
     milp_size: tuple[int, int] = (0, 0)  # (variables, constraints) of the step's MILP
     milp_s: float = 0.0  # seconds inside HiGHS
     exposed_s: float = 0.0  # seconds the step waited for this plan (solved ahead: what the overlap left)
+    cpu_s: float = 0.0  # CPU seconds of the solve (its thread's)
 
     def describe(self, lengths: list[int]) -> list[dict]:
         return [{"size": g, "sequences": len(m), "tokens": int(sum(lengths[i] for i in m))}
@@ -303,15 +310,36 @@ def _milp(lengths: list[int], *, n: int, cap: int, cost: CostModel, bks: list[tu
     return sizes, members, "optimal" if res.status == 0 else res.message, model.size, took
 
 
+def lower_bound(lengths: list[int], *, n: int, cap: int, cost: CostModel) -> float:
+    """No plan's slowest group is faster than this: the longest sequence alone in its best feasible
+    group, or the least device-seconds of all sequences (each in its cheapest feasible group size,
+    plus every rank's share of a group constant) spread over the n devices."""
+    sizes = powers_of_two(n)
+    feasible = [[g for g in sizes if s <= cap * g] for s in lengths]
+    longest = max(min(cost.seq_time(s, g) + cost.fixed(g) for g in gs) for s, gs in zip(lengths, feasible))
+    work = sum(min(g * cost.seq_time(s, g) for g in gs) for s, gs in zip(lengths, feasible)) / n
+    return max(longest, work + min(cost.fixed(g) for g in sizes))
+
+
 def solve(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int = 8,
           time_limit_s: float = 0.5, gap: float = 0.05) -> Plan:
     """The step's plan: the fastest (on the real lengths) of the MILP's answer, the balanced start
-    and the greedy plan; the latter two stand in when HiGHS finds nothing within the time limit."""
-    t0 = time.perf_counter()
+    and the greedy plan; the latter two stand in when HiGHS finds nothing within the time limit,
+    and the MILP is skipped when one of them is within `gap` of `lower_bound`."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     for s in lengths:
         min_group_size(s, cap, n)  # raises with the reason when a sequence fits nowhere
     bks = buckets_for(lengths, buckets=buckets, n=n, cap=cap)
     start = balanced_plan(lengths, n=n, cap=cap, cost=cost, buckets=buckets, bks=bks)
+    candidates = [start]
+    try:
+        candidates.append(greedy_plan(lengths, n=n, cap=cap, cost=cost))
+    except ValueError:
+        pass
+    best = min((c for c in candidates if c is not None), key=lambda c: c.predicted_s, default=None)
+    if best is not None and best.predicted_s <= lower_bound(lengths, n=n, cap=cap, cost=cost) * (1 + gap):
+        best.status, best.solve_s, best.cpu_s = "within gap of the lower bound", *_since(t0, c0)
+        return best
     upper = None
     if start is not None:  # the start's time with bucket boundaries: the MILP's own measure of it
         bounded = [0] * len(lengths)
@@ -321,17 +349,16 @@ def solve(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int
         upper = evaluate(start.sizes, start.members, bounded, cost) * (1 + 1e-6)
     sizes, members, status, size, milp_s = _milp(lengths, n=n, cap=cap, cost=cost, bks=bks,
                                                  time_limit_s=time_limit_s, gap=gap, upper=upper)
-    candidates = [start]
     if sizes is not None and _fits(sizes, members, lengths, cap):
         candidates.append(Plan(sizes, members, evaluate(sizes, members, lengths, cost), "milp"))
-    try:
-        candidates.append(greedy_plan(lengths, n=n, cap=cap, cost=cost))
-    except ValueError:
-        pass
     # the MILP optimises bucket upper bounds: on the real lengths another candidate can be faster
     plan = min((c for c in candidates if c is not None), key=lambda c: c.predicted_s, default=None)
     if plan is None:
         raise ValueError(f"no plan fits {sum(lengths)} tokens into {n} ranks of {cap} tokens each")
     plan.status, plan.milp_size, plan.milp_s = str(status), size, milp_s
-    plan.solve_s = time.perf_counter() - t0
+    plan.solve_s, plan.cpu_s = _since(t0, c0)
     return plan
+
+
+def _since(t0: float, c0: float) -> tuple[float, float]:
+    return time.perf_counter() - t0, time.thread_time() - c0
