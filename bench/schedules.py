@@ -8,7 +8,9 @@ actions the engine recorded; the simulated one walks the schedule's own action l
 mean of its (stage, kind), the runtime's host work before each action, the p2p delay, the head
 and tail of each rank's step and when each rank entered it. "sim" gives every rank a core of its
 own; "sim shared" adds processor sharing of os.cpu_count() cores among the ranks doing CPU work
-(Costs.cores), the column to compare with when ranks > cores. Peak activations: the
+(Costs.cores), the column to compare with when ranks > cores; "sim drawn" is the mean of 20
+walks with every action's work and host work drawn from the step's recorded ones (own cores):
+the step is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
 most (stage, micro-batch) forwards a rank held before their backward, times one stage's
 activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
 5 a s^2 b per layer, times 2 for fp32).
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import load_config  # noqa: E402
 from engine.launch import launch  # noqa: E402
 from profilers.store import RunStore  # noqa: E402
-from tuning.sim_schedule import executed_steps, measured_bubble, peak_in_flight, predicted_timeline  # noqa: E402
+from tuning.sim_schedule import executed_steps, measured_bubble, peak_in_flight, predicted_bubble  # noqa: E402
 
 LAYERS, D, HEADS, SEQ, GLOBAL, MICRO, PP = 8, 64, 4, 32, 16, 2, 4
 MODEL = [f"model.layers={LAYERS}", f"model.d_model={D}", f"model.heads={HEADS}", f"model.seq_len={SEQ}",
@@ -60,21 +62,21 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
     if save:
         save.mkdir(parents=True, exist_ok=True)
         (save / f"{name}.pkl").write_bytes(pickle.dumps(executed))
-    measured, simulated, shared, peaks = [], [], [], []
+    measured, simulated, shared, drawn, peaks = [], [], [], [], []
     for step in late:
         ranks = executed[step]
         measured.append(statistics.fmean(measured_bubble(ranks).values()))
-        for out, cores in ((simulated, None), (shared, os.cpu_count())):
-            timeline = predicted_timeline(ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO,
-                                          virtual=virtual, layers=LAYERS, cores=cores)
-            out.append(statistics.fmean(timeline.bubble_fraction(r) for r in timeline.rows))
+        for out, cores, draws in ((simulated, None, 0), (shared, os.cpu_count(), 0), (drawn, None, 20)):
+            out.append(statistics.fmean(predicted_bubble(ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO,
+                                                         virtual=virtual, layers=LAYERS, cores=cores,
+                                                         draws=draws).values()))
         peaks.append(max(peak_in_flight(row["actions"]) for row in ranks.values()))
     layers_per_stage = LAYERS // (PP * (2 if name in ("interleaved", "looped_bfs", "zero_bubble", "zbv", "dualpipev",
                                                       "modular") else 1))
     stage_bytes = 2 * (34 * SEQ * MICRO * D + 5 * HEADS * SEQ * SEQ * MICRO) * layers_per_stage
     return {"step_s": statistics.median(frame[step_col].iloc[2:] if len(frame) > 2 else frame[step_col]),
             "measured": statistics.median(measured), "simulated": statistics.median(simulated),
-            "shared": statistics.median(shared), "load": os.getloadavg()[0],
+            "shared": statistics.median(shared), "drawn": statistics.median(drawn), "load": os.getloadavg()[0],
             "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20}
 
 
@@ -101,11 +103,13 @@ def main() -> None:
     print(f"pp={PP}, layers={LAYERS}, d={D}, seq={SEQ}, {GLOBAL // MICRO} micro-batches, {args.steps} steps each "
           f"(median of steps 3+; load avg {os.getloadavg()[0]:.1f} on a shared 2-core machine)")
     print(f"{'schedule':12s} {'step s':>7s} {'load':>5s} {'measured':>9s} {'sim':>6s} {'diff pts':>8s} "
-          f"{'sim shared':>10s} {'diff pts':>8s} {'peak act (mb-stages)':>21s} {'peak act MiB':>13s}")
+          f"{'sim shared':>10s} {'diff pts':>8s} {'sim drawn':>9s} {'diff pts':>8s} "
+          f"{'peak act (mb-stages)':>21s} {'peak act MiB':>13s}")
     for name, r in rows.items():
         print(f"{name:12s} {r['step_s']:7.3f} {r['load']:5.1f} {r['measured']:9.3f} {r['simulated']:6.3f} "
               f"{100 * (r['measured'] - r['simulated']):8.1f} {r['shared']:10.3f} "
-              f"{100 * (r['measured'] - r['shared']):8.1f} {r['peak_mb']:21d} {r['peak_mib']:13.2f}")
+              f"{100 * (r['measured'] - r['shared']):8.1f} {r['drawn']:9.3f} {100 * (r['measured'] - r['drawn']):8.1f} "
+              f"{r['peak_mb']:21d} {r['peak_mib']:13.2f}")
     if "skip" in rows and "1f1b" in rows:
         print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b: {rows['skip']['step_s'] / rows['1f1b']['step_s']:.3f}"
               "  (goal <= 0.8)")

@@ -277,6 +277,10 @@ def test_walk_prices_overhead_p2p_head_and_tail():
     """Hand-walked 1f1b, pp=2, one micro-batch: F 1, B 2, host work 0.5 before each action, p2p
     0.25, head 0.1, tail 0.2. Rank 0: head [0, .1], 0F0 [.6, 1.6]; rank 1: 1F0 ready 1.85, runs
     [2.35, 3.35], 1B0 [3.85, 5.85], tail to 6.05; rank 0: 0B0 ready 6.1, runs [6.6, 8.6], tail 8.8."""
+    import random
+
+    from torch.distributed.pipelining.schedules import _Action
+
     from tuning.sim_schedule import Costs, walk
 
     actions = schedule_actions(schedule="1f1b", pp=2, n_microbatches=1)
@@ -287,6 +291,10 @@ def test_walk_prices_overhead_p2p_head_and_tail():
     assert list(t.windows[0]) == pytest.approx([0.0, 8.8]) and list(t.windows[1]) == pytest.approx([0.0, 6.05])
     assert t.bubble_fraction(0) == pytest.approx(1 - 3 / 8.8)
     assert t.bubble_fraction(1) == pytest.approx(1 - 3 / 6.05)
+    # with an rng, each action's host work is a draw from the recorded samples (here always 1)
+    one_rank = {0: [_Action.from_str("0F0"), _Action.from_str("0F1")]}
+    drawn = walk(one_rank, stage_rank={0: 0}, costs=Costs(overhead_s=5, overhead_draws=(1.0,)), rng=random.Random(0))
+    _same(drawn.rows[0], [("0F0", 1.0, 2.0), ("0F1", 3.0, 4.0)])
 
 
 def _ps_step() -> dict:
@@ -326,7 +334,8 @@ def test_calibrate_reads_the_costs_off_a_recorded_step():
     step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
             1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,
                 "paths": {}}}
-    compute, costs = calibrate(step, stage_rank={0: 0, 1: 1})
+    cal = calibrate(step, stage_rank={0: 0, 1: 1})
+    compute, costs = cal.compute, cal.costs
     assert compute == pytest.approx({(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0})
     assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.5, 0.5, 0.0, 0.5))
     assert dict(costs.start_s) == pytest.approx({0: 0.0, 1: 0.25})
@@ -335,10 +344,10 @@ def test_calibrate_reads_the_costs_off_a_recorded_step():
     assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx(list(measured_bubble(step).values()))
     assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx([1 - 3 / 9.5, 1 - 3 / 6.25])
 
-    shared, _ = calibrate(_ps_step(), stage_rank={0: 0, 1: 1}, cores=1)
+    shared = calibrate(_ps_step(), stage_rank={0: 0, 1: 1}, cores=1).compute
     assert shared == pytest.approx({(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0})
-    plain, _ = calibrate(_ps_step(), stage_rank={0: 0, 1: 1})
-    assert plain[(0, "F")] == pytest.approx(1.5)
+    plain = calibrate(_ps_step(), stage_rank={0: 0, 1: 1})
+    assert plain.compute[(0, "F")] == pytest.approx(1.5) and sorted(plain.draws[(0, "F")]) == [1.0, 2.0]
 
 
 def test_simulator_prices_every_schedule():

@@ -14,6 +14,8 @@ cached per (schedule, pp, m, v) for the search.
 """
 from __future__ import annotations
 
+import random
+import statistics
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Mapping
@@ -49,6 +51,7 @@ class Costs:
     # waiting in recv frees its share; None: each rank has a core of its own
     cores: float | None = None
     background: float = 0.0  # other runnable threads on those cores (e.g. other jobs)
+    overhead_draws: tuple[float, ...] = ()  # recorded host-work samples, drawn from by `walk(rng=...)`
 
     def rate(self, running: int) -> float:
         """Speed of each of `running` ranks doing CPU work at once (1: a core of its own)."""
@@ -104,7 +107,8 @@ class _Rank:
 
 def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
          cost: Callable[[_Action], float] | None = None, p2p_s: float = 0.0,
-         paths: dict[int, list[int]] | None = None, costs: Costs | None = None) -> Timeline:
+         paths: dict[int, list[int]] | None = None, costs: Costs | None = None,
+         rng: random.Random | None = None) -> Timeline:
     """The timeline of `actions` run in order per rank (see the module docstring).
 
     `paths[mb]` is the stages micro-batch mb visits in order (SkipPipe); default every stage.
@@ -116,7 +120,9 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
     cost = cost or (lambda a: UNIT_COST[a.computation_type.value])
     costs = costs or Costs(p2p_s=p2p_s)
     hop = _hops(paths, len(stage_rank))
-    ranks = {r: _Rank(_segments(order, cost, costs), costs.start_s.get(r, 0.0)) for r, order in actions.items()}
+    overhead = (lambda: rng.choice(costs.overhead_draws)) if rng and costs.overhead_draws else (lambda: costs.overhead_s)
+    ranks = {r: _Rank(_segments(order, cost, overhead, costs), costs.start_s.get(r, 0.0))
+             for r, order in actions.items()}
     done: dict[tuple[int, str, int], float] = {}
     rows: dict[int, list[tuple[str, float, float]]] = {r: [] for r in ranks}
     windows: dict[int, tuple[float, float]] = {}
@@ -142,12 +148,12 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
         now += dt
 
 
-def _segments(order: list[_Action], cost: Callable[[_Action], float],
+def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: Callable[[], float],
               costs: Costs) -> list[tuple[str, float, _Action | None]]:
     segs: list[tuple[str, float, _Action | None]] = [("head", costs.head_s, None)]
     for outer in order:
         for a in compute_actions(outer):
-            segs += [("overhead", costs.overhead_s, a), ("compute", cost(a), a)]
+            segs += [("overhead", overhead(), a), ("compute", cost(a), a)]
     return segs + [("tail", costs.tail_s, None)]
 
 
@@ -299,11 +305,29 @@ def measured_bubble(step: dict[int, dict[str, Any]]) -> dict[int, float]:
             for rank, row in step.items()}
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The walk's prices read off a recorded step: per (stage, kind) the work of every execution
+    (`draws`) and their mean (`compute`), and the `Costs` (means, and the host-work samples)."""
+
+    compute: dict[tuple[int, str], float]
+    draws: dict[tuple[int, str], tuple[float, ...]]
+    costs: Costs
+
+    def cost(self, a: _Action, rng: random.Random | None = None) -> float:
+        """The work of `a`: its (stage, kind)'s mean, or with `rng` one recorded execution of it."""
+        key = (a.stage_index, a.computation_type.value)
+        if key not in self.compute:  # never executed in the step (e.g. a stage a path skipped)
+            return sum(self.compute.values()) / len(self.compute) if self.compute else 1.0
+        return rng.choice(self.draws[key]) if rng else self.compute[key]
+
+
 def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: int, n_microbatches: int,
                        virtual: int = 1, layers: int | None = None, cores: float | None = None,
-                       background: float = 0.0) -> Timeline:
+                       background: float = 0.0, rng: random.Random | None = None) -> Timeline:
     """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
-    with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`."""
+    with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
+    with `rng`, every action's work and host work is one draw from the step's recorded ones."""
     from engine.parallel.skippipe import skip_actions
 
     paths = next((row["paths"] for row in step.values() if row["paths"]), None)
@@ -315,20 +339,29 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
                                    layers=layers)
         stage_rank = stage_to_rank(schedule, pp, pp * v)
     paths = paths if schedule == "skip" else None
-    compute, costs = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background)
-    fallback = sum(compute.values()) / len(compute) if compute else 1.0
+    cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background)
+    return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
+                paths=paths, costs=cal.costs, rng=rng)
 
-    def cost(a: _Action) -> float:
-        return compute.get((a.stage_index, a.computation_type.value), fallback)
 
-    return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=cost, paths=paths,
-                costs=costs)
+def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: int = 0,
+                     **kwargs: Any) -> dict[int, float]:
+    """Per pp rank (0..pp-1), the predicted bubble of `step`: the walk at mean costs, or with
+    `draws` > 0 the mean over that many walks with every cost drawn from the recorded ones (ours:
+    the step time is a max over paths, so a walk at mean costs misses the waits that the
+    spread of the costs adds, E[max] >= max E). kwargs as `predicted_timeline`."""
+    if draws <= 0:
+        t = predicted_timeline(step, **kwargs)
+        return {r: t.bubble_fraction(r) for r in t.rows}
+    rng = random.Random(seed)
+    walks = [predicted_timeline(step, rng=rng, **kwargs) for _ in range(draws)]
+    return {r: statistics.fmean(t.bubble_fraction(r) for t in walks) for r in walks[0].rows}
 
 
 def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], paths: dict[int, list[int]] | None = None,
-              cores: float | None = None, background: float = 0.0) -> tuple[dict[tuple[int, str], float], Costs]:
+              cores: float | None = None, background: float = 0.0) -> Calibration:
     """The walk's prices read off one recorded step (`executed_steps(...)[step]`, ranks keyed in
-    pp order): the mean cost of each (stage, kind), and `Costs`.
+    pp order): the cost of each (stage, kind), and `Costs`.
 
     Ranks are aligned on their wall-clock step starts (`start_s`). For each executed action the
     gap since the rank's previous action (or its step start) is sorted by what it waited on: an
@@ -369,21 +402,24 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
             compute.setdefault((a.stage_index, a.computation_type.value), []).append((s + off, e + off))
             prev = e + off
         spans["tail"].append((prev, row["total_s"] + off))
-    costs = Costs(cores=cores, background=background)
+    sharing = Costs(cores=cores, background=background)
     running = [span for kind in ("local", "head", "tail") for span in spans[kind]] + \
         [span for spans_ in compute.values() for span in spans_]
 
     def mean_work(items: list[tuple[float, float]]) -> float:
-        return sum(_work(a, b, running, costs) for a, b in items) / len(items) if items else 0.0
+        return sum(_work(a, b, running, sharing) for a, b in items) / len(items) if items else 0.0
 
     def mean_wall(items: list[tuple[float, float]]) -> float:
         return sum(b - a for a, b in items) / len(items) if items else 0.0
 
     p2p = max(0.0, mean_wall(spans["remote"]) - mean_wall(spans["local"])) if spans["remote"] else 0.0
     overhead = mean_work(spans["local"])
-    return ({key: mean_work(items) for key, items in compute.items()},
-            Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
-                  tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background))
+    costs = Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
+                  tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background,
+                  overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]))
+    return Calibration({key: mean_work(items) for key, items in compute.items()},
+                       {key: tuple(_work(a, b, running, sharing) for a, b in items) for key, items in compute.items()},
+                       costs)
 
 
 def _work(a: float, b: float, running: list[tuple[float, float]], costs: Costs) -> float:
