@@ -13,7 +13,9 @@ walks with every action's work and host work drawn from the step's recorded ones
 the step is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
 most (stage, micro-batch) forwards a rank held before their backward, times one stage's
 activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
-5 a s^2 b per layer, times 2 for fp32).
+5 a s^2 b per layer, times 2 for fp32) is "counted"; "measured" is the most bytes autograd held
+at once on a rank (saved-tensor hooks on each stage forward, weights excluded, freed at the
+micro-batch's B or W; engine/parallel/pipeline.py), not recorded under SkipPipe.
 
     python bench/schedules.py [--steps 6] [--loss-steps 150]
 """
@@ -62,7 +64,7 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
     if save:
         save.mkdir(parents=True, exist_ok=True)
         (save / f"{name}.pkl").write_bytes(pickle.dumps(executed))
-    measured, simulated, shared, drawn, peaks = [], [], [], [], []
+    measured, simulated, shared, drawn, peaks, held = [], [], [], [], [], []
     for step in late:
         ranks = executed[step]
         measured.append(statistics.fmean(measured_bubble(ranks).values()))
@@ -71,13 +73,14 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
                                                          virtual=virtual, layers=LAYERS, cores=cores,
                                                          draws=draws).values()))
         peaks.append(max(peak_in_flight(row["actions"]) for row in ranks.values()))
+        held.append(max(row.get("peak_act_bytes", 0.0) for row in ranks.values()))
     layers_per_stage = LAYERS // (PP * (2 if name in ("interleaved", "looped_bfs", "zero_bubble", "zbv", "dualpipev",
                                                       "modular") else 1))
     stage_bytes = 2 * (34 * SEQ * MICRO * D + 5 * HEADS * SEQ * SEQ * MICRO) * layers_per_stage
     return {"step_s": statistics.median(frame[step_col].iloc[2:] if len(frame) > 2 else frame[step_col]),
             "measured": statistics.median(measured), "simulated": statistics.median(simulated),
             "shared": statistics.median(shared), "drawn": statistics.median(drawn), "load": os.getloadavg()[0],
-            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20}
+            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20, "held_mib": max(held) / 2**20}
 
 
 def loss_after(name: str, steps: int, home: Path) -> float:
@@ -104,12 +107,12 @@ def main() -> None:
           f"(median of steps 3+; load avg {os.getloadavg()[0]:.1f} on a shared 2-core machine)")
     print(f"{'schedule':12s} {'step s':>7s} {'load':>5s} {'measured':>9s} {'sim':>6s} {'diff pts':>8s} "
           f"{'sim shared':>10s} {'diff pts':>8s} {'sim drawn':>9s} {'diff pts':>8s} "
-          f"{'peak act (mb-stages)':>21s} {'peak act MiB':>13s}")
+          f"{'peak act (mb-stages)':>21s} {'counted MiB':>11s} {'measured MiB':>12s}")
     for name, r in rows.items():
         print(f"{name:12s} {r['step_s']:7.3f} {r['load']:5.1f} {r['measured']:9.3f} {r['simulated']:6.3f} "
               f"{100 * (r['measured'] - r['simulated']):8.1f} {r['shared']:10.3f} "
               f"{100 * (r['measured'] - r['shared']):8.1f} {r['drawn']:9.3f} {100 * (r['measured'] - r['drawn']):8.1f} "
-              f"{r['peak_mb']:21d} {r['peak_mib']:13.2f}")
+              f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib']:12.2f}")
     if "skip" in rows and "1f1b" in rows:
         print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b: {rows['skip']['step_s'] / rows['1f1b']['step_s']:.3f}"
               "  (goal <= 0.8)")

@@ -146,6 +146,16 @@ def test_pp4_every_schedule_matches_single_process(world4, reference, layout):
 @pytest.mark.slow
 @pytest.mark.xdist_group("schedules")
 @pytest.mark.timeout(900)
+def test_pp4_peak_activations_are_measured(world4):
+    """Saved-tensor bytes held at once on rank 0 (stage 0, 8 micro-batches of one shape): GPipe
+    holds all 8 forwards before the first backward, 1F1B at most pp = 4, so exactly twice as much."""
+    peak = {s: world4[0][s]["executed"][-1]["peak_act_bytes"] for s in ("gpipe", "1f1b")}
+    assert peak["1f1b"] > 0 and peak["gpipe"] == 2 * peak["1f1b"], peak
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", ["skip0", "dp2_zero3_looped_bfs", "dp2_manual_zbv"])
 def test_pp4_skip0_and_dp2_match_single_process(world4_skip_dp, reference, layout):
     _check_layout(world4_skip_dp, reference, layout)

@@ -276,7 +276,8 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
 
 def executed_steps(records: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
     """Records of kind "schedule" / "skip_path" (engine/train.py `emit_schedule`) as
-    {step: {rank: {"actions": [(action, start, end)], "total_s", "wall_start", "paths"}}}."""
+    {step: {rank: {"actions": [(action, start, end)], "total_s", "wall_start", "paths"}}} (and
+    "peak_act_bytes" where recorded: the activation bytes autograd held at most)."""
     out: dict[int, dict[int, dict[str, Any]]] = {}
     spans: dict[tuple[int, int, str], list[float]] = {}
     for rec in records:
@@ -288,6 +289,8 @@ def executed_steps(records: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
             row["total_s"] = rec.value
         elif rec.name == "@wall_start":
             row["wall_start"] = rec.value
+        elif rec.name == "@peak_act_bytes":
+            row["peak_act_bytes"] = rec.value
         else:
             action, edge = rec.name.rsplit("@", 1)
             spans.setdefault((rec.step, rec.rank, action), [0.0, 0.0])[edge == "end"] = rec.value
