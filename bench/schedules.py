@@ -112,7 +112,7 @@ def main() -> None:
         print(f"{name:12s} {r['step_s']:7.3f} {r['load']:5.1f} {r['measured']:9.3f} {r['simulated']:6.3f} "
               f"{100 * (r['measured'] - r['simulated']):8.1f} {r['shared']:10.3f} "
               f"{100 * (r['measured'] - r['shared']):8.1f} {r['drawn']:9.3f} {100 * (r['measured'] - r['drawn']):8.1f} "
-              f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib']:12.2f}")
+              f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib'] or float('nan'):12.2f}")
     if "skip" in rows and "1f1b" in rows:
         print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b: {rows['skip']['step_s'] / rows['1f1b']['step_s']:.3f}"
               "  (goal <= 0.8)")
