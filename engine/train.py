@@ -547,6 +547,8 @@ def emit_schedule(emit: Emit, step: int, pipe: Any) -> None:
     record = pipe.last_actions
     emit(step, "schedule", "@wall_start", record["wall_start"])
     emit(step, "schedule", "@total", record["total_s"])
+    if record.get("peak_act_bytes"):
+        emit(step, "schedule", "@peak_act_bytes", float(record["peak_act_bytes"]))
     for action, start, end in record["actions"]:
         emit(step, "schedule", f"{action}@start", start)
         emit(step, "schedule", f"{action}@end", end)
