@@ -4,11 +4,18 @@ SkipPipe's step-time ratio to 1f1b; optionally SkipPipe's loss after N steps vs 
 Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 micro-batches. The
 measured bubble of a rank is 1 - (its executed compute actions' time) / (its step time), from the
 actions the engine recorded; the simulated one walks the schedule's own action list
-(tuning/sim_schedule.py) with each action costing the measured mean of its (stage, kind), so the
-two differ only by what the walk leaves out (p2p latency, Python overhead). Peak activations: the
+(tuning/sim_schedule.py) with the prices `calibrate` reads off the same step: each action the
+mean of its (stage, kind), the runtime's host work before each action, the p2p delay, the head
+and tail of each rank's step and when each rank entered it. "sim" gives every rank a core of its
+own; "sim shared" adds processor sharing of os.cpu_count() cores among the ranks doing CPU work
+(Costs.cores), the column to compare with when ranks > cores; "sim drawn" is the mean of 20
+walks with every action's work and host work drawn from the step's recorded ones (own cores):
+the step is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
 most (stage, micro-batch) forwards a rank held before their backward, times one stage's
 activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
-5 a s^2 b per layer, times 2 for fp32).
+5 a s^2 b per layer, times 2 for fp32) is "counted"; "measured" is the most bytes autograd held
+at once on a rank (saved-tensor hooks on each stage forward, weights excluded, freed at the
+micro-batch's B or W; engine/parallel/pipeline.py), not recorded under SkipPipe.
 
     python bench/schedules.py [--steps 6] [--loss-steps 150]
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -26,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import load_config  # noqa: E402
 from engine.launch import launch  # noqa: E402
 from profilers.store import RunStore  # noqa: E402
-from tuning.sim_schedule import executed_steps, measured_bubble, peak_in_flight, predicted_timeline  # noqa: E402
+from tuning.sim_schedule import executed_steps, measured_bubble, peak_in_flight, predicted_bubble  # noqa: E402
 
 LAYERS, D, HEADS, SEQ, GLOBAL, MICRO, PP = 8, 64, 4, 32, 16, 2, 4
 MODEL = [f"model.layers={LAYERS}", f"model.d_model={D}", f"model.heads={HEADS}", f"model.seq_len={SEQ}",
@@ -46,27 +54,33 @@ def _run(name: str, steps: int, home: Path, extra: list[str] | None = None) -> t
     return result.run_id, RunStore.open_home(home)
 
 
-def measure(name: str, steps: int, home: Path) -> dict:
+def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict:
     run_id, store = _run(name, steps, home)
     frame = store.step_frame(run_id)
     step_col = next(c for c in frame.columns if c.startswith("step_time"))
     executed = executed_steps(store.metrics(run_id, kind="schedule") + store.metrics(run_id, kind="skip_path"))
     late = sorted(executed)[2:] or sorted(executed)  # the first steps include shape inference
     virtual = 2 if SCHEDULES[name] == ["parallel.virtual=2"] else 1
-    measured, simulated, peaks = [], [], []
+    if save:
+        save.mkdir(parents=True, exist_ok=True)
+        (save / f"{name}.pkl").write_bytes(pickle.dumps(executed))
+    measured, simulated, shared, drawn, peaks, held = [], [], [], [], [], []
     for step in late:
         ranks = executed[step]
         measured.append(statistics.fmean(measured_bubble(ranks).values()))
-        timeline = predicted_timeline(ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO,
-                                      virtual=virtual, layers=LAYERS)
-        simulated.append(statistics.fmean(timeline.bubble_fraction(r) for r in timeline.rows))
+        for out, cores, draws in ((simulated, None, 0), (shared, os.cpu_count(), 0), (drawn, None, 20)):
+            out.append(statistics.fmean(predicted_bubble(ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO,
+                                                         virtual=virtual, layers=LAYERS, cores=cores,
+                                                         draws=draws).values()))
         peaks.append(max(peak_in_flight(row["actions"]) for row in ranks.values()))
+        held.append(max(row.get("peak_act_bytes", 0.0) for row in ranks.values()))
     layers_per_stage = LAYERS // (PP * (2 if name in ("interleaved", "looped_bfs", "zero_bubble", "zbv", "dualpipev",
                                                       "modular") else 1))
     stage_bytes = 2 * (34 * SEQ * MICRO * D + 5 * HEADS * SEQ * SEQ * MICRO) * layers_per_stage
     return {"step_s": statistics.median(frame[step_col].iloc[2:] if len(frame) > 2 else frame[step_col]),
             "measured": statistics.median(measured), "simulated": statistics.median(simulated),
-            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20}
+            "shared": statistics.median(shared), "drawn": statistics.median(drawn), "load": os.getloadavg()[0],
+            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20, "held_mib": max(held) / 2**20}
 
 
 def loss_after(name: str, steps: int, home: Path) -> float:
@@ -81,20 +95,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--loss-steps", type=int, default=0, help="also train 1f1b and skip this long (0: skip it)")
     ap.add_argument("--only", nargs="*", default=list(SCHEDULES))
+    ap.add_argument("--save", type=Path, default=None, help="also pickle each schedule's executed steps here")
     args = ap.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
-            rows[name] = measure(name, args.steps, Path(tmp))
+            rows[name] = measure(name, args.steps, Path(tmp), args.save)
             print(name, rows[name], flush=True)
         losses = {n: loss_after(n, args.loss_steps, Path(tmp)) for n in ("1f1b", "skip")} if args.loss_steps else {}
     print(f"pp={PP}, layers={LAYERS}, d={D}, seq={SEQ}, {GLOBAL // MICRO} micro-batches, {args.steps} steps each "
           f"(median of steps 3+; load avg {os.getloadavg()[0]:.1f} on a shared 2-core machine)")
-    print(f"{'schedule':12s} {'step s':>8s} {'bubble measured':>16s} {'bubble simulated':>17s} {'diff pts':>9s} "
-          f"{'peak act (mb-stages)':>21s} {'peak act MiB':>13s}")
+    print(f"{'schedule':12s} {'step s':>7s} {'load':>5s} {'measured':>9s} {'sim':>6s} {'diff pts':>8s} "
+          f"{'sim shared':>10s} {'diff pts':>8s} {'sim drawn':>9s} {'diff pts':>8s} "
+          f"{'peak act (mb-stages)':>21s} {'counted MiB':>11s} {'measured MiB':>12s}")
     for name, r in rows.items():
-        print(f"{name:12s} {r['step_s']:8.3f} {r['measured']:16.3f} {r['simulated']:17.3f} "
-              f"{100 * (r['measured'] - r['simulated']):9.1f} {r['peak_mb']:21d} {r['peak_mib']:13.2f}")
+        print(f"{name:12s} {r['step_s']:7.3f} {r['load']:5.1f} {r['measured']:9.3f} {r['simulated']:6.3f} "
+              f"{100 * (r['measured'] - r['simulated']):8.1f} {r['shared']:10.3f} "
+              f"{100 * (r['measured'] - r['shared']):8.1f} {r['drawn']:9.3f} {100 * (r['measured'] - r['drawn']):8.1f} "
+              f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib'] or float('nan'):12.2f}")
     if "skip" in rows and "1f1b" in rows:
         print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b: {rows['skip']['step_s'] / rows['1f1b']['step_s']:.3f}"
               "  (goal <= 0.8)")

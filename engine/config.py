@@ -178,7 +178,8 @@ class LinkConfig:
 
     gbps: float = 0.0
     latency_us: float = 0.0
-    ranks_per_node: int = 1  # ranks sharing a node: traffic between nodes crosses the emulated link (MoE all_to_all)
+    ranks_per_node: int = 1  # ranks sharing a node (MoE all_to_all): traffic between nodes crosses the emulated link
+    # (with link.groups set, the groups are the nodes)
     groups: list[LinkGroupConfig] | None = None  # rank groups, each with its own link
     inter_gbps: float = 0.0  # link between groups, Gbit/s (needed with groups)
     inter_latency_us: float = 0.0  # latency of the inter-group link, microseconds
@@ -213,7 +214,7 @@ class ClusterConfig:
     account: str | None = None  # --account to charge
     time: str | None = None  # --time limit in Slurm's format: MM, HH:MM:SS, D-HH:MM:SS (site default when unset)
     constraint: str | None = None  # --constraint, node features, e.g. "h100&ib"
-    nodes: int = 1  # nodes per run; must divide the world size dp*tp*pp
+    nodes: int = 1  # nodes per run; must divide the world size dp*tp*pp(*cp)
     gpus_per_node: int = 0  # GPUs (= ranks) per node; 0: CPU ranks, world_size / nodes per node, no GPU request
     cpus_per_rank: int = 1  # CPU cores asked per rank (--cpus-per-task = ranks per node * this)
     sbatch: list[str] | None = None  # extra #SBATCH options, e.g. ["--qos=high", "--exclusive"]

@@ -216,7 +216,8 @@ class ModelStatePeak:
         self.peak: dict[str, float] = {"params": 0.0, "grads": 0.0}
         self._handles: list[Any] = []
 
-    def __enter__(self) -> ModelStatePeak:
+    def start(self) -> ModelStatePeak:
+        """Begin sampling (hooks on every module and parameter)."""
         for module in self.modules:
             self._track(module.parameters())
             for sub in module.modules():
@@ -225,11 +226,19 @@ class ModelStatePeak:
                         lambda m, _args: self._track(m.parameters(recurse=False))))
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> dict[str, float]:
+        """Take a last sample, remove the hooks; the peak {"params", "grads"} in bytes."""
         self.sample()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        return self.peak
+
+    def __enter__(self) -> ModelStatePeak:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def _track(self, params: Any) -> None:
         for p in params:

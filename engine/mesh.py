@@ -9,6 +9,12 @@ MESH_AXES = ("pp", "dp", "tp")
 CP_MESH_AXES = ("pp", "dp", "cp", "tp")  # with context parallelism (torchtitan's order: cp inside dp, outside tp)
 
 
+def world_product(cp: int = 1) -> str:
+    """The world size as messages name it: ``dp*tp*pp``, times ``cp`` only when cp > 1 (as
+    `ParallelDims` prints its factors and `describe()` lists cp)."""
+    return "dp*tp*pp*cp" if cp > 1 else "dp*tp*pp"
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelDims:
     """Parallel degrees checked against the world size on construction (torchtitan ParallelDims)."""

@@ -75,6 +75,7 @@ def _expert_parallel(model: nn.Module, cfg: RunConfig, dims: ParallelDims):
         link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
     return apply_expert_parallel(model, dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=p.ep,
                                  hierarchical=c.moe_hierarchical, ranks_per_node=cfg.link.ranks_per_node,
+                                 node_groups=[g.ranks for g in cfg.link.groups] if cfg.link.groups else None,
                                  link=link, compression=c.moe_compression, lsh_buckets=c.lsh_buckets,
                                  lsh_hashes=c.lsh_hashes, seed=cfg.train.seed,
                                  timeout=datetime.timedelta(seconds=cfg.train.timeout_s))

@@ -99,7 +99,7 @@ class Trainer:
         self.peak = peak_flops(device)
         self._fwd_kw: dict[str, torch.Tensor] = {}  # per-sample forward inputs besides tokens (positions, doc_ids)
         self._loss_norm: float | None = None  # packed data: local token-loss sum / this = share of the global mean
-        self.flexsp = None  # adaptive sequence parallelism: (GroupCache, CostModel) after calibration
+        self.flexsp = None  # adaptive sequence parallelism: (GroupCache, CostModel, PlanAhead) after calibration
         if cfg.parallel.adaptive_sp and self.dims.world_size > 1:
             self._calibrate_flexsp()
         if cfg.train.resume_from:
@@ -230,32 +230,49 @@ class Trainer:
 
     # ------------------------------------------------------------------ adaptive SP (FlexSP)
     def _calibrate_flexsp(self) -> None:
-        from engine.parallel.adaptive_sp import GroupCache, calibrate
+        from engine.parallel.adaptive_sp import GroupCache, PlanAhead, calibrate
+        from engine.parallel.flexsp import solve
 
         groups = GroupCache(self.cfg.train.timeout_s)
         model = self.par.modules[0]
         cost = calibrate(model, world=self.dims.world_size, groups=groups, seq_len=self.cfg.model.seq_len,
                          device=self.device)
-        self.flexsp = (groups, cost)
+        p, world = self.cfg.parallel, self.dims.world_size
+        ahead = PlanAhead(lambda lengths: solve(lengths, n=world, cap=self._flexsp_cap(lengths), cost=cost,
+                                                buckets=p.adaptive_buckets, time_limit_s=p.adaptive_time_limit_s),
+                          rank=self.rank)
+        self.flexsp = (groups, cost, ahead)
         for name, value in (("a1(s/token^2)", cost.a1), ("a2(s/token)", cost.a2), ("bias(s)", cost.bias),
-                            *((f"a2a_g{g}(s/token)", v) for g, v in cost.a2a.items())):
+                            ("per_seq(s)", cost.per_seq),
+                            *((f"a2a_g{g}(s/token)", v) for g, v in cost.a2a.items()),
+                            *((f"bias_g{g}(s)", v) for g, v in cost.group_bias.items())):
             self.emit(self.start_step, "flexsp_cost", name, value)
 
-    def _adaptive_step(self, step: int) -> torch.Tensor:
-        """FlexSP: plan this step's sequences into SP groups, run this rank's group, record the plan."""
-        from engine.lengths import budget_documents
-        from engine.parallel.adaptive_sp import plan_step, run_step
+    def _flexsp_cap(self, lengths: list[int]) -> int:
+        return self.cfg.parallel.adaptive_token_cap or 2 * -(-sum(lengths) // self.dims.world_size)
 
-        c, d, world = self.cfg, self.cfg.data, self.dims.world_size
-        groups, cost = self.flexsp
+    def _flexsp_docs(self, step: int) -> list[torch.Tensor]:
+        from engine.lengths import budget_documents
+
+        c, d = self.cfg, self.cfg.data
+        return budget_documents(self.splits.train.tokens, budget=c.batch.global_ * c.model.seq_len, kind=d.lengths,
+                                mean=d.length_mean, sigma=d.length_sigma, max_len=d.length_max or c.model.seq_len,
+                                seed=c.train.seed, step=step)
+
+    def _adaptive_step(self, step: int) -> torch.Tensor:
+        """FlexSP: this step's plan (solved during the previous step), then step t+1's plan starts
+        solving in the background (rank 0) while this rank runs its group; the plan is recorded."""
+        from engine.parallel.adaptive_sp import run_step
+
+        c = self.cfg
+        groups, cost, ahead = self.flexsp
         with self.timer.phase("data"):
-            docs = budget_documents(self.splits.train.tokens, budget=c.batch.global_ * c.model.seq_len,
-                                    kind=d.lengths, mean=d.length_mean, sigma=d.length_sigma,
-                                    max_len=d.length_max or c.model.seq_len, seed=c.train.seed, step=step)
+            docs = self._flexsp_docs(step)
             lengths = [doc.numel() - 1 for doc in docs]
-            cap = c.parallel.adaptive_token_cap or 2 * -(-sum(lengths) // world)
-            plan = plan_step(lengths, world=world, cap=cap, cost=cost, buckets=c.parallel.adaptive_buckets,
-                             time_limit_s=c.parallel.adaptive_time_limit_s, rank=self.rank)
+            cap = self._flexsp_cap(lengths)
+            plan = ahead.take(step, lengths)
+            if self.rank == 0 and step + 1 < c.train.steps:  # documents are a pure function of the step
+                ahead.submit(step + 1, [doc.numel() - 1 for doc in self._flexsp_docs(step + 1)])
         self.tokens_per_step = sum(lengths)
         with self.timer.phase("forward"):
             share, report = run_step(self.par.modules[0], docs, plan, groups, rank=self.rank,
@@ -264,11 +281,12 @@ class Trainer:
         if self.rank == 0:
             self._record_plan(step, report, cap)
         # _reduce_loss averages over the dp x cp ranks; the shares add up to the mean
-        return (share * world).double().reshape(1)
+        return (share * self.dims.world_size).double().reshape(1)
 
     def _record_plan(self, step: int, report, cap: int) -> None:
         e, plan = self.emit, report.plan
-        for name, value in (("solve(s)", plan.solve_s), ("predicted(s)", max(report.predicted_group_s)),
+        for name, value in (("solve(s)", plan.solve_s), ("solve_exposed(s)", plan.exposed_s),
+                            ("milp_vars", plan.milp_size[0]), ("predicted(s)", max(report.predicted_group_s)),
                             ("measured(s)", max(report.measured_group_s)), ("groups", len(report.group_ranks)),
                             ("max_tokens_per_rank", report.max_tokens_per_rank), ("token_cap", cap),
                             ("milp", float(plan.solver == "milp"))):
@@ -321,7 +339,7 @@ class Trainer:
         if step == self.start_step and self.cfg.profile.enabled:  # set up before the step's clocks start
             from engine.memory import ModelStatePeak
 
-            peak = ModelStatePeak(par.modules).__enter__()  # peak params + grads during backward
+            peak = ModelStatePeak(par.modules).start()  # peak params + grads during backward
         t0 = time.perf_counter()
         self.timer.start_step()
         lr = lr_at(step, c)
@@ -346,9 +364,8 @@ class Trainer:
             grad_norm = self._clip()
             if self.user_step is None:  # a user's step function has updated the parameters itself
                 par.optimizer.step()
-            if peak is not None:
-                peak.__exit__(None, None, None)
-                self._record_memory_accounting(step, peak.peak)  # after the step: optimizer state exists
+            if peak is not None:  # after the step: optimizer state exists
+                self._record_memory_accounting(step, peak.stop())
             par.optimizer.zero_grad(set_to_none=True)
             if self.co2 is not None:
                 self.co2.after_inner_step(step)
@@ -443,6 +460,8 @@ class Trainer:
             if trace is not None:
                 trace.close()
             self.collectives.disable()
+            if self.flexsp is not None:
+                self.flexsp[2].close()  # the plan thread (rank 0) solving a step that will not run
 
     def _loop(self, on_boundary, trace) -> Iterator[StepMetrics]:
         c = self.cfg
@@ -528,6 +547,8 @@ def emit_schedule(emit: Emit, step: int, pipe: Any) -> None:
     record = pipe.last_actions
     emit(step, "schedule", "@wall_start", record["wall_start"])
     emit(step, "schedule", "@total", record["total_s"])
+    if record.get("peak_act_bytes"):
+        emit(step, "schedule", "@peak_act_bytes", float(record["peak_act_bytes"]))
     for action, start, end in record["actions"]:
         emit(step, "schedule", f"{action}@start", start)
         emit(step, "schedule", f"{action}@end", end)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError, ConfigErrors
+from engine.mesh import world_product
 
 if TYPE_CHECKING:
     from engine.config import RunConfig
@@ -97,7 +98,8 @@ def _degree_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     if min(p.dp, p.tp, p.pp) < 1:
         return
     if cfg.world_size > MAX_WORLD_SIZE:
-        degrees = f"dp*tp*pp={p.dp}*{p.tp}*{p.pp}" if p.cp == 1 else f"dp*tp*pp*cp={p.dp}*{p.tp}*{p.pp}*{p.cp}"
+        factors = (p.dp, p.tp, p.pp, p.cp) if p.cp > 1 else (p.dp, p.tp, p.pp)
+        degrees = f"{world_product(p.cp)}={'*'.join(map(str, factors))}"
         yield ConfigError("parallel", f"{degrees}={cfg.world_size}",
                           f"world size must be <= {MAX_WORLD_SIZE}")
     if not 0 <= p.zero <= 3:
@@ -285,16 +287,16 @@ LAUNCHERS = ("local", "slurm")  # engine/launch.py (torchrun on this machine) | 
 
 
 def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
-    c = cfg.cluster
+    c, world = cfg.cluster, world_product(cfg.parallel.cp)
     yield from _positive("cluster.nodes", c.nodes)
     yield from _positive("cluster.gpus_per_node", c.gpus_per_node, allow_zero=True)
     yield from _positive("cluster.cpus_per_rank", c.cpus_per_rank)
     if c.nodes > 0 and cfg.world_size % c.nodes:
-        yield ConfigError("cluster.nodes", c.nodes, f"must divide the world size dp*tp*pp = {cfg.world_size}"
+        yield ConfigError("cluster.nodes", c.nodes, f"must divide the world size {world} = {cfg.world_size}"
                           f"{_try(cfg.world_size)}")
     elif c.nodes > 0 and c.gpus_per_node > 0 and c.nodes * c.gpus_per_node != cfg.world_size:
         yield ConfigError("cluster.gpus_per_node", c.gpus_per_node, f"nodes*gpus_per_node = {c.nodes}*{c.gpus_per_node} "
-                          f"= {c.nodes * c.gpus_per_node} must equal the world size dp*tp*pp = {cfg.world_size} "
+                          f"= {c.nodes * c.gpus_per_node} must equal the world size {world} = {cfg.world_size} "
                           "(one rank per GPU)")
     if c.time is not None and not SLURM_TIME.fullmatch(c.time):
         yield ConfigError("cluster.time", c.time, "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, "
@@ -473,6 +475,12 @@ def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     missing = sorted(set(range(cfg.world_size)) - set(seen))
     if missing:
         yield ConfigError("link.groups", [g.name for g in ln.groups], f"must place every rank; {missing} are in no group")
+    rpn = ln.ranks_per_node
+    blocks = [list(range(s, min(s + rpn, cfg.world_size))) for s in range(0, cfg.world_size, max(rpn, 1))]
+    if rpn > 1 and sorted(sorted(g.ranks) for g in ln.groups) != blocks:
+        yield ConfigError("link.ranks_per_node", rpn, f"disagrees with link.groups {[list(g.ranks) for g in ln.groups]} "
+                          f"(with both set, each group must be {rpn} consecutive ranks); leave ranks_per_node=1 and "
+                          "the groups are the nodes")
     if p.placement == "holmes":
         for i, g in enumerate(ln.groups):
             if g.ranks and len(g.ranks) % p.tp:

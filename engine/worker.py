@@ -22,6 +22,7 @@ import torch.distributed as dist
 from engine.config import from_dict, load_yaml, validate
 from engine.device import init_distributed, pick_backend, pick_device
 from engine.errors import ConfigError
+from engine.mesh import world_product
 
 
 def _error_file(run_dir: Path, rank: int) -> Path:
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if external and rank == 0:
             _register_external_run(cfg, run_id, world, args.config)
         if cfg.world_size != world:
-            raise ConfigError("parallel", f"dp*tp*pp={cfg.world_size}",
+            raise ConfigError("parallel", f"{world_product(cfg.parallel.cp)}={cfg.world_size}",
                               f"must equal WORLD_SIZE={world} of the launcher")
         device = _init(cfg, rank, world)
         running = [-1]  # the step in progress: samples taken during it carry its number

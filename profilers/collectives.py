@@ -305,10 +305,7 @@ class CollectiveProfiler:
     def _describe(self, name: str, names: list[str], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> tuple[_Call, torch.Tensor | None, bool]:
         def get(arg: str, default: Any = None) -> Any:
-            if arg in kwargs:
-                return kwargs[arg]
-            index = names.index(arg) if arg in names else len(args)
-            return args[index] if index < len(args) else default
+            return call_argument(names, args, kwargs, arg, default)
 
         arg, position = _BYTES_ARG[name]
         payload = kwargs.get(arg, args[position] if position < len(args) else None)
@@ -429,19 +426,16 @@ def recorded(op: str, nbytes: int, group: Any, *, axis: str | None = None,
     profiler.end(call, start, pending)
 
 
-class _TimedWork(dist.Work):
-    """A Work without a future (gloo send/recv): the collective ends when ``wait()`` returns."""
+class WorkProxy(dist.Work):
+    """A Work standing in for another (``inner``): every method is the inner Work's. Subclasses
+    change ``wait`` / ``is_completed`` (`_TimedWork` here, the link emulator's delayed Work)."""
 
-    def __init__(self, inner: dist.Work, on_done: Callable[[], None]) -> None:
+    def __init__(self, inner: dist.Work) -> None:
         super().__init__()
-        self._inner, self._on_done = inner, on_done
+        self._inner = inner
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        result = self._inner.wait(*args, **kwargs)
-        done, self._on_done = self._on_done, None
-        if done is not None:
-            done()
-        return result
+        return self._inner.wait(*args, **kwargs)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -466,6 +460,31 @@ class _TimedWork(dist.Work):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class _TimedWork(WorkProxy):
+    """A Work without a future (gloo send/recv): the collective ends when ``wait()`` returns."""
+
+    def __init__(self, inner: dist.Work, on_done: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self._on_done: Callable[[], None] | None = on_done
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        result = self._inner.wait(*args, **kwargs)
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            done()
+        return result
+
+
+def call_argument(names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
+                  default: Any = None) -> Any:
+    """The value of parameter ``name`` in a call ``f(*args, **kwargs)`` of a function whose
+    parameters are ``names`` (``inspect.signature(f).parameters``), else ``default``."""
+    if name in kwargs:
+        return kwargs[name]
+    index = names.index(name) if name in names else len(args)
+    return args[index] if index < len(args) else default
 
 
 def _annotated(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -572,6 +591,7 @@ def _uninstall() -> None:
 from profilers.commbench import (  # noqa: E402  (commbench imports the math above)
     SWEEP_OPS, commbench, format_busbw_table, spawn_commbench, sweep_sizes)
 
-__all__ = ["CANONICAL", "PATCHED", "SWEEP_OPS", "CollectiveProfiler", "aggregate", "algbw",
-           "blocking_time", "bus_factor", "busbw", "commbench", "event_key", "format_busbw_table",
-           "group_name", "now", "recorded", "spawn_commbench", "split_key", "sweep_sizes", "union_time"]
+__all__ = ["CANONICAL", "PATCHED", "SWEEP_OPS", "CollectiveProfiler", "WorkProxy", "aggregate", "algbw",
+           "blocking_time", "bus_factor", "busbw", "call_argument", "commbench", "event_key",
+           "format_busbw_table", "group_name", "now", "recorded", "spawn_commbench", "split_key", "sweep_sizes",
+           "union_time"]

@@ -44,14 +44,18 @@ AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_s
 """The same ops under ``_c10d_functional_autograd`` (funcol's ``*_autograd`` variants)."""
 
 
-def _group_size(group: Any) -> int:
-    """Size of a group given as a ProcessGroup or its name (names are reused after a
+def resolve_group(group: Any) -> Any:
+    """The ProcessGroup of a group given as a ProcessGroup or its name (names are reused after a
     re-initialisation, so they are resolved at every call: one dictionary lookup in c10d)."""
     if not isinstance(group, str):
-        return group.size()
+        return group
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group).size()
+    return _resolve_process_group(group)
+
+
+def _group_size(group: Any) -> int:
+    return resolve_group(group).size()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -88,12 +92,33 @@ class _InFlight:
 _IN_FLIGHT = _InFlight()
 
 
-class TimedOp:
-    """Stands in for one op packet of ``torch.ops._c10d_functional``: records calls made while a
-    profiler is active; everything else (``.default``, schema, hashing) is the packet's."""
+class OpProxy:
+    """Stands in for one op packet of a ``torch.ops`` namespace: subclasses define ``__call__``;
+    everything else (``.default``, schema, hashing, equality) is the packet's."""
+
+    def __init__(self, name: str, packet: Any) -> None:
+        self._name, self._packet = name, packet
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._packet, attr)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or self._packet == other
+
+    def __hash__(self) -> int:
+        return hash(self._packet)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._packet!r})"
+
+
+class TimedOp(OpProxy):
+    """Records calls of its op packet (``torch.ops._c10d_functional``) made while a profiler is
+    active."""
 
     def __init__(self, name: str, packet: Any, active: Callable[[], Any]) -> None:
-        self._name, self._packet, self._active = name, packet, active
+        super().__init__(name, packet)
+        self._active = active
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         profiler = self._active()
@@ -114,18 +139,6 @@ class TimedOp:
         out = self._packet(*args, **kwargs)
         _IN_FLIGHT.add(_tensors(out), (profiler, call, start, pending))
         return out
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._packet, attr)
-
-    def __eq__(self, other: object) -> bool:
-        return other is self or self._packet == other
-
-    def __hash__(self) -> int:
-        return hash(self._packet)
-
-    def __repr__(self) -> str:
-        return f"TimedOp({self._packet!r})"
 
 
 def _wait(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -141,6 +141,41 @@ def global_batches(*, steps: int, global_batch: int, seq_len: int, vocab: int, s
     return [torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g) for _ in range(steps)]
 
 
+def counting_batches(*, steps: int, global_batch: int, seq_len: int, vocab: int,
+                     seed: int = 1234) -> list[tuple[Any, Any]]:
+    """(inputs, targets) per step: counting sequences from random starts, learnable, so the loss
+    falls within 5 steps (the pipeline parity tests)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, vocab, (steps, global_batch, 1), generator=gen)
+    tokens = (starts + torch.arange(seq_len + 1)) % vocab
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def single_process_losses(cfg: Any, batches: list[tuple[Any, Any]], *, seed: int, lr: float,
+                          eval_after: int | None = None) -> list[float]:
+    """The reference of the parity tests: the training loss of each step of one process (AdamW on
+    the whole global batch); with `eval_after`, then the loss on batch 0 taken after that step."""
+    import torch
+
+    from engine.model import build_model, loss_fn
+
+    model = build_model(cfg, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, eval_loss = [], None
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step == eval_after:
+            with torch.no_grad():
+                eval_loss = loss_fn(model(batches[0][0]), batches[0][1]).item()
+    return losses if eval_after is None else losses + [eval_loss]
+
+
 def micro_batches(batch: Any, *, dp_rank: int, dp: int, micro: int) -> list[Any]:
     """This dp rank's contiguous slice of a global batch, cut into micro-batches."""
     per_rank = batch.shape[0] // dp

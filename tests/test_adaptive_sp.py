@@ -54,7 +54,25 @@ def _body(rank: int, world_size: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"loss": losses, "groups": len(groups.groups), "tokens_per_rank": tokens_per_rank}
+    return {"loss": losses, "groups": len(groups.groups), "tokens_per_rank": tokens_per_rank, **_plans_ahead(rank)}
+
+
+def _plans_ahead(rank: int) -> dict:
+    """PlanAhead: a plan solved in rank 0's thread reaches every rank; lengths other than the
+    submitted ones (or none submitted) are solved in line."""
+    from engine.parallel.adaptive_sp import PlanAhead
+    from engine.parallel.flexsp import CostModel, solve
+
+    cost = CostModel(a1=1.0, a2=0.0, a2a={4: 1e6})
+    ahead = PlanAhead(lambda lengths: solve(lengths, n=4, cap=100, cost=cost, buckets=2, time_limit_s=5.0), rank=rank)
+    ahead.submit(1, [8, 8, 1, 1, 1, 1])
+    ahead.wait(1)
+    first = ahead.take(1, [8, 8, 1, 1, 1, 1])
+    ahead.submit(2, [1, 1])
+    second = ahead.take(2, [8, 8])  # not what was submitted: solved now
+    ahead.close()
+    return {"ahead": [(sorted(first.sizes), first.predicted_s), (sorted(second.sizes), second.predicted_s)],
+            "ahead_waited": (first.exposed_s, second.exposed_s)}
 
 
 def _reference() -> list[float]:
@@ -83,6 +101,12 @@ def test_every_group_pattern_trains_like_one_process():
         assert max(abs(a - b) for a, b in zip(out["loss"], ref)) <= 1e-4, (out["loss"], ref)
     # groups of 2 and 4 ranks are created once and reused: {0..3}, {0,1}, {2,3}
     assert outs[0]["groups"] == 3 + 4  # + the four single-rank "groups" (no process group needed)
+    # test_flexsp's worked case: two pairs at (64 + 1 + 1) / 2 = 33 for [8,8,1,1,1,1]; [8,8]: every used
+    # group holds a sequence and groups of 4 are priced out, so two pairs at 64 / 2 = 32
+    assert all(out["ahead"] == [([2, 2], 33.0), ([2, 2], 32.0)] for out in outs)
+    # rank 0 times its wait for the plan; the plan (and that time) is what every rank gets
+    assert all(out["ahead_waited"] == outs[0]["ahead_waited"] for out in outs)
+    assert min(outs[0]["ahead_waited"]) > 0.0
 
 
 def test_group_layout_puts_larger_groups_first_on_contiguous_ranks():

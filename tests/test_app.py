@@ -403,3 +403,25 @@ def test_history_ticks_fall_on_whole_trial_numbers():
     many = fig_history(pd.DataFrame({"number": range(60), "state": ["COMPLETE"] * 60, "tokens/s": [1.0] * 60}),
                        "tokens/s", "throughput")
     assert many.layout.xaxis.tickformat == "d"
+
+
+def test_collective_totals_are_read_once_per_run_version(tmp_path, monkeypatch):
+    """The Run page's collectives table (a scan of the whole run) is cached like its other reads,
+    but a live run that records more, or ends, is read again."""
+    from workbench.app_pages import common
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "live-0001", steps=3, ranks=2, status="running")
+    reads: list[str] = []
+    real = RunStore.comm_totals
+    monkeypatch.setattr(RunStore, "comm_totals", lambda self, run_id: reads.append(run_id) or real(self, run_id))
+    home = str(tmp_path)
+
+    def table() -> pd.DataFrame:
+        common.run_data.clear()  # the 1 s ttl cache of the other reads: as after a poll interval
+        return common.collectives_table(home, "live-0001", common.run_version(common.run_data(home, "live-0001")))
+
+    assert len(table()) and len(table()) and reads == ["live-0001"]
+    store.finish_run("live-0001", "completed")
+    table()
+    assert reads == ["live-0001"] * 2

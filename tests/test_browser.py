@@ -1,9 +1,10 @@
 """End to end in a real headless Chromium (Debian `chromium`, driven by Playwright; no browser is
 downloaded): start the app, screenshot every page empty, launch a tiny 2-rank run from the Run
-page and watch its charts update, start a 3-trial study from the Tune page, download the exported
-YAML, screenshot every page again; and the simulator's HTML report laid out by the browser.
-Screenshots go to artifacts/ (gitignored): PAGE-empty.png, run-live.png, run-done.png,
-tune-finished.png, PAGE-finished.png, sim-report.png."""
+page and watch its charts update, check that the Run page draws the executed schedule of a
+2-step pp=4 run as a rank x time grid, start a 3-trial study from the Tune page, download the
+exported YAML, screenshot every page again; and the simulator's HTML report laid out by the
+browser. Screenshots go to artifacts/ (gitignored): PAGE-empty.png, run-live.png, run-done.png,
+run-schedule.png, tune-finished.png, PAGE-finished.png, sim-report.png."""
 from __future__ import annotations
 
 import os
@@ -196,6 +197,7 @@ def _scenario(server, page) -> None:
     # the page leaves polling mode: the Stop button is gone
     _wait_for(lambda: page.get_by_role("button", name="Stop run").count() == 0, 30, "the Stop button to go")
     page.screenshot(path=str(ARTIFACTS / "run-done.png"), full_page=True)
+    _pp4_schedule_grid(url, home, page)
 
     # Tune page: a 3-trial study of 1-rank, 3-step trials
     _tune_and_export(url, page)
@@ -204,6 +206,43 @@ def _scenario(server, page) -> None:
     zombies = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
                if p.status() == psutil.STATUS_ZOMBIE]
     assert zombies == [], f"finished workers left <defunct>: {zombies}"
+
+
+PP4 = ["name=pp4grid", "model.layers=4", "model.d_model=16", "model.heads=2", "model.seq_len=16", "model.vocab=256",
+       "parallel.pp=4", "parallel.schedule=1f1b", "batch.global=8", "batch.micro=2", "train.steps=2",
+       "profile.host_interval_s=0", "profile.nvml_interval_s=0"]
+
+
+def _pp4_schedule_grid(url: str, home: Path, page) -> None:
+    """A real 2-step pp=4 1f1b run (4 micro-batches) stored in the app's home: the Run page draws
+    its last step's executed actions as bars on rows rank 0..3, 4 forwards and 4 backwards each."""
+    from engine.config import load_config
+    from engine.launch import launch
+
+    launch(load_config(None, PP4), home=home, run_id="pp4grid", timeout_s=240)
+    page.goto(f"{url}/run")
+    picker = page.locator('[data-testid="stSelectbox"]').filter(has_text="Run").last
+    picker.wait_for(timeout=30_000)
+    if "pp4grid" not in _selectboxes(page):  # the picker keeps the run picked before
+        picker.click()
+        page.keyboard.type("pp4grid")
+        page.keyboard.press("Enter")
+    page.get_by_text("Executed pipeline schedule").wait_for(timeout=60_000)
+    _settle(page)
+    # read what the browser drew (the SVG of the plot titled "1f1b step ..."), not the figure
+    grid = page.evaluate("""() => {
+        const p = [...document.querySelectorAll('.js-plotly-plot')].find(
+            e => (e.querySelector('.gtitle')?.textContent || '').startsWith('1f1b step'));
+        if (!p) return [...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent);
+        const texts = sel => [...p.querySelectorAll(sel)].map(t => t.textContent);
+        return {rows: texts('.ytick text').sort(), kinds: texts('.legendtext').sort(),
+                labels: (p.data || []).flatMap(t => t.text), bars: p.querySelectorAll('g.trace.bars g.point path').length};
+    }""")
+    assert isinstance(grid, dict), f"no schedule grid on the Run page; plot titles: {grid}"
+    assert grid["rows"] == ["rank 0", "rank 1", "rank 2", "rank 3"] and grid["kinds"] == ["B", "F"], grid
+    assert grid["bars"] == 32, grid  # every executed action drawn as a bar
+    assert sorted(grid["labels"]) == sorted(f"{s}{k}{mb}" for s in range(4) for k in "FB" for mb in range(4))
+    page.screenshot(path=str(ARTIFACTS / "run-schedule.png"), full_page=True)
 
 
 def _tune_and_export(url: str, page) -> None:

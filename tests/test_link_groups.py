@@ -93,10 +93,18 @@ BASE = ["parallel.pp=2", "parallel.dp=2", "model.layers=4", "batch.global=8", "b
     (["parallel.layer_split=even"], r"layer_split.*must be a list of layers per stage or 'auto'"),
     (["link.inter_gbps=1"], r"link.inter_gbps.*applies only with link.groups"),
     (["parallel.layer_split=auto", "model.layers=1", "batch.global=8"], r"needs model.layers=1 >= parallel.pp=2"),
+    ([GROUPS, "link.inter_gbps=1", "link.ranks_per_node=2"],
+     r"link.ranks_per_node=2: disagrees with link.groups \[\[0, 2\], \[1, 3\]\]"),
 ])
 def test_validation_lines(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, BASE + overrides)
+
+
+def test_groups_that_agree_with_ranks_per_node_are_valid() -> None:
+    groups = "link.groups=[{name: a, ranks: [0, 1], gbps: 1}, {name: b, ranks: [3, 2], gbps: 1}]"
+    cfg = load_config(None, BASE + [groups, "link.inter_gbps=1", "link.ranks_per_node=2"])
+    assert cfg.link.ranks_per_node == 2 and len(cfg.link.groups) == 2
 
 
 def test_valid_heterogeneous_config_round_trips() -> None:

@@ -8,7 +8,7 @@ import torch
 from engine.config import ModelConfig, load_config
 from engine.errors import ConfigError, ConfigErrors
 from engine.moe import capacity, route
-from engine.parallel.expert import expert_group_ranks, node_split, transpose_chunks
+from engine.parallel.expert import expert_group_ranks, node_split, rank_nodes, transpose_chunks
 
 MOE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
        "model.experts=4", "model.top_k=2", "model.capacity_factor=0", "model.aux_loss_coef=0.01",
@@ -59,6 +59,14 @@ def test_expert_groups_and_hierarchical_layout():
     assert node_split([4, 5, 6, 7], 2) == [[0, 1], [2, 3]]
     with pytest.raises(ValueError):
         node_split([0, 1, 2], 2)  # 2 members on node 0, 1 on node 1
+    # link.groups are the nodes when set: ep group [4, 5, 6, 7] over groups {0, 1, 4, 5}, {2, 3, 6, 7}
+    by_group = rank_nodes(ranks_per_node=2, groups=[[0, 1, 4, 5], [2, 3, 6, 7]])
+    assert [by_group(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert node_split([4, 5, 6, 7], by_group) == [[0, 1], [2, 3]]
+    assert node_split([0, 1, 4, 5], by_group) == [[0, 1, 2, 3]]  # one node: ranks_per_node=2 would make two
+    assert node_split([0, 1, 4, 5], rank_nodes(ranks_per_node=2)) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="equal, consecutive nodes"):
+        node_split([0, 2, 1, 3], rank_nodes(groups=[[0, 1], [2, 3]]))  # node members not consecutive
     # chunks (a=2, b=2) with sizes [[1, 2], [3, 0]] -> b-major: a0b0, a1b0, a0b1, a1b1
     assert transpose_chunks([[1, 2], [3, 0]]).tolist() == [0, 3, 4, 5, 1, 2]
 

@@ -14,7 +14,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model import build_model, loss_fn
 from engine.parallel.pipeline import bubble_fraction, describe_schedule, stage_layers
-from parallel_harness import run_ranks
+from parallel_harness import counting_batches, run_ranks, single_process_losses
 
 SEED, STEPS, GLOBAL_BATCH, MICRO, LR, EVAL_AFTER = 0, 5, 8, 2, 1e-2, 1
 CFG = ModelConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256, dropout=0.0)
@@ -22,29 +22,13 @@ TOL = 1e-4
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # counting sequences from random starts: learnable, so the loss falls within 5 steps
-    gen = torch.Generator().manual_seed(1234)
-    starts = torch.randint(0, CFG.vocab, (STEPS, GLOBAL_BATCH, 1), generator=gen)
-    tokens = (starts + torch.arange(CFG.seq_len + 1)) % CFG.vocab
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    return counting_batches(steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=CFG.seq_len, vocab=CFG.vocab)
 
 
 def _reference_losses() -> list[float]:
     """The 5 training losses of one process on the global batch, then the eval loss on batch 0
     taken after step EVAL_AFTER."""
-    model = build_model(CFG, seed=SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, eval_loss = [], None
-    for step, (x, y) in enumerate(_batches()):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step == EVAL_AFTER:
-            with torch.no_grad():
-                eval_loss = loss_fn(model(_batches()[0][0]), _batches()[0][1]).item()
-    return losses + [eval_loss]
+    return single_process_losses(CFG, _batches(), seed=SEED, lr=LR, eval_after=EVAL_AFTER)
 
 
 def _train(mesh, *, schedule: str, virtual: int = 1, grads: str = "manual", tp: bool = False) -> dict:

@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.model import build_model, loss_fn
 from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
 from engine.validate import SCHEDULES
-from parallel_harness import run_ranks
+from parallel_harness import counting_batches, run_ranks, single_process_losses
 
 SEED, STEPS, GLOBAL_BATCH, MICRO, LR = 0, 5, 16, 2, 1e-2
 CFG = ModelConfig(layers=8, d_model=16, heads=2, seq_len=8, vocab=64, dropout=0.0)
@@ -28,23 +28,11 @@ VIRTUAL = 2  # interleaved, looped_bfs, zero_bubble
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1234)
-    starts = torch.randint(0, CFG.vocab, (STEPS, GLOBAL_BATCH, 1), generator=gen)
-    tokens = (starts + torch.arange(CFG.seq_len + 1)) % CFG.vocab
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    return counting_batches(steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=CFG.seq_len, vocab=CFG.vocab)
 
 
 def _reference_losses() -> list[float]:
-    model = build_model(CFG, seed=SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return single_process_losses(CFG, _batches(), seed=SEED, lr=LR)
 
 
 def _train(mesh, schedule: str, zero3: bool = False, skip_ratio: float | None = None) -> dict:
@@ -141,6 +129,16 @@ def test_pp2_every_schedule_matches_single_process(world2, reference, schedule):
 @pytest.mark.parametrize("layout", RUN)
 def test_pp4_every_schedule_matches_single_process(world4, reference, layout):
     _check_layout(world4, reference, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+@pytest.mark.timeout(900)
+def test_pp4_peak_activations_are_measured(world4):
+    """Saved-tensor bytes held at once on rank 0 (stage 0, 8 micro-batches of one shape): GPipe
+    holds all 8 forwards before the first backward, 1F1B at most pp = 4, so exactly twice as much."""
+    peak = {s: world4[0][s]["executed"][-1]["peak_act_bytes"] for s in ("gpipe", "1f1b")}
+    assert peak["1f1b"] > 0 and peak["gpipe"] == 2 * peak["1f1b"], peak
 
 
 @pytest.mark.slow
@@ -267,6 +265,89 @@ def test_walk_prices_the_bubble_from_the_action_list():
     assert bubble_ratio("1f1b", 1, 8) == 0.0
 
 
+def _same(row: list, expected: list) -> None:
+    """Same actions in order, at the same (start, end) times up to rounding."""
+    assert [a for a, _, _ in row] == [a for a, _, _ in expected]
+    assert [t for _, *ts in row for t in ts] == pytest.approx([t for _, *ts in expected for t in ts])
+
+
+def test_walk_prices_overhead_p2p_head_and_tail():
+    """Hand-walked 1f1b, pp=2, one micro-batch: F 1, B 2, host work 0.5 before each action, p2p
+    0.25, head 0.1, tail 0.2. Rank 0: head [0, .1], 0F0 [.6, 1.6]; rank 1: 1F0 ready 1.85, runs
+    [2.35, 3.35], 1B0 [3.85, 5.85], tail to 6.05; rank 0: 0B0 ready 6.1, runs [6.6, 8.6], tail 8.8."""
+    import random
+
+    from torch.distributed.pipelining.schedules import _Action
+
+    from tuning.sim_schedule import Costs, walk
+
+    actions = schedule_actions(schedule="1f1b", pp=2, n_microbatches=1)
+    costs = Costs(overhead_s=0.5, p2p_s=0.25, head_s=0.1, tail_s=0.2)
+    t = walk(actions, stage_rank={0: 0, 1: 1}, costs=costs)
+    _same(t.rows[0], [("0F0", 0.6, 1.6), ("0B0", 6.6, 8.6)])
+    _same(t.rows[1], [("1F0", 2.35, 3.35), ("1B0", 3.85, 5.85)])
+    assert list(t.windows[0]) == pytest.approx([0.0, 8.8]) and list(t.windows[1]) == pytest.approx([0.0, 6.05])
+    assert t.bubble_fraction(0) == pytest.approx(1 - 3 / 8.8)
+    assert t.bubble_fraction(1) == pytest.approx(1 - 3 / 6.05)
+    # with an rng, each action's host work is a draw from the recorded samples (here always 1)
+    one_rank = {0: [_Action.from_str("0F0"), _Action.from_str("0F1")]}
+    drawn = walk(one_rank, stage_rank={0: 0}, costs=Costs(overhead_s=5, overhead_draws=(1.0,)), rng=random.Random(0))
+    _same(drawn.rows[0], [("0F0", 1.0, 2.0), ("0F1", 3.0, 4.0)])
+
+
+def _ps_step() -> dict:
+    """GPipe pp=2, two micro-batches, F 1 and B 2 of work, both ranks sharing one core (hand-walked):
+    rank 0 F0 [0,1] alone; 0F1 and 1F0 share [1,3]; 1F1 [3,4], 1B0 [4,6] alone; 0B0 and 1B1 share
+    [6,10]; 0B1 [10,12]."""
+    spans = {0: [("0F0", 0, 1), ("0F1", 1, 3), ("0B0", 6, 10), ("0B1", 10, 12)],
+             1: [("1F0", 1, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 10)]}
+    return {r: {"actions": [(a, float(b), float(e)) for a, b, e in row], "total_s": float(row[-1][2]),
+                "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
+
+
+def test_walk_shares_the_cores_among_running_ranks():
+    """Processor sharing: with one core, two ranks computing at once each run at half speed, and a
+    rank waiting on an input frees the core (the hand-walked `_ps_step`); background threads take
+    their share too."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    from tuning.sim_schedule import Costs, walk
+
+    actions = schedule_actions(schedule="gpipe", pp=2, n_microbatches=2)
+    t = walk(actions, stage_rank={0: 0, 1: 1}, costs=Costs(cores=1))
+    for rank, row in _ps_step().items():
+        _same(t.rows[rank], row["actions"])
+    assert t.bubble_fraction(0) == pytest.approx(1 - 9 / 12) and t.bubble_fraction(1) == pytest.approx(1 - 9 / 10)
+    one = walk({0: [_Action.from_str("0F0")]}, stage_rank={0: 0}, costs=Costs(cores=1, background=1))
+    _same(one.rows[0], [("0F0", 0.0, 2.0)])
+
+
+def test_calibrate_reads_the_costs_off_a_recorded_step():
+    """A recorded 1f1b step (pp=2, one micro-batch) whose every gap is what the walk charges: host
+    work 0.5 before each action, a remote input 0.5 later (p2p), tail 0.5, rank 1 entering 0.25 s
+    late. Calibrated from it, the walk reproduces the step and its measured bubble; with one shared
+    core, `_ps_step`'s stretched spans are read back as F 1, B 2 of work (plain means: stage 0 F 1.5)."""
+    from tuning.sim_schedule import calibrate, measured_bubble, predicted_timeline
+
+    step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
+            1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,
+                "paths": {}}}
+    cal = calibrate(step, stage_rank={0: 0, 1: 1})
+    compute, costs = cal.compute, cal.costs
+    assert compute == pytest.approx({(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0})
+    assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.5, 0.5, 0.0, 0.5))
+    assert dict(costs.start_s) == pytest.approx({0: 0.0, 1: 0.25})
+    t = predicted_timeline(step, schedule="1f1b", pp=2, n_microbatches=1)
+    _same(t.rows[0], [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)])
+    assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx(list(measured_bubble(step).values()))
+    assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx([1 - 3 / 9.5, 1 - 3 / 6.25])
+
+    shared = calibrate(_ps_step(), stage_rank={0: 0, 1: 1}, cores=1).compute
+    assert shared == pytest.approx({(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0})
+    plain = calibrate(_ps_step(), stage_rank={0: 0, 1: 1})
+    assert plain.compute[(0, "F")] == pytest.approx(1.5) and sorted(plain.draws[(0, "F")]) == [1.0, 2.0]
+
+
 def test_simulator_prices_every_schedule():
     from tuning.simulator import SCHEDULES as SIM_SCHEDULES, ModelSpec, ParallelSpec, simulate
     from tuning.hardware import load_cluster
@@ -354,8 +435,10 @@ def test_show_reads_the_executed_schedule(tmp_path):
     assert report["step"] == 3 and report["schedule"] == "1f1b"
     assert report["per_rank"][0]["measured"] == pytest.approx(0.4)
     assert report["per_rank"][1]["measured"] == pytest.approx(0.4)
-    # predicted: F 1 s, B 2 s (the measured means) on the 1f1b list: makespan 1+1+2+1+2+2 = 9 ... rank 0 busy 6
-    assert report["per_rank"][0]["predicted"] == pytest.approx(1 - 6 / 9)
+    # predicted: F 1 s, B 2 s (the measured means) on the 1f1b list, no gap waited on nothing (no
+    # overhead, no p2p), tails 1 and 3 s (mean 2): rank 0 ends its last B at 9 -> window 11, rank 1 at 7 -> 9
+    assert report["per_rank"][0]["predicted"] == pytest.approx(1 - 6 / 11)
+    assert report["per_rank"][1]["predicted"] == pytest.approx(1 - 6 / 9)
     fig = schedule_figure(report)
     assert {trace.name for trace in fig.data} == {"F", "B"}
     assert sum(len(trace.x) for trace in fig.data) == 8

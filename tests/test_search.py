@@ -156,7 +156,7 @@ def test_flip_parameter_names_the_smallest_change_that_flips() -> None:
 def test_warm_start_correction_learns_per_strategy_class() -> None:
     import optuna
 
-    from tuning.warmstart import fit_correction, prediction_trend, refit_correction, trial_class
+    from tuning.warmstart import Correction, fit_correction, prediction_trend, refit_correction, trial_class
 
     dp = {"parallel": {"dp": 2}, "batch": {"global": 8, "micro": 4}}
     tp = {"parallel": {"tp": 2}, "batch": {"global": 8, "micro": 4}}
@@ -173,6 +173,56 @@ def test_warm_start_correction_learns_per_strategy_class() -> None:
     last = trend.iloc[-2:]
     assert (last["corrected_error_pct"].abs() < last["error_pct"].abs() / 3).all()
     assert trend["trend_abs_error_pct"].is_monotonic_decreasing and trend["trend_abs_error_pct"].iloc[-1] < 15
-    factors = refit_correction(study)
-    assert factors["DP/ZeRO-1"] == pytest.approx(0.5, rel=0.15) and factors["TP"] == pytest.approx(0.8, rel=0.1)
-    assert fit_correction([]) == {"*": 1.0}
+    correction = refit_correction(study)
+    assert correction.factor("DP/ZeRO-1", "none") == pytest.approx(0.5, rel=0.15)
+    assert correction.factor("TP", "none") == pytest.approx(0.8, rel=0.1)
+    assert fit_correction([]) == Correction() and Correction().factor("TP", "none") == 1.0
+
+
+def test_warm_start_correction_backs_off_from_compressor_to_class_to_overall() -> None:
+    from tuning.warmstart import fit_correction
+
+    # log2 ratios: DP+PowerSGD -1, TP -2. Each level = (sum + parent) / (n + 1), by hand:
+    # overall (-3 + 0) / 3 = -1; class DP (-1 - 1) / 2 = -1, TP (-2 - 1) / 2 = -3/2;
+    # cell (DP, powersgd) (-1 - 1) / 2 = -1, (TP, none) (-2 - 3/2) / 2 = -7/4
+    c = fit_correction([("DP/ZeRO-1", "powersgd", 1.0, 2.0), ("TP", "none", 1.0, 4.0)])
+    assert c.factor("TP", "none") == pytest.approx(2 ** -1.75) and c.level("TP", "none") == "cell"
+    assert c.factor("DP/ZeRO-1", "powersgd") == pytest.approx(0.5)
+    assert c.factor("TP", "fp16") == pytest.approx(2 ** -1.5) and c.level("TP", "fp16") == "class"
+    assert c.factor("PP", "none") == pytest.approx(0.5) and c.level("PP", "none") == "overall"
+
+
+def test_warm_start_correction_separates_compressors_of_one_class() -> None:
+    """Alternating PowerSGD (simulator 2x too fast) and fp16 (simulator right) data-parallel trials:
+    one factor per class sat between the two and never fell below ~30% error; per (class, compressor)
+    each compressor's corrected error falls."""
+    import optuna
+
+    from tuning.warmstart import prediction_trend, trend_summary
+
+    study = optuna.create_study(direction="maximize")
+    for i in range(8):
+        comp, measured = ("powersgd", 50.0) if i % 2 == 0 else ("fp16", 100.0)
+        cfg = {"parallel": {"dp": 2}, "batch": {"global": 8, "micro": 4}, "comm": {"compressor": comp}}
+        study.add_trial(optuna.trial.create_trial(value=measured, user_attrs={
+            "config": cfg, "predicted_tokens_per_s": 100.0, "tokens_per_s": measured}))
+    trend = prediction_trend(study)
+    # log2 factors by hand, each level (sum of log2 ratios + parent) / (n + 1), PowerSGD log2 ratio -1, fp16 0:
+    # t1 fp16 (class): overall -1/2, class (-1 - 1/2)/2 = -3/4
+    # t2 psgd: overall -1/3, class (-1 - 1/3)/3 = -4/9, cell (-1 - 4/9)/2 = -13/18
+    # t3 fp16: overall -2/4, class (-2 - 1/2)/4 = -5/8, cell (0 - 5/8)/2 = -5/16
+    # t4 psgd: overall -2/5, class (-2 - 2/5)/5 = -12/25, cell (-2 - 12/25)/3 = -62/75
+    # t5 fp16: overall -3/6, class (-3 - 1/2)/6 = -7/12, cell (0 - 7/12)/3 = -7/36
+    # t6 psgd: overall -3/7, class (-3 - 3/7)/7 = -24/49, cell (-3 - 24/49)/4 = -171/196
+    # t7 fp16: overall -4/8, class (-4 - 1/2)/8 = -9/16, cell (0 - 9/16)/4 = -9/64
+    log2 = [0, -3 / 4, -13 / 18, -5 / 16, -62 / 75, -7 / 36, -171 / 196, -9 / 64]
+    assert list(trend["correction_factor"]) == pytest.approx([2.0 ** x for x in log2])
+    assert list(trend["correction_level"]) == ["none", "class"] + ["cell"] * 6
+    assert list(trend["compressor"]) == ["powersgd", "fp16"] * 4
+    # corrected / measured - 1: PowerSGD 2^(1 + x) - 1, fp16 2^x - 1
+    errors = [100.0 * (2.0 ** (x + (1 if i % 2 == 0 else 0)) - 1) for i, x in enumerate(log2)]
+    assert list(trend["corrected_error_pct"]) == pytest.approx(errors)
+    assert [round(abs(e)) for e in errors] == [100, 41, 21, 19, 13, 13, 9, 9]  # falls for each compressor
+    summary = trend_summary(trend)
+    assert summary["first_median_abs_error_pct"] == pytest.approx(100 * (1 - 2 ** -0.75))  # 40.5%
+    assert summary["last_median_abs_error_pct"] == pytest.approx(100 * (1 - 2 ** (-9 / 64)))  # 9.3%

@@ -48,6 +48,11 @@ def test_a_bad_cluster_field_is_one_line_naming_it(override, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+def test_cluster_rules_name_cp_in_the_world_size_when_it_is_used():
+    with pytest.raises(ConfigError, match=r"cluster.nodes=3: must divide the world size dp\*tp\*pp\*cp = 4"):
+        _cfg("parallel.cp=2", "cluster.nodes=3")
+
+
 def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
     cfg = load_config(REPO / "examples" / "tiny.yaml", [
         "parallel.dp=16", "batch.global=64", "cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.partition=gpu",
@@ -205,47 +210,56 @@ class _AlwaysPrune(optuna.pruners.BasePruner):
         return True
 
 
-@pytest.mark.usefixtures("slurm")
+@pytest.fixture
+def slurm_trial(slurm, tmp_path):
+    """`slurm_trial(pruner, steps=...)`: a fresh study, its first trial and the Slurm objective of
+    a tiny run of `steps` steps (home: tmp_path)."""
+    def make(pruner: optuna.pruners.BasePruner, *, steps: int):
+        study = optuna.create_study(direction="maximize", pruner=pruner)
+        return study, study.ask(), _objective(tmp_path, steps=steps)
+
+    return make
+
+
+def _assert_cancelled_and_gone(home: Path, attrs: dict) -> None:
+    """The trial's Slurm job ended CANCELLED and no process of its run is left."""
+    assert job_state(attrs["slurm_job_id"]).state == "CANCELLED"
+    assert _left(home / "runs" / attrs["run_id"]) == []
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
-def test_pruning_a_trial_cancels_its_job_and_leaves_no_process(tmp_path):
-    study = optuna.create_study(direction="maximize", pruner=_AlwaysPrune())
-    trial = study.ask()
-    outcome = _objective(tmp_path, steps=500).evaluate(trial)
+def test_pruning_a_trial_cancels_its_job_and_leaves_no_process(tmp_path, slurm_trial):
+    study, trial, objective = slurm_trial(_AlwaysPrune(), steps=500)
+    outcome = objective.evaluate(trial)
     assert outcome.state == optuna.trial.TrialState.PRUNED and outcome.reason.startswith("pruned at step")
     attrs = trial.user_attrs if hasattr(trial, "user_attrs") else study.trials[0].user_attrs
-    assert job_state(attrs["slurm_job_id"]).state == "CANCELLED" and attrs["slurm_phase"] == "done"
-    assert _left(tmp_path / "runs" / attrs["run_id"]) == []
+    assert attrs["slurm_phase"] == "done"
+    _assert_cancelled_and_gone(tmp_path, attrs)
 
 
-@pytest.mark.usefixtures("slurm")
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
-def test_a_timed_out_trial_cancels_its_job(tmp_path):
-    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
-    trial = study.ask()
-    objective = _objective(tmp_path, steps=100000)
+def test_a_timed_out_trial_cancels_its_job(tmp_path, slurm_trial):
+    study, trial, objective = slurm_trial(optuna.pruners.NopPruner(), steps=100000)
     objective.timeout = 2.0  # seconds of running; the queue and the ranks' start count only once running
     outcome = objective.evaluate(trial)
     attrs = study.trials[0].user_attrs
     assert outcome.state == optuna.trial.TrialState.FAIL and outcome.reason == "timeout", outcome.reason
-    assert job_state(attrs["slurm_job_id"]).state == "CANCELLED"
-    assert _left(tmp_path / "runs" / attrs["run_id"]) == []
+    _assert_cancelled_and_gone(tmp_path, attrs)
 
 
-@pytest.mark.usefixtures("slurm")
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
-def test_a_job_killed_by_scancel_is_a_failed_trial_with_slurms_reason(tmp_path):
+def test_a_job_killed_by_scancel_is_a_failed_trial_with_slurms_reason(tmp_path, slurm_trial):
     from profilers.store import RunStore
 
-    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
-    trial = study.ask()
+    study, trial, objective = slurm_trial(optuna.pruners.NopPruner(), steps=500)
     done: dict = {}
-    worker = threading.Thread(target=lambda: done.update(outcome=_objective(tmp_path, steps=500).evaluate(trial)))
+    worker = threading.Thread(target=lambda: done.update(outcome=objective.evaluate(trial)))
     worker.start()
     deadline, attrs = time.time() + 300, {}
     while time.time() < deadline and worker.is_alive():  # wait for the job to run and a step to land

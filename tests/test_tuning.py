@@ -202,24 +202,3 @@ def test_live_in_job_study_records_segments(tmp_path):
     for s, t in zip(segs, trials):
         assert lrs[s["start_step"]] == pytest.approx(t.params["train.lr"], rel=1e-6)
 
-
-def test_simulator_warm_start_and_predicted_next_to_measured(tmp_path):
-    """The simulator's top configs run first; every trial records predicted and measured tokens/s."""
-    from tuning.hardware import cpu_profile, save_cluster
-    from tuning.warmstart import enqueue_simulated, local_profile, rank_space
-
-    # a profile of a made-up host (the mechanism under test, not the calibration)
-    profile = cpu_profile(name="cpu-local-2", gemm_points=[(1e5, 5e9), (1e7, 2e10), (1e9, 4e10)],
-                          intra=(1e-4, 0.5), gpus_per_node=2, memory_gb=8.0)
-    save_cluster(profile, tmp_path / "hardware" / "cpu-local-2.yaml")
-    space = SearchSpace.from_dict({"world_size": 2, "params": {"batch.micro": {"choices": [1, 2, 4]}}})
-    ranked = rank_space(space, _base(), local_profile(2, tmp_path))
-    assert [v for v, _ in ranked] == sorted((v for v, _ in ranked), reverse=True) and len(ranked) == 3
-    study = _study(tmp_path, sampler="random", pruner="none")
-    chosen = enqueue_simulated(study, space, _base(), top=2, home=tmp_path)
-    assert chosen == [p for _, p in ranked[:2]]
-    run_trials(study, Objective(_base(), space, home=tmp_path, cluster=local_profile(2, tmp_path)), 2)
-    trials = study.get_trials()
-    assert [t.params for t in trials] == chosen
-    for t in trials:
-        assert t.user_attrs["predicted_tokens_per_s"] > 0 and t.values[0] > 0

@@ -321,3 +321,17 @@ def test_engine_records_zero2_peak_within_10_percent_of_estimate(tmp_path):
         for key in ("params", "grads", "optimizer"):
             assert records[(rank, f"{key}(GiB)")] == pytest.approx(records[(rank, f"estimate_{key}(GiB)")],
                                                                   rel=0.10), (rank, key)
+
+
+def test_model_state_peak_start_stop_spans_a_backward_and_removes_its_hooks():
+    """What Trainer.train_step does on the first profiled step (start before the step's clocks,
+    stop after the optimizer): params and grads at their peak, no hook left behind."""
+    from engine.memory import ModelStatePeak
+
+    model = torch.nn.Linear(4, 4)  # 16 + 4 fp32 parameters: 80 bytes, and 80 of gradients
+    peak = ModelStatePeak([model]).start()
+    model(torch.ones(2, 4)).sum().backward()
+    assert peak.stop() == {"params": 80.0, "grads": 80.0}
+    model.zero_grad(set_to_none=True)
+    model(torch.ones(2, 4)).sum().backward()  # hooks removed: nothing samples any more
+    assert peak.peak == {"params": 80.0, "grads": 80.0} and not model._forward_pre_hooks

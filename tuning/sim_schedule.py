@@ -4,16 +4,21 @@
 earliest time its rank is free and its inputs are ready: a forward after the forward of the
 previous stage on the micro-batch's path, a full or input backward after its own forward and the
 backward of the next stage on the path, a weight backward after its input backward; a dependency
-on another rank adds `p2p_s`. The result holds each action's start and end, so the bubble of
-every rank is read off the timeline, never derived by formula. `bubble_ratio(schedule, pp, m, v)`
+on another rank adds `p2p_s`. `Costs` adds the rest of what a run spends (host work before each
+action, the head and tail of each rank's step, when each rank enters it, and processor sharing
+when ranks outnumber cores); `calibrate` reads those off a recorded step, so `predicted_timeline`
+prices the executed schedule with what the run itself measured. The result holds each action's
+start and end, so the bubble of every rank is read off the timeline, never derived by formula. `bubble_ratio(schedule, pp, m, v)`
 prices with unit costs (forward 1, full backward 2, input and weight backward 1 each) and is
 cached per (schedule, pp, m, v) for the search.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+import statistics
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from torch.distributed.pipelining.schedules import _Action
@@ -25,23 +30,62 @@ MAX_WALK_PP = 4  # larger pipelines are priced from a walk on this many ranks (s
 UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """What the walk charges besides each compute action's own cost (all seconds).
+
+    The runtime does host work around every compute action (posting sends and receives, the
+    loss) and a transfer crosses ranks; on a CPU machine the ranks also share the cores. The
+    defaults price none of it (the unit-cost search walk); `calibrate` reads them off a
+    recorded step.
+    """
+
+    p2p_s: float = 0.0  # a dependency on another rank: latency + bytes / bandwidth (see `p2p_seconds`)
+    overhead_s: float = 0.0  # host CPU work of the runtime before every compute action
+    head_s: float = 0.0  # host CPU work from a rank's step start to its first action (input split)
+    tail_s: float = 0.0  # host work after a rank's last action until its step returns (send waits, losses)
+    start_s: Mapping[int, float] = field(default_factory=dict)  # when each rank enters the step (default 0)
+    # processor sharing: with `cores` set, every rank doing CPU work (compute, overhead, head,
+    # tail; not waiting on a receive) runs at min(1, cores / (running ranks + background)) of
+    # its own speed, so 4 ranks on 2 cores take twice as long while all compute and a rank
+    # waiting in recv frees its share; None: each rank has a core of its own
+    cores: float | None = None
+    background: float = 0.0  # other runnable threads on those cores (e.g. other jobs)
+    overhead_draws: tuple[float, ...] = ()  # recorded host-work samples, drawn from by `walk(rng=...)`
+
+    def rate(self, running: int) -> float:
+        """Speed of each of `running` ranks doing CPU work at once (1: a core of its own)."""
+        if self.cores is None or running == 0:
+            return 1.0
+        return min(1.0, self.cores / (running + self.background))
+
+
+def p2p_seconds(nbytes: float, *, latency_s: float = 0.0, bytes_per_s: float = float("inf")) -> float:
+    """One point-to-point transfer: latency + bytes / bandwidth (alpha-beta, engine/comm/link.py)."""
+    return latency_s + nbytes / bytes_per_s
+
+
 @dataclass(frozen=True)
 class Timeline:
-    """Every rank's executed actions as (action string, start, end), in rank order."""
+    """Every rank's executed compute actions as (action string, start, end), in rank order, and
+    each rank's step window (its start, the end of its tail)."""
 
     rows: dict[int, list[tuple[str, float, float]]]
+    windows: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def makespan(self) -> float:
-        return max((row[-1][2] for row in self.rows.values() if row), default=0.0)
+        ends = [row[-1][2] for row in self.rows.values() if row] + [end for _, end in self.windows.values()]
+        return max(ends, default=0.0)
 
     def busy(self, rank: int) -> float:
         return sum(end - start for _, start, end in self.rows[rank])
 
     def bubble_fraction(self, rank: int) -> float:
-        """Idle share of the step on `rank`: 1 - busy / makespan."""
-        span = self.makespan
-        return 1.0 - self.busy(rank) / span if span > 0 else 0.0
+        """Idle share of `rank`'s own step (its window; the makespan without one): 1 - busy / step,
+        the definition the engine measures (engine/parallel/pipeline.py `last_timing`)."""
+        start, end = self.windows.get(rank, (0.0, self.makespan))
+        return 1.0 - self.busy(rank) / (end - start) if end > start else 0.0
 
     def bubble_ratio(self) -> float:
         """Step time over the busiest rank's compute, minus 1 (the simulator's bubble / ideal)."""
@@ -49,42 +93,98 @@ class Timeline:
         return self.makespan / busiest - 1.0 if busiest > 0 else 0.0
 
 
+@dataclass
+class _Rank:
+    """One rank's progress through its segments in the walk."""
+
+    segments: list[tuple[str, float, _Action | None]]  # (kind: head/overhead/compute/tail, work, action)
+    start: float
+    index: int = 0
+    left: float = 0.0  # work left in the current segment
+    ready: float | None = None  # when the current segment may run (None: inputs not yet done)
+    seg_start: float = 0.0
+
+
 def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
          cost: Callable[[_Action], float] | None = None, p2p_s: float = 0.0,
-         paths: dict[int, list[int]] | None = None) -> Timeline:
+         paths: dict[int, list[int]] | None = None, costs: Costs | None = None,
+         rng: random.Random | None = None) -> Timeline:
     """The timeline of `actions` run in order per rank (see the module docstring).
 
     `paths[mb]` is the stages micro-batch mb visits in order (SkipPipe); default every stage.
+    `costs` adds host overhead, p2p delay and core sharing (`p2p_s` is a shorthand for
+    `Costs(p2p_s=...)`). An event-driven walk: time advances to the next segment end or input
+    arrival, and every rank doing CPU work progresses at `costs.rate(running)`.
     Raises RuntimeError when the lists deadlock (an action waits on one that never runs).
     """
     cost = cost or (lambda a: UNIT_COST[a.computation_type.value])
-    num_stages = len(stage_rank)
-    hop = _hops(paths, num_stages)
-    flat = {r: [a for outer in order for a in compute_actions(outer)] for r, order in actions.items()}
+    costs = costs or Costs(p2p_s=p2p_s)
+    hop = _hops(paths, len(stage_rank))
+    overhead = (lambda: rng.choice(costs.overhead_draws)) if rng and costs.overhead_draws else (lambda: costs.overhead_s)
+    ranks = {r: _Rank(_segments(order, cost, overhead, costs), costs.start_s.get(r, 0.0))
+             for r, order in actions.items()}
     done: dict[tuple[int, str, int], float] = {}
-    free = dict.fromkeys(flat, 0.0)
-    pos = dict.fromkeys(flat, 0)
-    rows: dict[int, list[tuple[str, float, float]]] = {r: [] for r in flat}
-    remaining = sum(len(v) for v in flat.values())
-    while remaining:
-        progressed = False
-        for rank, order in flat.items():
-            while pos[rank] < len(order):
-                action = order[pos[rank]]
-                ready = _ready_time(action, done, hop, stage_rank, p2p_s)
-                if ready is None:
-                    break
-                start = max(free[rank], ready)
-                end = start + cost(action)
-                done[(action.stage_index, action.computation_type.value, action.microbatch_index)] = end
-                rows[rank].append((str(action), start, end))
-                free[rank], pos[rank] = end, pos[rank] + 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(o[pos[r]]) for r, o in flat.items() if pos[r] < len(o)}
+    rows: dict[int, list[tuple[str, float, float]]] = {r: [] for r in ranks}
+    windows: dict[int, tuple[float, float]] = {}
+    now = 0.0
+    while True:
+        # a rank finishing an action can make an earlier-visited rank ready at the same instant
+        while any([_advance(r, st, now, done, rows, windows, hop, stage_rank, costs.p2p_s)
+                   for r, st in ranks.items()]):
+            pass
+        live = {r: st for r, st in ranks.items() if st.index < len(st.segments)}
+        if not live:
+            return Timeline(rows, windows)
+        running = [st for st in live.values() if st.ready is not None and st.ready <= now]
+        rate = costs.rate(len(running))
+        waits = [st.ready - now for st in live.values() if st.ready is not None and st.ready > now]
+        steps = [st.left / rate for st in running] + waits
+        if not steps:
+            stuck = {r: str(st.segments[st.index][2]) for r, st in live.items()}
             raise RuntimeError(f"schedule deadlocks: next actions {stuck}")
-    return Timeline(rows)
+        dt = min(steps)
+        for st in running:
+            st.left -= dt * rate
+        now += dt
+
+
+def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: Callable[[], float],
+              costs: Costs) -> list[tuple[str, float, _Action | None]]:
+    segs: list[tuple[str, float, _Action | None]] = [("head", costs.head_s, None)]
+    for outer in order:
+        for a in compute_actions(outer):
+            segs += [("overhead", overhead(), a), ("compute", cost(a), a)]
+    return segs + [("tail", costs.tail_s, None)]
+
+
+def _advance(rank: int, st: _Rank, now: float, done: dict, rows: dict, windows: dict, hop: Callable,
+             stage_rank: dict[int, int], p2p_s: float) -> bool:
+    """Finish `rank`'s segments whose work is done at `now` and find when the next one may run;
+    True when a compute action finished (other ranks may now be ready)."""
+    eps = 1e-12 * max(1.0, now)
+    finished = False
+    while st.index < len(st.segments):
+        kind, work, action = st.segments[st.index]
+        if st.ready is None:
+            if kind == "head":
+                st.ready = st.start
+            elif kind == "overhead":
+                st.ready = _ready_time(action, done, hop, stage_rank, p2p_s)
+                if st.ready is None:
+                    return finished
+            else:
+                st.ready = now
+            st.left, st.seg_start = work, max(now, st.ready)
+        if st.ready > now or st.left > eps:
+            return finished
+        if kind == "compute":
+            done[(action.stage_index, action.computation_type.value, action.microbatch_index)] = now
+            rows[rank].append((str(action), st.seg_start, now))
+            finished = True
+        elif kind == "tail":
+            windows[rank] = (st.start, now)
+        st.index, st.ready = st.index + 1, None
+    return finished
 
 
 def _hops(paths: dict[int, list[int]] | None, num_stages: int) -> Callable[[int, int, int], int | None]:
@@ -100,19 +200,23 @@ def _hops(paths: dict[int, list[int]] | None, num_stages: int) -> Callable[[int,
     return hop
 
 
-def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: float) -> float | None:
-    """When the inputs of `action` are ready; None while one of them has not run."""
+def _needs(action: _Action, hop: Callable) -> list[tuple[int, tuple[str, ...]]]:
+    """The (stage, kinds) whose action on the same micro-batch `action` waits for."""
     s, kind, mb = action.stage_index, action.computation_type.value, action.microbatch_index
     if kind == "W":
-        needs = [(s, ("I",))]
-    elif kind == "F":
+        return [(s, ("I",))]
+    if kind == "F":
         prev = hop(s, mb, -1)
-        needs = [(prev, ("F",))] if prev is not None else []
-    else:  # B or I: own forward, and the gradient from the next stage (its B or I)
-        nxt = hop(s, mb, +1)
-        needs = [(s, ("F",))] + ([(nxt, ("B", "I"))] if nxt is not None else [])
+        return [(prev, ("F",))] if prev is not None else []
+    nxt = hop(s, mb, +1)  # B or I: own forward, and the gradient from the next stage (its B or I)
+    return [(s, ("F",))] + ([(nxt, ("B", "I"))] if nxt is not None else [])
+
+
+def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: float) -> float | None:
+    """When the inputs of `action` are ready; None while one of them has not run."""
+    s, mb = action.stage_index, action.microbatch_index
     ready = 0.0
-    for stage, kinds in needs:
+    for stage, kinds in _needs(action, hop):
         ends = [done[(stage, k, mb)] for k in kinds if (stage, k, mb) in done]
         if not ends:
             return None
@@ -172,7 +276,8 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
 
 def executed_steps(records: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
     """Records of kind "schedule" / "skip_path" (engine/train.py `emit_schedule`) as
-    {step: {rank: {"actions": [(action, start, end)], "total_s", "wall_start", "paths"}}}."""
+    {step: {rank: {"actions": [(action, start, end)], "total_s", "wall_start", "paths"}}} (and
+    "peak_act_bytes" where recorded: the activation bytes autograd held at most)."""
     out: dict[int, dict[int, dict[str, Any]]] = {}
     spans: dict[tuple[int, int, str], list[float]] = {}
     for rec in records:
@@ -184,6 +289,8 @@ def executed_steps(records: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
             row["total_s"] = rec.value
         elif rec.name == "@wall_start":
             row["wall_start"] = rec.value
+        elif rec.name == "@peak_act_bytes":
+            row["peak_act_bytes"] = rec.value
         else:
             action, edge = rec.name.rsplit("@", 1)
             spans.setdefault((rec.step, rec.rank, action), [0.0, 0.0])[edge == "end"] = rec.value
@@ -201,11 +308,29 @@ def measured_bubble(step: dict[int, dict[str, Any]]) -> dict[int, float]:
             for rank, row in step.items()}
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The walk's prices read off a recorded step: per (stage, kind) the work of every execution
+    (`draws`) and their mean (`compute`), and the `Costs` (means, and the host-work samples)."""
+
+    compute: dict[tuple[int, str], float]
+    draws: dict[tuple[int, str], tuple[float, ...]]
+    costs: Costs
+
+    def cost(self, a: _Action, rng: random.Random | None = None) -> float:
+        """The work of `a`: its (stage, kind)'s mean, or with `rng` one recorded execution of it."""
+        key = (a.stage_index, a.computation_type.value)
+        if key not in self.compute:  # never executed in the step (e.g. a stage a path skipped)
+            return sum(self.compute.values()) / len(self.compute) if self.compute else 1.0
+        return rng.choice(self.draws[key]) if rng else self.compute[key]
+
+
 def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: int, n_microbatches: int,
-                       virtual: int = 1, layers: int | None = None, p2p_s: float = 0.0) -> Timeline:
-    """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths),
-    each action costing the mean measured duration of its (stage, kind) in `step` plus the
-    median gap between a rank's consecutive actions (host overhead of the runtime)."""
+                       virtual: int = 1, layers: int | None = None, cores: float | None = None,
+                       background: float = 0.0, rng: random.Random | None = None) -> Timeline:
+    """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
+    with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
+    with `rng`, every action's work and host work is one draw from the step's recorded ones."""
     from engine.parallel.skippipe import skip_actions
 
     paths = next((row["paths"] for row in step.values() if row["paths"]), None)
@@ -216,22 +341,101 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
         actions = schedule_actions(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual=virtual,
                                    layers=layers)
         stage_rank = stage_to_rank(schedule, pp, pp * v)
-    durations: dict[tuple[int, str], list[float]] = {}
-    for row in step.values():
-        for name, start, end in row["actions"]:
+    paths = paths if schedule == "skip" else None
+    cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background)
+    return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
+                paths=paths, costs=cal.costs, rng=rng)
+
+
+def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: int = 0,
+                     **kwargs: Any) -> dict[int, float]:
+    """Per pp rank (0..pp-1), the predicted bubble of `step`: the walk at mean costs, or with
+    `draws` > 0 the mean over that many walks with every cost drawn from the recorded ones (ours:
+    the step time is a max over paths, so a walk at mean costs misses the waits that the
+    spread of the costs adds, E[max] >= max E). kwargs as `predicted_timeline`."""
+    if draws <= 0:
+        t = predicted_timeline(step, **kwargs)
+        return {r: t.bubble_fraction(r) for r in t.rows}
+    rng = random.Random(seed)
+    walks = [predicted_timeline(step, rng=rng, **kwargs) for _ in range(draws)]
+    return {r: statistics.fmean(t.bubble_fraction(r) for t in walks) for r in walks[0].rows}
+
+
+def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], paths: dict[int, list[int]] | None = None,
+              cores: float | None = None, background: float = 0.0) -> Calibration:
+    """The walk's prices read off one recorded step (`executed_steps(...)[step]`, ranks keyed in
+    pp order): the cost of each (stage, kind), and `Costs`.
+
+    Ranks are aligned on their wall-clock step starts (`start_s`). For each executed action the
+    gap since the rank's previous action (or its step start) is sorted by what it waited on: an
+    input from another rank that arrived later than that (a remote gap: p2p + the runtime's host
+    work), else nothing (a local gap: host work only). overhead_s = mean local gap past the first
+    action; p2p_s = mean remote gap - mean local gap; tail_s = mean time from a rank's last action
+    to its step end; the walk charges overhead_s before every action, the first included, so
+    head_s = mean first gap of a rank that did not wait - overhead_s. With `cores` set, every
+    compute, overhead, head and tail span is converted to work at a core of its own by the same
+    processor sharing the walk applies (`Costs.rate` of the ranks running at each instant; a rank
+    in a remote gap counts as waiting), so the walk inflates it back by its own sharing.
+    """
+    origin = min(row["wall_start"] for row in step.values())
+    ranks = {rank: i for i, rank in enumerate(sorted(step))}
+    start = {ranks[r]: row["wall_start"] - origin for r, row in step.items()}
+    hop = _hops(paths, len(stage_rank))
+    ends: dict[tuple[int, str, int], float] = {}
+    for r, row in step.items():
+        for name, _, end in row["actions"]:
             a = _Action.from_str(name)
-            durations.setdefault((a.stage_index, a.computation_type.value), []).append(end - start)
-    mean = {k: sum(v) / len(v) for k, v in durations.items()}
-    fallback = sum(mean.values()) / len(mean) if mean else 1.0
-    # the runtime's own host work between two actions of a rank (posting sends/recvs, the loss):
-    # the median gap between consecutive actions, charged to every action
-    gaps = sorted(b[1] - a[2] for row in step.values() for a, b in zip(row["actions"], row["actions"][1:]))
-    overhead = max(gaps[len(gaps) // 2], 0.0) if gaps else 0.0
+            ends[(a.stage_index, a.computation_type.value, a.microbatch_index)] = end + start[ranks[r]]
+    spans: dict[str, list[tuple[float, float]]] = {"local": [], "head": [], "remote": [], "tail": []}
+    compute: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for r, row in step.items():
+        off = start[ranks[r]]
+        prev = off
+        for i, (name, s, e) in enumerate(row["actions"]):
+            a = _Action.from_str(name)
+            remote = [min(ends[(st, k, a.microbatch_index)] for k in kinds if (st, k, a.microbatch_index) in ends)
+                      for st, kinds in _needs(a, hop)
+                      if stage_rank[st] != stage_rank[a.stage_index]
+                      and any((st, k, a.microbatch_index) in ends for k in kinds)]
+            arrived = max(remote, default=-1.0)
+            if arrived > prev:
+                spans["remote"].append((arrived, s + off))
+            else:
+                spans["head" if i == 0 else "local"].append((prev, s + off))
+            compute.setdefault((a.stage_index, a.computation_type.value), []).append((s + off, e + off))
+            prev = e + off
+        spans["tail"].append((prev, row["total_s"] + off))
+    sharing = Costs(cores=cores, background=background)
+    running = [span for kind in ("local", "head", "tail") for span in spans[kind]] + \
+        [span for spans_ in compute.values() for span in spans_]
 
-    def cost(a: _Action) -> float:
-        return mean.get((a.stage_index, a.computation_type.value), fallback) + overhead
+    def mean_work(items: list[tuple[float, float]]) -> float:
+        return sum(_work(a, b, running, sharing) for a, b in items) / len(items) if items else 0.0
 
-    return walk(actions, stage_rank=stage_rank, cost=cost, p2p_s=p2p_s, paths=paths if schedule == "skip" else None)
+    def mean_wall(items: list[tuple[float, float]]) -> float:
+        return sum(b - a for a, b in items) / len(items) if items else 0.0
+
+    p2p = max(0.0, mean_wall(spans["remote"]) - mean_wall(spans["local"])) if spans["remote"] else 0.0
+    overhead = mean_work(spans["local"])
+    costs = Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
+                  tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background,
+                  overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]))
+    return Calibration({key: mean_work(items) for key, items in compute.items()},
+                       {key: tuple(_work(a, b, running, sharing) for a, b in items) for key, items in compute.items()},
+                       costs)
+
+
+def _work(a: float, b: float, running: list[tuple[float, float]], costs: Costs) -> float:
+    """Work done in [a, b] by one running rank under `costs`' sharing, given every rank's running
+    spans: the integral of `costs.rate(ranks running at t)` over the span."""
+    if costs.cores is None or b <= a:
+        return max(b - a, 0.0)
+    cuts = sorted({a, b} | {t for span in running for t in span if a < t < b})
+    total = 0.0
+    for lo, hi in zip(cuts, cuts[1:]):
+        mid = (lo + hi) / 2
+        total += (hi - lo) * costs.rate(sum(1 for s, e in running if s <= mid < e))
+    return total
 
 
 def peak_in_flight(actions: list[tuple[str, float, float]]) -> int:

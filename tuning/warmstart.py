@@ -2,7 +2,7 @@
 
 `enqueue_simulated` puts the simulator's top-k configs for this machine at the front of a real
 study; `predicted_tokens_per_s` is recorded next to the measured value of every trial. As trials
-finish, `refit_correction` learns a measured/predicted factor per strategy class,
+finish, `refit_correction` learns a measured/predicted factor per (strategy class, compressor),
 `prediction_trend` shows the prediction error falling over the study (each trial corrected with the
 trials before it) and `rerank_simulated` re-ranks the space with the correction.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +83,29 @@ def enqueue_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, 
 
 # ---------------------------------------------------------------- learning from finished trials
 
-SHRINK_ROWS = 1.0  # a class's correction counts the pooled one as this many trials (shrinkage)
+SHRINK_ROWS = 1.0  # each level's correction counts its parent's as this many trials (shrinkage)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Factors measured/predicted tokens/s learnt from finished trials, at three levels: per
+    (strategy class, compressor) cell, per strategy class and overall. `factor` uses the most
+    specific level that has trials (a cell never tried backs off to its class, a class never tried
+    to the overall factor; 1 before any trial)."""
+
+    overall: float = 1.0
+    classes: dict[str, float] = field(default_factory=dict)
+    cells: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def level(self, cls: str, compressor: str) -> str:
+        """Which factor applies: "cell", "class", "overall" or "none" (no trial yet)."""
+        if (cls, compressor) in self.cells:
+            return "cell"
+        return "class" if cls in self.classes else ("overall" if self.classes else "none")
+
+    def factor(self, cls: str, compressor: str) -> float:
+        """The correction for a trial of this class and compressor (multiply predicted tokens/s)."""
+        return self.cells.get((cls, compressor), self.classes.get(cls, self.overall))
 
 
 def trial_class(cfg: dict[str, Any]) -> str:
@@ -94,98 +117,118 @@ def trial_class(cfg: dict[str, Any]) -> str:
     return str(strategy_class(par.tp, par.pp, par.virtual, par.zero))
 
 
-def _finished(study: optuna.Study) -> list[tuple[int, str, float, float]]:
-    """(trial number, class, measured, predicted tokens/s) of complete trials with a prediction."""
+def trial_compressor(cfg: dict[str, Any]) -> str:
+    """The gradient compressor of a trial's run config (`comm.compressor`, "none" when absent)."""
+    return str((cfg.get("comm") or {}).get("compressor", "none"))
+
+
+def _finished(study: optuna.Study) -> list[tuple[int, str, str, float, float]]:
+    """(trial number, class, compressor, measured, predicted tokens/s) of complete trials with a prediction."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         predicted = t.user_attrs.get("predicted_tokens_per_s")
         measured = t.user_attrs.get("tokens_per_s", t.values[0] if t.values else None)
-        if predicted and measured and "config" in t.user_attrs:
-            out.append((t.number, trial_class(t.user_attrs["config"]), float(measured), float(predicted)))
+        cfg = t.user_attrs.get("config")
+        if predicted and measured and cfg:
+            out.append((t.number, trial_class(cfg), trial_compressor(cfg), float(measured), float(predicted)))
     return sorted(out)
 
 
-def fit_correction(samples: list[tuple[str, float, float]]) -> dict[str, float]:
-    """Per-class factor measured/predicted from (class, measured, predicted) samples.
+def _shrunk(logs: list[float], parent: float) -> float:
+    """log factor of one level: the mean of its log-ratios shrunk toward its parent's log factor,
+    (sum + SHRINK_ROWS parent) / (n + SHRINK_ROWS)."""
+    return (sum(logs) + SHRINK_ROWS * parent) / (len(logs) + SHRINK_ROWS)
 
-    Geometric mean of the ratios, shrunk toward the pooled factor of all classes (which itself is
-    shrunk toward 1): log f_c = (sum log r_c + SHRINK_ROWS log f) / (n_c + SHRINK_ROWS), with
-    log f = sum log r / (n + 1). Key "*" holds the pooled factor, used for unseen classes.
+
+def fit_correction(samples: list[tuple[str, str, float, float]]) -> Correction:
+    """The correction learnt from (class, compressor, measured, predicted) samples (ours).
+
+    Per level, the mean of log(measured / predicted) (a geometric mean of the ratios) shrunk toward
+    the level above, which counts as SHRINK_ROWS trials: overall toward 0 (factor 1), a class toward
+    the overall factor, a (class, compressor) cell toward its class. The compressor is a level of its
+    own because the simulator misprices compressors differently (one class factor learnt on PowerSGD
+    trials made fp16 trials worse). A mean rather than a median: in a class mixing compressors the
+    median takes the majority compressor's error and drags the minority's cells toward it.
     """
-    logs: dict[str, list[float]] = {}
-    for cls, measured, predicted in samples:
-        logs.setdefault(cls, []).append(math.log(measured / predicted))
-    every = [x for xs in logs.values() for x in xs]
-    pooled = sum(every) / (len(every) + 1)
-    factors = {cls: math.exp((sum(xs) + SHRINK_ROWS * pooled) / (len(xs) + SHRINK_ROWS)) for cls, xs in logs.items()}
-    factors["*"] = math.exp(pooled)
-    return factors
+    if not samples:
+        return Correction()
+    logs = [(cls, comp, math.log(measured / predicted)) for cls, comp, measured, predicted in samples]
+    overall = _shrunk([x for _, _, x in logs], 0.0)
+    classes = {cls: _shrunk([x for c, _, x in logs if c == cls], overall) for cls, _, _ in logs}
+    cells = {(cls, comp): _shrunk([x for c, k, x in logs if (c, k) == (cls, comp)], classes[cls])
+             for cls, comp, _ in logs}
+    return Correction(math.exp(overall), {c: math.exp(v) for c, v in classes.items()},
+                      {k: math.exp(v) for k, v in cells.items()})
 
 
-def refit_correction(study: optuna.Study) -> dict[str, float]:
-    """The per-strategy-class correction learnt from every finished trial of `study`."""
-    return fit_correction([(cls, m, p) for _, cls, m, p in _finished(study)])
+def refit_correction(study: optuna.Study) -> Correction:
+    """The correction learnt from every finished trial of `study`."""
+    return fit_correction([(cls, comp, m, p) for _, cls, comp, m, p in _finished(study)])
 
 
 def record_prediction(trial: optuna.trial.Trial, cfg: RunConfig, cluster) -> None:
     """Record the simulator's prediction for a trial about to run, raw and corrected with every trial
-    finished so far (`refit_correction`): tokens/s and step time (s), the strategy class, the factor
-    applied and how many finished trials it was learnt from. A config the simulator cannot price
-    records nothing."""
+    finished so far (`refit_correction`): tokens/s and step time (s), the strategy class and
+    compressor, the factor applied, its level and how many finished trials it was learnt from. A
+    config the simulator cannot price records nothing."""
     from tuning.calibration import predict_run
 
     try:
         result = predict_run(cfg, cluster)
     except ValueError:
         return
-    cls = trial_class(cfg.to_dict())
-    samples = [(c, m, p) for _, c, m, p in _finished(trial.study)]
-    factors = fit_correction(samples) if samples else {"*": 1.0}
-    factor = factors.get(cls, factors["*"])
+    cls, comp = trial_class(cfg.to_dict()), trial_compressor(cfg.to_dict())
+    samples = [(c, k, m, p) for _, c, k, m, p in _finished(trial.study)]
+    correction = fit_correction(samples)
+    factor = correction.factor(cls, comp)
     step = float(result.iteration_time_s)
     for key, value in {"predicted_tokens_per_s": float(result.tokens_per_s), "predicted_step_time_s": step,
-                       "strategy_class": cls, "correction_factor": factor, "correction_trials": len(samples),
+                       "strategy_class": cls, "compressor": comp, "correction_factor": factor,
+                       "correction_level": correction.level(cls, comp), "correction_trials": len(samples),
                        "corrected_tokens_per_s": float(result.tokens_per_s) * factor,
                        "corrected_step_time_s": step / factor}.items():
         trial.set_user_attr(key, value)
 
 
-TREND_COLUMNS = ["trial", "strategy_class", "measured", "predicted", "corrected", "error_pct", "corrected_error_pct",
-                 "measured_step_s", "predicted_step_s", "corrected_step_s", "correction_factor", "correction_trials"]
+TREND_COLUMNS = ["trial", "strategy_class", "compressor", "measured", "predicted", "corrected", "error_pct",
+                 "corrected_error_pct", "measured_step_s", "predicted_step_s", "corrected_step_s",
+                 "correction_factor", "correction_level", "correction_trials"]
 
 
 def prediction_trend(study: optuna.Study) -> pd.DataFrame:
     """Predicted vs measured per finished trial, raw and corrected with the trials before it.
 
-    Columns: trial, strategy_class, measured, predicted, corrected (tokens/s), error_pct and
-    corrected_error_pct (prediction / measured - 1, in tokens/s), the same as step times
-    (measured_step_s, predicted_step_s, corrected_step_s), correction_factor and correction_trials
-    (the factor applied and the finished trials it came from), trend_abs_error_pct (running median of
-    |corrected error|): the data of the Tune page's predicted-vs-measured plot and its error trend.
-    A trial that recorded its corrected prediction when it started (`record_prediction`) shows
-    that; older trials are corrected here with the trials finished before them in number order.
+    Columns: trial, strategy_class, compressor, measured, predicted, corrected (tokens/s), error_pct
+    and corrected_error_pct (prediction / measured - 1, in tokens/s), the same as step times
+    (measured_step_s, predicted_step_s, corrected_step_s), correction_factor, correction_level
+    (cell, class, overall or none) and correction_trials (the finished trials it came from),
+    trend_abs_error_pct (running median of |corrected error|): the data of the Tune page's
+    predicted-vs-measured plot and its error trend. A trial that recorded its corrected prediction
+    when it started (`record_prediction`) shows that; older trials are corrected here with the
+    trials finished before them in number order.
     """
     import pandas as pd
 
     attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
     rows, seen = [], []
-    for number, cls, measured, predicted in _finished(study):
+    for number, cls, comp, measured, predicted in _finished(study):
         rec = attrs[number]
         if "correction_factor" in rec:
             factor, learnt = float(rec["correction_factor"]), int(rec.get("correction_trials", 0))
+            level = rec.get("correction_level", "class" if learnt else "none")
         else:
-            factors = fit_correction(seen) if seen else {"*": 1.0}
-            factor, learnt = factors.get(cls, factors["*"]), len(seen)
+            correction = fit_correction(seen)
+            factor, level, learnt = correction.factor(cls, comp), correction.level(cls, comp), len(seen)
         corrected = predicted * factor
         step = rec.get("predicted_step_time_s")
-        rows.append({"trial": number, "strategy_class": cls, "measured": measured, "predicted": predicted,
-                     "corrected": corrected, "error_pct": 100.0 * (predicted / measured - 1),
+        rows.append({"trial": number, "strategy_class": cls, "compressor": comp, "measured": measured,
+                     "predicted": predicted, "corrected": corrected, "error_pct": 100.0 * (predicted / measured - 1),
                      "corrected_error_pct": 100.0 * (corrected / measured - 1),
                      # tokens per step are fixed within a trial: step time scales as 1 / tokens/s
                      "measured_step_s": step * predicted / measured if step else None,
                      "predicted_step_s": step, "corrected_step_s": step / factor if step else None,
-                     "correction_factor": factor, "correction_trials": learnt})
-        seen.append((cls, measured, predicted))
+                     "correction_factor": factor, "correction_level": level, "correction_trials": learnt})
+        seen.append((cls, comp, measured, predicted))
     df = pd.DataFrame(rows, columns=TREND_COLUMNS)
     df["trend_abs_error_pct"] = df["corrected_error_pct"].abs().expanding().median()
     return df
@@ -208,12 +251,12 @@ def rerank_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *
                      home: str | Path | None = None) -> list[dict[str, Any]]:
     """Re-rank the space with the correction learnt so far and enqueue the best `top` not yet tried."""
     cluster = _local_cluster(space, base, top, home)
-    factors = refit_correction(study)
+    correction = refit_correction(study)
     tried = [t.params for t in study.get_trials(deepcopy=False)]
     ranked = []
     for value, params in rank_space(space, base, cluster):
-        cfg = replace(base, space.to_overrides(params, base))
-        ranked.append((value * factors.get(trial_class(cfg.to_dict()), factors["*"]), params))
+        cfg = replace(base, space.to_overrides(params, base)).to_dict()
+        ranked.append((value * correction.factor(trial_class(cfg), trial_compressor(cfg)), params))
     chosen = [p for _, p in sorted(ranked, key=lambda item: -item[0]) if p not in tried][:top]
     for params in chosen:
         study.enqueue_trial(params, skip_if_exists=True)

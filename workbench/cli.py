@@ -93,7 +93,9 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         if launcher == "slurm":
             return _run_on_slurm(cfg, timeout, dry_run, as_json)
         if cfg.world_size % nnodes:
-            fail(f"--nnodes={nnodes}: must divide the world size dp*tp*pp = {cfg.world_size}")
+            from engine.mesh import world_product
+
+            fail(f"--nnodes={nnodes}: must divide the world size {world_product(cfg.parallel.cp)} = {cfg.world_size}")
         from engine.memory import check_fits
 
         check_fits(cfg, nnodes)

@@ -197,12 +197,14 @@ def _print_prediction_trend(trend: dict[str, Any]) -> None:
     if not trend:
         return
     t = Table(title="simulator vs measured step time (corrected with the trials finished before each)")
-    for col in ("trial", "class", "measured s", "predicted s", "corrected s", "error", "corrected error", "factor"):
+    for col in ("trial", "class, compressor", "measured s", "predicted s", "corrected s", "error", "corrected error",
+                "factor (level)"):
         t.add_column(col, justify="right")
     for r in trend["prediction_trend"]:
         secs = [("-" if r[k] is None else f"{r[k]:.4f}") for k in ("measured_step_s", "predicted_step_s", "corrected_step_s")]
-        t.add_row(str(r["trial"]), r["strategy_class"], *secs, f"{r['error_pct']:+.1f}%",
-                  f"{r['corrected_error_pct']:+.1f}%", f"{r['correction_factor']:.3f}")
+        cls = f"{r['strategy_class']} {r.get('compressor') or ''}".strip()
+        t.add_row(str(r["trial"]), cls, *secs, f"{r['error_pct']:+.1f}%", f"{r['corrected_error_pct']:+.1f}%",
+                  f"{r['correction_factor']:.3f} ({r.get('correction_level') or '-'})")
     console.print(t)
     s = trend["prediction_summary"]
     console.print(f"median |corrected error|: trials {s['first_trials']} {s['first_median_abs_error_pct']:.1f}%, "

@@ -2,7 +2,8 @@
 
 `schedule_report(store, run_id)` reads the actions the engine recorded (kind "schedule", and
 "skip_path" under SkipPipe) for the run's last recorded step and prices the schedule's own action
-list with the measured action durations (tuning/sim_schedule.py); `schedule_figure(report)` draws
+list with the costs read off that step (tuning/sim_schedule.py: action durations, host work, p2p
+delay, head and tail, each drawn from the recorded ones over DRAWS walks); `schedule_figure(report)` draws
 the executed actions of each rank on a shared time axis (plotly), so the gaps are the bubble.
 """
 from __future__ import annotations
@@ -12,12 +13,13 @@ from typing import Any
 from profilers.store import RunStore
 
 COLORS = {"F": "#4c78a8", "B": "#f58518", "I": "#e45756", "W": "#72b7b2"}
+DRAWS = 20  # walks with costs drawn from the step's recorded ones (tuning/sim_schedule.py predicted_bubble)
 
 
 def schedule_report(store: RunStore, run_id: str, step: int | None = None) -> dict[str, Any] | None:
     """{"schedule", "step", "per_rank": {rank: {"measured", "predicted"}}, "ranks": {rank: [[action,
     start, end], ...]} (seconds from the earliest rank's step start), "paths"}; None without records."""
-    from tuning.sim_schedule import executed_steps, measured_bubble, predicted_timeline
+    from tuning.sim_schedule import executed_steps, measured_bubble, predicted_bubble
 
     run = store.run(run_id)
     records = store.metrics(run_id, kind="schedule") + store.metrics(run_id, kind="skip_path")
@@ -31,10 +33,10 @@ def schedule_report(store: RunStore, run_id: str, step: int | None = None) -> di
     n_micro = batch.get("global", 0) // max(par.get("dp", 1) * batch.get("micro", 1), 1)
     pp_ranks = _pp_ranks(ranks, par.get("pp", 1))
     try:
-        timeline = predicted_timeline(pp_ranks, schedule=par.get("schedule", "1f1b"), pp=par.get("pp", 1),
-                                      n_microbatches=n_micro, virtual=par.get("virtual", 1),
-                                      layers=model.get("layers"))
-        predicted = {rank: timeline.bubble_fraction(i) for i, rank in enumerate(sorted(pp_ranks))}
+        by_index = predicted_bubble(pp_ranks, schedule=par.get("schedule", "1f1b"), pp=par.get("pp", 1),
+                                    n_microbatches=n_micro, virtual=par.get("virtual", 1),
+                                    layers=model.get("layers"), draws=DRAWS)
+        predicted = {rank: by_index[i] for i, rank in enumerate(sorted(pp_ranks))}
     except (RuntimeError, ValueError, KeyError):  # e.g. a step recorded only in part
         predicted = {}
     measured = measured_bubble(ranks)

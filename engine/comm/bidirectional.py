@@ -40,10 +40,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.comm.compress import _mix_seed, k_for
-
-OnBytes = Callable[[int, int], None]
+from engine.comm.compress import HookState, OnBytes, _mix_seed, k_for
 from engine.validate import BIDIRECTIONAL_COMPRESSORS
+
 LEGS = ("reduce", "broadcast")
 
 
@@ -88,42 +87,19 @@ def leg_ratio(compressor: str, numel: int, n: int, density: float) -> float:
 
 
 @dataclass(kw_only=True, slots=True)
-class BidirectionalState:
-    """What the bidirectional hook keeps between calls (the DDP hook state)."""
+class BidirectionalState(HookState):
+    """What the bidirectional hook keeps between calls (the DDP hook state). `density` is the
+    fraction of each shard's entries sent on each leg; `on_bytes` gets both legs of a bucket."""
 
-    compressor: str
-    """randk or topk."""
-    process_group: dist.ProcessGroup | None = None
-    density: float = 0.01
-    """Fraction of each shard's entries sent on each leg."""
-    seed: int = 0
-    """Shared seed of the Rand-k indices."""
-    on_bytes: OnBytes | None = None
-    """Called per bucket with (wire_bytes, dense_bytes) of both legs together."""
-    wire_bytes: int = 0
-    dense_bytes: int = 0
     legs: dict[str, list[int]] = field(default_factory=lambda: {leg: [0, 0] for leg in LEGS})
     """Per leg: [wire bytes, dense bytes] since the start (bus factors applied)."""
     worker_residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     server_residuals: dict[int, torch.Tensor] = field(default_factory=dict)
-    calls: dict[int, int] = field(default_factory=dict)
-    last_cost: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Per bucket index: (wire bytes, collectives) of its latest call (the link emulator reads it)."""
-
-    def group_size(self) -> int:
-        return dist.get_world_size(self.process_group)
 
     def set_level(self, *, density: float | None = None, rank: int | None = None) -> None:
         """Change the density between steps (rank is PowerSGD's; ignored). Residuals are kept."""
         if density is not None:
-            if not 0.0 < density <= 1.0:
-                raise ValueError(f"comm.density={density} must be in (0, 1]; e.g. 0.01")
-            self.density = density
-
-    def next_call(self, index: int) -> int:
-        call = self.calls.get(index, 0)
-        self.calls[index] = call + 1
-        return call
+            self.set_density(density)
 
     def record_leg(self, leg: str, wire: float, numel: int, n: int) -> int:
         """Account `wire` bytes sent on `leg` against a dense fp32 leg of `numel` entries."""
@@ -131,10 +107,7 @@ class BidirectionalState:
         wire_int = int(round(wire))
         self.legs[leg][0] += wire_int
         self.legs[leg][1] += dense
-        self.wire_bytes += wire_int
-        self.dense_bytes += dense
-        if self.on_bytes is not None:
-            self.on_bytes(wire_int, dense)
+        self.account(wire_int, dense)
         return wire_int
 
     def residual(self, store: dict[int, torch.Tensor], index: int, like: torch.Tensor) -> torch.Tensor:

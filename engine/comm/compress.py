@@ -189,42 +189,66 @@ def step_wire_bytes(compressor: str, shapes: list[tuple[int, ...]], n: int, *, d
 
 
 @dataclass(kw_only=True, slots=True)
-class CompressionState:
-    """What a compression hook keeps between calls; passed to DDP as the hook state."""
+class HookState:
+    """What every gradient compression hook keeps between calls (the DDP hook state): the part
+    `CompressionState` and the bidirectional hook's `BidirectionalState` share."""
 
     compressor: str
-    """One of COMPRESSORS."""
+    """One of COMPRESSORS (`BidirectionalState`: of BIDIRECTIONAL_COMPRESSORS)."""
     process_group: dist.ProcessGroup | None = None
     """Group to reduce over; None is the default (world) group."""
     density: float = 0.01
     """Fraction of entries sent by topk and randk."""
-    rank: int = 4
-    """PowerSGD matrix approximation rank."""
     seed: int = 0
-    """Shared seed of randk and of PowerSGD's first random Q."""
+    """Shared seed of randk (and of PowerSGD's first random Q)."""
     on_bytes: OnBytes | None = None
     """Called per bucket with (wire_bytes, dense_bytes)."""
     wire_bytes: int = 0
     """Total bytes this rank put on the wire (bus factors applied)."""
     dense_bytes: int = 0
-    """Total bytes a dense fp32 all_reduce of the same buckets would have put there."""
-    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Total bytes the dense fp32 collectives of the same buckets would have put there."""
     calls: dict[int, int] = field(default_factory=dict)
     last_cost: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Per bucket index: (wire bytes, number of collectives) of its latest call."""
-    powersgd: PowerSGDState | None = None
-    pending: torch.futures.Future | None = None
+    """Per bucket index: (wire bytes, number of collectives) of its latest call (the link emulator reads it)."""
 
     def group_size(self) -> int:
         """Ranks in the process group."""
         return dist.get_world_size(self.process_group)
 
+    def set_density(self, density: float) -> None:
+        """Change the density; call between steps."""
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"comm.density={density} must be in (0, 1]; e.g. 0.01")
+        self.density = density
+
+    def account(self, wire: int, dense: int) -> None:
+        """Add one bucket's (or leg's) wire and dense bytes to the totals and report them."""
+        self.wire_bytes += wire
+        self.dense_bytes += dense
+        if self.on_bytes is not None:
+            self.on_bytes(wire, dense)
+
+    def next_call(self, bucket_index: int) -> int:
+        """How many times this bucket was hooked before (identical on every rank)."""
+        call = self.calls.get(bucket_index, 0)
+        self.calls[bucket_index] = call + 1
+        return call
+
+
+@dataclass(kw_only=True, slots=True)
+class CompressionState(HookState):
+    """What a compression hook keeps between calls; passed to DDP as the hook state."""
+
+    rank: int = 4
+    """PowerSGD matrix approximation rank."""
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    powersgd: PowerSGDState | None = None
+    pending: torch.futures.Future | None = None
+
     def set_level(self, *, density: float | None = None, rank: int | None = None) -> None:
         """Change density and/or rank; call between steps. Error-feedback memory is kept."""
         if density is not None:
-            if not 0.0 < density <= 1.0:
-                raise ValueError(f"comm.density={density} must be in (0, 1]; e.g. 0.01")
-            self.density = density
+            self.set_density(density)
         if rank is not None:
             if rank < 1:
                 raise ValueError(f"comm.rank={rank} must be >= 1; e.g. 4")
@@ -240,17 +264,8 @@ class CompressionState:
         n = self.group_size()
         dense = int(round(Wire("all_reduce", bucket.buffer().numel() * 4).on_wire(n)))
         wire_int, num_ops = int(round(sent.on_wire(n))), sent.num_ops
-        self.wire_bytes += wire_int
-        self.dense_bytes += dense
         self.last_cost[bucket.index()] = (wire_int, num_ops)
-        if self.on_bytes is not None:
-            self.on_bytes(wire_int, dense)
-
-    def next_call(self, bucket_index: int) -> int:
-        """How many times this bucket was hooked before (identical on every rank)."""
-        call = self.calls.get(bucket_index, 0)
-        self.calls[bucket_index] = call + 1
-        return call
+        self.account(wire_int, dense)
 
 
 # ---- hooks -----------------------------------------------------------------------------------

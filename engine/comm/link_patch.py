@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from engine.comm.link import Join, LinkTopology
+from profilers.collectives import WorkProxy, _nbytes, call_argument  # _nbytes: bytes of a tensor or list, defined once
+from profilers.functional import OPS, OpProxy, resolve_group
 
 _COLLECTIVES: dict[str, tuple[str, str, int]] = {  # function -> (op, bytes argument, position)
     "all_reduce": ("all_reduce", "tensor", 0), "all_gather": ("all_gather", "tensor_list", 0),
@@ -86,8 +88,6 @@ def emulate_topology(topology: LinkTopology | None) -> None:
 
 
 def _install_functional() -> None:
-    from profilers.functional import OPS
-
     namespace = torch.ops._c10d_functional
     for name in OPS:
         try:
@@ -98,25 +98,17 @@ def _install_functional() -> None:
         setattr(namespace, name, _DelayedOp(name, packet))
 
 
-class _DelayedOp:
+class _DelayedOp(OpProxy):
     """Stands in for one `torch.ops._c10d_functional` op packet: the call returns no earlier than
-    issue + the emulated delay; everything else (`.default`, schema, hashing) is the packet's."""
-
-    def __init__(self, name: str, packet: Any) -> None:
-        self._name, self._packet = name, packet
+    join (the last rank's issue) + the emulated delay."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         topology = _STATE.topology
         if topology is None:
             return self._packet(*args, **kwargs)
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        from profilers.functional import OPS
-
         start = time.time()
         op, name_at, size_at, times_size = OPS[self._name]
-        group = args[name_at]
-        pg = _resolve_process_group(group) if isinstance(group, str) else group
+        pg = resolve_group(args[name_at])
         ranks = _group_ranks(pg)
         nbytes = _nbytes(args[0]) * (len(ranks) if times_size else 1)
         seconds = topology.delay_for(op, nbytes, ranks)
@@ -125,18 +117,6 @@ class _DelayedOp:
         if joined is not None:
             _sleep_until(joined.time() + seconds)
         return out
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._packet, attr)
-
-    def __eq__(self, other: object) -> bool:
-        return other is self or self._packet == other
-
-    def __hash__(self) -> int:
-        return hash(self._packet)
-
-    def __repr__(self) -> str:
-        return f"_DelayedOp({self._packet!r})"
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
@@ -148,24 +128,13 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return _STATE.ranks[key]
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     import inspect
 
     params = list(inspect.signature(original).parameters)
 
     def arg(args: tuple, kwargs: dict, key: str, default: Any = None) -> Any:
-        if key in kwargs:
-            return kwargs[key]
-        index = params.index(key) if key in params else len(args)
-        return args[index] if index < len(args) else default
+        return call_argument(params, args, kwargs, key, default)
 
     def send_wrapper(*args: Any, **kwargs: Any) -> Any:
         topology = _STATE.topology
@@ -211,12 +180,12 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(remaining)
 
 
-class _DelayedWork(dist.Work):
+class _DelayedWork(WorkProxy):
     """An asynchronous collective whose `wait()` returns no earlier than join + its emulated link time."""
 
     def __init__(self, inner: dist.Work, joined: Join, seconds: float) -> None:
-        super().__init__()
-        self._inner, self._joined, self._seconds = inner, joined, seconds
+        super().__init__(inner)
+        self._joined, self._seconds = joined, seconds
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         result = self._inner.wait(*args, **kwargs)
@@ -226,24 +195,3 @@ class _DelayedWork(dist.Work):
     def is_completed(self) -> bool:
         return (self._inner.is_completed() and self._joined.done()
                 and time.time() >= self._joined.time() + self._seconds)
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    def result(self) -> list[torch.Tensor]:
-        return self._inner.result()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._inner.get_future()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)

@@ -3,7 +3,7 @@ split the ranks into the plan's groups and run every group's sequences with Ulys
 
 The solver is engine/parallel/flexsp.py (pure). Here: process groups (one `new_group` per group
 of each size pattern, cached), the calibration of attention/linear and all-to-all time on this
-machine, and one step: rank 0 solves and broadcasts the plan, each group packs its sequences into
+machine, planning one step ahead (`PlanAhead`), and one step: rank 0's plan is broadcast, each group packs its sequences into
 one row (document ids keep them apart, positions restart), shards it over its ranks and runs
 forward and backward; gradients are summed over all ranks (every rank holds the whole model).
 """
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -158,44 +161,72 @@ def _time(fn, repeats: int = 3) -> float:
     return best
 
 
-def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, device: torch.device) -> CostModel:
-    """Fit (a1 s^2 + a2 s + bias) to one rank's forward+backward of one sequence at four lengths,
-    then each group size's sequence-parallel overhead per token: the same forward+backward of a
-    seq_len sequence sharded over every group of g ranks at once (Ulysses), minus 1/g of the same
-    sequence's single-rank time. That overhead is the all-to-all time as it really costs here, waits for
-    the slowest group member included. All ranks measure at once (as they run); rank 0's numbers
-    go to every rank."""
+def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, device: torch.device,
+              rounds: int = 5) -> CostModel:
+    """Fit (a1 s^2 + a2 s + bias) to one rank's forward+backward of one sequence at four lengths
+    (non-negative least squares), the per-sequence constant from the same seq_len tokens as 16 packed
+    documents, then each group size g's sequence-parallel overhead: the same
+    forward+backward of a sequence sharded over every group of g ranks at once (Ulysses) at two
+    lengths, minus 1/g of the single-rank model, split into a per-token all-to-all cost and a
+    constant per group (`fit_group_overhead`). That overhead is the all-to-all as it really costs
+    here, latency and waits for the slowest group member included. All ranks measure at once (as
+    they run), `rounds` times (medians); rank 0's numbers go to every rank."""
+    from scipy.optimize import nnls
+
     lengths = sorted({max(2, seq_len // 8), max(2, seq_len // 4), max(2, seq_len // 2), seq_len})
     full = torch.randint(0, model.cfg.vocab, (1, seq_len), device=device)
-    sizes = [g for g in powers_of_two(world)[1:] if seq_len % g == 0 and model.cfg.heads % g == 0]
-    single = {s: float("inf") for s in lengths}
-    grouped = {g: float("inf") for g in sizes}
-    for _ in range(3):  # rounds interleave every measurement: a load change on a shared machine hits all alike
+    sizes = [g for g in powers_of_two(world)[1:] if seq_len % (2 * g) == 0 and model.cfg.heads % g == 0]
+    two = (seq_len // 2, seq_len)
+    single: dict[int, list[float]] = {s: [] for s in lengths}
+    grouped: dict[tuple[int, int], list[float]] = {(g, s): [] for g in sizes for s in two}
+    docs = max(1, min(16, seq_len // 2))  # a packed row of short documents, as the steps run them
+    ids_docs = (torch.arange(seq_len, device=device) * docs // seq_len)[None]
+    pos_docs = torch.arange(seq_len, device=device) % (seq_len // docs)
+    packed: list[float] = []
+    for _ in range(rounds):  # rounds interleave every measurement: a load change on a shared machine hits all alike
         _set_core(model, None)
         for s in lengths:
-            single[s] = min(single[s], _time(lambda: model(full[:, :s]).float().mean().backward(), repeats=1))
+            single[s].append(_time(lambda: model(full[:, :s]).float().mean().backward(), repeats=1))
         for g in sizes:
             ranks, group = next((r, grp) for r, grp in groups.pattern([g] * (world // g)) if dist.get_rank() in r)
             _set_core(model, group)
             me = ranks.index(dist.get_rank())
-            local = shard_sequence(full, cp=g, cp_rank=me)
-            pos = shard_sequence(torch.arange(seq_len, device=device), cp=g, cp_rank=me, dim=0)
-            grouped[g] = min(grouped[g], _time(lambda: model(local, positions=pos).float().mean().backward(),
-                                               repeats=1))
-    rows = [[s * s, s, 1.0] for s in lengths]
-    a1, a2, bias = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
-                                      torch.tensor([single[s] for s in lengths], dtype=torch.float64)[:, None]
-                                      ).solution[:, 0].tolist()
-    a1, a2, bias = max(a1, 0.0), max(a2, 0.0), max(bias, 0.0)
-    # the group's overhead over 1/g of the same sequence's single-rank time, per token of its share
-    a2a = {g: max(0.0, grouped[g] - single[seq_len] / g) * g / seq_len for g in sizes}
+            for s in two:
+                local = shard_sequence(full[:, :s], cp=g, cp_rank=me)
+                pos = shard_sequence(torch.arange(s, device=device), cp=g, cp_rank=me, dim=0)
+                grouped[g, s].append(_time(lambda: model(local, positions=pos).float().mean().backward(), repeats=1))
+        _set_core(model, None)  # the same tokens as `docs` documents packed in one row: the per-document cost
+        packed.append(_time(lambda: model(full, positions=pos_docs, doc_ids=ids_docs).float().mean().backward(),
+                            repeats=1))
+    # the median, not the least: on a shared machine the steps pay the load too, and the least of a
+    # few samples is mostly luck
+    single = {s: float(np.median(v)) for s, v in single.items()}
+    grouped = {k: float(np.median(v)) for k, v in grouped.items()}
+    (a1, a2, bias), _ = nnls(np.array([[s * s, s, 1.0] for s in lengths]), np.array([single[s] for s in lengths]))
+    base = CostModel(a1=float(a1), a2=float(a2), bias=float(bias))  # one unpacked sequence: no per_seq
+    one = base.group_time([seq_len // docs] * docs, 1)  # the packed row as the model without per_seq prices it
+    per_seq = max(0.0, (float(np.median(packed)) - one) / docs)
+    a2a, group_bias = {}, {}
+    for g in sizes:
+        a2a[g], group_bias[g] = fit_group_overhead(base, g, {s: grouped[g, s] for s in two})
     _set_core(model, None)
     model.zero_grad(set_to_none=True)
-    box = [CostModel(a1=a1, a2=a2, a2a=a2a, bias=bias)]
+    box = [CostModel(a1=base.a1, a2=base.a2, a2a=a2a, bias=base.bias, group_bias=group_bias, per_seq=per_seq)]
     from engine.device import host_group
 
     dist.broadcast_object_list(box, src=0, group=host_group())  # one cost model everywhere: plans must agree
     return box[0]
+
+
+def fit_group_overhead(base: CostModel, g: int, measured: dict[int, float]) -> tuple[float, float]:
+    """(all-to-all seconds per token, constant seconds per group) of groups of g ranks from their
+    measured time at two lengths: the excess over the single-rank model (compute / g + bias) is a
+    line in the group's tokens per rank; both parts clamped at 0 (noise can tilt the line)."""
+    (s1, t1), (s2, t2) = sorted(measured.items())
+    r1, r2 = (t - base.group_time([s], g) for s, t in ((s1, t1), (s2, t2)))
+    slope = max(0.0, (r2 - r1) / ((s2 - s1) / g))  # seconds per token of the rank's share
+    const = max(0.0, (r1 + r2) / 2 - slope * (s1 + s2) / (2 * g))
+    return slope, const
 
 
 def plan_step(lengths: list[int], *, world: int, cap: int, cost: CostModel, buckets: int,
@@ -203,3 +234,44 @@ def plan_step(lengths: list[int], *, world: int, cap: int, cost: CostModel, buck
     """Rank 0 solves; every rank gets the same plan."""
     plan = solve(lengths, n=world, cap=cap, cost=cost, buckets=buckets, time_limit_s=time_limit_s) if rank == 0 else None
     return broadcast_plan(plan)
+
+
+class PlanAhead:
+    """Plans solved one step ahead, as FlexSP overlaps planning with training: rank 0 solves step
+    t+1's plan in a background thread while step t runs (a step's documents are known before it
+    runs), and step t+1 waits only for what is left of that solve (`Plan.exposed_s`). HiGHS
+    releases the GIL while it searches (measured: the training thread keeps its CPU beside it), so
+    the thread overlaps for real; on a machine with fewer cores than ranks it still takes CPU time
+    from rank 0, which the step time shows. Without a plan submitted ahead, `take` solves in line."""
+
+    def __init__(self, solve_fn: Callable[[list[int]], Plan], *, rank: int) -> None:
+        self.solve_fn, self.rank = solve_fn, rank
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexsp") if rank == 0 else None
+        self.pending: dict[int, tuple[list[int], Future]] = {}
+
+    def submit(self, step: int, lengths: list[int]) -> None:
+        """Start solving `step`'s plan (rank 0; other ranks do nothing)."""
+        if self.pool is not None and step not in self.pending:
+            self.pending[step] = (list(lengths), self.pool.submit(self.solve_fn, list(lengths)))
+
+    def wait(self, step: int) -> float:
+        """Rank 0: block until `step`'s submitted solve ends; the seconds waited (0 elsewhere)."""
+        if self.pool is None or step not in self.pending:
+            return 0.0
+        t0 = time.perf_counter()
+        self.pending[step][1].exception()  # waits; errors surface in take
+        return time.perf_counter() - t0
+
+    def take(self, step: int, lengths: list[int]) -> Plan:
+        """Every rank: `step`'s plan (rank 0's), `exposed_s` set to the seconds rank 0 waited for it."""
+        plan = None
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            ahead, fut = self.pending.pop(step, (None, None))
+            plan = fut.result() if fut is not None and ahead == list(lengths) else self.solve_fn(list(lengths))
+            plan.exposed_s = time.perf_counter() - t0
+        return broadcast_plan(plan)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

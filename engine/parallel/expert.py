@@ -14,14 +14,16 @@ Per MoE layer and forward: one all_to_all of the per-expert token counts (so eac
 receive splits), one of the tokens (dispatch) and one of the outputs (combine); backward runs
 the two token all_to_alls in reverse. With `hierarchical`, each token exchange is two steps,
 inside the node then across nodes with the same local index (SE-MoE, DeepSpeed-MoE's
-hierarchical all-to-all); node boundaries are `ranks_per_node` consecutive ranks, the groups the
-link emulator treats as one machine. An emulated link (engine/comm/link.py) delays the bytes a
-rank sends off its node: latency per off-node message plus bytes / bandwidth.
+hierarchical all-to-all); nodes are the `link.groups` entries when set (heterogeneous links),
+else `ranks_per_node` consecutive ranks, the groups the link emulator treats as one machine. An
+emulated link (engine/comm/link.py) delays the bytes a rank sends off its node: latency per
+off-node message plus bytes / bandwidth.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,15 +49,27 @@ def expert_group_ranks(*, dp: int, tp: int, pp: int, ep: int) -> tuple[list[list
     return ep_groups, replicas
 
 
-def node_split(ranks: list[int], ranks_per_node: int) -> list[list[int]]:
-    """The members of one ep group split by node (node = rank // ranks_per_node); every node must
-    hold the same number of members for the hierarchical exchange."""
+def rank_nodes(*, ranks_per_node: int = 1, groups: Sequence[Sequence[int]] | None = None) -> Callable[[int], int]:
+    """Where each global rank sits: the index of its `link.groups` entry when groups are set (the
+    heterogeneous links' islands), else rank // ranks_per_node (uniform emulated nodes)."""
+    if groups:
+        node = {r: i for i, ranks in enumerate(groups) for r in ranks}
+        return node.__getitem__
+    return lambda r: r // ranks_per_node
+
+
+def node_split(ranks: list[int], node_of: Callable[[int], int] | int) -> list[list[int]]:
+    """The members of one ep group (indices into `ranks`) split by node (`node_of(rank)`, or
+    rank // node_of for a number of ranks per node); every node must hold the same number of
+    consecutive members for the hierarchical exchange."""
+    where = (lambda r: r // node_of) if isinstance(node_of, int) else node_of
     nodes: dict[int, list[int]] = {}
     for i, r in enumerate(ranks):
-        nodes.setdefault(r // ranks_per_node, []).append(i)
+        nodes.setdefault(where(r), []).append(i)
     split = list(nodes.values())
     if len({len(n) for n in split}) != 1 or [i for n in split for i in n] != list(range(len(ranks))):
-        raise ValueError(f"ep group {ranks} does not split into equal, consecutive nodes of {ranks_per_node} ranks")
+        raise ValueError(f"ep group {ranks} does not split into equal, consecutive nodes "
+                         f"(nodes: {[where(r) for r in ranks]})")
     return split
 
 
@@ -227,9 +241,13 @@ def _new_groups(lists: list[list[int]], rank: int, timeout):
 
 
 def apply_expert_parallel(model: nn.Module, *, dp: int, tp: int, pp: int, ep: int, hierarchical: bool = False,
-                          ranks_per_node: int = 1, link=None, compression: str = "none", lsh_buckets: int = 16,
-                          lsh_hashes: int = 1, seed: int = 0, timeout=None) -> ExpertParallel:
+                          ranks_per_node: int = 1, node_groups: Sequence[Sequence[int]] | None = None, link=None,
+                          compression: str = "none", lsh_buckets: int = 16, lsh_hashes: int = 1, seed: int = 0,
+                          timeout=None) -> ExpertParallel:
     """Keep this rank's experts of every MoE layer and route tokens to the others by all_to_all.
+
+    Nodes (hierarchical exchange, off-node traffic on the emulated link) are `node_groups` (the
+    ranks of each `link.groups` entry) when given, else `ranks_per_node` consecutive ranks.
 
     Every rank must hold the full, identically initialised model (same seed); the experts this
     rank does not own are deleted. Call on every rank (it creates process groups).
@@ -241,10 +259,11 @@ def apply_expert_parallel(model: nn.Module, *, dp: int, tp: int, pp: int, ep: in
     my_ep = next(g for g in ep_lists if rank in g)
     ep_rank = my_ep.index(rank)
     nodes = intra = inter = None
+    node_of = rank_nodes(ranks_per_node=ranks_per_node, groups=node_groups)
     if hierarchical:
-        nodes = node_split(my_ep, ranks_per_node)
-        intra_lists = [[g[i] for i in n] for g in ep_lists for n in node_split(g, ranks_per_node)]
-        inter_lists = [[g[n[k]] for n in node_split(g, ranks_per_node)] for g in ep_lists for k in range(len(nodes[0]))]
+        nodes = node_split(my_ep, node_of)
+        intra_lists = [[g[i] for i in n] for g in ep_lists for n in node_split(g, node_of)]
+        inter_lists = [[g[n[k]] for n in node_split(g, node_of)] for g in ep_lists for k in range(len(nodes[0]))]
         intra = _new_groups(intra_lists, rank, timeout)
         inter = _new_groups(inter_lists, rank, timeout)
     wire = _Wire(link)
@@ -255,7 +274,7 @@ def apply_expert_parallel(model: nn.Module, *, dp: int, tp: int, pp: int, ep: in
         layer.experts = nn.ModuleList(layer.experts[i] for i in keep)
         expert_params += list(layer.experts.parameters())
         layer.exchange = ExpertExchange(layer, ep_group=ep_group, ep_rank=ep_rank, ep=ep, nodes=nodes,
-                                        node_of=[r // ranks_per_node for r in my_ep],
+                                        node_of=[node_of(r) for r in my_ep],
                                         intra_group=intra, inter_group=inter, wire=wire)
         if compression == "lsh":
             from engine.comm.lsh import LSHCompressor

@@ -16,10 +16,23 @@ with slots p = N/g candidate groups of each size g, A integer, m binary, L_k the
 length and T(s, g) = (a1 s^2 + a2 s)/g + c_g s/g (attention and MLP split over g, plus the
 Ulysses all-to-all). Solved with scipy.optimize.milp (HiGHS) under a time limit.
 
+As in their code (`get_sp_options_prune`), the slots are pruned: when the longest sequences need
+groups of sp_max ranks, cnt_max of them, smaller sizes get only the slots left by cnt_max such groups.
+
 Ours: the paper's solver (SCIP) takes a balanced initial solution; scipy's milp takes no start
 point, so the balanced plan bounds M from above and is the answer when HiGHS finds nothing within
 the limit; a memory-aware greedy (LPT) plan is the fallback when neither is feasible. Slots of one size are
 ordered (m[p] >= m[p+1]) to cut symmetric branches, and group size 1 is allowed (their code skips it).
+More of ours: a per-size constant `group_bias[g]` (Ulysses runs a fixed number of all-to-alls
+per layer whatever the tokens; their a2a term is per token only), a per-sequence constant `per_seq`
+that is not split over the group (packed documents run attention one document at a time here, on
+every rank of the group, where their GPUs run one varlen kernel), and the valid cut
+sum_p g_p T_p <= N M (the device-seconds of the plan fit N devices for M seconds) that gives the LP
+relaxation the work bound, so HiGHS proves (near-)optimality in far fewer nodes; HiGHS stops at
+a relative gap `gap` (default 5%: below the error of bucket boundaries, and it ends most
+searches that a 1% gap sends to the time limit). And before any MILP, the best of the balanced and
+greedy plans is compared with a lower bound of every plan (`lower_bound`); within the gap of it,
+HiGHS is not started at all (scipy's milp takes no incumbent, so HiGHS cannot prune with it).
 """
 from __future__ import annotations
 
@@ -32,18 +45,25 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds of one sequence of s tokens in a group of g ranks: (a1 s^2 + a2 s)/g + a2a[g] s/g + bias."""
+    """Seconds of one sequence of s tokens in a group of g ranks: (a1 s^2 + a2 s)/g + a2a[g] s/g + per_seq;
+    a used group adds bias + group_bias[g]."""
 
     a1: float  # attention: seconds per token^2
     a2: float  # everything linear in tokens: seconds per token
     a2a: dict[int, float] = field(default_factory=dict)  # group size -> all-to-all seconds per token (size 1: 0)
     bias: float = 0.0  # per-group constant per step (the paper's beta1)
+    group_bias: dict[int, float] = field(default_factory=dict)  # group size -> extra constant (ours: collective latency)
+    per_seq: float = 0.0  # ours: seconds per packed sequence that every rank of its group pays (not split over g)
 
     def seq_time(self, s: float, g: int) -> float:
-        return (self.a1 * s * s + self.a2 * s + self.a2a.get(g, 0.0) * s) / g
+        return (self.a1 * s * s + self.a2 * s + self.a2a.get(g, 0.0) * s) / g + self.per_seq
+
+    def fixed(self, g: int) -> float:
+        """A used group's constant seconds per step."""
+        return self.bias + self.group_bias.get(g, 0.0)
 
     def group_time(self, lengths: list[int], g: int) -> float:
-        return sum(self.seq_time(s, g) for s in lengths) + self.bias if lengths else 0.0
+        return sum(self.seq_time(s, g) for s in lengths) + self.fixed(g) if lengths else 0.0
 
 
 @dataclass(slots=True)
@@ -56,6 +76,10 @@ class Plan:
     solver: str  # milp | balanced | greedy
     solve_s: float = 0.0
     status: str = ""
+    milp_size: tuple[int, int] = (0, 0)  # (variables, constraints) of the step's MILP
+    milp_s: float = 0.0  # seconds inside HiGHS
+    exposed_s: float = 0.0  # seconds the step waited for this plan (solved ahead: what the overlap left)
+    cpu_s: float = 0.0  # CPU seconds of the solve (its thread's)
 
     def describe(self, lengths: list[int]) -> list[dict]:
         return [{"size": g, "sequences": len(m), "tokens": int(sum(lengths[i] for i in m))}
@@ -133,14 +157,16 @@ def _fits(sizes: list[int], members: list[list[int]], lengths: list[int], cap: i
                for g, m in zip(sizes, members))
 
 
-def balanced_plan(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int) -> Plan | None:
+def balanced_plan(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int,
+                  bks: list[tuple[int, list[int]]] | None = None) -> Plan | None:
     """FlexSP's balanced start: for each uniform group size, each bucket's sequences spread evenly
-    (round robin) over the n/g groups; the best feasible one, or None."""
+    (round robin) over the n/g groups; the best feasible one, or None. `bks`: the buckets, when known."""
     best: Plan | None = None
+    bks = bks if bks is not None else buckets_for(lengths, buckets=buckets, n=n, cap=cap)
     for g in powers_of_two(n):
         members: list[list[int]] = [[] for _ in range(n // g)]
         turn = 0
-        for _, idx in buckets_for(lengths, buckets=buckets, n=n, cap=cap):
+        for _, idx in bks:
             for i in idx:
                 members[turn % len(members)].append(i)
                 turn += 1
@@ -178,103 +204,161 @@ def greedy_plan(lengths: list[int], *, n: int, cap: int, cost: CostModel) -> Pla
     raise ValueError(f"the step's {sum(lengths)} tokens exceed the memory of all {n} ranks ({cap} tokens each)")
 
 
-def _milp(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int, time_limit_s: float,
-          upper: float | None):
-    """Build and solve the MILP; returns (sizes, members, status) or (None, None, status)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
+def slot_sizes(min_sizes: list[int], n: int) -> list[int]:
+    """The candidate groups (FlexSP's `get_sp_options_prune`): n/g slots of each size g, except that
+    sizes below sp_max (the largest size a sequence needs) share only the ranks left by cnt_max
+    groups of sp_max (cnt_max: how many sequences need sp_max)."""
+    sp_max = max(min_sizes, default=1)
+    cnt_max = min_sizes.count(sp_max)
+    left = max(0, n - sp_max * cnt_max)
+    return [g for g in powers_of_two(n) for _ in range((left if g < sp_max else n) // g)]
 
-    bks = buckets_for(lengths, buckets=buckets, n=n, cap=cap)
-    slots = [g for g in powers_of_two(n) for _ in range(n // g)]
+
+@dataclass(slots=True)
+class Milp:
+    """The step's MILP in scipy's form: minimise c @ x over integer x (but M) in [0, ub], lo <= A x <= hi."""
+
+    c: np.ndarray
+    A: object  # scipy.sparse csr
+    lo: np.ndarray
+    hi: np.ndarray
+    ub: np.ndarray
+    integrality: np.ndarray
+    slots: list[int]
+    buckets: list[tuple[int, list[int]]]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return len(self.c), self.A.shape[0]
+
+
+def build_milp(bks: list[tuple[int, list[int]]], *, n: int, cap: int, cost: CostModel,
+               upper: float | None) -> Milp:
+    """The constraints of the module docstring over buckets `bks`, plus the work cut (ours)."""
+    from scipy.sparse import coo_matrix
+
+    slots = slot_sizes([min_group_size(b, cap, n) for b, _ in bks], n)
     K, P = len(bks), len(slots)
-    nv = K * P + P + 1  # A[k,p] (k-major), m[p], M
-    a = lambda k, p: k * P + p  # noqa: E731
-    mi, Mi = K * P, K * P + P
-    total = len(lengths)
-    rows, lo, hi = lil_matrix((K + 4 * P + 1 + P, nv)), [], []
-    r = 0
+    nv, mi, Mi = K * P + P + 1, K * P, K * P + P  # A[k,p] (k-major), m[p], M
+    total = sum(len(idx) for _, idx in bks)
+    ri, ci, val, lo, hi = [], [], [], [], []
 
-    def row(lb: float, ub: float) -> int:
-        nonlocal r
-        lo.append(lb)
-        hi.append(ub)
-        r += 1
-        return r - 1
+    def row(lb: float, ub: float, entries: list[tuple[int, float]]) -> None:
+        for col, v in entries:
+            ri.append(len(lo)), ci.append(col), val.append(v)
+        lo.append(lb), hi.append(ub)
 
-    for k, (_, idx) in enumerate(bks):
-        i = row(len(idx), len(idx))
-        for p in range(P):
-            rows[i, a(k, p)] = 1
+    for k, (_, idx) in enumerate(bks):  # every sequence placed
+        row(len(idx), len(idx), [(k * P + p, 1.0) for p in range(P)])
+    work = []
     for p, g in enumerate(slots):
-        mem, tim, atl, atm = row(-np.inf, 0), row(-np.inf, 0), row(0, np.inf), row(-np.inf, 0)
-        for k, (bound, _) in enumerate(bks):
-            rows[mem, a(k, p)] = bound
-            rows[tim, a(k, p)] = cost.seq_time(bound, g)
-            rows[atl, a(k, p)] = 1
-            rows[atm, a(k, p)] = 1
-        rows[mem, mi + p], rows[tim, mi + p], rows[tim, Mi] = -cap * g, cost.bias, -1
-        rows[atl, mi + p], rows[atm, mi + p] = -1, -total
-    dev = row(n, n)
-    for p, g in enumerate(slots):
-        rows[dev, mi + p] = g
+        a = [k * P + p for k in range(K)]
+        row(-np.inf, 0, [*((a[k], float(b)) for k, (b, _) in enumerate(bks)), (mi + p, -cap * g)])  # memory
+        times = [cost.seq_time(b, g) for b, _ in bks]
+        row(-np.inf, 0, [*zip(a, times), (mi + p, cost.fixed(g)), (Mi, -1.0)])  # slowest group
+        row(0, np.inf, [*((c, 1.0) for c in a), (mi + p, -1.0)])  # a used slot holds a sequence
+        row(-np.inf, 0, [*((c, 1.0) for c in a), (mi + p, -float(total))])  # ... and only a used one
+        work += [*((c, g * t) for c, t in zip(a, times)), (mi + p, g * cost.fixed(g))]
+    row(n, n, [(mi + p, float(g)) for p, g in enumerate(slots)])  # all devices used
+    row(-np.inf, 0, [*work, (Mi, -float(n))])  # ours: device-seconds fit N devices for M seconds
     for p in range(P - 1):
         if slots[p] == slots[p + 1]:  # ours: identical slots used in order (symmetry breaking)
-            i = row(0, np.inf)
-            rows[i, mi + p], rows[i, mi + p + 1] = 1, -1
+            row(0, np.inf, [(mi + p, 1.0), (mi + p + 1, -1.0)])
     ub = np.full(nv, np.inf)
     for k, (bound, idx) in enumerate(bks):
         for p, g in enumerate(slots):
-            ub[a(k, p)] = 0 if bound > cap * g else len(idx)
+            ub[k * P + p] = 0 if bound > cap * g else len(idx)
     ub[mi:Mi] = 1
     ub[Mi] = upper if upper is not None else np.inf
     c = np.zeros(nv)
     c[Mi] = 1
     integrality = np.ones(nv)
     integrality[Mi] = 0
-    res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(nv), ub),
-               constraints=LinearConstraint(rows[:r].tocsr(), lo, hi),
-               options={"time_limit": time_limit_s, "disp": False})
-    if res.x is None:
-        return None, None, res.message
-    x = np.rint(res.x).astype(int)
-    used = [p for p in range(P) if x[mi + p] == 1]
+    A = coo_matrix((val, (ri, ci)), shape=(len(lo), nv)).tocsr()
+    return Milp(c, A, np.array(lo), np.array(hi), ub, integrality, slots, bks)
+
+
+def _read_plan(model: Milp, x: np.ndarray, lengths: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Sizes and member sequences of the used slots (each bucket's sequences dealt longest first)."""
+    K, P = len(model.buckets), len(model.slots)
+    x = np.rint(x).astype(int)
+    used = [p for p in range(P) if x[K * P + p] == 1]
     members: list[list[int]] = [[] for _ in used]
-    for k, (_, idx) in enumerate(bks):
+    for k, (_, idx) in enumerate(model.buckets):
         queue = sorted(idx, key=lambda i: -lengths[i])
         for j, p in enumerate(used):
-            take, queue = queue[:x[a(k, p)]], queue[x[a(k, p)]:]
+            take, queue = queue[:x[k * P + p]], queue[x[k * P + p]:]
             members[j].extend(take)
-    return [slots[p] for p in used], members, "optimal" if res.status == 0 else res.message
+    return [model.slots[p] for p in used], members
+
+
+def _milp(lengths: list[int], *, n: int, cap: int, cost: CostModel, bks: list[tuple[int, list[int]]],
+          time_limit_s: float, gap: float, upper: float | None):
+    """Build and solve the MILP; returns (sizes, members, status, model size, seconds in HiGHS),
+    sizes and members None when HiGHS found nothing."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    model = build_milp(bks, n=n, cap=cap, cost=cost, upper=upper)
+    t0 = time.perf_counter()
+    res = milp(model.c, integrality=model.integrality, bounds=Bounds(np.zeros(len(model.c)), model.ub),
+               constraints=LinearConstraint(model.A, model.lo, model.hi),
+               options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": gap})
+    took = time.perf_counter() - t0
+    if res.x is None:
+        return None, None, res.message, model.size, took
+    sizes, members = _read_plan(model, res.x, lengths)
+    return sizes, members, "optimal" if res.status == 0 else res.message, model.size, took
+
+
+def lower_bound(lengths: list[int], *, n: int, cap: int, cost: CostModel) -> float:
+    """No plan's slowest group is faster than this: the longest sequence alone in its best feasible
+    group, or the least device-seconds of all sequences (each in its cheapest feasible group size,
+    plus every rank's share of a group constant) spread over the n devices."""
+    sizes = powers_of_two(n)
+    feasible = [[g for g in sizes if s <= cap * g] for s in lengths]
+    longest = max(min(cost.seq_time(s, g) + cost.fixed(g) for g in gs) for s, gs in zip(lengths, feasible))
+    work = sum(min(g * cost.seq_time(s, g) for g in gs) for s, gs in zip(lengths, feasible)) / n
+    return max(longest, work + min(cost.fixed(g) for g in sizes))
 
 
 def solve(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int = 8,
-          time_limit_s: float = 0.5) -> Plan:
+          time_limit_s: float = 0.5, gap: float = 0.05) -> Plan:
     """The step's plan: the fastest (on the real lengths) of the MILP's answer, the balanced start
-    and the greedy plan; the latter two stand in when HiGHS finds nothing within the time limit."""
-    t0 = time.perf_counter()
+    and the greedy plan; the latter two stand in when HiGHS finds nothing within the time limit,
+    and the MILP is skipped when one of them is within `gap` of `lower_bound`."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     for s in lengths:
         min_group_size(s, cap, n)  # raises with the reason when a sequence fits nowhere
-    start = balanced_plan(lengths, n=n, cap=cap, cost=cost, buckets=buckets)
-    upper = None
-    if start is not None:  # the start's time with bucket boundaries: the MILP's own measure of it
-        bounded = [0] * len(lengths)
-        for bound, idx in buckets_for(lengths, buckets=buckets, n=n, cap=cap):
-            for i in idx:
-                bounded[i] = bound
-        upper = evaluate(start.sizes, start.members, bounded, cost) * (1 + 1e-6)
-    sizes, members, status = _milp(lengths, n=n, cap=cap, cost=cost, buckets=buckets, time_limit_s=time_limit_s,
-                                   upper=upper)
+    bks = buckets_for(lengths, buckets=buckets, n=n, cap=cap)
+    start = balanced_plan(lengths, n=n, cap=cap, cost=cost, buckets=buckets, bks=bks)
     candidates = [start]
-    if sizes is not None and _fits(sizes, members, lengths, cap):
-        candidates.append(Plan(sizes, members, evaluate(sizes, members, lengths, cost), "milp"))
     try:
         candidates.append(greedy_plan(lengths, n=n, cap=cap, cost=cost))
     except ValueError:
         pass
+    best = min((c for c in candidates if c is not None), key=lambda c: c.predicted_s, default=None)
+    if best is not None and best.predicted_s <= lower_bound(lengths, n=n, cap=cap, cost=cost) * (1 + gap):
+        best.status, best.solve_s, best.cpu_s = "within gap of the lower bound", *_since(t0, c0)
+        return best
+    upper = None
+    if start is not None:  # the start's time with bucket boundaries: the MILP's own measure of it
+        bounded = [0] * len(lengths)
+        for bound, idx in bks:
+            for i in idx:
+                bounded[i] = bound
+        upper = evaluate(start.sizes, start.members, bounded, cost) * (1 + 1e-6)
+    sizes, members, status, size, milp_s = _milp(lengths, n=n, cap=cap, cost=cost, bks=bks,
+                                                 time_limit_s=time_limit_s, gap=gap, upper=upper)
+    if sizes is not None and _fits(sizes, members, lengths, cap):
+        candidates.append(Plan(sizes, members, evaluate(sizes, members, lengths, cost), "milp"))
     # the MILP optimises bucket upper bounds: on the real lengths another candidate can be faster
     plan = min((c for c in candidates if c is not None), key=lambda c: c.predicted_s, default=None)
     if plan is None:
         raise ValueError(f"no plan fits {sum(lengths)} tokens into {n} ranks of {cap} tokens each")
-    plan.status = str(status)
-    plan.solve_s = time.perf_counter() - t0
+    plan.status, plan.milp_size, plan.milp_s = str(status), size, milp_s
+    plan.solve_s, plan.cpu_s = _since(t0, c0)
     return plan
+
+
+def _since(t0: float, c0: float) -> tuple[float, float]:
+    return time.perf_counter() - t0, time.thread_time() - c0

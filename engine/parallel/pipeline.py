@@ -133,6 +133,10 @@ class _Clock:
         self.cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.spans: list[tuple[Any, Any, bool]] = []
         self.actions: list[tuple[str, Any, Any]] = []  # (torch action string, start, end) as executed
+        # activation bytes autograd saved in each (stage, micro-batch) forward, held until its
+        # backward (B, or W after a split I) frees them; `peak_saved` is this step's most held at once
+        self.saved: dict[tuple[int, int], int] = {}
+        self.peak_saved = 0
 
     def mark(self) -> Any:
         """Now, on this clock."""
@@ -192,9 +196,30 @@ class _TimedStage(PipelineStage):
     def _recorded(self, kind: str, mb: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = self._clock.mark()
         try:
-            return fn(*args, **kwargs)
+            if kind != "F":
+                return fn(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(self._count_saved(mb), lambda t: t):
+                return fn(*args, **kwargs)
         finally:
             self._clock.actions.append((f"{self.stage_index}{kind}{mb}", start, self._clock.mark()))
+            if kind in ("B", "W"):
+                self._clock.saved.pop((self.stage_index, mb), None)
+
+    def _count_saved(self, mb: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A pack hook adding the bytes of each tensor autograd saves (not the weights; a tensor
+        saved twice counts once) to this forward's activations, and updating the step's peak."""
+        clock, key = self._clock, (self.stage_index, mb)
+        seen = {(p.data_ptr(), p.numel()) for p in self.submod.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ident = (t.data_ptr(), t.numel()) if type(t) is torch.Tensor else None  # plain tensors only
+            if ident is not None and ident not in seen:
+                seen.add(ident)
+                clock.saved[key] = clock.saved.get(key, 0) + t.numel() * t.element_size()
+                clock.peak_saved = max(clock.peak_saved, sum(clock.saved.values()))
+            return t
+
+        return pack
 
     def _compute_outputs(self, *args: torch.Tensor, module: nn.Module, **kwargs: Any) -> Any:
         # shape inference only: through DDP's forward it would arm the reducer outside no_sync,
@@ -234,6 +259,7 @@ class Pipeline:
         self._tied_synced = True
         self._step_marks: tuple[Any, Any, list[tuple[Any, Any, bool]]] | None = None
         self._step_actions: list[tuple[str, Any, Any]] = []
+        self._peak_saved = 0
         self._wall_start = 0.0
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
@@ -246,11 +272,13 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         args = (inputs,) if self.is_first else ()
         self._clock.spans, self._clock.actions = [], []
+        self._clock.saved, self._clock.peak_saved = {}, 0
         self._wall_start = time.time()
         start = self._clock.mark()
         self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
         self._step_marks = (start, self._clock.mark(), list(self._clock.spans))  # evaluate() adds more
         self._step_actions = list(self._clock.actions)
+        self._peak_saved = self._clock.peak_saved
         self._tied_synced = False
         self.sync_tied_grads()
         return torch.stack(losses).sum().detach() if losses else None
@@ -299,13 +327,16 @@ class Pipeline:
     def last_actions(self) -> dict[str, Any]:
         """The compute actions this rank executed in the last `step`, in order, with seconds from
         the step's start: {"wall_start": epoch seconds of the start, "actions": [[action, start_s,
-        end_s], ...], "total_s": ...}. Shape inference on a first step is not an action."""
+        end_s], ...], "total_s": ..., "peak_act_bytes": most activation bytes autograd held at once
+        for this rank's stages (saved-tensor hooks; weights excluded)}. Shape inference on a first
+        step is not an action."""
         if self._step_marks is None:
-            return {"wall_start": 0.0, "actions": [], "total_s": 0.0}
+            return {"wall_start": 0.0, "actions": [], "total_s": 0.0, "peak_act_bytes": 0}
         start, end, _ = self._step_marks
         rows = [[name, self._clock.seconds(start, a), self._clock.seconds(start, b)]
                 for name, a, b in self._step_actions]
-        return {"wall_start": self._wall_start, "actions": rows, "total_s": self._clock.seconds(start, end)}
+        return {"wall_start": self._wall_start, "actions": rows, "total_s": self._clock.seconds(start, end),
+                "peak_act_bytes": self._peak_saved}
 
     @property
     def last_timing(self) -> dict[str, float]:

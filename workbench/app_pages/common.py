@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from profilers.store import RunStore, default_home
-from workbench import plots
+from workbench import plots, report
 
 LIVE_TTL_S = 1.0
 BREAKDOWN_STEPS = 500  # steps drawn in the breakdown-over-the-run chart (evenly spaced, last kept)
@@ -73,6 +73,19 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
         "segments": s.segments(run_id),
         "read_at": time.time(),
     }
+
+
+def run_version(data: dict[str, Any]) -> tuple[Any, ...]:
+    """What changes whenever a run records more: its status, steps and per-rank step reports."""
+    steps = data["steps"]
+    return data["run"]["status"], len(steps), int(steps["ranks"].sum()) if len(steps) else 0
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def collectives_table(home_path: str, run_id: str, version: tuple[Any, ...]) -> pd.DataFrame:
+    """`report.collectives_frame` of the run's `comm_totals` (a scan of its whole run), read again
+    only when `version` (`run_version`) changes, so a live run still updates."""
+    return report.collectives_frame(_store(home_path).comm_totals(run_id))
 
 
 def shown(value: Any) -> str:

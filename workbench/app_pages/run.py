@@ -151,7 +151,7 @@ def live_panel(run_id: str, shown_status: str) -> None:
     common.headline(data)
     common.run_charts(data, key=f"run-{run_id}")
     with st.container():  # TP/SP, DP/FSDP and pipeline traffic per collective type
-        collectives = report.collectives_frame(common.store().comm_totals(run_id))
+        collectives = common.collectives_table(home, run_id, common.run_version(data))
         if len(collectives):
             st.caption("Collectives per mesh axis and type (per rank, whole run)")
             st.dataframe(collectives, hide_index=True)
