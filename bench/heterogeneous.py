@@ -68,7 +68,7 @@ def predicted(steps: int, extra_overrides: list[str]) -> dict[str, dict[str, flo
 
     # every collective that matters here (the dp all-reduces) runs in a 2-rank group: the host's own
     # gloo all-reduce is fitted at that size
-    profile = calibrate_local(4, allreduce=measure_allreduce(2), parallel=False)
+    profile = calibrate_local(4, allreduce=measure_allreduce(2))  # with the multi-rank and pipeline overheads
     print(f"calibrated host: gloo all-reduce {profile.intra_bw_gb_s:.3f} GB/s bus, {profile.intra_latency_s * 1e3:.2f} ms "
           f"alpha; each rank {profile.calibration_cpu_share:.2f} of a core", flush=True)
     out = {}
