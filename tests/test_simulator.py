@@ -452,3 +452,18 @@ def test_engine_zero3_without_resharding_skips_the_backward_gather() -> None:
     # the gathered blocks stay until backward: parameters are unsharded at the peak
     psi = 4 * (12 * 256**2 + 13 * 256) + 256 * 256 + 128 * 256
     assert (a.memory_breakdown_gb["params"] - b.memory_breakdown_gb["params"]) * 1e9 == pytest.approx(psi * 2 * 3 / 4)
+
+
+def test_a_few_tokens_per_micro_batch_cost_at_least_streaming_the_weights() -> None:
+    """Roofline floor: with one token per micro-batch the GEMMs are memory-bound. Forward streams
+    the layer's 12 h^2 weights and the vocab x h logit weights once, backward twice: at 1 GB/s and
+    fp32, 3 x (12 * 256^2 + 256 * 256) x 4 B = 10.2 ms, whatever the (here absurdly high) GEMM rate."""
+    from tuning.hardware import cpu_profile
+    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+
+    fast = cpu_profile(name="t", gemm_points=[(1e3, 1e18), (1e12, 1e18)], intra=(1e-6, 100.0),
+                       gpus_per_node=1, memory_gb=8.0, hbm_gb_s=1.0)
+    model = ModelSpec(layers=1, hidden=256, heads=4, seq=1, vocab=256)
+    compute = simulate(model, fast, ParallelSpec(micro=1, global_batch=1, dtype_bytes=4)).breakdown["compute"]
+    floor = 3 * (12 * 256**2 + 256 * 256) * 4 / 1e9
+    assert floor <= compute <= 1.05 * floor, (compute, floor)

@@ -304,10 +304,17 @@ def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     if inverse is not None:
         t_dense, t_attn, t_logit = (np.asarray(x)[inverse.reshape(ratio.shape)] for x in (t_dense, t_attn, t_logit))
     hbm = cl.hbm_gb_s * cl.hbm_efficiency * GB
-    fwd_layer = t_dense + t_attn + act["full"] / hbm
+    # Roofline floor: a GEMM cannot run faster than it streams its weights (12 h^2 / t per layer,
+    # vocab h / t for the logits) from memory; binding only at a few tokens per micro-batch. The
+    # backward streams them twice (input gradient reads W, weight gradient writes dW).
+    w_dense = 12.0 * h * h / c["tp"] * c["dtype_bytes"] / hbm
+    w_logit = m.vocab * h / c["tp"] * c["dtype_bytes"] / hbm
+    t_logit = np.maximum(t_logit, w_logit)
+    fwd_layer = np.maximum(t_dense, w_dense) + t_attn + act["full"] / hbm
     # Flash attention's backward recomputes Q K^T (one of the two attention GEMMs) from Q and K.
     t_flash = np.where(c.get("flash_attention", False), 0.5 * t_attn, 0.0)
-    bwd_layer = 2.0 * (t_dense + t_attn) + t_flash + NONGEMM_BWD_FACTOR * act["full"] / hbm
+    bwd_layer = (2.0 * np.maximum(t_dense, w_dense) + 2.0 * t_attn + t_flash
+                 + NONGEMM_BWD_FACTOR * act["full"] / hbm)
     rc = c["recompute"]
     re_layer = np.select([rc == 2, rc == 1], [fwd_layer, t_attn + act["attn"] / hbm], 0.0)
     per_stage = m.layers / c["pp"]
