@@ -254,6 +254,8 @@ class Trainer:
     def _flexsp_docs(self, step: int) -> list[torch.Tensor]:
         from engine.lengths import budget_documents
 
+        if self._docs_ahead is not None and self._docs_ahead[0] == step:  # drawn last step for the plan
+            return self._docs_ahead[1]
         c, d = self.cfg, self.cfg.data
         return budget_documents(self.splits.train.tokens, budget=c.batch.global_ * c.model.seq_len, kind=d.lengths,
                                 mean=d.length_mean, sigma=d.length_sigma, max_len=d.length_max or c.model.seq_len,
@@ -272,7 +274,8 @@ class Trainer:
             cap = self._flexsp_cap(lengths)
             plan = ahead.take(step, lengths)
             if self.rank == 0 and step + 1 < c.train.steps:  # documents are a pure function of the step
-                ahead.submit(step + 1, [doc.numel() - 1 for doc in self._flexsp_docs(step + 1)])
+                self._docs_ahead = (step + 1, self._flexsp_docs(step + 1))
+                ahead.submit(step + 1, [doc.numel() - 1 for doc in self._docs_ahead[1]])
         self.tokens_per_step = sum(lengths)
         with self.timer.phase("forward"):
             share, report = run_step(self.par.modules[0], docs, plan, groups, rank=self.rank,
@@ -520,6 +523,7 @@ class Trainer:
 
     co2 = None
     user_step = None  # model.entry's optional step function
+    _docs_ahead: tuple[int, list[torch.Tensor]] | None = None  # FlexSP: (step, documents) drawn a step early
 
     def apply_knobs(self, knobs: dict[str, Any]) -> None:
         """Change knobs that need no restart, at a step boundary, on every rank alike."""
