@@ -126,6 +126,28 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 # ---------------------------------------------------------------- tiny-GPT parity helpers
 
+def trainer_reference(overrides: list[str]) -> tuple[list[float], float | None]:
+    """The single-process reference of a launched layout: the engine's own Trainer on one process,
+    its per-step losses and final validation loss."""
+    import torch
+
+    from engine.config import load_config
+    from engine.train import Trainer
+
+    torch.set_num_threads(1)
+    steps = list(Trainer(load_config(None, overrides), device=torch.device("cpu")).run())
+    return [m.loss for m in steps], steps[-1].val_loss
+
+
+def assert_launch_follows(result: Any, ref: list[float], ref_val: float | None, *, steps: int,
+                          tol: float = 1e-4) -> None:
+    """A `launch()` result's `steps` losses and its validation loss within `tol` of the reference."""
+    got = [s["loss"] for s in result.steps]
+    assert len(got) == steps
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= tol, (got, ref)
+    assert abs(result.summary["val_loss"] - ref_val) <= tol
+
+
 def tiny_model_config() -> Any:
     """The parity-test model: 2 layers, d_model 32, 4 heads, seq 16, vocab 256, no dropout."""
     from engine.config import ModelConfig

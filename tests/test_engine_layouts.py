@@ -5,12 +5,11 @@ test_zero.py; these prove the engine wires them together (order, optimizer, clip
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.config import load_config
 from engine.launch import launch
-from engine.train import Trainer
 from profilers.store import RunStore
+from parallel_harness import assert_launch_follows, trainer_reference
 
 TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
         "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2", "train.grad_clip=0.5",
@@ -32,22 +31,14 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference():
-    torch.set_num_threads(1)
-    cfg = load_config(None, TINY)
-    trainer = Trainer(cfg, device=torch.device("cpu"))
-    steps = list(trainer.run())
-    return [m.loss for m in steps], steps[-1].val_loss
+    return trainer_reference(TINY)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(tmp_path, reference, name):
-    ref, ref_val = reference
     cfg = load_config(None, TINY + LAYOUTS[name])
     result = launch(cfg, home=tmp_path)
-    got = [s["loss"] for s in result.steps]
-    assert len(got) == 5
-    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, (got, ref)
-    assert abs(result.summary["val_loss"] - ref_val) <= 1e-4
+    assert_launch_follows(result, *reference, steps=5)
     store = RunStore.open_home(tmp_path)
     run = store.run(result.run_id)
     assert run["layout"] == {"dp": cfg.parallel.dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,

@@ -122,25 +122,19 @@ EP_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def moe_reference():
-    from engine.train import Trainer
+    from parallel_harness import trainer_reference
 
-    torch.set_num_threads(1)
-    steps = list(Trainer(load_config(None, MOE), device=torch.device("cpu")).run())
-    return [m.loss for m in steps], steps[-1].val_loss
+    return trainer_reference(MOE)
 
 
 @pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
 @pytest.mark.parametrize("name", list(EP_LAYOUTS))
 def test_expert_parallel_matches_single_process(tmp_path, moe_reference, name):
     from engine.launch import launch
+    from parallel_harness import assert_launch_follows
 
-    ref, ref_val = moe_reference
-    cfg = load_config(None, MOE + EP_LAYOUTS[name])
-    result = launch(cfg, home=tmp_path)
-    got = [s["loss"] for s in result.steps]
-    assert len(got) == 5
-    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, (got, ref)
-    assert abs(result.summary["val_loss"] - ref_val) <= 1e-4
+    result = launch(load_config(None, MOE + EP_LAYOUTS[name]), home=tmp_path)
+    assert_launch_follows(result, *moe_reference, steps=5)
 
 
 @pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
