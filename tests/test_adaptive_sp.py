@@ -143,3 +143,23 @@ def test_run_page_tables_of_the_recorded_plans():
     assert groups[["group", "size", "tokens"]].values.tolist() == [[0, 2, 900], [1, 1, 300]]
     empty, _ = flexsp_frames(metrics[metrics["kind"] == "step"])
     assert empty.empty
+
+
+@pytest.mark.xdist_group("launch")
+def test_adaptive_sp_trains_through_the_real_launcher(tmp_path):
+    """examples/long_context.yaml with `parallel.adaptive_sp=true` on 4 real ranks: every step runs a
+    plan solved one step ahead (the record of each step's plan is kept) and the loss falls."""
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "examples" / "long_context.yaml", ["parallel.adaptive_sp=true", "profile.host_interval_s=0",
+                                                     "profile.nvml_interval_s=0"])
+    result = launch(cfg, home=tmp_path)
+    losses = [s["loss"] for s in result.steps]
+    assert len(losses) == cfg.train.steps and losses[-1] < losses[0]
+    plans = {r.step for r in RunStore.open_home(tmp_path).metrics(result.run_id, kind="flexsp", rank=0)
+             if r.name == "groups"}
+    assert plans == set(range(cfg.train.steps))
