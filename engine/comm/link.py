@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from engine.device import comm_device
 from profilers.collectives import bus_factor  # the one definition (nccl-tests); re-exported here
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
@@ -133,10 +134,10 @@ class Join:
 
     def __init__(self, start: float, group: Any = None) -> None:
         self.start = start
-        self._stamp = torch.tensor([start], dtype=torch.float64)
         self._work = None
         c10d = dist.distributed_c10d
         pg = group if group is not None else c10d._get_default_group()
+        self._stamp = torch.tensor([start], dtype=torch.float64, device=comm_device(pg))  # NCCL: CUDA only
         if not c10d._rank_not_in_group(pg):
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
