@@ -84,10 +84,13 @@ def print_measured_comparison(*, rounds: int = 2) -> pd.DataFrame:
         print(f"  world {world}: GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s per rank, all-reduce "
               f"alpha {spec.intra_latency_s * 1e3:.2f} ms, busbw {spec.intra_bw_gb_s:.2f} GB/s")
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.round({"measured_s": 4, "simulated_s": 4, "error_pct": 1, "load1": 1}).to_string(index=False))
-    errors = table["error_pct"].abs()
+        print(table.round({"measured_s": 4, "simulated_s": 4, "error_pct": 1, "load1": 1, "speed": 2,
+                           "error_at_speed_pct": 1}).to_string(index=False))
+    errors, at_speed = table["error_pct"].abs(), table["error_at_speed_pct"].abs()
     print(f"{len(table)} configs: median |error| {errors.median():.1f}%, max {errors.max():.1f}% "
           f"(target median <= 10%); load1 at start {start_load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    print(f"with the host's drift since calibration taken out (speed index {table['speed'].min():.2f}-"
+          f"{table['speed'].max():.2f}): median |error| {at_speed.median():.1f}%, max {at_speed.max():.1f}%")
     return table
 
 

@@ -74,11 +74,15 @@ def _bench_call(op: str, size: int, n: int, rank: int, device: torch.device
 
 def commbench(ops: Sequence[str] = SWEEP_OPS, sizes: Sequence[int] | None = None,
               world: int | None = None, iters: int = 5, *, warmup: int = 1,
-              device: torch.device | str | None = None) -> list[dict[str, Any]]:
+              device: torch.device | str | None = None, work_s: float = 0.0) -> list[dict[str, Any]]:
     """Sweep ``ops`` over ``sizes`` inside an initialised process group; every rank calls it.
 
     Returns rows ``{op, size, count, time(s), algbw(GB/s), busbw(GB/s)}`` (same on every
     rank): ``time(s)`` is the mean over ``iters`` of the slowest rank (max over ranks).
+    ``work_s`` > 0 (CPU): each call follows about that much host compute on every rank, as in a
+    training step, and ``time(s)`` is the mean iteration time minus that of the compute alone
+    (the op "in situ": the ranks' drift apart during compute and the wake-up of idle
+    communication threads included, which a back-to-back loop never sees).
     """
     # imported here: collectives re-exports this module, so a top-level import would be circular
     from profilers.collectives import CANONICAL, algbw, busbw
@@ -99,12 +103,35 @@ def commbench(ops: Sequence[str] = SWEEP_OPS, sizes: Sequence[int] | None = None
             continue
         for size in (sizes if sizes is not None else sweep_sizes()):
             run, nbytes = _bench_call(op, size, n, rank, device)
-            seconds = _time_op(run, iters, warmup, device)
+            if work_s > 0:
+                work = _host_work(work_s, device)
+                seconds = (_time_op(lambda: (work(), run()), iters, warmup, device)
+                           - _time_op(work, iters, warmup, device))
+            else:
+                seconds = _time_op(run, iters, warmup, device)
             kind = CANONICAL[op]
             rows.append({"op": op, "size": nbytes, "count": nbytes // 4, "time(s)": seconds,
                          "algbw(GB/s)": algbw(nbytes, seconds),
                          "busbw(GB/s)": busbw(kind, nbytes, seconds, n)})
     return rows
+
+
+def _host_work(seconds: float, device: torch.device) -> Callable[[], None]:
+    """About `seconds` of single-thread matmuls, the same count on every rank (rank 0's timing)."""
+    x = torch.randn(128, 128)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        x @ x
+    per = (time.perf_counter() - t0) / 20
+    count = torch.tensor([max(int(seconds / max(per, 1e-7)), 1)], device=device)
+    dist.broadcast(count, src=0)
+    reps = int(count.item())
+
+    def work() -> None:
+        for _ in range(reps):
+            x @ x
+
+    return work
 
 
 def _time_op(run: Callable[[], None], iters: int, warmup: int, device: torch.device) -> float:
@@ -153,8 +180,9 @@ def _free_port() -> int:
 
 def spawn_commbench(world: int, ops: Sequence[str] = SWEEP_OPS,
                     sizes: Sequence[int] | None = None, iters: int = 5, *,
-                    backend: str = "gloo", timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Start ``world`` real processes (gloo by default), run `commbench`, return rank 0's rows."""
+                    backend: str = "gloo", timeout: float = 600.0, work_s: float = 0.0) -> list[dict[str, Any]]:
+    """Start ``world`` real processes (gloo by default), run `commbench` (``work_s`` as there),
+    return rank 0's rows."""
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
     port = _free_port()
@@ -162,7 +190,7 @@ def spawn_commbench(world: int, ops: Sequence[str] = SWEEP_OPS,
     with tempfile.TemporaryDirectory(prefix="commbench-") as tmp:
         out = Path(tmp) / "rows.json"
         spec = json.dumps({"ops": list(ops), "sizes": list(sizes) if sizes else None,
-                           "iters": iters, "backend": backend, "out": str(out)})
+                           "iters": iters, "backend": backend, "out": str(out), "work_s": work_s})
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
@@ -201,7 +229,7 @@ def _worker(spec: dict[str, Any]) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(spec["backend"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    rows = commbench(spec["ops"], spec["sizes"], world, spec["iters"])
+    rows = commbench(spec["ops"], spec["sizes"], world, spec["iters"], work_s=spec.get("work_s", 0.0))
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(rows))
     dist.barrier()

@@ -179,15 +179,16 @@ def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
 
     ran: list[str] = []
     monkeypatch.setattr(cal, "measure_linear_gemms", lambda: ran.append("gemm") or [(1e6, 1e9), (1e8, 2e9)])
+    monkeypatch.setattr(cal, "measure_attention", lambda: ran.append("attention") or [(1e6, 5e8), (1e8, 1e9)])
     monkeypatch.setattr(cal, "measure_nongemm_bandwidth", lambda: ran.append("nongemm") or 5.0)
     monkeypatch.setattr(cal, "measure_optimizer_rate", lambda: ran.append("adamw") or 2.0)
     monkeypatch.setattr(cal, "measure_overheads", lambda base: ran.append("overheads") or
                         {"overhead_layer_s": 1e-4, "overhead_microbatch_s": 1e-4, "overhead_step_s": 1e-3})
     heard: list[tuple[str, int]] = []
     cal.calibrate_local(1, progress=lambda name: heard.append((name, len(ran))))
-    assert [n for n, _ in heard] == ["GEMMs at the engine's shapes", "memory-bound ops", "AdamW rate",
-                                     "framework overhead (tiny runs)"]
-    assert [before for _, before in heard] == [0, 1, 2, 3]  # each announced before it ran
+    assert [n for n, _ in heard] == ["GEMMs at the engine's shapes", "attention at the engine's shapes",
+                                     "memory-bound ops", "AdamW rate", "framework overhead (tiny runs)"]
+    assert [before for _, before in heard] == [0, 1, 2, 3, 4]  # each announced before it ran
 
 
 def test_layer_growth_splits_residuals_into_per_layer_and_per_step() -> None:
@@ -266,3 +267,29 @@ def test_calibrate_refuses_to_save_when_the_check_run_is_off(monkeypatch, tmp_pa
     assert "error -60.0%" in bad.output and "calibration not saved" in bad.output
     forced = CliRunner().invoke(app, ["--world", "2", "-o", str(out), "--force"])
     assert forced.exit_code == 0 and out.exists()
+
+
+def test_attention_is_priced_from_the_measured_attention_table(tmp_path) -> None:
+    """The engine's fused attention runs far below the GEMM rate on a CPU (softmax, causal mask,
+    head dim 16-64): a measured attention table prices it, 7 x 2 b s^2 h FLOPs per layer and
+    micro-batch (two GEMMs forward, twice that backward, Q K^T recomputed), and survives save/load."""
+    from engine.config import load_config
+    from tuning.calibration import measure_attention, predict_run
+    from tuning.hardware import cpu_profile, load_cluster, save_cluster
+
+    points = measure_attention(hiddens=(64,), seqs=(32,), batches=(2,))
+    assert len(points) == 1 and points[0][0] == pytest.approx(2.0 * 2 * 32 * 32 * 64) and points[0][1] > 1e6
+    cfg = load_config(None, ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=32",
+                             "batch.global=4", "batch.micro=2"])  # one rank, 2 micro-batches of b=2
+
+    def profile(rate: float | None):
+        flat = [(1e3, 1e10), (1e12, 1e10)]
+        return cpu_profile(name="t", gemm_points=flat, intra=(0.0, 1.0), gpus_per_node=1, memory_gb=8.0,
+                           attention_points=[(1e3, rate), (1e12, rate)] if rate else ())
+
+    slow, fast, plain = (predict_run(cfg, profile(r)).iteration_time_s for r in (1e9, 2e9, None))
+    per_layer_mb = 7 * 2 * 2 * 32 * 32 * 64  # 7 x 2 b s^2 h with b=2, s=32, h=64
+    assert slow - fast == pytest.approx(2 * 2 * per_layer_mb * (1 / 1e9 - 1 / 2e9), rel=1e-9)
+    assert plain == pytest.approx(predict_run(cfg, profile(1e10)).iteration_time_s, rel=1e-12)  # no table: GEMM rate
+    saved = load_cluster(save_cluster(profile(1e9), tmp_path / "p.yaml"))
+    assert saved.attention_table == ((1e3, 1e9), (1e12, 1e9))

@@ -281,6 +281,15 @@ def test_commbench_small_sweep_on_two_gloo_ranks() -> None:
     assert "# sendrecv" in format_busbw_table(rows)
 
 
+def test_commbench_in_situ_subtracts_the_compute_between_calls() -> None:
+    """work_s: each all_reduce follows 20 ms of host compute; what is reported is the collective's
+    share of the iteration, far below the 20 ms the compute alone takes (with 2 ranks on 2 cores
+    a 4 KB gloo all_reduce costs a few ms at most, in situ or not)."""
+    rows = spawn_commbench(2, ["all_reduce"], sizes=[4096], iters=5, timeout=60, work_s=0.02)
+    assert len(rows) == 1 and rows[0]["size"] == 4096
+    assert -0.01 < rows[0]["time(s)"] < 0.015, rows
+
+
 # -- functional collectives (DTensor), FSDP2, pipeline P2P ------------------------------------
 def _summary(events: list[dict[str, Any]]) -> list[tuple[str, str, str, int, int]]:
     """(axis, op, scope, bytes, group size) per event, and whether each was timed."""

@@ -292,13 +292,13 @@ def test_data_parallel_group_drives_one_nic_per_rank_in_a_node() -> None:
 
 
 def test_zero3_collectives_are_per_block() -> None:
-    # FSDP gathers / reduce-scatters one block at a time: each of the l per-block collectives pays
-    # its own latency (3 per micro-batch: forward gather, backward gather, reduce-scatter).
+    # FSDP gathers / reduce-scatters one unit at a time: each of the l blocks and the root (embeddings,
+    # head) pays its own latency (3 per micro-batch: forward gather, backward gather, reduce-scatter).
     par = ParallelSpec(dp=8, zero=3, global_batch=16, micro=1)
     slow = dataclasses.replace(A100, intra_latency_s=A100.intra_latency_s + 1e-3)
     extra = simulate(GPT_6B, slow, par).dp_comm_total_s - simulate(GPT_6B, A100, par).dp_comm_total_s
     nmb = 16 // 8
-    assert extra == pytest.approx(nmb * 3 * GPT_6B.layers * 1e-3, rel=1e-9)
+    assert extra == pytest.approx(nmb * 3 * (GPT_6B.layers + 1) * 1e-3, rel=1e-9)
 
 
 def test_engine_zero2_is_fsdp2_without_backward_gather() -> None:
@@ -315,7 +315,7 @@ def test_engine_zero2_is_fsdp2_without_backward_gather() -> None:
     assert fsdp2.dp_comm_total_s == pytest.approx(nmb * 2 * gather, rel=1e-9)
     # DeepSpeed-style ZeRO-2: a reduce-scatter per micro-batch and one gather after the step
     assert deepspeed.dp_comm_total_s == pytest.approx(
-        nmb * (gather - (layers - 1) * A100.intra_latency_s) + (gather - (layers - 1) * A100.intra_latency_s),
+        nmb * (gather - layers * A100.intra_latency_s) + (gather - layers * A100.intra_latency_s),
         rel=1e-9)
 
 

@@ -37,10 +37,11 @@ OVERHEAD_RUNS = ((1, 1), (3, 1), (1, 3), (3, 3))  # (layers, micro-batches) of t
 
 
 BASE_OVERRIDES: list[str] = [
-    "train.steps=7", "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
-    "data.source=synthetic", "train.warmup_steps=0",
+    "train.steps=32", "profile.warmup_steps=2", "profile.host_interval_s=0", "profile.nvml_interval_s=0",
+    "train.eval_interval=0", "data.source=synthetic", "train.warmup_steps=0",
 ]
-"""Overrides every validation run shares: 7 steps (1 warm-up + 6 steady), samplers and eval off."""
+"""Overrides every validation run shares: 32 steps (2 warm-up + 30 steady; on 2 shared cores the
+median of 6 steady steps moved by 10-30% between rounds), samplers and eval off."""
 
 VALIDATION_CONFIGS: dict[str, list[str]] = {
     "1r l2 d64 s64 b8/m4": ["model.layers=2", "model.d_model=64", "model.seq_len=64",
@@ -94,6 +95,7 @@ class HostProfile:
     p2p: tuple[float, float] | None = None  # send/recv (alpha s, GB/s) at 2 ranks
     shares: dict[int, float] = field(default_factory=dict)  # measured per-rank compute share by world size
     rank_overheads: dict[int, dict[str, float]] = field(default_factory=dict)  # multi-rank extras by world size
+    attention_points: list[tuple[float, float]] = field(default_factory=list)  # (attention GEMM FLOPs, FLOP/s)
 
 
 def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3) -> float:
@@ -143,6 +145,35 @@ def measure_linear_gemms(*, tokens: Sequence[int] = CALIBRATION_TOKENS,
     return _bin_points(points)
 
 
+def measure_attention(*, hiddens: Sequence[int] = CALIBRATION_HIDDEN, heads: int = 4,
+                      seqs: Sequence[int] = (32, 64, 128, 256), batches: Sequence[int] = (1, 4, 16),
+                      max_tokens: int = 4096) -> list[tuple[float, float]]:
+    """Rates of the engine's attention: causal `scaled_dot_product_attention`, forward + backward.
+
+    The simulator prices attention as two GEMMs of 2 b s^2 h FLOPs each (Q K^T, scores x V), run
+    once forward, twice backward and Q K^T once more (the fused backward recomputes it), 7 x
+    2 b s^2 h in all. Returns (2 b s^2 h, 7 x 2 b s^2 h / time), binned by size: the softmax, the
+    causal mask and the kernel's small head dims are in the rate, not in extra terms.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    points = []
+    for h in hiddens:
+        for s in seqs:
+            for b in (b for b in batches if b * s <= max_tokens):
+                q, k, v = (torch.randn(b, heads, s, h // heads, requires_grad=True) for _ in range(3))
+                dy = torch.randn(b, heads, s, h // heads)
+
+                def step() -> None:
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dy)
+
+                seconds = _time_call(step)
+                flops = 2.0 * b * s * s * h
+                points.append((flops, 7.0 * flops / seconds))
+    return _bin_points(points)
+
+
 def measure_nongemm_bandwidth(*, elements: Sequence[int] = (1 << 15, 1 << 17, 1 << 19),
                               width: int = 128) -> float:
     """GB/s of the memory-bound kernels of a block: LayerNorm, GELU and the residual add (fp32).
@@ -184,7 +215,7 @@ def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21)
 def _tiny_overrides(layers: int, microbatches: int) -> list[str]:
     """A calibration run of the engine's model where compute is small next to dispatch."""
     return ["model.layers=%d" % layers, "model.d_model=32", "model.heads=4", "model.seq_len=16",
-            "batch.micro=1", "batch.global=%d" % microbatches, "train.steps=8", "data.source=synthetic",
+            "batch.micro=1", "batch.global=%d" % microbatches, "train.steps=24", "data.source=synthetic",
             "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0"]
 
 
@@ -236,6 +267,8 @@ def measure_host(progress: Callable[[str], None] = lambda _: None) -> HostProfil
     try:
         progress("GEMMs at the engine's shapes")
         gemm = measure_linear_gemms()
+        progress("attention at the engine's shapes")
+        attention = measure_attention()
         progress("memory-bound ops")
         nongemm = measure_nongemm_bandwidth()
         progress("AdamW rate")
@@ -243,30 +276,52 @@ def measure_host(progress: Callable[[str], None] = lambda _: None) -> HostProfil
     finally:
         torch.set_num_threads(threads)
     host = HostProfile(gemm_points=gemm, nongemm_gb_s=nongemm, optimizer_gb_s=optimizer,
-                       overheads={}, cpus=len(os.sched_getaffinity(0)), load1=load1)
+                       overheads={}, cpus=len(os.sched_getaffinity(0)), load1=load1, attention_points=attention)
     base = _profile(host, world=1, allreduce=(0.0, 1.0), overheads=False)
     progress("framework overhead (tiny runs)")
     host.overheads = measure_overheads(base)
     return host
 
 
-def measure_allreduce(world: int, *, max_bytes: int = 16 << 20, iters: int = 5) -> tuple[float, float]:
-    """(alpha s, busbw GB/s) of gloo all_reduce over `world` processes (commbench, relative fit)."""
+IN_SITU_WORK_S = 0.005  # host compute before each timed collective (`commbench(work_s=...)`)
+
+
+def measure_allreduce(world: int, *, max_bytes: int = 16 << 20, iters: int = 20, repeats: int = 3,
+                      work_s: float = IN_SITU_WORK_S) -> tuple[float, float]:
+    """(alpha s, busbw GB/s) of gloo all_reduce over `world` processes (commbench, relative fit).
+
+    Timed in situ: every call follows `work_s` of compute on each rank, as in a training step, and
+    the compute's own time is subtracted. Back to back, the ranks stay in lockstep and the gloo
+    threads awake; after compute they are not: on this 2-core host a small all-reduce cost 2-4 ms
+    in situ against 1-2 ms back to back, and the engine's runs saw about 2 ms per tensor-parallel
+    all-reduce and 3.4 ms per FSDP2 collective. The per-size median over `repeats` spawns is fitted
+    (each in-situ time is a difference of two noisy loops). `work_s=0`: the back-to-back loop.
+    """
     from profilers.collectives import bus_factor, spawn_commbench, sweep_sizes
 
-    rows = [r for r in spawn_commbench(world, ["all_reduce"], sweep_sizes(4096, max_bytes, 4), iters)
-            if r["op"] == "all_reduce"]
-    return fit_alpha_beta([r["size"] for r in rows], [r["time(s)"] for r in rows],
+    sizes = sweep_sizes(4096, max_bytes, 4)
+    samples: dict[int, list[float]] = {}
+    for _ in range(repeats):
+        for r in spawn_commbench(world, ["all_reduce"], sizes, iters, work_s=work_s):
+            samples.setdefault(r["size"], []).append(r["time(s)"])
+    sizes = sorted(samples)
+    return fit_alpha_beta(sizes, [max(statistics.median(samples[n]), 1e-5) for n in sizes],
                           bus_factor("all_reduce", world), relative=True)
 
 
-def measure_p2p(*, max_bytes: int = 4 << 20, iters: int = 5) -> tuple[float, float]:
-    """(alpha s, GB/s) of a gloo send/recv between 2 processes: what a pipeline stage boundary costs."""
+def measure_p2p(*, max_bytes: int = 4 << 20, iters: int = 20, repeats: int = 3,
+                work_s: float = IN_SITU_WORK_S) -> tuple[float, float]:
+    """(alpha s, GB/s) of a gloo send/recv between 2 processes: what a pipeline stage boundary costs.
+    In situ, as `measure_allreduce` (back to back the alpha came out anywhere in 0.2-2.4 ms)."""
     from profilers.collectives import spawn_commbench, sweep_sizes
 
-    rows = [r for r in spawn_commbench(2, ["sendrecv"], sweep_sizes(4096, max_bytes, 4), iters)
-            if r["op"] == "sendrecv"]
-    return fit_alpha_beta([r["size"] for r in rows], [r["time(s)"] for r in rows], 1.0, relative=True)
+    sizes = sweep_sizes(4096, max_bytes, 4)
+    samples: dict[int, list[float]] = {}
+    for _ in range(repeats):
+        for r in spawn_commbench(2, ["sendrecv"], sizes, iters, work_s=work_s):
+            samples.setdefault(r["size"], []).append(r["time(s)"])
+    sizes = sorted(samples)
+    return fit_alpha_beta(sizes, [max(statistics.median(samples[n]), 1e-5) for n in sizes], 1.0, relative=True)
 
 
 def measure_parallel_overheads(profile: ClusterSpec, *, layers: tuple[int, int] = (1, 3),
@@ -328,6 +383,7 @@ def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], s
         ovh["overhead_layer_s"] = ovh.get("overhead_layer_s", 0.0) + rank.get("overhead_rank_layer_s", 0.0)
     return cpu_profile(
         name=f"cpu-local-{world}", gemm_points=[(f, r * share) for f, r in host.gemm_points],
+        attention_points=[(f, r * share) for f, r in host.attention_points],
         intra=allreduce, gpus_per_node=world, memory_gb=_memory_gb() / world,
         hbm_gb_s=host.nongemm_gb_s * share,
         overheads={**ovh, "optimizer_gb_s": host.optimizer_gb_s * share},
@@ -556,9 +612,9 @@ CHECK_THRESHOLD = 0.25  # a calibration whose check run is off by more is not sa
 
 def check_overrides(world: int) -> list[str]:
     """The short real run a calibration is checked against: data parallel over `world` ranks, 3 layers,
-    d_model 64, seq 32, 2 micro-batches of 2 per rank, 5 steps (not one of `VALIDATION_CONFIGS`)."""
+    d_model 64, seq 32, 2 micro-batches of 2 per rank, 20 steps (not one of `VALIDATION_CONFIGS`)."""
     return ["model.layers=3", "model.d_model=64", "model.heads=4", "model.seq_len=32", "batch.micro=2",
-            f"batch.global={4 * world}", f"parallel.dp={world}", "train.steps=5", "data.source=synthetic",
+            f"batch.global={4 * world}", f"parallel.dp={world}", "train.steps=20", "data.source=synthetic",
             "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
             "train.warmup_steps=0"]
 
@@ -583,6 +639,26 @@ def check_calibration(cluster: ClusterSpec, world: int, *, threshold: float = CH
                           threshold=threshold)}
 
 
+def speed_index(host: HostProfile, *, tokens: Sequence[int] = (256, 1024), hiddens: Sequence[int] = (64, 128, 256)) -> float:
+    """This host's speed now relative to when `host` was measured: the median over a few of the
+    calibration's GEMM shapes of (rate now / calibrated rate at that size), about 0.5 s.
+
+    On a shared VM the same single-thread GEMMs ran 10-25% slower a few minutes after a calibration
+    (2026-11-23, load 1, nothing else of ours running): `compare_measured` records this index
+    before every run so the model's error can be told apart from the machine's drift."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        now = measure_linear_gemms(tokens=tokens, hiddens=hiddens)
+    finally:
+        torch.set_num_threads(threads)
+    sizes, rates = np.array(sorted(host.gemm_points), dtype=float).T
+    then = np.interp(np.log([f for f, _ in now]), np.log(sizes), rates)
+    return float(np.median([r / t for (_, r), t in zip(now, then)]))
+
+
 def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int = 2,
                      host: HostProfile | None = None,
                      on_row: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
@@ -592,7 +668,9 @@ def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int
     all-reduce), then launches every config `rounds` times, interleaved (round 1 of every
     config, then round 2, ...) so slow phases of a shared machine spread over all of them.
     Columns: config, world, measured_s (median over rounds of each run's median steady step),
-    simulated_s, error_pct ((sim - meas) / meas), load1 (mean 1-min load during its runs).
+    simulated_s, error_pct ((sim - meas) / meas), load1 (mean 1-min load during its runs), speed
+    (median `speed_index` taken just before its runs) and error_at_speed_pct (the error of
+    simulated_s / speed: the model's error with the host's drift since calibration taken out).
     """
     import pandas as pd
 
@@ -605,16 +683,19 @@ def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfgs}
     for _ in range(rounds):
         for name, cfg in cfgs.items():
-            runs[name].append(measure_run(cfg))
+            speed = speed_index(host)
+            runs[name].append({**measure_run(cfg), "speed": speed})
             if on_row is not None:
                 on_row({"config": name, **runs[name][-1]})
     rows = []
     for name, cfg in cfgs.items():
         measured = statistics.median(r["step_time_s"] for r in runs[name])
         simulated = predict_run(cfg, clusters[cfg.world_size]).iteration_time_s
+        speed = statistics.median(r["speed"] for r in runs[name])
         rows.append({"config": name, "world": cfg.world_size, "measured_s": measured,
                      "simulated_s": simulated, "error_pct": 100.0 * (simulated - measured) / measured,
-                     "load1": statistics.mean(r["load1"] for r in runs[name])})
+                     "load1": statistics.mean(r["load1"] for r in runs[name]), "speed": speed,
+                     "error_at_speed_pct": 100.0 * (simulated / speed - measured) / measured})
     table = pd.DataFrame(rows)
     table.attrs.update(host=host, clusters=clusters)
     return table

@@ -53,6 +53,8 @@ class ClusterSpec:
     gemm_max_efficiency: float = 0.8  # achieved/peak of a very large GEMM
     gemm_half_flops: float = 1e9  # GEMM size (FLOPs) reaching half of the max efficiency
     gemm_table: tuple[tuple[float, float], ...] = ()  # measured (GEMM FLOPs, FLOP/s); overrides the curve
+    # measured fused attention (one of its two GEMMs' FLOPs, FLOP/s); empty = attention at the GEMM rate
+    attention_table: tuple[tuple[float, float], ...] = ()
     usable_memory_fraction: float = 0.95  # share of memory_gb usable (context, allocator slack)
     # Achieved share of hbm_gb_s in memory-bound kernels (norms, softmax, dropout, GeLU, Adam): they
     # read and write more than the activation bytes the model counts; fitted on GPU presets
@@ -90,6 +92,17 @@ class ClusterSpec:
             order = np.argsort(sizes)
             return np.interp(np.log(x), np.log(sizes[order]), rates[order])
         return self.peak_flops * self.gemm_max_efficiency * x / (x + self.gemm_half_flops)
+
+    def attention_rate(self, flops: np.ndarray | float) -> np.ndarray:
+        """Achieved FLOP/s of one attention GEMM (Q K^T or scores x V) of `flops` FLOPs: the
+        measured fused-attention table where there is one (CPU hosts, `tuning.calibration`),
+        else the GEMM rate (GPU presets, fitted with attention priced as GEMMs)."""
+        if not self.attention_table:
+            return self.gemm_rate(flops)
+        x = np.maximum(np.asarray(flops, dtype=float), 1.0)
+        sizes, rates = np.array(self.attention_table, dtype=float).T
+        order = np.argsort(sizes)
+        return np.interp(np.log(x), np.log(sizes[order]), rates[order])
 
     def inter_link(self, gpus: int) -> tuple[float, float]:
         """(busbw GB/s, latency s) of the inter-node link for a job of `gpus` GPUs.
@@ -193,7 +206,8 @@ def _from_dict(data: dict[str, Any]) -> ClusterSpec:
         )
     data = dict(data)
     data["node_groups"] = tuple(NodeGroup(**g) for g in data.get("node_groups") or ())
-    data["gemm_table"] = tuple((float(a), float(b)) for a, b in data.get("gemm_table") or ())
+    for key in ("gemm_table", "attention_table"):
+        data[key] = tuple((float(a), float(b)) for a, b in data.get(key) or ())
     return ClusterSpec(**data)
 
 
@@ -218,7 +232,8 @@ def cluster_to_dict(spec: ClusterSpec) -> dict[str, Any]:
     """Plain dict of a profile (lists instead of tuples), as written by `save_cluster`."""
     data = dataclasses.asdict(spec)
     data["node_groups"] = [dict(g) for g in data["node_groups"]]
-    data["gemm_table"] = [list(p) for p in data["gemm_table"]]
+    for key in ("gemm_table", "attention_table"):
+        data[key] = [list(p) for p in data[key]]
     return data
 
 
@@ -312,13 +327,15 @@ def cpu_profile(
     memory_gb: float,
     hbm_gb_s: float = 10.0,
     overheads: dict[str, float] | None = None,
+    attention_points: Sequence[tuple[float, float]] = (),
 ) -> ClusterSpec:
     """A profile of a measured host (e.g. `cpu-local`): one 'GPU' per rank, one node.
 
     `gemm_points` from `measure_gemm_rates`; `intra`/`inter` are (alpha s, busbw GB/s) from
     `fit_alpha_beta`. The measured table drives the GEMM rate; its best point is the peak.
     `overheads` sets the host-side fields (`overhead_layer_s`, `overhead_microbatch_s`,
-    `overhead_step_s`, `optimizer_gb_s`) measured by `tuning.calibration`.
+    `overhead_step_s`, `optimizer_gb_s`) measured by `tuning.calibration`; `attention_points`
+    the fused-attention rates (`tuning.calibration.measure_attention`).
     """
     rates = [rate for _, rate in gemm_points]
     inter = inter or intra
@@ -335,5 +352,6 @@ def cpu_profile(
         num_nodes=1,
         gemm_max_efficiency=1.0,
         gemm_table=tuple((float(f), float(r)) for f, r in gemm_points),
+        attention_table=tuple((float(f), float(r)) for f, r in attention_points),
         **{k: float(v) for k, v in (overheads or {}).items()},
     )

@@ -50,8 +50,8 @@ def score_memory_scale(c: dict[str, np.ndarray], cp: int) -> np.ndarray:
 
 
 def _attention_pair(cl: ClusterSpec, flops: np.ndarray) -> np.ndarray:
-    """Q K^T and scores x V of one layer, each `flops`, at the achieved GEMM rate."""
-    return 2.0 * flops / cl.gemm_rate(flops)
+    """Q K^T and scores x V of one layer, each `flops`, at the achieved attention rate."""
+    return 2.0 * flops / cl.attention_rate(flops)
 
 
 def attention_delta(local: Any, cl: ClusterSpec, c: dict[str, np.ndarray], cp: int) -> np.ndarray:

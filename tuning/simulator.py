@@ -298,7 +298,7 @@ def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     dense = [6 * bt * s * h * h, 2 * bt * s * h * h, 8 * bt * s * h * h, 8 * bt * s * h * h]
     attn = [2 * bt * s * s * h, 2 * bt * s * s * h]  # Q K^T and scores x V, batched over heads
     t_dense = sum(f / cl.gemm_rate(f) for f in dense)
-    t_attn = sum(f / cl.gemm_rate(f) for f in attn)
+    t_attn = sum(f / cl.attention_rate(f) for f in attn)
     logit = 2 * bt * s * h * m.vocab
     t_logit = logit / cl.gemm_rate(logit)
     if inverse is not None:
@@ -380,7 +380,8 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     gather = _collective(psi * c["dtype_bytes"], frac, bw, lat, d)
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
-    per_layer_launch = (n_layers - 1) * np.where(d > 1, lat, 0.0)  # one alpha per block, not per model
+    # one alpha per FSDP unit, not per model: the blocks and the root (embeddings, head)
+    per_layer_launch = n_layers * np.where(d > 1, lat, 0.0)
     layer_gather, layer_rs = gather + per_layer_launch, reduce_scatter + per_layer_launch
     ovl = c["overlap_dp"]
 
@@ -686,6 +687,7 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
         bucket_mb=float(ddp.get("bucket_cap_mb", 25.0)),
         zero1_allreduce=True,  # the engine's ZeRO-1 is ZeroRedundancyOptimizer behind DDP
         zero2_fsdp=True,  # the engine's ZeRO-2 is FSDP2 per block with reshard_after_forward=False
+        flash_attention=True,  # the engine's attention is scaled_dot_product_attention (fused, no s x s scores)
         reshard_after_forward=bool(par.get("reshard_after_forward", True)),
     )
     from tuning import sim_context, sim_moe

@@ -252,7 +252,7 @@ def _validate(as_json: bool) -> None:
 def _check_against_run(spec, world: int, step) -> dict:
     from tuning.calibration import check_calibration
 
-    step(f"check run ({world} ranks, 5 steps)")
+    step(f"check run ({world} ranks, 20 steps)")
     return check_calibration(spec, world)
 
 

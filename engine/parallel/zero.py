@@ -95,8 +95,9 @@ def build_optimizer(params: nn.Module | Iterable[nn.Parameter], *, stage: int, l
     # imported here: torch.distributed.optim scripts its functional optimizers on import (~1.4 s)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    # bucket view: after the step each rank broadcasts one flat bucket, not one message per parameter
     return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, process_group=process_group,
-                                   lr=lr, betas=betas)
+                                   lr=lr, betas=betas, parameters_as_bucket_view=True)
 
 
 def _partition(params: list[torch.Tensor], num_ranks: int) -> list[int]:
