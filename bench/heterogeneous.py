@@ -61,14 +61,22 @@ def measure(name: str, steps: int, home: Path, extra: list[str]) -> tuple[float,
 
 def predicted(steps: int, extra_overrides: list[str]) -> dict[str, dict[str, float]]:
     """The simulator's tokens/s and breakdown of each placement on this host's calibrated profile."""
+    import dataclasses
+
     from engine.comm.link import topology_of
-    from tuning.calibration import calibrate_local, measure_allreduce
+    from tuning.calibration import calibrate_local, measure_allreduce, measure_host
     from tuning.sim_network import simulate_placement
     from tuning.simulator import from_run_config
 
     # every collective that matters here (the dp all-reduces) runs in a 2-rank group: the host's own
     # gloo all-reduce is fitted at that size
-    profile = calibrate_local(4, allreduce=measure_allreduce(2))  # with the multi-rank and pipeline overheads
+    host = measure_host()
+    alpha, busbw = measure_allreduce(2)
+    profile = calibrate_local(4, host=host, allreduce=(alpha, busbw))  # with the multi-rank and pipeline overheads
+    # gloo's copies are CPU work: timed with 2 processes on the cores, run with 4 ranks on them (both
+    # stages' pairs all-reduce at once), so they get the same measured per-rank share as compute
+    busbw *= host.shares[4] / host.shares[2]
+    profile = dataclasses.replace(profile, intra_bw_gb_s=busbw, inter_bw_gb_s=busbw)
     print(f"calibrated host: gloo all-reduce {profile.intra_bw_gb_s:.3f} GB/s bus, {profile.intra_latency_s * 1e3:.2f} ms "
           f"alpha; each rank {profile.calibration_cpu_share:.2f} of a core", flush=True)
     out = {}
