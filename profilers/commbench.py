@@ -98,13 +98,13 @@ def commbench(ops: Sequence[str] = SWEEP_OPS, sizes: Sequence[int] | None = None
             if dist.get_backend() == "nccl" else torch.device("cpu")
     device = torch.device(device)
     rows = []
+    work = _host_work(work_s, device) if work_s > 0 else None
     for op in ops:
         if op == "sendrecv" and n < 2:
             continue
         for size in (sizes if sizes is not None else sweep_sizes()):
             run, nbytes = _bench_call(op, size, n, rank, device)
-            if work_s > 0:
-                work = _host_work(work_s, device)
+            if work is not None:
                 seconds = (_time_op(lambda: (work(), run()), iters, warmup, device)
                            - _time_op(work, iters, warmup, device))
             else:

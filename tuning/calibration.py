@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tuning.hardware import ClusterSpec, cpu_profile, fit_alpha_beta
+from tuning.hardware import ClusterSpec, cpu_profile, fit_alpha_beta, table_rate
 from tuning.simulator import SimResult, from_run_config, simulate
 
 if TYPE_CHECKING:
@@ -297,31 +297,31 @@ def measure_allreduce(world: int, *, max_bytes: int = 16 << 20, iters: int = 20,
     all-reduce and 3.4 ms per FSDP2 collective. The per-size median over `repeats` spawns is fitted
     (each in-situ time is a difference of two noisy loops). `work_s=0`: the back-to-back loop.
     """
-    from profilers.collectives import bus_factor, spawn_commbench, sweep_sizes
+    from profilers.collectives import bus_factor
 
-    sizes = sweep_sizes(4096, max_bytes, 4)
-    samples: dict[int, list[float]] = {}
-    for _ in range(repeats):
-        for r in spawn_commbench(world, ["all_reduce"], sizes, iters, work_s=work_s):
-            samples.setdefault(r["size"], []).append(r["time(s)"])
-    sizes = sorted(samples)
-    return fit_alpha_beta(sizes, [max(statistics.median(samples[n]), 1e-5) for n in sizes],
-                          bus_factor("all_reduce", world), relative=True)
+    return _fit_in_situ("all_reduce", world, bus_factor("all_reduce", world), max_bytes=max_bytes, iters=iters,
+                        repeats=repeats, work_s=work_s)
 
 
 def measure_p2p(*, max_bytes: int = 4 << 20, iters: int = 20, repeats: int = 3,
                 work_s: float = IN_SITU_WORK_S) -> tuple[float, float]:
     """(alpha s, GB/s) of a gloo send/recv between 2 processes: what a pipeline stage boundary costs.
     In situ, as `measure_allreduce` (back to back the alpha came out anywhere in 0.2-2.4 ms)."""
+    return _fit_in_situ("sendrecv", 2, 1.0, max_bytes=max_bytes, iters=iters, repeats=repeats, work_s=work_s)
+
+
+def _fit_in_situ(op: str, world: int, factor: float, *, max_bytes: int, iters: int, repeats: int,
+                 work_s: float) -> tuple[float, float]:
+    """(alpha s, GB/s) of `op` at `world` ranks: the per-size median over `repeats` commbench
+    spawns (`work_s` of compute before each call), fitted on relative error."""
     from profilers.collectives import spawn_commbench, sweep_sizes
 
-    sizes = sweep_sizes(4096, max_bytes, 4)
     samples: dict[int, list[float]] = {}
     for _ in range(repeats):
-        for r in spawn_commbench(2, ["sendrecv"], sizes, iters, work_s=work_s):
+        for r in spawn_commbench(world, [op], sweep_sizes(4096, max_bytes, 4), iters, work_s=work_s):
             samples.setdefault(r["size"], []).append(r["time(s)"])
     sizes = sorted(samples)
-    return fit_alpha_beta(sizes, [max(statistics.median(samples[n]), 1e-5) for n in sizes], 1.0, relative=True)
+    return fit_alpha_beta(sizes, [max(statistics.median(samples[n]), 1e-5) for n in sizes], factor, relative=True)
 
 
 def measure_parallel_overheads(profile: ClusterSpec, *, layers: tuple[int, int] = (1, 3),
@@ -608,13 +608,14 @@ def measure_run(cfg: Any, *, home: str | Path | None = None) -> dict[str, Any]:
 
 
 CHECK_THRESHOLD = 0.25  # a calibration whose check run is off by more is not saved (`workbench calibrate`)
+CHECK_STEPS = 20  # steps of that check run
 
 
 def check_overrides(world: int) -> list[str]:
     """The short real run a calibration is checked against: data parallel over `world` ranks, 3 layers,
-    d_model 64, seq 32, 2 micro-batches of 2 per rank, 20 steps (not one of `VALIDATION_CONFIGS`)."""
+    d_model 64, seq 32, 2 micro-batches of 2 per rank, `CHECK_STEPS` steps (not one of `VALIDATION_CONFIGS`)."""
     return ["model.layers=3", "model.d_model=64", "model.heads=4", "model.seq_len=32", "batch.micro=2",
-            f"batch.global={4 * world}", f"parallel.dp={world}", "train.steps=20", "data.source=synthetic",
+            f"batch.global={4 * world}", f"parallel.dp={world}", f"train.steps={CHECK_STEPS}", "data.source=synthetic",
             "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
             "train.warmup_steps=0"]
 
@@ -641,7 +642,7 @@ def check_calibration(cluster: ClusterSpec, world: int, *, threshold: float = CH
 
 def speed_index(host: HostProfile, *, tokens: Sequence[int] = (256, 1024), hiddens: Sequence[int] = (64, 128, 256)) -> float:
     """This host's speed now relative to when `host` was measured: the median over a few of the
-    calibration's GEMM shapes of (rate now / calibrated rate at that size), about 0.5 s.
+    calibration's GEMM shapes of (rate now / calibrated rate at that size), about 1.5 s.
 
     On a shared VM the same single-thread GEMMs ran 10-25% slower a few minutes after a calibration
     (2026-11-23, load 1, nothing else of ours running): `compare_measured` records this index
@@ -654,8 +655,7 @@ def speed_index(host: HostProfile, *, tokens: Sequence[int] = (256, 1024), hidde
         now = measure_linear_gemms(tokens=tokens, hiddens=hiddens)
     finally:
         torch.set_num_threads(threads)
-    sizes, rates = np.array(sorted(host.gemm_points), dtype=float).T
-    then = np.interp(np.log([f for f, _ in now]), np.log(sizes), rates)
+    then = table_rate(host.gemm_points, [f for f, _ in now])
     return float(np.median([r / t for (_, r), t in zip(now, then)]))
 
 

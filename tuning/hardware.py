@@ -35,6 +35,15 @@ class NodeGroup:
     inter_latency_s: float  # inter-node collective latency (alpha), s
 
 
+
+def table_rate(table: Sequence[tuple[float, float]], flops: np.ndarray | float) -> np.ndarray:
+    """FLOP/s at `flops` from measured (FLOPs, FLOP/s) points: log-linear interpolation, clamped."""
+    x = np.maximum(np.asarray(flops, dtype=float), 1.0)
+    sizes, rates = np.array(table, dtype=float).T
+    order = np.argsort(sizes)
+    return np.interp(np.log(x), np.log(sizes[order]), rates[order])
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ClusterSpec:
     """A cluster as the simulator sees it; every rate is per GPU (per GCD on MI250X)."""
@@ -86,23 +95,16 @@ class ClusterSpec:
         (small GEMMs cannot fill the device; see Narayanan et al. 2021, sec. 3.4, micro-batch
         size and arithmetic intensity). With a table: log-linear interpolation, clamped.
         """
-        x = np.maximum(np.asarray(flops, dtype=float), 1.0)
         if self.gemm_table:
-            sizes, rates = np.array(self.gemm_table, dtype=float).T
-            order = np.argsort(sizes)
-            return np.interp(np.log(x), np.log(sizes[order]), rates[order])
+            return table_rate(self.gemm_table, flops)
+        x = np.maximum(np.asarray(flops, dtype=float), 1.0)
         return self.peak_flops * self.gemm_max_efficiency * x / (x + self.gemm_half_flops)
 
     def attention_rate(self, flops: np.ndarray | float) -> np.ndarray:
         """Achieved FLOP/s of one attention GEMM (Q K^T or scores x V) of `flops` FLOPs: the
         measured fused-attention table where there is one (CPU hosts, `tuning.calibration`),
         else the GEMM rate (GPU presets, fitted with attention priced as GEMMs)."""
-        if not self.attention_table:
-            return self.gemm_rate(flops)
-        x = np.maximum(np.asarray(flops, dtype=float), 1.0)
-        sizes, rates = np.array(self.attention_table, dtype=float).T
-        order = np.argsort(sizes)
-        return np.interp(np.log(x), np.log(sizes[order]), rates[order])
+        return table_rate(self.attention_table, flops) if self.attention_table else self.gemm_rate(flops)
 
     def inter_link(self, gpus: int) -> tuple[float, float]:
         """(busbw GB/s, latency s) of the inter-node link for a job of `gpus` GPUs.

@@ -250,9 +250,9 @@ def _validate(as_json: bool) -> None:
 
 
 def _check_against_run(spec, world: int, step) -> dict:
-    from tuning.calibration import check_calibration
+    from tuning.calibration import CHECK_STEPS, check_calibration
 
-    step(f"check run ({world} ranks, 20 steps)")
+    step(f"check run ({world} ranks, {CHECK_STEPS} steps)")
     return check_calibration(spec, world)
 
 
