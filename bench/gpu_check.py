@@ -7,7 +7,7 @@
    (none, fp16, bf16, int8, topk, randk, powersgd), L-GreCo, CO2 and ZeRO 1/2/3. At world 1
    the engine itself installs no DDP, so these paths are wired here from the engine's parts.
 2. Two ranks on the one GPU through gloo with CUDA tensors (NCCL refuses two ranks on one
-   device): dp2, tp2, pp2, ZeRO-1 and ZeRO-3 at dp2, through the engine, each compared with one
+   device): dp2, tp2, pp2, ZeRO-1 and ZeRO-3 at dp2, cp2 (ulysses, ring), through the engine, each compared with one
    process on the same GPU (max |loss difference| over the steps, fp32, bar 1e-4), and dp2 in
    bf16. A path gloo cannot carry for CUDA tensors shows FAIL with gloo's own message.
 
@@ -36,7 +36,9 @@ TINY = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.seq_len=32
         "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2", "train.grad_clip=1.0",
         "profile.host_interval_s=0", "profile.nvml_interval_s=0"]
 LAYOUTS = {"dp2": ["parallel.dp=2"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"],
-           "zero1-dp2": ["parallel.dp=2", "parallel.zero=1"], "zero3-dp2": ["parallel.dp=2", "parallel.zero=3"]}
+           "zero1-dp2": ["parallel.dp=2", "parallel.zero=1"], "zero3-dp2": ["parallel.dp=2", "parallel.zero=3"],
+           "cp2 ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"], "cp2 ring": ["parallel.cp=2", "parallel.cp_impl=ring"]}
+DP2_BF16 = "dp2 bf16 autocast"  # the two-rank row without a parity bar: it runs in bf16, the reference in fp32
 PARITY_BAR = 1e-4
 Row = tuple[str, str, str, str]  # (path, where, status, detail)
 
@@ -159,7 +161,8 @@ def _live_knob(device: torch.device, steps: int, folder: Path) -> str:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "knobs-0.json").write_text(json.dumps({"knobs": {}}))
-    (folder / "knobs-1.json").write_text(json.dumps({"knobs": {"comm.density": 0.05}}))
+    # a knob that acts on one rank (comm.* knobs need dp > 1: engine.live refuses them here)
+    (folder / "knobs-1.json").write_text(json.dumps({"knobs": {"batch.micro": 1}}))
     losses = engine_losses(["live.every=2"], device, max(steps, 3), run_dir=folder,
                            on_boundary=KnobChannel(folder, 2, 30.0))
     return f"{len(losses)} steps, knobs changed at step 2"
@@ -194,9 +197,15 @@ def one_rank(rank: int, world: int, device: torch.device, steps: int, tmp: str) 
 
 
 # ------------------------------------------------------------------ section 2: two ranks, one GPU
-def two_ranks(rank: int, world: int, device: torch.device, steps: int, refs: dict[str, list[float]]) -> list[Row]:
-    """Section 2: two ranks on one device through gloo, parity with one process per layout."""
-    where = "2 ranks gloo, cuda tensors" if device.type == "cuda" else "2 ranks gloo (cpu)"
+def two_ranks_where(device_type: str) -> str:
+    return "2 ranks gloo, cuda tensors" if device_type == "cuda" else "2 ranks gloo (cpu)"
+
+
+def two_ranks(rank: int, world: int, device: torch.device, steps: int, refs: dict[str, list[float]],
+              names: list[str]) -> list[Row]:
+    """Section 2: two ranks on one device through gloo, parity with one process for each of the
+    `names` (LAYOUTS keys, or DP2_BF16)."""
+    where = two_ranks_where(device.type)
     rows: list[Row] = []
 
     def parity(name: str) -> str:
@@ -206,10 +215,12 @@ def two_ranks(rank: int, world: int, device: torch.device, steps: int, refs: dic
             raise AssertionError(f"max |loss - 1 rank| = {diff:.2e} > {PARITY_BAR:g}")
         return f"max |loss - 1 rank| = {diff:.1e}"
 
-    for name in LAYOUTS:
-        check(rows, name, where, lambda name=name: parity(name))
-    check(rows, "dp2 bf16 autocast", where,
-          lambda: f"loss {engine_losses(['parallel.dp=2', 'precision=bf16'], device, steps)[-1]:.4f}")
+    for name in names:
+        if name == DP2_BF16:
+            check(rows, name, where,
+                  lambda: f"loss {engine_losses(['parallel.dp=2', 'precision=bf16'], device, steps)[-1]:.4f}")
+        else:
+            check(rows, name, where, lambda name=name: parity(name))
     return rows
 
 
@@ -275,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     refs = {"fp32": engine_losses([], device, args.steps)}  # one process, no process group
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_section(1, "nccl" if device_type == "cuda" else "gloo", device_type, "one", args.steps, tmp)
-    rows += run_section(2, "gloo", device_type, "two", args.steps, refs)
+    for name in [*LAYOUTS, DP2_BF16]:  # a pair of processes each: a crash fails one row
+        try:
+            rows += run_section(2, "gloo", device_type, "two", args.steps, refs, [name])
+        except Exception as exc:  # a rank died (a signal, not a Python error): gloo's own crash
+            rows.append((name, two_ranks_where(device_type), "FAIL", f"{type(exc).__name__}: {exc}"[:200]))
     print(format_table(rows, versions(device)))
     failed = [r for r in rows if r[2] != "ok"]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} paths ok")

@@ -41,6 +41,21 @@ def pick_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_ranks_fit_gpus(requested: str, ranks_per_node: int) -> None:
+    """Refuse, before any process starts, NCCL ranks this node has no GPU for: NCCL takes one GPU
+    per rank and refuses two ranks on one device (on a 1-GPU box rank 1 would ask for cuda:1)."""
+    from engine.errors import ConfigError
+
+    if pick_backend(requested) != "nccl":
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ranks_per_node > gpus:
+        chosen = " (auto chose nccl: CUDA is usable)" if requested == "auto" else ""
+        raise ConfigError("backend", requested, f"NCCL needs one GPU per rank{chosen}: {ranks_per_node} ranks on "
+                                                f"this node, {gpus} GPU(s) visible; use at most {gpus} rank(s) per "
+                                                "node, or backend=gloo to run the ranks on the CPU")
+
+
 def pick_device(backend: str, local_rank: int) -> torch.device:
     """The rank's compute device: its local GPU under NCCL, else the CPU."""
     if backend == "nccl":

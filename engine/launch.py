@@ -161,6 +161,9 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     validate(cfg)
     if cfg.world_size % nnodes:
         raise ValueError(f"world size {cfg.world_size} is not divisible by nnodes={nnodes}")
+    from engine.device import check_ranks_fit_gpus
+
+    check_ranks_fit_gpus(cfg.backend, cfg.world_size // nnodes)
     store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent)
     home = run_dir.parent.parent
     server = TelemetryServer(store)

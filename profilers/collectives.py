@@ -67,6 +67,21 @@ _P2P = ("send", "recv", "isend", "irecv")
 _ASYNC_ALWAYS = ("isend", "irecv")
 
 
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
+    """All-gather `tensor` from every rank into the flat `output`: `all_gather_single` where torch has
+    it (2.13), else `all_gather_into_tensor` (the same call in older torch: 2.11 here). Looked up per
+    call, so the profiler's patch of either one sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, **kwargs)
+
+
+def reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
+    """Reduce the flat `tensor` over the ranks and keep this rank's shard in `output`:
+    `reduce_scatter_single` where torch has it (2.13), else `reduce_scatter_tensor` (2.11 here)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, tensor, **kwargs)
+
+
 def bus_factor(op: str, n: int) -> float:
     """The nccl-tests bus bandwidth factor of ``op`` over ``n`` ranks (doc/PERFORMANCE.md)."""
     kind = CANONICAL.get(op, op)

@@ -43,6 +43,9 @@ def sweep_sizes(min_bytes: int = 1024, max_bytes: int = 256 << 20, factor: int =
 def _bench_call(op: str, size: int, n: int, rank: int, device: torch.device
                 ) -> tuple[Callable[[], None], int]:
     """A closure running one ``op`` of ``size`` bytes (float32), and the bytes it moves."""
+    # imported here: collectives re-exports this module, so a top-level import would be circular
+    from profilers.collectives import all_gather_flat, reduce_scatter_flat
+
     count = max(size // 4 // n, 1) * n  # divisible by n for gathers, scatters and all-to-all
     full = torch.ones(count, dtype=torch.float32, device=device)
     part = torch.ones(count // n, dtype=torch.float32, device=device)
@@ -50,11 +53,9 @@ def _bench_call(op: str, size: int, n: int, rank: int, device: torch.device
     if op == "all_reduce":
         return (lambda: dist.all_reduce(full)), nbytes
     if op == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(full, part)), nbytes
+        return (lambda: all_gather_flat(full, part)), nbytes
     if op == "reduce_scatter":
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: scatter(part, full)), nbytes
+        return (lambda: reduce_scatter_flat(part, full)), nbytes
     if op == "broadcast":
         return (lambda: dist.broadcast(full, src=0)), nbytes
     if op == "all_to_all":

@@ -109,6 +109,26 @@ def test_randk_both_legs_unbiased_shared_indices_by_hand() -> None:
     assert all(g in (0.0, 2 * m) for g, m in zip(got, [2.0, 2.0, -1.0, 3.5]))
 
 
+def _hand_on_older_torch(rank: int, world: int) -> tuple[list[list[float]], list[list[float]]]:
+    import torch.distributed as dist
+
+    # only the public names: torch 2.13's own *_tensor collectives call c10d's *_single ones
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            delattr(dist, name)
+    return _hand_topk(rank, world), _hand_randk(rank, world)
+
+
+@pytest.mark.slow
+def test_both_legs_on_torch_without_the_single_collectives() -> None:
+    """Older torch (2.11 here) has only all_gather_into_tensor / reduce_scatter_tensor: on torch 2.11 both
+    legs failed with "no attribute 'reduce_scatter_single'"; the hand-worked results must hold."""
+    topk, randk = zip(*run_ranks(2, _hand_on_older_torch))
+    want = [[2.0, 0.0, 0.0, 2.5], [0.0, 3.0, 0.0, 4.5]]
+    assert topk[0][:2] == want and topk[1][:2] == want
+    assert randk[0][1] == randk[1][1] == [2.0, 2.0, -1.0, 3.5]
+
+
 NUMEL, DENSITY = 4000, 0.1
 
 

@@ -200,6 +200,30 @@ def test_worker_samples_carry_the_running_step(fake_nvml):
     assert {7, 8} <= steps and all(kind == "gpu" for _, kind, _ in got)
 
 
+def test_launch_refuses_more_nccl_ranks_than_gpus_before_any_process(monkeypatch, tmp_path):
+    """On a one-GPU box (the lent H100) a 2-rank run picks NCCL (auto) and its rank 1 asks for
+    cuda:1, which is not there; now one line names the field, the value and the rule before
+    anything starts."""
+    from engine.config import load_config
+    from engine.errors import ConfigError
+    from engine.launch import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = load_config(None, ["parallel.dp=2", "model.layers=1", "model.d_model=32", "model.heads=4",
+                             "model.seq_len=16", "train.steps=1"])
+    with pytest.raises(ConfigError, match=r"^backend='?auto'?: NCCL needs one GPU per rank .*: 2 ranks on this "
+                                          r"node, 1 GPU\(s\) visible; .*backend=gloo"):
+        launch(cfg, home=tmp_path)
+    assert not (tmp_path / "runs").exists()  # refused before the run was registered
+    from engine.device import check_ranks_fit_gpus
+
+    with pytest.raises(ConfigError, match="backend='?nccl'?: NCCL needs one GPU per rank: 3 ranks"):
+        check_ranks_fit_gpus("nccl", 3)
+    check_ranks_fit_gpus("auto", 1)  # one GPU per rank
+    check_ranks_fit_gpus("gloo", 4)  # CPU ranks
+
+
 # ------------------------------------------------------------------ the real GPU (skipped here)
 def test_gpu_scripts_refuse_cleanly_without_cuda():
     if CUDA:
@@ -216,10 +240,10 @@ def test_gpu_acceptance_script():
     r = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
                        timeout=1800)
     print(r.stdout)  # the table is the record of what works (pytest -s shows it)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
+    assert r.returncode in (0, 1) and "paths ok" in r.stdout, r.stdout + r.stderr
     rows = [re.split(r"\s{2,}", line.strip()) for line in r.stdout.splitlines() if " rank" in line]
     one_rank = [row for row in rows if row[1] == "1 rank nccl"]
-    assert one_rank and all(row[2] == "ok" for row in one_rank), r.stdout
+    assert one_rank and all(row[2] == "ok" for row in one_rank), r.stdout + r.stderr
     # through gloo, CUDA tensors carry all-reduce and broadcast at least: plain DP must match
     assert ["dp2", "ok"] in [[row[0], row[2]] for row in rows], r.stdout
 

@@ -80,13 +80,53 @@ def _train(mesh, *, schedule: str, virtual: int = 1, grads: str = "manual", tp: 
             "ends": ends, "n_modules": len(pipe.modules)}
 
 
+def _dense_inputs(mesh) -> list[bool]:
+    """Whether the schedule received dense micro-batches when the step is given the engine's
+    `tokens[:, :-1]` views: older torch's stages (2.11 here) check their strides against dense examples."""
+    from engine.parallel.pipeline import build_pipeline
+
+    pipe = build_pipeline(build_model(CFG, seed=SEED), mesh["pp"], schedule="gpipe", virtual=1, layer_split=None,
+                          n_microbatches=GLOBAL_BATCH // MICRO, loss_fn=loss_fn, device="cpu")
+    seen, step = [], pipe.schedule.step
+
+    def spy(*args, target=None, **kwargs):
+        seen.extend(t.is_contiguous() for t in (*args, target) if t is not None)
+        return step(*args, target=target, **kwargs)
+
+    pipe.schedule.step = spy
+    x, y = _batches()[0]
+    tokens = torch.cat([x, y[:, -1:]], dim=1)
+    pipe.step(tokens[:, :-1], tokens[:, 1:])
+    return seen
+
+
+def _v_schedule_warmup(mesh) -> str:
+    """Older torch's first step (2.11 here) warms up every stage's neighbours by p2p (newer torch uses it
+    for other stage classes): a V schedule's neighbours on this rank must not be among them."""
+    from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
+
+    from engine.parallel.pipeline import build_pipeline
+
+    pipe = build_pipeline(build_model(CFG, seed=SEED), mesh["pp"], schedule="zbv", virtual=1, layer_split=None,
+                          n_microbatches=GLOBAL_BATCH // MICRO, loss_fn=loss_fn, device="cpu")
+    ops = [op for stage in pipe.schedule._stages for op in stage._get_init_p2p_neighbors_ops()]
+    try:
+        _wait_batch_p2p(_batch_p2p(ops))
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
 def _world2(rank: int, world_size: int) -> dict:
     from engine.mesh import ParallelDims
 
     mesh = ParallelDims(dp=1, tp=1, pp=2, world_size=world_size).build_mesh("cpu")
-    return {name: _train(mesh, schedule=schedule, virtual=virtual)
-            for name, schedule, virtual in (("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
-                                            ("interleaved", "interleaved", 2))}
+    out = {name: _train(mesh, schedule=schedule, virtual=virtual)
+           for name, schedule, virtual in (("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
+                                           ("interleaved", "interleaved", 2))}
+    out["dense_inputs"] = _dense_inputs(mesh)
+    out["v_warmup"] = _v_schedule_warmup(mesh)
+    return out
 
 
 def _world4(rank: int, world_size: int) -> dict:
@@ -147,6 +187,16 @@ def test_world4_layouts_match_single_process(world4, reference, layout):
     for rank in (0, 1, 3):
         torch.testing.assert_close(world4[rank][layout]["ends"]["tok_emb" if rank < 2 else "head"],
                                    world4[2][layout]["ends"]["head"], rtol=0, atol=0)
+
+
+def test_pp2_schedule_gets_dense_micro_batches(world2):
+    """On torch 2.11 the engine's pp runs failed with "stride mismatch: expected (16, 1) actual (17, 1)"."""
+    assert world2[0]["dense_inputs"] == [True] and world2[1]["dense_inputs"] == [True]
+
+
+def test_pp2_v_schedule_warms_up_without_sending_to_itself(world2):
+    """On torch 2.11 zbv and dualpipev failed at their first step: "Pair is not connected"."""
+    assert [w["v_warmup"] for w in world2] == ["ok", "ok"]
 
 
 def test_bubble_measured_on_pp2(world2):

@@ -61,6 +61,20 @@ def _tp_body(rank: int, world_size: int) -> dict:
     return out
 
 
+def _tp_foreach_body(rank: int, world_size: int) -> dict:
+    """TP with AdamW's foreach kernels, its default on CUDA (CPU defaults to the per-tensor loop)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from engine.parallel.zero import build_optimizer
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = _tp_model(mesh, sequence_parallel=False)
+    opt = build_optimizer(model, stage=0, lr=LR, weight_decay=0.1)
+    for group in opt.param_groups:
+        group["foreach"] = True
+    return train_steps(model, opt, _batches(), micro=2 * MICRO, max_norm=MAX_NORM)
+
+
 def _dp_tp_body(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -127,6 +141,13 @@ def test_tp2_first_gradients_equal_single_process_and_across_ranks(tp2, referenc
                                        msg=lambda m: f"{name}: {m}")
         # replicated params: every tp rank holds the same full gradient, bit for bit
         assert torch.equal(tp2[0][f"grads_sp{sp}"][name], tp2[1][f"grads_sp{sp}"][name]), name
+
+
+def test_tp2_steps_with_adamw_foreach_kernels_as_on_cuda(reference):
+    """TP leaves embeddings plain tensors beside DTensor weights; foreach AdamW (CUDA's default)
+    refused that mix ("got mixed torch.Tensor and DTensor") on the first H100 run."""
+    for out in run_ranks(2, _tp_foreach_body):
+        _assert_parity(out, reference)
 
 
 def test_dp2_x_tp2_matches_single_process(reference):

@@ -98,20 +98,31 @@ class HostProfile:
     attention_points: list[tuple[float, float]] = field(default_factory=list)  # (attention GEMM FLOPs, FLOP/s)
 
 
-def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3) -> float:
-    """Median seconds per call over `repeats` batches of calls lasting about `min_time_s` each."""
+def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3,
+               sync: Callable[[], Any] = lambda: None) -> float:
+    """Median seconds per call over `repeats` batches of calls lasting about `min_time_s` each;
+    `sync` waits for the device (CUDA kernels return to the host at launch)."""
     fn()  # warm-up: allocation and kernel choice
+    sync()
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < min_time_s or calls < 1:
         fn()
+        sync()
         calls += 1
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         samples.append((time.perf_counter() - t0) / calls)
     return statistics.median(samples)
+
+
+def _device_sync(device: str) -> Callable[[], Any]:
+    import torch
+
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
 def _bin_points(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -125,8 +136,10 @@ def _bin_points(points: Sequence[tuple[float, float]]) -> list[tuple[float, floa
 
 def measure_linear_gemms(*, tokens: Sequence[int] = CALIBRATION_TOKENS,
                          hiddens: Sequence[int] = CALIBRATION_HIDDEN, vocab: int = 256,
-                         mlp_ratio: int = 4) -> list[tuple[float, float]]:
-    """Rates of the engine's linear-layer GEMMs: y = x W^T, dx = dy W, dW = dy^T x (fp32).
+                         mlp_ratio: int = 4, device: str = "cpu",
+                         dtype: str = "float32") -> list[tuple[float, float]]:
+    """Rates of the engine's linear-layer GEMMs: y = x W^T, dx = dy W, dW = dy^T x (fp32 on the
+    CPU; `device`/`dtype` time them elsewhere, e.g. "cuda" and "bfloat16").
 
     Shapes: rows M = b*s tokens, (K, N) = (h, h), (h, 4h), (4h, h) and (h, V), as in the GPT
     blocks and the tied head. Returns (forward FLOPs 2MKN, 3 x 2MKN / time of the three GEMMs),
@@ -134,12 +147,13 @@ def measure_linear_gemms(*, tokens: Sequence[int] = CALIBRATION_TOKENS,
     """
     import torch
 
+    like, sync = {"device": device, "dtype": getattr(torch, dtype)}, _device_sync(device)
     points = []
     for h in hiddens:
         for rows in tokens:
             for k, n in ((h, h), (h, mlp_ratio * h), (mlp_ratio * h, h), (h, vocab)):
-                x, w, dy = torch.randn(rows, k), torch.randn(n, k), torch.randn(rows, n)
-                seconds = _time_call(lambda: (x @ w.T, dy @ w, dy.T @ x))
+                x, w, dy = torch.randn(rows, k, **like), torch.randn(n, k, **like), torch.randn(rows, n, **like)
+                seconds = _time_call(lambda: (x @ w.T, dy @ w, dy.T @ x), sync=sync)
                 flops = 2.0 * rows * k * n
                 points.append((flops, 3.0 * flops / seconds))
     return _bin_points(points)
@@ -147,8 +161,10 @@ def measure_linear_gemms(*, tokens: Sequence[int] = CALIBRATION_TOKENS,
 
 def measure_attention(*, hiddens: Sequence[int] = CALIBRATION_HIDDEN, heads: int = 4,
                       seqs: Sequence[int] = (32, 64, 128, 256), batches: Sequence[int] = (1, 4, 16),
-                      max_tokens: int = 4096) -> list[tuple[float, float]]:
-    """Rates of the engine's attention: causal `scaled_dot_product_attention`, forward + backward.
+                      max_tokens: int = 4096, device: str = "cpu",
+                      dtype: str = "float32") -> list[tuple[float, float]]:
+    """Rates of the engine's attention: causal `scaled_dot_product_attention`, forward + backward
+    (fp32 on the CPU; `device`/`dtype` time it elsewhere).
 
     The simulator prices attention as two GEMMs of 2 b s^2 h FLOPs each (Q K^T, scores x V), run
     once forward, twice backward and Q K^T once more (the fused backward recomputes it), 7 x
@@ -158,17 +174,18 @@ def measure_attention(*, hiddens: Sequence[int] = CALIBRATION_HIDDEN, heads: int
     import torch
     import torch.nn.functional as F
 
+    like, sync = {"device": device, "dtype": getattr(torch, dtype)}, _device_sync(device)
     points = []
     for h in hiddens:
         for s in seqs:
             for b in (b for b in batches if b * s <= max_tokens):
-                q, k, v = (torch.randn(b, heads, s, h // heads, requires_grad=True) for _ in range(3))
-                dy = torch.randn(b, heads, s, h // heads)
+                q, k, v = (torch.randn(b, heads, s, h // heads, requires_grad=True, **like) for _ in range(3))
+                dy = torch.randn(b, heads, s, h // heads, **like)
 
                 def step() -> None:
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dy)
 
-                seconds = _time_call(step)
+                seconds = _time_call(step, sync=sync)
                 flops = 2.0 * b * s * s * h
                 points.append((flops, 7.0 * flops / seconds))
     return _bin_points(points)

@@ -35,7 +35,6 @@ class NodeGroup:
     inter_latency_s: float  # inter-node collective latency (alpha), s
 
 
-
 def table_rate(table: Sequence[tuple[float, float]], flops: np.ndarray | float) -> np.ndarray:
     """FLOP/s at `flops` from measured (FLOPs, FLOP/s) points: log-linear interpolation, clamped."""
     x = np.maximum(np.asarray(flops, dtype=float), 1.0)

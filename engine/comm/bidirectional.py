@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from engine.comm.compress import HookState, OnBytes, _mix_seed, k_for
 from engine.validate import BIDIRECTIONAL_COMPRESSORS
+from profilers.collectives import all_gather_flat, reduce_scatter_flat
 
 LEGS = ("reduce", "broadcast")
 
@@ -164,7 +165,7 @@ def _randk_reduce(state: BidirectionalState, rows: torch.Tensor, k: int, index: 
     # unbiased: scaled by shard/k; pre-divided by n so the reduce-scatter's sum is the mean
     values = (rows.gather(1, indices) * (shard / k / n)).reshape(-1).contiguous()
     mean_values = torch.empty(k, dtype=torch.float32, device=rows.device)
-    dist.reduce_scatter_single(mean_values, values, group=state.process_group)
+    reduce_scatter_flat(mean_values, values, group=state.process_group)
     wire = state.record_leg("reduce", _sent_by_reduce_scatter(values.numel() * 4, n), rows.numel(), n)
     return mean_values, indices, wire
 
@@ -175,7 +176,7 @@ def _randk_legs(state: BidirectionalState, rows: torch.Tensor, k: int, index: in
     mean_values, indices, wire = _randk_reduce(state, rows, k, index, n)
     # broadcast leg: the owner's mean is supported on the shared indices (see the module docstring)
     gathered = torch.empty(n * k, dtype=torch.float32, device=rows.device)
-    work = dist.all_gather_single(gathered, mean_values, group=state.process_group, async_op=True)
+    work = all_gather_flat(gathered, mean_values, group=state.process_group, async_op=True)
     wire += state.record_leg("broadcast", _sent_by_all_gather(mean_values.numel() * 4, n), rows.numel(), n)
 
     def decompress(_f: torch.futures.Future) -> torch.Tensor:
@@ -217,7 +218,7 @@ def _topk_legs(state: BidirectionalState, rows: torch.Tensor, k: int, index: int
     v, i, state.server_residuals[index] = rowwise_error_feedback(server_acc, k)
     mine = _pack(v, i).reshape(-1)
     gathered = torch.empty(n * 2 * k, dtype=torch.float32, device=rows.device)
-    work = dist.all_gather_single(gathered, mine, group=group, async_op=True)
+    work = all_gather_flat(gathered, mine, group=group, async_op=True)
     wire += state.record_leg("broadcast", _sent_by_all_gather(mine.numel() * 4, n), rows.numel(), n)
 
     def decompress(_f: torch.futures.Future) -> torch.Tensor:

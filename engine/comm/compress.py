@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from engine.comm.link import LinkEmulator, bus_factor
 from engine.validate import COMPRESSORS
+from profilers.collectives import all_gather_flat
 OnBytes = Callable[[int, int], None]
 Hook = Callable[["CompressionState", dist.GradBucket], torch.futures.Future]
 
@@ -328,7 +329,7 @@ def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
     payload = torch.cat([q, scale_bytes.to(buf.device)])
     gathered = torch.empty(n * (numel + 4), dtype=torch.int8, device=buf.device)
     state.record(bucket, bucket_wire("int8", numel))
-    work = dist.all_gather_single(gathered, payload, group=state.process_group, async_op=True)
+    work = all_gather_flat(gathered, payload, group=state.process_group, async_op=True)
 
     def decompress(_f: torch.futures.Future) -> torch.Tensor:
         rows = gathered.view(n, numel + 4)
@@ -370,7 +371,7 @@ def gather_sparse(
     # int32 indices travel bit-cast inside the float32 message: one collective instead of two
     payload = torch.cat([values.to(torch.float32), indices.to(torch.int32).view(torch.float32)])
     gathered = torch.empty(n * 2 * k, dtype=torch.float32, device=values.device)
-    fut = dist.all_gather_single(gathered, payload, group=group, async_op=True).get_future()
+    fut = all_gather_flat(gathered, payload, group=group, async_op=True).get_future()
 
     def unpack(_f: torch.futures.Future) -> tuple[torch.Tensor, torch.Tensor]:
         rows = gathered.view(n, 2 * k)

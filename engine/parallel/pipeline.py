@@ -38,6 +38,12 @@ from engine.parallel.schedules import _single_stage_order, chunks_per_rank, sche
 from engine.validate import SCHEDULES
 
 
+def _contiguous(batch: torch.Tensor | None) -> torch.Tensor | None:
+    """`batch` laid out densely: older torch's stages (2.11 here) check micro-batch strides against the
+    (dense) example inputs, and `tokens[:, :-1]` has the stride of seq + 1."""
+    return None if batch is None else batch.contiguous()
+
+
 def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual: int = 1) -> float:
     """Idle fraction of a pipeline step relative to its ideal compute time.
 
@@ -177,6 +183,12 @@ class _TimedStage(PipelineStage):
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         return self._clock.timed(super().forward_maybe_with_nosync, *args, **kwargs)
 
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        # older torch (2.11 here) warms up each neighbour stage by p2p, also one on this very rank (V
+        # schedules: zbv, dualpipev), and gloo has no pair to itself; newer torch skips those
+        me = dist.get_rank(self.group)
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         return self._clock.timed(super().backward_maybe_with_nosync, backward_type, bwd_kwargs,
                                  last_backward=last_backward, backward=True)
@@ -270,6 +282,7 @@ class Pipeline:
         the full-batch mean loss); None elsewhere. Gradients are those of that mean loss.
         """
         losses: list[torch.Tensor] | None = [] if self.is_last else None
+        inputs, targets = _contiguous(inputs), _contiguous(targets)
         args = (inputs,) if self.is_first else ()
         self._clock.spans, self._clock.actions = [], []
         self._clock.saved, self._clock.peak_saved = {}, 0
@@ -287,6 +300,7 @@ class Pipeline:
     def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
         """Forward-only pass over the micro-batches; the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] | None = [] if self.is_last else None
+        inputs, targets = _contiguous(inputs), _contiguous(targets)
         args = (inputs,) if self.is_first else ()
         self.schedule.eval(*args, target=targets if self.is_last else None, losses=losses)
         return torch.stack(losses).sum().detach() if losses else None

@@ -71,8 +71,19 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
     Megatron-LM's `get_param_groups` do. DTensor parameters (TP, FSDP2) keep their global
     `dim()`, so the rule is the same sharded or not."""
     unique = list({id(p): p for p in params if p.requires_grad}.values())
-    return [{"params": [p for p in unique if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in unique if p.dim() < 2], "weight_decay": 0.0}]
+    decayed = {"params": [p for p in unique if p.dim() >= 2], "weight_decay": weight_decay}
+    plain = {"params": [p for p in unique if p.dim() < 2], "weight_decay": 0.0}
+    return [part for group in (decayed, plain) for part in _split_dtensors(group)]
+
+
+def _split_dtensors(group: dict[str, Any]) -> list[dict[str, Any]]:
+    """`group` as one group of DTensor and one of plain parameters where it holds both (TP leaves
+    norms plain): AdamW's foreach kernels, its default on CUDA, refuse a list mixing the two."""
+    dtensors = [p for p in group["params"] if isinstance(p, DTensor)]
+    if not dtensors or len(dtensors) == len(group["params"]):
+        return [group]
+    tensors = [p for p in group["params"] if not isinstance(p, DTensor)]
+    return [{**group, "params": dtensors}, {**group, "params": tensors}]
 
 
 def build_optimizer(params: nn.Module | Iterable[nn.Parameter], *, stage: int, lr: float,
