@@ -119,9 +119,15 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated("terminated by the launcher (SIGTERM)")
 
 
+def _wind_down() -> None:
+    """From here the rank only records its outcome: a launcher's SIGTERM (torchrun sends one as soon as a
+    peer fails) must not cut that short; the writes are brief and the launcher SIGKILLs after its grace."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _end_ranks(ok: bool, rank: int, run_dir: Path) -> bool:
     """Wait for every rank (their telemetry is flushed by then) and leave the group; False if a peer
-    failed meanwhile (the launcher stops this rank with SIGTERM)."""
+    failed meanwhile (gloo reports the closed connection, or the group's timeout fires)."""
     if not (ok and dist.is_initialized()):
         return ok
     try:
@@ -134,10 +140,7 @@ def _end_ranks(ok: bool, rank: int, run_dir: Path) -> bool:
 
 
 def _finish_outside_run(cfg, run_id: str, run_dir: Path, ok: bool, config_path: str, world: int) -> None:
-    # torchrun SIGTERMs this rank when a peer fails, maybe while it writes the outcome: the write is
-    # short, so it runs to the end (torchrun still SIGKILLs after its grace period)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+    try:  # SIGTERM is ignored by now (_wind_down): the outcome is written to the end
         _register_external_run(cfg, run_id, world, config_path)  # a no-op unless refused before registering
         _finish_external_run(cfg, run_id, run_dir, ok)
     except BaseException as exc:  # noqa: BLE001 - the store must not turn a finished run into a crash
@@ -197,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             pass
         ok = True
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher with its rank
+        _wind_down()
         write_error(run_dir, rank, exc)
         client.emit(-1, "event", "error", 1.0)
         print(f"[rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     finally:
+        _wind_down()
         for s in samplers:
             s.stop()
         client.close()

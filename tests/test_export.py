@@ -97,6 +97,34 @@ def test_a_failing_outside_torchrun_run_is_recorded_failed_with_the_rank_error(t
     assert not (work / ".workbench").exists()
 
 
+# torchrun SIGTERMs the surviving ranks when one fails; here it lands while rank 0 closes its telemetry
+SIGTERM_DURING_CLOSE = """
+import os, runpy, signal
+from profilers.telemetry import TelemetryClient
+close = TelemetryClient.close
+def close_under_sigterm(self, *a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return close(self, *a, **k)
+TelemetryClient.close = close_under_sigterm
+runpy.run_module("engine.worker", run_name="__main__")
+"""
+
+
+def test_a_launcher_sigterm_while_a_failed_rank_winds_down_still_records_the_failure(tmp_path):
+    cfg = load_config(REPO / "examples/tiny.yaml", [*TINY, "parallel.dp=1", "batch.global=8"])
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    env = {k: v for k, v in _env(tmp_path / "home", WORLD_SIZE="1", RANK="0", WORKBENCH_RUN_ID="",
+                                 WORKBENCH_FAULT="rank=0,step=1,kind=raise").items()
+           if k != "WORKBENCH_TELEMETRY"}
+    ran = subprocess.run([sys.executable, "-c", SIGTERM_DURING_CLOSE, "--config", "run.yaml"], cwd=tmp_path,
+                         env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert "Terminated" not in ran.stderr, ran.stderr[-3000:]
+    report = _only_run(env, tmp_path)
+    assert report["status"] == "failed" and report["error_rank"] == 0, ran.stderr[-3000:]
+    assert "InjectedFault: injected fault at step 1" in report["error"]
+
+
 def test_a_refused_outside_run_is_recorded_failed_with_the_config_error(tmp_path):
     cfg = load_config(REPO / "examples/tiny.yaml", TINY)  # dp=2, started as one process
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
