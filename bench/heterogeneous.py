@@ -42,7 +42,9 @@ PLACEMENTS = {"naive": ["parallel.placement=naive"], "holmes": ["parallel.placem
 # schedule (forward, backward, waits), the dp gradient all-reduce (real + emulated link, from the
 # last rank's join), and the optimizer phase (that all-reduce + clip + AdamW)
 PARTS = {"schedule": ("schedule", "@total"), "dp_allreduce": ("comm", "dp:all_reduce/time(s)"),
-         "optimizer_phase": ("breakdown", "optimizer(s)")}
+         "optimizer_phase": ("breakdown", "optimizer(s)"), "data": ("breakdown", "data(s)"),
+         "fwd+bwd": ("breakdown", "forward(s)", "backward(s)"), "bubble": ("breakdown", "bubble(s)"),
+         "comm_exposed": ("breakdown", "comm_exposed(s)"), "other": ("breakdown", "other(s)")}
 
 
 def measure(name: str, steps: int, home: Path, extra: list[str]) -> tuple[float, dict[str, float]]:
@@ -53,9 +55,10 @@ def measure(name: str, steps: int, home: Path, extra: list[str]) -> tuple[float,
     result = launch(cfg, home=home)
     store = RunStore.open_home(home)
     parts = {}
-    for part, (kind, metric) in PARTS.items():
-        values = [r.value for r in store.metrics(result.run_id, kind=kind, name=metric) if r.step >= 2]
-        parts[part] = statistics.median(values) if values else float("nan")
+    for part, (kind, *metrics) in PARTS.items():
+        per_metric = [[r.value for r in store.metrics(result.run_id, kind=kind, name=m) if r.step >= 2]
+                      for m in metrics]
+        parts[part] = sum(statistics.median(v) if v else float("nan") for v in per_metric)
     return cfg.batch.global_ * cfg.model.seq_len / float(result.summary["step_time_s"]), parts
 
 

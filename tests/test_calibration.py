@@ -125,6 +125,22 @@ def test_cpu_share() -> None:
     assert 0.5 < busy < 1.0
 
 
+def test_optimizer_rate_times_the_engines_clip_with_the_step(monkeypatch) -> None:
+    """The engine clips the gradients (max norm 1.0) before every AdamW step: the calibrated optimizer
+    rate times both, on the parameters the optimizer steps (AdamW alone left 12 B/param unpriced)."""
+    import engine.parallel.data as data
+
+    clipped, real = [], data.clip_grad_norm
+
+    def clip(params, max_norm, **kw):
+        clipped.append((sum(p.numel() for p in params), max_norm))
+        return real(params, max_norm, **kw)
+
+    monkeypatch.setattr(data, "clip_grad_norm", clip)
+    assert measure_optimizer_rate(sizes=(1 << 12, 1 << 14)) > 0
+    assert {n for n, _ in clipped} == {1 << 12, 1 << 14} and {m for _, m in clipped} == {1.0}
+
+
 def test_one_rank_prediction_within_factor_three() -> None:
     torch.set_num_threads(1)
     gemm = measure_linear_gemms(tokens=(64, 256, 1024), hiddens=(64,))
@@ -187,7 +203,8 @@ def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
     heard: list[tuple[str, int]] = []
     cal.calibrate_local(1, progress=lambda name: heard.append((name, len(ran))))
     assert [n for n, _ in heard] == ["GEMMs at the engine's shapes", "attention at the engine's shapes",
-                                     "memory-bound ops", "AdamW rate", "framework overhead (tiny runs)"]
+                                     "memory-bound ops", "optimizer rate (clip + AdamW)",
+                                     "framework overhead (tiny runs)"]
     assert [before for _, before in heard] == [0, 1, 2, 3, 4]  # each announced before it ran
 
 

@@ -223,10 +223,15 @@ def test_simulator_prices_dp_rings_and_pp_edges_by_placement() -> None:
     assert holmes["dp_comm_exposed_s"] == pytest.approx(grad_bytes / 12.5e9 + 5e-6, rel=1e-6)
     # 2 micro-batches x (activation out + gradient back) of 1 x 16 x 64 x 4 = 4,096 B on the pp edge;
     # an emulated send waits for the hop, then the host's own send (1000 GB/s) adds its share
-    def edge(gb_s: float, lat: float) -> float:
-        return lat + 4096 / (1.0 / (1.0 / gb_s + 1.0 / 1000.0) * 1e9)
-    assert holmes["pp_comm_s"] == pytest.approx(2 * 2 * edge(0.125, 50e-6), rel=1e-6)
-    assert naive["pp_comm_s"] == pytest.approx(2 * 2 * edge(12.5, 5e-6), rel=1e-6)
+    def edge(gb_s: float, lat: float, nbytes: int = 4096) -> float:
+        return lat + nbytes / (1.0 / (1.0 / gb_s + 1.0 / 1000.0) * 1e9)
+
+    # once per step on the same edge: the tied embedding gradients (V h x 4 = 65,536 B) between the
+    # first and last stage, and the gradient norm's scalar over the stages (one latency)
+    def syncs(gb_s: float, lat: float) -> float:
+        return edge(gb_s, lat, 256 * 64 * 4) + lat
+    assert holmes["pp_comm_s"] == pytest.approx(2 * 2 * edge(0.125, 50e-6) + syncs(0.125, 50e-6), rel=1e-6)
+    assert naive["pp_comm_s"] == pytest.approx(2 * 2 * edge(12.5, 5e-6) + syncs(12.5, 5e-6), rel=1e-6)
     assert holmes["tokens_per_s"] > naive["tokens_per_s"]
 
 

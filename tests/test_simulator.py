@@ -74,7 +74,23 @@ def test_bubble_fraction(schedule: str, virtual: int, expected: float) -> None:
     assert res.num_microbatches == 8
     assert res.bubble_fraction == pytest.approx(expected)
     b = res.breakdown
-    assert b["bubble"] == pytest.approx(expected * (b["compute"] + b["tp_comm"] + b["pp_comm"]), rel=1e-9)
+    # pp_comm also holds the once-per-step syncs (test_pipeline_step_syncs_...): not in the bubble
+    syncs = 2 * 10e-6 + GPT_6B.vocab * GPT_6B.hidden * 2 / 240e9  # A100: 10 us alpha, 240 GB/s NVLink
+    assert b["bubble"] == pytest.approx(expected * (b["compute"] + b["tp_comm"] + b["pp_comm"] - syncs), rel=1e-9)
+
+
+def test_pipeline_step_syncs_tied_embeddings_and_the_norm_once_per_step() -> None:
+    """Megatron's embedding group all-reduces V h / t bytes between the first and last stage, and the
+    norm's squares are summed over the stages: two alphas and the embedding bytes, once per step."""
+    def per_step(**kw) -> float:  # pp_comm = m x per-micro-batch sends + the per-step syncs
+        one, two = (simulate(GPT_6B, A100, ParallelSpec(pp=4, micro=1, global_batch=g, **kw)).breakdown["pp_comm"]
+                    for g in (8, 16))
+        return 2 * one - two
+
+    # GPT_6B: V 51200 x h 4096 x 2 B = 419.4304 MB on A100's 240 GB/s NVLink, plus 2 x 10 us
+    assert per_step() == pytest.approx(2 * 10e-6 + 419.4304e6 / 240e9, rel=1e-9)
+    assert per_step(tp=2) == pytest.approx(2 * 10e-6 + 209.7152e6 / 240e9, rel=1e-9)  # a vocab-parallel shard
+    assert per_step(schedule="zbv") == pytest.approx(10e-6, rel=1e-9)  # both ends on rank 0
 
 
 def test_no_pipeline_no_bubble() -> None:
@@ -467,3 +483,18 @@ def test_a_few_tokens_per_micro_batch_cost_at_least_streaming_the_weights() -> N
     compute = simulate(model, fast, ParallelSpec(micro=1, global_batch=1, dtype_bytes=4)).breakdown["compute"]
     floor = 3 * (12 * 256**2 + 256 * 256) * 4 / 1e9
     assert floor <= compute <= 1.05 * floor, (compute, floor)
+
+
+def test_the_simulator_prices_without_importing_torch() -> None:
+    """torch (with its pipelining schedules) took ~4 s to import on every `workbench simulate`, even to
+    print a one-line input error; only walking a pipeline schedule needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tuning.simulator import ModelSpec, ParallelSpec, simulate; "
+            "from tuning.hardware import PRESETS; "
+            "simulate(ModelSpec(layers=2, hidden=64, heads=4, seq=64, vocab=256), PRESETS['dgx-a100-80gb'], "
+            "ParallelSpec(tp=2, dp=4, micro=1, global_batch=8)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -210,12 +210,16 @@ def measure_nongemm_bandwidth(*, elements: Sequence[int] = (1 << 15, 1 << 17, 1 
 
 
 def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21), tensors: int = 8) -> float:
-    """Effective GB/s of `torch.optim.AdamW.step` on fp32 parameters (28 bytes per parameter).
+    """Effective GB/s of the engine's optimizer phase on fp32 parameters, counted as 28 bytes per
+    parameter: the gradient clipping the engine runs before every step (`clip_grad_norm`, max norm
+    1.0: the norm reads every gradient, the scale reads and writes it) and `torch.optim.AdamW.step`.
 
-    The slope of step time over parameter count (least squares over `sizes`) gives the per-
+    The slope of the phase's time over parameter count (least squares over `sizes`) gives the per-
     parameter cost; the per-tensor constant is left to the overhead fit.
     """
     import torch
+
+    from engine.parallel.data import clip_grad_norm
 
     times = []
     for total in sizes:
@@ -223,7 +227,12 @@ def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21)
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-3)
-        times.append(_time_call(opt.step, min_time_s=0.02))
+
+        def phase() -> None:
+            clip_grad_norm(params, 1.0)  # random gradients: norm far above 1, so the scale runs
+            opt.step()
+
+        times.append(_time_call(phase, min_time_s=0.02))
     slope = float(np.polyfit(np.asarray(sizes, dtype=float), np.asarray(times), 1)[0])
     slope = slope if slope > 0 else times[-1] / sizes[-1]
     return OPTIMIZER_BYTES_PER_PARAM / slope / 1e9
@@ -288,7 +297,7 @@ def measure_host(progress: Callable[[str], None] = lambda _: None) -> HostProfil
         attention = measure_attention()
         progress("memory-bound ops")
         nongemm = measure_nongemm_bandwidth()
-        progress("AdamW rate")
+        progress("optimizer rate (clip + AdamW)")
         optimizer = measure_optimizer_rate()
     finally:
         torch.set_num_threads(threads)

@@ -18,12 +18,20 @@ import random
 import statistics
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
-from torch.distributed.pipelining.schedules import _Action
 
-from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
+if TYPE_CHECKING:  # torch's pipelining costs ~4 s to import: only a walk needs it, not every simulate
+    from torch.distributed.pipelining.schedules import _Action
+
+
+def _action(name: str) -> _Action:
+    """torch's action from its recorded string form ("0F1")."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return _Action.from_str(name)
+
 
 STEADY_MB = 2  # micro-batches per pp rank walked in full by `bubble_ratio`
 MAX_WALK_PP = 4  # larger pipelines are priced from a walk on this many ranks (see bubble_ratio)
@@ -150,9 +158,11 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
 
 def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: Callable[[], float],
               costs: Costs) -> list[tuple[str, float, _Action | None]]:
+    from engine.parallel import schedules
+
     segs: list[tuple[str, float, _Action | None]] = [("head", costs.head_s, None)]
     for outer in order:
-        for a in compute_actions(outer):
+        for a in schedules.compute_actions(outer):
             segs += [("overhead", overhead(), a), ("compute", cost(a), a)]
     return segs + [("tail", costs.tail_s, None)]
 
@@ -267,9 +277,11 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
         # drain only), so it is walked once at that length and spread over the m micro-batches
         m0 = STEADY_MB * pp
         return bubble_ratio(schedule, pp, m0, virtual, layers) * m0 / m
-    v = chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
-    actions = schedule_actions(schedule=schedule, pp=pp, n_microbatches=m, virtual=virtual, layers=layers)
-    return walk(actions, stage_rank=stage_to_rank(schedule, pp, pp * v)).bubble_ratio()
+    from engine.parallel import schedules
+
+    v = schedules.chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
+    actions = schedules.schedule_actions(schedule=schedule, pp=pp, n_microbatches=m, virtual=virtual, layers=layers)
+    return walk(actions, stage_rank=schedules.stage_to_rank(schedule, pp, pp * v)).bubble_ratio()
 
 
 # ---------------------------------------------------------------- executed schedules (runs)
@@ -331,16 +343,17 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
     """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
     with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
     with `rng`, every action's work and host work is one draw from the step's recorded ones."""
+    from engine.parallel import schedules
     from engine.parallel.skippipe import skip_actions
 
     paths = next((row["paths"] for row in step.values() if row["paths"]), None)
     if schedule == "skip":
         actions, stage_rank = skip_actions(paths, pp=pp), {s: s for s in range(pp)}
     else:
-        v = chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
-        actions = schedule_actions(schedule=schedule, pp=pp, n_microbatches=n_microbatches, virtual=virtual,
-                                   layers=layers)
-        stage_rank = stage_to_rank(schedule, pp, pp * v)
+        v = schedules.chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
+        actions = schedules.schedule_actions(schedule=schedule, pp=pp, n_microbatches=n_microbatches,
+                                             virtual=virtual, layers=layers)
+        stage_rank = schedules.stage_to_rank(schedule, pp, pp * v)
     paths = paths if schedule == "skip" else None
     cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background)
     return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
@@ -384,7 +397,7 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     ends: dict[tuple[int, str, int], float] = {}
     for r, row in step.items():
         for name, _, end in row["actions"]:
-            a = _Action.from_str(name)
+            a = _action(name)
             ends[(a.stage_index, a.computation_type.value, a.microbatch_index)] = end + start[ranks[r]]
     spans: dict[str, list[tuple[float, float]]] = {"local": [], "head": [], "remote": [], "tail": []}
     compute: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -392,7 +405,7 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
         off = start[ranks[r]]
         prev = off
         for i, (name, s, e) in enumerate(row["actions"]):
-            a = _Action.from_str(name)
+            a = _action(name)
             remote = [min(ends[(st, k, a.microbatch_index)] for k in kinds if (st, k, a.microbatch_index) in ends)
                       for st, kinds in _needs(a, hop)
                       if stage_rank[st] != stage_rank[a.stage_index]
@@ -442,7 +455,7 @@ def peak_in_flight(actions: list[tuple[str, float, float]]) -> int:
     """Most (stage, micro-batch) activations one rank held at once: forwards run, backward not yet."""
     held, peak = set(), 0
     for name, _, _ in actions:
-        a = _Action.from_str(name)
+        a = _action(name)
         key = (a.stage_index, a.microbatch_index)
         if a.computation_type.value == "F":
             held.add(key)

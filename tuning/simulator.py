@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from engine.validate import divisors as _divisors
-from engine.validate import VIRTUAL_SCHEDULES
+from engine.validate import V_SCHEDULES, VIRTUAL_SCHEDULES
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_schedule import schedule_bubble
 
@@ -348,7 +348,12 @@ def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarra
     if cl.p2p_latency_s > 0:  # a measured send/recv alpha-beta (calibrated hosts)
         pbw, plat = cl.p2p_bw_gb_s, cl.p2p_latency_s
     p2p = np.where(c["pp"] > 1, plat + act / t / (pbw * GB), 0.0)
-    return {"tp": tp, "pp": 2.0 * c["virtual"] * p2p}
+    # Once per step after the schedule: the first and the last stage sum the tied word-embedding
+    # gradients (Megatron's embedding group: V h / t bytes over 2 ranks, bus factor 1; V schedules
+    # hold both stages on one rank), and the stages sum the gradient norm's squares (one scalar).
+    v_shaped = np.isin(c["schedule"], [SCHEDULES.index(name) for name in V_SCHEDULES])
+    embedding = np.where(v_shaped, 0.0, plat + m.vocab * m.hidden / t * c["dtype_bytes"] / (pbw * GB))
+    return {"tp": tp, "pp": 2.0 * c["virtual"] * p2p, "step_sync": np.where(c["pp"] > 1, embedding + plat, 0.0)}
 
 
 def _stage_params(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
@@ -557,7 +562,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
     out = {
         "compute_s": nmb * (times["fwd"] + times["bwd"]),
         "tp_comm_s": nmb * comm["tp"],
-        "pp_comm_s": nmb * comm["pp"],
+        "pp_comm_s": nmb * comm["pp"] + comm["step_sync"],  # sends per micro-batch, syncs per step
         # bubble / ideal time from walking the schedule's action list (tuning/sim_schedule.py)
         "bubble_s": bubble * nmb * per_mb,
         "dp_comm_exposed_s": dp["exposed"],

@@ -277,7 +277,7 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     done: list[str] = []
     busy = contextlib.nullcontext() if as_json else err.status("measuring this machine ...")
 
-    def step(name: str) -> None:  # "measuring 3: AdamW rate (done: GEMMs..., memory-bound ops)"
+    def step(name: str) -> None:  # "measuring 3: optimizer rate (clip + AdamW) (done: GEMMs..., memory-bound ops)"
         if not as_json:
             busy.update(f"measuring {len(done) + 1}: {name}" + (f" (done: {', '.join(done)})" if done else ""))
         done.append(name.split(" (")[0])
