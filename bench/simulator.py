@@ -74,7 +74,7 @@ def print_measured_comparison(*, rounds: int = 2) -> pd.DataFrame:
     table = compare_measured(rounds=rounds, on_row=lambda row: print(json.dumps(row), flush=True))
     host = table.attrs["host"]
     print(f"calibration: load1 {host.load1:.1f}, cpus {host.cpus}, non-GEMM {host.nongemm_gb_s:.2f} GB/s, "
-          f"AdamW {host.optimizer_gb_s:.2f} GB/s, overheads "
+          f"optimizer (clip + AdamW) {host.optimizer_gb_s:.2f} GB/s, overheads "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in host.overheads.items()))
     print("measured per-rank compute share: " + ", ".join(f"world {w}: {v:.2f}" for w, v in sorted(host.shares.items()))
           + "; multi-rank extras: " + ", ".join(
