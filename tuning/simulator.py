@@ -352,7 +352,7 @@ def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarra
     # gradients (Megatron's embedding group: V h / t bytes over 2 ranks, bus factor 1; V schedules
     # hold both stages on one rank), and the stages sum the gradient norm's squares (one scalar).
     v_shaped = np.isin(c["schedule"], [SCHEDULES.index(name) for name in V_SCHEDULES])
-    embedding = np.where(v_shaped, 0.0, plat + m.vocab * m.hidden / t * c["dtype_bytes"] / (pbw * GB))
+    embedding = np.where(v_shaped, 0.0, _collective(m.vocab * m.hidden / t * c["dtype_bytes"], 1.0, pbw, plat, 2))
     return {"tp": tp, "pp": 2.0 * c["virtual"] * p2p, "step_sync": np.where(c["pp"] > 1, embedding + plat, 0.0)}
 
 
