@@ -198,14 +198,28 @@ def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
     monkeypatch.setattr(cal, "measure_attention", lambda: ran.append("attention") or [(1e6, 5e8), (1e8, 1e9)])
     monkeypatch.setattr(cal, "measure_nongemm_bandwidth", lambda: ran.append("nongemm") or 5.0)
     monkeypatch.setattr(cal, "measure_optimizer_rate", lambda: ran.append("adamw") or 2.0)
+    monkeypatch.setattr(cal, "measure_weight_stream", lambda: ran.append("weights") or 3.0)
     monkeypatch.setattr(cal, "measure_overheads", lambda base: ran.append("overheads") or
                         {"overhead_layer_s": 1e-4, "overhead_microbatch_s": 1e-4, "overhead_step_s": 1e-3})
     heard: list[tuple[str, int]] = []
     cal.calibrate_local(1, progress=lambda name: heard.append((name, len(ran))))
     assert [n for n, _ in heard] == ["GEMMs at the engine's shapes", "attention at the engine's shapes",
                                      "memory-bound ops", "optimizer rate (clip + AdamW)",
+                                     "weight streaming of few-token linear layers",
                                      "framework overhead (tiny runs)"]
-    assert [before for _, before in heard] == [0, 1, 2, 3, 4]  # each announced before it ran
+    assert [before for _, before in heard] == [0, 1, 2, 3, 4, 5]  # each announced before it ran
+
+
+def test_few_token_weight_streaming_is_measured_and_shared_like_compute() -> None:
+    """The few-token weight rate is the engine's linear layers' own (about half of LayerNorm/GELU's
+    bandwidth on this host) and, like every rate, each of `world` ranks gets its measured share."""
+    from tuning.calibration import HostProfile, _profile, measure_weight_stream
+
+    rate = measure_weight_stream(hiddens=(512,), rows=(4,), blocks=1, micro=2, repeats=3)
+    assert 0.5 < rate < 200.0, rate
+    host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=4.0, cpus=2,
+                       overheads={}, load1=0.0, weight_gb_s=6.0)
+    assert _profile(host, world=2, allreduce=(1e-3, 1.0), share=0.5).weight_stream_gb_s == 3.0
 
 
 def test_layer_growth_splits_residuals_into_per_layer_and_per_step() -> None:

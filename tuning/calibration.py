@@ -96,6 +96,7 @@ class HostProfile:
     shares: dict[int, float] = field(default_factory=dict)  # measured per-rank compute share by world size
     rank_overheads: dict[int, dict[str, float]] = field(default_factory=dict)  # multi-rank extras by world size
     attention_points: list[tuple[float, float]] = field(default_factory=list)  # (attention GEMM FLOPs, FLOP/s)
+    weight_gb_s: float = 0.0  # few-row linear layers, fwd + bwd with gradient accumulation: 3 x weight bytes / s
 
 
 def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3,
@@ -209,6 +210,40 @@ def measure_nongemm_bandwidth(*, elements: Sequence[int] = (1 << 15, 1 << 17, 1 
     return statistics.median(rates)
 
 
+def measure_weight_stream(*, hiddens: Sequence[int] = (512, 1024), rows: Sequence[int] = (1, 4),
+                          blocks: int = 2, micro: int = 4, repeats: int = 5) -> float:
+    """GB/s at which the engine's linear layers stream their weights when a micro-batch has only a
+    few tokens (the regime where the simulator's roofline floor binds, not the FLOP rate).
+
+    `blocks` blocks' weights (h x 3h, h x h, h x 4h, 4h x h each; with their gradients more than a
+    32 MB last-level cache, as a model whose floor binds has) as parameters, `micro` micro-batches
+    of `rows` tokens through `F.linear` forward and backward, gradients set to None once per step
+    and accumulated over the micro-batches, as the engine trains. Counted as 3 x the weight bytes per
+    micro-batch (forward reads W, backward reads W for dx and produces dW), so the rate includes what
+    that count leaves out: the fresh dW buffers and the accumulation's read-modify-write (on this host
+    5-9 GB/s where LayerNorm/GELU stream at 11-17). Median over `hiddens` x `rows`.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    rates = []
+    for h in hiddens:
+        shapes = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)] * blocks
+        weights = [torch.nn.Parameter(torch.randn(n, k) * 0.02) for k, n in shapes]
+        for m in rows:
+            inputs = [torch.randn(m, w.shape[1], requires_grad=True) for w in weights]
+
+            def step() -> None:
+                for w in weights:
+                    w.grad = None
+                for _ in range(micro):
+                    sum(F.linear(x, w).sum() for x, w in zip(inputs, weights)).backward()
+
+            seconds = _time_call(step, min_time_s=0.0, repeats=repeats)
+            rates.append(3.0 * 4 * sum(w.numel() for w in weights) * micro / seconds / 1e9)
+    return statistics.median(rates)
+
+
 def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21), tensors: int = 8) -> float:
     """Effective GB/s of the engine's optimizer phase on fp32 parameters, counted as 28 bytes per
     parameter: the gradient clipping the engine runs before every step (`clip_grad_norm`, max norm
@@ -299,10 +334,13 @@ def measure_host(progress: Callable[[str], None] = lambda _: None) -> HostProfil
         nongemm = measure_nongemm_bandwidth()
         progress("optimizer rate (clip + AdamW)")
         optimizer = measure_optimizer_rate()
+        progress("weight streaming of few-token linear layers")
+        weight = measure_weight_stream()
     finally:
         torch.set_num_threads(threads)
     host = HostProfile(gemm_points=gemm, nongemm_gb_s=nongemm, optimizer_gb_s=optimizer,
-                       overheads={}, cpus=len(os.sched_getaffinity(0)), load1=load1, attention_points=attention)
+                       overheads={}, cpus=len(os.sched_getaffinity(0)), load1=load1, attention_points=attention,
+                       weight_gb_s=weight)
     base = _profile(host, world=1, allreduce=(0.0, 1.0), overheads=False)
     progress("framework overhead (tiny runs)")
     host.overheads = measure_overheads(base)
@@ -411,7 +449,7 @@ def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], s
         name=f"cpu-local-{world}", gemm_points=[(f, r * share) for f, r in host.gemm_points],
         attention_points=[(f, r * share) for f, r in host.attention_points],
         intra=allreduce, gpus_per_node=world, memory_gb=_memory_gb() / world,
-        hbm_gb_s=host.nongemm_gb_s * share,
+        hbm_gb_s=host.nongemm_gb_s * share, weight_stream_gb_s=host.weight_gb_s * share,
         overheads={**ovh, "optimizer_gb_s": host.optimizer_gb_s * share},
     )
 

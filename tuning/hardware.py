@@ -68,6 +68,9 @@ class ClusterSpec:
     # read and write more than the activation bytes the model counts; fitted on GPU presets
     # (tuning/published.py), 1 on measured hosts whose hbm_gb_s is itself a kernel measurement.
     hbm_efficiency: float = 1.0
+    # Measured hosts: GB/s at which few-token linear layers stream their weights, forward + backward
+    # with gradient accumulation (tuning.calibration.measure_weight_stream); 0 = hbm_gb_s x hbm_efficiency.
+    weight_stream_gb_s: float = 0.0
     # Host-side framework time, measured on CPU hosts (tuning/calibration.py); 0 on GPU presets,
     # where kernels are launched asynchronously and this time hides behind device work.
     overhead_layer_s: float = 0.0  # per transformer layer and micro-batch, forward + backward, s
@@ -327,6 +330,7 @@ def cpu_profile(
     gpus_per_node: int,
     memory_gb: float,
     hbm_gb_s: float = 10.0,
+    weight_stream_gb_s: float = 0.0,
     overheads: dict[str, float] | None = None,
     attention_points: Sequence[tuple[float, float]] = (),
 ) -> ClusterSpec:
@@ -346,6 +350,7 @@ def cpu_profile(
         peak_flops=max(rates),
         memory_gb=memory_gb,
         hbm_gb_s=hbm_gb_s,
+        weight_stream_gb_s=weight_stream_gb_s,
         intra_bw_gb_s=intra[1],
         intra_latency_s=intra[0],
         inter_bw_gb_s=inter[1],

@@ -306,9 +306,11 @@ def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     hbm = cl.hbm_gb_s * cl.hbm_efficiency * GB
     # Roofline floor: a GEMM cannot run faster than it streams its weights (12 h^2 / t per layer,
     # vocab h / t for the logits) from memory; binding only at a few tokens per micro-batch. The
-    # backward streams them twice (input gradient reads W, weight gradient writes dW).
-    w_dense = 12.0 * h * h / c["tp"] * c["dtype_bytes"] / hbm
-    w_logit = m.vocab * h / c["tp"] * c["dtype_bytes"] / hbm
+    # backward streams them twice (input gradient reads W, weight gradient writes dW). Measured
+    # hosts stream them at their own few-token rate (`weight_stream_gb_s`), not the elementwise one.
+    stream = cl.weight_stream_gb_s * GB if cl.weight_stream_gb_s > 0 else hbm
+    w_dense = 12.0 * h * h / c["tp"] * c["dtype_bytes"] / stream
+    w_logit = m.vocab * h / c["tp"] * c["dtype_bytes"] / stream
     t_logit = np.maximum(t_logit, w_logit)
     fwd_layer = np.maximum(t_dense, w_dense) + t_attn + act["full"] / hbm
     # Flash attention's backward recomputes Q K^T (one of the two attention GEMMs) from Q and K.
