@@ -4,7 +4,6 @@ accounting next to the estimate, and the torch.profiler trace window."""
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from engine.config import load_config
 from engine.errors import RankFailure
 from engine.launch import launch
 from engine.model import build_model
-from profilers.steps import StepTimer, check_breakdown, unexplained
+from profilers.steps import StepTimer, check_breakdown
 from profilers.store import RunStore
 
 pytestmark = pytest.mark.xdist_group("launch")
@@ -67,15 +66,41 @@ def test_two_rank_run_records_breakdown_collectives_memory_and_trace(tmp_path):
 
 
 def assert_breakdowns_explain_wall_time(table, walls, tolerance: float = 0.02) -> None:
-    """Per rank, the median step's timed phases explain its wall time within `tolerance`
-    (median: a stall of this shared machine between two phases must not fail the test)."""
-    by_rank: dict[int, list[float]] = {}
+    """Per rank, the median step's timed phases explain its wall time by the product's own rule,
+    `check_breakdown`: within `tolerance` plus 1 ms of clock reads and glue between phases (about
+    0.35 ms a step here, 2.3% of a 15 ms step on a fast host). Median: a stall of this shared
+    machine between two phases must not fail the test."""
+    by_rank: dict[int, list[tuple[float, str | None]]] = {}
     for rec in walls:
         row = table[(table["step"] == rec.step) & (table["rank"] == rec.rank)].iloc[0]
         phases = {k: v for k, v in row.items() if k not in ("step", "rank", "total")}
-        by_rank.setdefault(rec.rank, []).append(abs(unexplained(phases, rec.value)))
-    for rank, gaps in by_rank.items():
-        assert statistics.median(gaps) <= tolerance, (rank, gaps)
+        named = sum(v for k, v in phases.items() if k != "other")
+        excess = abs(rec.value - named) - (tolerance * rec.value + 1e-3)
+        by_rank.setdefault(rec.rank, []).append((excess, check_breakdown(phases, rec.value, tolerance=tolerance)))
+    for rank, checks in by_rank.items():
+        excess, line = sorted(checks)[len(checks) // 2]  # the median step (upper middle)
+        assert excess <= 0, (rank, line, [round(e, 5) for e, _ in checks])
+
+
+def test_the_breakdown_check_allows_a_fast_steps_glue_but_not_a_dropped_phase():
+    """On a fast host a tiny step takes 12 ms of which 0.35 ms is glue between phases (timer,
+    scopes, loop): 2.9%, which a bare 2% rule failed (CI, stop 26); a dropped 3 ms phase must
+    still fail."""
+    import pandas as pd
+    from types import SimpleNamespace
+
+    def run(gap_s: float):
+        rows, walls = [], []
+        for step in range(4):
+            rows.append({"step": step, "rank": 0, "data": 0.0003, "forward": 0.004, "backward": 0.005 - gap_s,
+                         "optimizer": 0.0022, "comm_exposed": 0.0005, "bubble": 0.0,
+                         "other": gap_s, "total": 0.012})
+            walls.append(SimpleNamespace(step=step, rank=0, value=0.012))
+        return pd.DataFrame(rows), walls
+
+    assert_breakdowns_explain_wall_time(*run(0.00035))
+    with pytest.raises(AssertionError):
+        assert_breakdowns_explain_wall_time(*run(0.003))
 
 
 def test_reader_sees_rows_grow_while_the_run_goes_on(tmp_path):
@@ -142,7 +167,8 @@ def test_breakdown_check_fails_when_a_phase_is_dropped(monkeypatch):
     cfg = load_config(None, TINY + ["parallel.dp=1", "model.d_model=64", "model.seq_len=64", "train.steps=8"])
     trainer = Trainer(cfg, device=torch.device("cpu"))
     steps = [trainer.train_step(s) for s in range(5)]
-    assert statistics.median(abs(unexplained(m.breakdown, m.wall_s)) for m in steps) <= 0.02
+    checks = [check_breakdown(m.breakdown, m.wall_s) for m in steps]
+    assert sum(c is None for c in checks) >= 3, checks  # the median step passes the product's rule
 
     timed_phase = StepTimer.phase
 
