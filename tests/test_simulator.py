@@ -515,34 +515,3 @@ def test_the_simulator_prices_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
-
-
-def test_a_pipeline_on_shared_cores_walks_at_the_speed_its_waiting_ranks_leave() -> None:
-    """Measured CPU hosts whose ranks outnumber cores price every rank at the even share (4 ranks on
-    2 cores: 0.49), but a pipeline rank waiting in recv frees its share: engine pp4 runs here
-    measured 0.035-0.064 s of fwd+bwd per rank against 0.084 s priced. One micro-batch through two
-    stages on 2 ranks with one core's worth between them (rank_share 0.5): only one rank computes at
-    a time, so each runs at full speed, twice the priced rate; the busiest rank (the last stage,
-    F 1 + B 2 units) computes half the even-share time, and the bubble is the first stage's F + B."""
-    from tuning.hardware import cpu_profile
-    from tuning.sim_schedule import shared_core_walk
-
-    # hand values: F0 (0.5) -> F1 (1) -> B1 (2) -> B0 (1) one at a time at full speed
-    assert shared_core_walk("gpipe", 2, 1, cores=1.0, light=0.5) == (4.5, 3.0)
-    # two micro-batches, by hand: F0 mb0 alone [0, 1]; F0 mb1 and F1 mb0 share the core [1, 3];
-    # F1 mb1 alone [3, 4]; B1 mb0 alone [4, 6]; B1 mb1 and B0 mb0 share [6, 10]; B0 mb1 alone
-    # [10, 12]: each rank busy 9 (even share prices the busiest at 6 / 0.5 = 12, the step at 18)
-    assert shared_core_walk("gpipe", 2, 2, cores=1.0, light=1.0) == (12.0, 9.0)
-
-    def profile(share: float):
-        return cpu_profile(name="t", gemm_points=[(1e3, 1e10), (1e12, 1e10)], intra=(1e-6, 100.0),
-                           gpus_per_node=2, memory_gb=8.0, hbm_gb_s=10.0, rank_share=share)
-
-    model = ModelSpec(layers=2, hidden=64, heads=4, seq=32, vocab=64)
-    par = ParallelSpec(pp=2, micro=1, global_batch=1, dtype_bytes=4, schedule="gpipe")
-    even, shared = (simulate(model, profile(s), par, gpus=2) for s in (1.0, 0.5))
-    assert shared.breakdown["compute"] == pytest.approx(0.5 * even.breakdown["compute"], rel=1e-9)
-    assert even.bubble_fraction == pytest.approx(1.0)  # unit walk: the first stage priced as the last
-    assert 0.05 <= shared.bubble_fraction < 1.0  # the first stage lacks the head: lighter
-    dp = ParallelSpec(dp=2, micro=1, global_batch=2, dtype_bytes=4)  # no pipeline: every rank always busy
-    assert simulate(model, profile(0.5), dp, gpus=2).iteration_time_s == simulate(model, profile(1.0), dp, gpus=2).iteration_time_s

@@ -450,7 +450,7 @@ def _profile(host: HostProfile, *, world: int, allreduce: tuple[float, float], s
         attention_points=[(f, r * share) for f, r in host.attention_points],
         intra=allreduce, gpus_per_node=world, memory_gb=_memory_gb() / world,
         hbm_gb_s=host.nongemm_gb_s * share, weight_stream_gb_s=host.weight_gb_s * share,
-        overheads={**ovh, "optimizer_gb_s": host.optimizer_gb_s * share}, rank_share=min(share, 1.0),
+        overheads={**ovh, "optimizer_gb_s": host.optimizer_gb_s * share},
     )
 
 

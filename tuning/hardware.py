@@ -83,10 +83,6 @@ class ClusterSpec:
     p2p_bw_gb_s: float = 0.0  # pipeline send/recv bandwidth, GB/s; 0 = the collective bus bandwidth
     calibration_load1: float = 0.0  # measured hosts: 1-min load average while calibrating
     calibration_cpu_share: float = 0.0  # measured hosts: share of a core each rank really got (0 = not measured)
-    # Measured CPU hosts: the compute share each rank gets while all ranks of the node compute at
-    # once; the rates above are priced at it. Below 1 the ranks share cores, so a pipeline rank
-    # waiting in recv frees its share for the others (processor sharing, tuning/sim_schedule.py).
-    rank_share: float = 1.0
 
     @property
     def total_gpus(self) -> int | None:
@@ -337,7 +333,6 @@ def cpu_profile(
     weight_stream_gb_s: float = 0.0,
     overheads: dict[str, float] | None = None,
     attention_points: Sequence[tuple[float, float]] = (),
-    rank_share: float = 1.0,
 ) -> ClusterSpec:
     """A profile of a measured host (e.g. `cpu-local`): one 'GPU' per rank, one node.
 
@@ -345,8 +340,7 @@ def cpu_profile(
     `fit_alpha_beta`. The measured table drives the GEMM rate; its best point is the peak.
     `overheads` sets the host-side fields (`overhead_layer_s`, `overhead_microbatch_s`,
     `overhead_step_s`, `optimizer_gb_s`) measured by `tuning.calibration`; `attention_points`
-    the fused-attention rates (`tuning.calibration.measure_attention`); `rank_share` the compute
-    share per rank the rates were scaled by (`ClusterSpec.rank_share`).
+    the fused-attention rates (`tuning.calibration.measure_attention`).
     """
     rates = [rate for _, rate in gemm_points]
     inter = inter or intra
@@ -365,6 +359,5 @@ def cpu_profile(
         gemm_max_efficiency=1.0,
         gemm_table=tuple((float(f), float(r)) for f, r in gemm_points),
         attention_table=tuple((float(f), float(r)) for f, r in attention_points),
-        rank_share=float(rank_share),
         **{k: float(v) for k, v in (overheads or {}).items()},
     )

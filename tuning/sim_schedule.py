@@ -284,39 +284,6 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
     return walk(actions, stage_rank=schedules.stage_to_rank(schedule, pp, pp * v)).bubble_ratio()
 
 
-@lru_cache(maxsize=4096)
-def shared_core_walk(schedule: str, pp: int, m: int, virtual: int = 1, layers: int | None = None,
-                     skip_ratio: float = 0.0, *, cores: float, light: float = 1.0) -> tuple[float, float]:
-    """(step, busiest rank's compute) of `schedule` on ranks that share `cores` (processor sharing,
-    `Costs.cores`), in units of the last stage's forward at full speed (its backward is 2).
-
-    On a CPU host where ranks outnumber cores, a rank waiting in recv frees its share for the
-    others, so a pipeline computes faster than at the even share and its bubble is shorter than
-    the unit walk's. Stages without the head cost `light` of the last one (the simulator prices
-    every stage as the last; here the others' work matters, since it takes the same cores).
-    """
-    from engine.parallel import schedules
-
-    if schedule == "skip":
-        from engine.parallel.skippipe import skip_actions, skip_paths
-
-        paths = skip_paths(pp=pp, n_microbatches=m, skip_ratio=skip_ratio)
-        actions, stage_rank, stages, v = skip_actions(paths, pp=pp), {r: r for r in range(pp)}, pp, 1
-    else:
-        paths = None
-        v = schedules.chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
-        actions = schedules.schedule_actions(schedule=schedule, pp=pp, n_microbatches=m, virtual=virtual,
-                                             layers=layers)
-        stages = pp * v
-        stage_rank = schedules.stage_to_rank(schedule, pp, stages)
-
-    def cost(a: _Action) -> float:
-        return UNIT_COST[a.computation_type.value] / v * (1.0 if a.stage_index == stages - 1 else light)
-
-    timeline = walk(actions, stage_rank=stage_rank, cost=cost, paths=paths, costs=Costs(cores=cores))
-    return timeline.makespan, max(timeline.busy(r) for r in timeline.rows)
-
-
 # ---------------------------------------------------------------- executed schedules (runs)
 
 def executed_steps(records: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:

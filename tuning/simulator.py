@@ -327,44 +327,9 @@ def _compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     ovh = per_stage * layer_ovh + cl.overhead_microbatch_s
     re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
     return {
-        "head": 3.0 * t_logit,  # the last stage's logits, forward + backward (in fwd and bwd)
         "fwd": per_stage * fwd_layer + t_logit + ovh / 3.0,
         "bwd": per_stage * (bwd_layer + re_layer) + 2.0 * t_logit + 2.0 * ovh / 3.0 + re_ovh,
     }
-
-
-def _shared_core_pipeline(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], times: dict[str, np.ndarray],
-                          compute_mb: np.ndarray, bubble: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pipelines on a measured host whose ranks share cores (`rank_share` < 1): per micro-batch
-    compute of the busiest rank and bubble / that compute, from a processor-sharing walk of the
-    action list (tuning/sim_schedule.py `shared_core_walk`). The other pipelines (dp, tp, cp) run
-    the same walk at once, so one pipeline has `rank_share` x pp cores; rows with pp = 1 keep the
-    even share (every rank computes all the time)."""
-    from tuning.sim_schedule import shared_core_walk
-
-    full = compute_mb * cl.rank_share  # the last stage's micro-batch at a core of its own
-    light = np.clip(np.round((1.0 - times["head"] / compute_mb) * 20.0) / 20.0, 0.05, 1.0)
-    cols = np.broadcast_arrays(c["schedule"], c["pp"], c["num_mb"], c["virtual"],
-                               np.asarray(c.get("skip_ratio", 0.0), dtype=float), light, compute_mb, bubble)
-    shape = cols[0].shape
-    flat = [np.ravel(a) for a in cols]
-    keys = np.stack(flat[:6], axis=1)
-    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
-    factor, ratio = np.empty(len(unique)), np.empty(len(unique))
-    for i, (code, pp, nmb, v, skip, lt) in enumerate(unique):
-        if pp <= 1:
-            factor[i], ratio[i] = np.nan, np.nan
-            continue
-        name = SCHEDULES[int(code)]
-        step, busiest = shared_core_walk(name, int(pp), max(int(nmb), 1), max(int(v), 1),
-                                         m.layers if name == "modular" else None, round(float(skip), 3),
-                                         cores=round(cl.rank_share * pp, 3), light=float(lt))
-        factor[i], ratio[i] = busiest / (3.0 * max(int(nmb), 1)), step / busiest - 1.0
-    factor, ratio = factor[np.ravel(inverse)], ratio[np.ravel(inverse)]
-    piped = ~np.isnan(factor)
-    out_compute = np.where(piped, np.ravel(np.broadcast_to(full, shape)) * np.nan_to_num(factor), flat[6])
-    out_bubble = np.where(piped, np.nan_to_num(ratio), flat[7])
-    return out_compute.reshape(shape), out_bubble.reshape(shape)
 
 
 def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -593,13 +558,11 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int,
         dp = _dp_comm(model, cluster, gpus, cg, psi, windows)
         mem = _memory(local, cluster, cg, psi, act)
         psi_opt = psi / np.where(c["zero"] >= 1, cg["dp"], 1)
-    compute_mb = times["fwd"] + times["bwd"]
+    per_mb = times["fwd"] + times["bwd"] + comm["tp"] + comm["pp"]
+    per_mb = per_mb + a2a_mb + cp_mb
     bubble = schedule_bubble(c["schedule"], p, nmb, v, model.layers, c.get("skip_ratio", 0.0))
-    if cluster.rank_share < 1.0 and np.any(p > 1):  # ranks share cores: a pipeline's waits free them
-        compute_mb, bubble = _shared_core_pipeline(model, cluster, c, times, compute_mb, bubble)
-    per_mb = compute_mb + comm["tp"] + comm["pp"] + a2a_mb + cp_mb
     out = {
-        "compute_s": nmb * compute_mb,
+        "compute_s": nmb * (times["fwd"] + times["bwd"]),
         "tp_comm_s": nmb * comm["tp"],
         "pp_comm_s": nmb * comm["pp"] + comm["step_sync"],  # sends per micro-batch, syncs per step
         # bubble / ideal time from walking the schedule's action list (tuning/sim_schedule.py)
