@@ -335,3 +335,27 @@ def test_model_state_peak_start_stop_spans_a_backward_and_removes_its_hooks():
     model.zero_grad(set_to_none=True)
     model(torch.ones(2, 4)).sum().backward()  # hooks removed: nothing samples any more
     assert peak.peak == {"params": 80.0, "grads": 80.0} and not model._forward_pre_hooks
+
+
+def test_the_engines_adamw_is_fused_on_cpu_and_steps_as_the_foreach_one():
+    """One AdamW kernel per step where torch has it (CPU, CUDA): the foreach default took 3x as long
+    per step on this host (bench/optimizer.py). Same weights as the foreach AdamW after 3 steps with
+    weight decay (decayed matrices, undecayed norms/biases)."""
+    from engine.model import GPT
+    from engine.parallel.zero import build_optimizer, param_groups
+
+    torch.manual_seed(0)
+    fused_model = GPT(tiny_model_config())
+    plain_model = GPT(tiny_model_config())
+    plain_model.load_state_dict(fused_model.state_dict())
+    fused = build_optimizer(fused_model, stage=0, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(param_groups(plain_model.parameters(), 0.1), lr=1e-2, betas=(0.9, 0.95),
+                              foreach=True)
+    assert fused.defaults["fused"] is True
+    for _ in range(3):
+        for model, opt in ((fused_model, fused), (plain_model, plain)):
+            for p in model.parameters():
+                p.grad = torch.sin(p.detach() * 7.0)  # the same gradient for both
+            opt.step()
+    for a, b in zip(fused_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -247,7 +247,8 @@ def measure_weight_stream(*, hiddens: Sequence[int] = (512, 1024), rows: Sequenc
 def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21), tensors: int = 8) -> float:
     """Effective GB/s of the engine's optimizer phase on fp32 parameters, counted as 28 bytes per
     parameter: the gradient clipping the engine runs before every step (`clip_grad_norm`, max norm
-    1.0: the norm reads every gradient, the scale reads and writes it) and `torch.optim.AdamW.step`.
+    1.0: the norm reads every gradient, the scale reads and writes it) and the step of the engine's
+    AdamW (`engine.parallel.zero.build_optimizer`: fused where torch has the kernel).
 
     The slope of the phase's time over parameter count (least squares over `sizes`) gives the per-
     parameter cost; the per-tensor constant is left to the overhead fit.
@@ -255,13 +256,14 @@ def measure_optimizer_rate(*, sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 21)
     import torch
 
     from engine.parallel.data import clip_grad_norm
+    from engine.parallel.zero import build_optimizer
 
     times = []
     for total in sizes:
         params = [torch.nn.Parameter(torch.randn(total // tensors)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt = build_optimizer(params, stage=0, lr=1e-3)
 
         def phase() -> None:
             clip_grad_norm(params, 1.0)  # random gradients: norm far above 1, so the scale runs

@@ -98,17 +98,29 @@ def build_optimizer(params: nn.Module | Iterable[nn.Parameter], *, stage: int, l
     `DTensorZeroOptimizer`. Weight decay follows `param_groups` in every stage.
     """
     groups = param_groups(params.parameters() if isinstance(params, nn.Module) else params, weight_decay)
+    fused = fused_supported([p for g in groups for p in g["params"]])
     if stage != 1:
-        return AdamW(groups, lr=lr, betas=betas)
+        return AdamW(groups, lr=lr, betas=betas, fused=fused)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
         return DTensorZeroOptimizer(groups, optimizer_class=AdamW, process_group=process_group,
-                                    lr=lr, betas=betas)
+                                    lr=lr, betas=betas, fused=fused)
     # imported here: torch.distributed.optim scripts its functional optimizers on import (~1.4 s)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     # bucket view: after the step each rank broadcasts one flat bucket, not one message per parameter
     return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, process_group=process_group,
-                                   lr=lr, betas=betas, parameters_as_bucket_view=True)
+                                   lr=lr, betas=betas, fused=fused, parameters_as_bucket_view=True)
+
+
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW's fused kernel takes `params`: floating point, on a device type torch has it
+    for (CPU and CUDA). One kernel per step instead of a chain of foreach ops: on this 2-core host
+    a 6.3M-parameter step took 6.7 ms fused against 21.6 ms with the foreach default
+    (`bench/optimizer.py`)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
 
 
 def _partition(params: list[torch.Tensor], num_ranks: int) -> list[int]:
