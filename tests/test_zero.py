@@ -338,8 +338,8 @@ def test_model_state_peak_start_stop_spans_a_backward_and_removes_its_hooks():
 
 
 def test_the_engines_adamw_is_fused_on_cpu_and_steps_as_the_foreach_one():
-    """One AdamW kernel per step where torch has it (CPU, CUDA): the foreach default took 3x as long
-    per step on this host (bench/optimizer.py). Same weights as the foreach AdamW after 3 steps with
+    """One AdamW kernel per step where torch has it (CPU, CUDA): the foreach default took 2.8-6.3x as
+    long per step on this host (bench/optimizer.py). Same weights as the foreach AdamW after 3 steps with
     weight decay (decayed matrices, undecayed norms/biases)."""
     from engine.model import GPT
     from engine.parallel.zero import build_optimizer, param_groups
