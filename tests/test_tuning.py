@@ -21,7 +21,7 @@ from tuning.objective import Objective, median_ci
 from tuning.space import SearchSpace, layouts
 from tuning.study import load_study, run_trials
 
-pytestmark = pytest.mark.xdist_group("launch")
+pytestmark = pytest.mark.xdist_group("studies")  # tuner runs: apart from "launch", the suite's long pole
 
 BASE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "train.steps=4",
         "batch.global=8", "batch.micro=4", "parallel.dp=2", "train.warmup_steps=0",
@@ -137,7 +137,7 @@ def _pg_available() -> str | None:
         return f"no PostgreSQL server listens at 127.0.0.1:5432: {exc}"
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("backend", ["postgresql"])  # SQLite: four workers in test_reliability_tuner.py
 def test_two_workers_share_one_study(tmp_path, backend):
     if backend == "postgresql" and (reason := _pg_available()):
         pytest.skip(reason)
