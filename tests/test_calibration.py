@@ -250,6 +250,9 @@ def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) 
     monkeypatch.setattr(cal, "measure_cpu_share", lambda world: 1.0)
     monkeypatch.setattr(cal, "measure_allreduce", lambda world: (1e-3, 1.0))
     monkeypatch.setattr(cal, "measure_p2p", lambda: (2e-4, 0.5))
+    fsdp = {"allgather_latency_s": 1.5e-3, "allgather_bw_gb_s": 0.5, "reduce_scatter_latency_s": 2.5e-3,
+            "reduce_scatter_bw_gb_s": 0.3}
+    monkeypatch.setattr(cal, "measure_fsdp_collectives", lambda world: {2: fsdp}[world])
     monkeypatch.setattr(cal, "measure_rank_overheads",
                         lambda profile, world: {"overhead_rank_step_s": 0.008, "overhead_rank_layer_s": 0.0015})
     monkeypatch.setattr(cal, "measure_parallel_overheads",
@@ -262,6 +265,7 @@ def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) 
     assert spec.overhead_microbatch_s == pytest.approx(0.001 / 0.6)
     assert spec.overhead_tp_layer_s == pytest.approx(0.003) and spec.p2p_latency_s == pytest.approx(2e-4)
     assert spec.calibration_cpu_share == 1.0 and spec.calibration_load1 == 1.0  # recorded, not lost
+    assert all(getattr(spec, k) == v for k, v in fsdp.items())  # FSDP's own collectives, measured at 2 ranks
     without = dataclasses.replace(spec, overhead_step_s=0.002 / 0.6, overhead_layer_s=0.0005 / 0.6)
     cfg = load_config(None, BASE)  # 1 rank, 2 layers, 2 micro-batches of 4: 8 ms + 2 x 2 x 1.5 ms = 14 ms
     grow = predict_run(cfg, spec).iteration_time_s - predict_run(cfg, without).iteration_time_s

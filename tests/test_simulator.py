@@ -515,3 +515,46 @@ def test_the_simulator_prices_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_fsdp_collectives_on_a_cpu_host_are_all_exposed() -> None:
+    """FSDP2 calls every all-gather and reduce-scatter synchronously where the device has no streams
+    (`_fsdp_collectives.py`: `async_op` False; its backward "prefetch" is a blocking all-gather), so on
+    a CPU host none hides under compute. ZeRO-3 at dp 2, 2 layers, one micro-batch: 3 collectives
+    (forward gather, backward gather, reduce-scatter) x 3 units (2 blocks + the root) = 9 alphas, plus
+    3 x Psi x 4 B x 1/2 at 1 GB/s; Psi = 2 (12 h^2 + 13 h) + V h + s h at h 64, V 256, s 128."""
+    from tuning.hardware import cpu_profile
+    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+
+    host = cpu_profile(name="t", gemm_points=[(1e3, 1e8), (1e12, 1e8)], intra=(1e-3, 1.0),
+                       gpus_per_node=2, memory_gb=8.0, hbm_gb_s=1.0)
+    model = ModelSpec(layers=2, hidden=64, heads=4, seq=128, vocab=256)
+    par = ParallelSpec(dp=2, zero=3, micro=4, global_batch=8, dtype_bytes=4)
+    psi = 2 * (12 * 64**2 + 13 * 64) + 256 * 64 + 128 * 64
+    on_cpu = simulate(model, host, par)
+    assert on_cpu.dp_comm_total_s == pytest.approx(9e-3 + 3 * psi * 4 * 0.5 / 1e9, rel=1e-9)
+    assert on_cpu.breakdown["dp_comm_exposed"] == pytest.approx(on_cpu.dp_comm_total_s, rel=1e-9)
+    with_streams = simulate(model, dataclasses.replace(host, fsdp_overlap=True), par)  # a GPU's FSDP2
+    # with streams the first block's collectives are exposed, the second's hidden under a long compute
+    assert with_streams.breakdown["dp_comm_exposed"] == pytest.approx(0.5 * on_cpu.dp_comm_total_s, rel=1e-9)
+
+
+def test_fsdp_collectives_use_the_hosts_measured_gather_and_reduce_scatter() -> None:
+    """A measured host prices FSDP's all-gathers and reduce-scatters at their own in-situ alpha-beta (on
+    gloo a reduce-scatter is slower than the all-reduce's bytes say); DDP's all-reduce keeps the link's.
+    ZeRO-3, dp 2, 2 layers, one micro-batch: 2 gathers x 3 units x 2 ms + 2 x Psi x 4 B x 1/2 at 0.5 GB/s,
+    plus 3 reduce-scatters x 3 ms + Psi x 4 B x 1/2 at 0.25 GB/s."""
+    from tuning.hardware import cpu_profile
+    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+
+    host = cpu_profile(name="t", gemm_points=[(1e3, 1e8), (1e12, 1e8)], intra=(1e-3, 1.0),
+                       gpus_per_node=2, memory_gb=8.0, hbm_gb_s=1.0,
+                       overheads={"allgather_latency_s": 2e-3, "allgather_bw_gb_s": 0.5,
+                                  "reduce_scatter_latency_s": 3e-3, "reduce_scatter_bw_gb_s": 0.25})
+    model = ModelSpec(layers=2, hidden=64, heads=4, seq=128, vocab=256)
+    par = ParallelSpec(dp=2, zero=3, micro=4, global_batch=8, dtype_bytes=4)
+    psi = 2 * (12 * 64**2 + 13 * 64) + 256 * 64 + 128 * 64
+    z3 = simulate(model, host, par).dp_comm_total_s
+    assert z3 == pytest.approx(6 * 2e-3 + 2 * psi * 2 / 0.5e9 + 3 * 3e-3 + psi * 2 / 0.25e9, rel=1e-9)
+    ddp = simulate(model, host, dataclasses.replace(par, zero=0)).dp_comm_total_s
+    assert ddp == pytest.approx(1e-3 + psi * 4 / 1e9, rel=1e-9)  # the all-reduce: the link's alpha-beta

@@ -97,6 +97,7 @@ class HostProfile:
     rank_overheads: dict[int, dict[str, float]] = field(default_factory=dict)  # multi-rank extras by world size
     attention_points: list[tuple[float, float]] = field(default_factory=list)  # (attention GEMM FLOPs, FLOP/s)
     weight_gb_s: float = 0.0  # few-row linear layers, fwd + bwd with gradient accumulation: 3 x weight bytes / s
+    fsdp_links: dict[int, dict[str, float]] = field(default_factory=dict)  # FSDP's collectives in situ, by world size
 
 
 def _time_call(fn: Callable[[], Any], *, min_time_s: float = 0.01, repeats: int = 3,
@@ -376,6 +377,22 @@ def measure_p2p(*, max_bytes: int = 4 << 20, iters: int = 20, repeats: int = 3,
     return _fit_in_situ("sendrecv", 2, 1.0, max_bytes=max_bytes, iters=iters, repeats=repeats, work_s=work_s)
 
 
+def measure_fsdp_collectives(world: int, *, max_bytes: int = 4 << 20, iters: int = 20, repeats: int = 3,
+                             work_s: float = IN_SITU_WORK_S) -> dict[str, float]:
+    """FSDP's two collectives at `world` ranks, in situ as `measure_allreduce`: the `ClusterSpec` fields
+    (alpha s, busbw GB/s) of all_gather_into_tensor and reduce_scatter_tensor. On gloo they are not the
+    all-reduce: at 2 ranks a 1 MB reduce-scatter cost 4.2 ms where the 1 MB all-reduce (twice the bus bytes)
+    cost 3.0 ms, and the engine's ZeRO-3 runs recorded about 3.4 ms per FSDP2 collective."""
+    from profilers.collectives import bus_factor
+
+    out = {}
+    for op, key in (("all_gather", "allgather"), ("reduce_scatter", "reduce_scatter")):
+        alpha, busbw = _fit_in_situ(op, world, bus_factor(op, world), max_bytes=max_bytes, iters=iters,
+                                    repeats=repeats, work_s=work_s)
+        out.update({f"{key}_latency_s": alpha, f"{key}_bw_gb_s": busbw})
+    return out
+
+
 def _fit_in_situ(op: str, world: int, factor: float, *, max_bytes: int, iters: int, repeats: int,
                  work_s: float) -> tuple[float, float]:
     """(alpha s, GB/s) of `op` at `world` ranks: the per-size median over `repeats` commbench
@@ -511,15 +528,24 @@ def calibrate_local(world: int, *, host: HostProfile | None = None,
             progress("multi-rank step overhead (tiny 2-rank runs)")
             host.rank_overheads[2] = measure_rank_overheads(_profile(host, world=2, allreduce=two_ar,
                                                                      share=two_share_), 2)
-        progress("tensor-parallel and FSDP dispatch, pipeline sends (2-rank runs)")
         two = _profile(host, world=2, allreduce=two_ar, share=two_share_, rank=host.rank_overheads[2])
+        two = dataclasses.replace(two, **_fsdp_links(host, 2, progress))
+        progress("tensor-parallel and FSDP dispatch, pipeline sends (2-rank runs)")
         host.parallel = {**measure_parallel_overheads(two), "share": two_share_}
         host.p2p = measure_p2p()
     scale = host.parallel["share"] / share
     return dataclasses.replace(
-        profile, overhead_tp_layer_s=host.parallel["overhead_tp_layer_s"] * scale,
+        profile, **_fsdp_links(host, world, progress), overhead_tp_layer_s=host.parallel["overhead_tp_layer_s"] * scale,
         overhead_fsdp_layer_s=host.parallel["overhead_fsdp_layer_s"] * scale,
         p2p_latency_s=host.p2p[0], p2p_bw_gb_s=host.p2p[1] * share)
+
+
+def _fsdp_links(host: HostProfile, world: int, progress: Callable[[str], None]) -> dict[str, float]:
+    """FSDP's all-gather and reduce-scatter alpha-beta at `world` ranks, measured once per host profile."""
+    if world not in host.fsdp_links:
+        progress(f"gloo all-gather and reduce-scatter at {world} ranks")
+        host.fsdp_links[world] = measure_fsdp_collectives(world)
+    return host.fsdp_links[world]
 
 
 def _measured_share(host: HostProfile, world: int, progress: Callable[[str], None]) -> float:

@@ -81,6 +81,16 @@ class ClusterSpec:
     overhead_fsdp_layer_s: float = 0.0  # extra per layer and micro-batch under ZeRO-2/3 (FSDP2 hooks), s
     p2p_latency_s: float = 0.0  # pipeline send/recv alpha, s; 0 = the collective latency of the link
     p2p_bw_gb_s: float = 0.0  # pipeline send/recv bandwidth, GB/s; 0 = the collective bus bandwidth
+    # Measured hosts: FSDP's own collectives, in situ (tuning.calibration.measure_fsdp_collectives); 0 = the
+    # link's all-reduce alpha-beta. On gloo they are not the all-reduce: a 1 MB reduce-scatter cost 4.2 ms
+    # in situ at 2 ranks where the all-reduce of the same tensor, twice the bus bytes, cost 3.0 ms.
+    allgather_latency_s: float = 0.0
+    allgather_bw_gb_s: float = 0.0
+    reduce_scatter_latency_s: float = 0.0
+    reduce_scatter_bw_gb_s: float = 0.0
+    # FSDP2 hides a block's all-gather / reduce-scatter under compute only with device streams: on a
+    # CPU host it calls each one synchronously (`async_op` False, no streams), so none hides.
+    fsdp_overlap: bool = True
     calibration_load1: float = 0.0  # measured hosts: 1-min load average while calibrating
     calibration_cpu_share: float = 0.0  # measured hosts: share of a core each rank really got (0 = not measured)
 
@@ -359,5 +369,6 @@ def cpu_profile(
         gemm_max_efficiency=1.0,
         gemm_table=tuple((float(f), float(r)) for f, r in gemm_points),
         attention_table=tuple((float(f), float(r)) for f, r in attention_points),
+        fsdp_overlap=False,  # a CPU host: no streams
         **{k: float(v) for k, v in (overheads or {}).items()},
     )

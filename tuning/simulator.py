@@ -381,15 +381,20 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     bw, lat = _link(cl, gpus, c["tp"] * d <= cl.gpus_per_node,
                     np.clip(cl.gpus_per_node // c["tp"], 1, d))
     frac = (d - 1) / d
+    # measured hosts price all-gathers and reduce-scatters with their own in-situ alpha-beta
+    ag_bw, ag_lat = (cl.allgather_bw_gb_s, cl.allgather_latency_s) if cl.allgather_latency_s > 0 else (bw, lat)
+    rs_bw, rs_lat = ((cl.reduce_scatter_bw_gb_s, cl.reduce_scatter_latency_s) if cl.reduce_scatter_latency_s > 0
+                     else (bw, lat))
     grad_bytes = psi * c["dtype_bytes"] / c["compression_ratio"]
     all_reduce = _collective(grad_bytes, 2 * frac, bw, lat, d)
-    reduce_scatter = _collective(grad_bytes, frac, bw, lat, d)
-    gather = _collective(psi * c["dtype_bytes"], frac, bw, lat, d)
+    reduce_scatter = _collective(grad_bytes, frac, rs_bw, rs_lat, d)
+    gather = _collective(psi * c["dtype_bytes"], frac, ag_bw, ag_lat, d)
+    broadcast = _collective(psi * c["dtype_bytes"], frac, bw, lat, d)  # ZeroRedundancyOptimizer's shards
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
     # one alpha per FSDP unit, not per model: the blocks and the root (embeddings, head)
-    per_layer_launch = n_layers * np.where(d > 1, lat, 0.0)
-    layer_gather, layer_rs = gather + per_layer_launch, reduce_scatter + per_layer_launch
+    layer_gather = gather + n_layers * np.where(d > 1, ag_lat, 0.0)
+    layer_rs = reduce_scatter + n_layers * np.where(d > 1, rs_lat, 0.0)
     ovl = c["overlap_dp"]
 
     def overlapped(hidden: np.ndarray, cost: np.ndarray) -> np.ndarray:
@@ -402,6 +407,8 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
 
     def hide_blocks(cost: np.ndarray, window: np.ndarray) -> np.ndarray:
         # block i+1's collective runs under block i's compute; the first block's is exposed
+        if not cl.fsdp_overlap:  # FSDP2 without device streams: every collective is synchronous
+            return cost
         return overlapped(cost / n_layers + (n_layers - 1) / n_layers * np.maximum(cost - window, 0.0), cost)
 
     # Each compute window hides at most one stream of traffic: ZeRO-3's backward gather and
@@ -420,7 +427,7 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     grad_exposed = np.select([zero == 3, z2_fsdp, zero == 2], [0.0, 0.0, nmb * rs_mb], once)  # z3: in z3_mb
     grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
     # after the step: ZeRO-1 and DeepSpeed-style ZeRO-2 gather the updated shards (exposed)
-    final_gather = np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0)
+    final_gather = np.where(z1_ar, broadcast, np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0))
     z3 = (zero == 3) & ~z3_kept
     blockwise = z2_fsdp | z3_kept
     total = np.select([z3, blockwise, zero == 2],
