@@ -81,9 +81,8 @@ class ClusterSpec:
     overhead_fsdp_layer_s: float = 0.0  # extra per layer and micro-batch under ZeRO-2/3 (FSDP2 hooks), s
     p2p_latency_s: float = 0.0  # pipeline send/recv alpha, s; 0 = the collective latency of the link
     p2p_bw_gb_s: float = 0.0  # pipeline send/recv bandwidth, GB/s; 0 = the collective bus bandwidth
-    # Measured hosts: FSDP's own collectives, in situ (tuning.calibration.measure_fsdp_collectives); 0 = the
-    # link's all-reduce alpha-beta. On gloo they are not the all-reduce: a 1 MB reduce-scatter cost 4.2 ms
-    # in situ at 2 ranks where the all-reduce of the same tensor, twice the bus bytes, cost 3.0 ms.
+    # Measured hosts: FSDP's own collectives, in situ (tuning.calibration.measure_fsdp_collectives: on gloo
+    # they are slower than the all-reduce's bytes say); 0 = the link's all-reduce alpha-beta.
     allgather_latency_s: float = 0.0
     allgather_bw_gb_s: float = 0.0
     reduce_scatter_latency_s: float = 0.0
@@ -117,6 +116,12 @@ class ClusterSpec:
         measured fused-attention table where there is one (CPU hosts, `tuning.calibration`),
         else the GEMM rate (GPU presets, fitted with attention priced as GEMMs)."""
         return table_rate(self.attention_table, flops) if self.attention_table else self.gemm_rate(flops)
+
+    def measured_link(self, op: str, link: tuple[Any, Any]) -> tuple[Any, Any]:
+        """(busbw GB/s, latency s) of `op` ("p2p", "allgather", "reduce_scatter") as a calibrated host
+        measured it in situ (`{op}_latency_s` > 0), else `link`, the topology's (busbw, latency)."""
+        alpha = getattr(self, f"{op}_latency_s")
+        return (getattr(self, f"{op}_bw_gb_s"), alpha) if alpha > 0 else link
 
     def inter_link(self, gpus: int) -> tuple[float, float]:
         """(busbw GB/s, latency s) of the inter-node link for a job of `gpus` GPUs.

@@ -98,10 +98,8 @@ def cp_comm_time(local: Any, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray
     ulysses = per_layer_a2a * all_to_all_time(cl, gpus, shard, np.full(np.shape(t), cp), t)
     inside = t * cp <= cl.gpus_per_node
     inter_bw, inter_lat = cl.inter_link(gpus)
-    bw = np.where(inside, cl.intra_bw_gb_s, inter_bw)
-    lat = np.where(inside, cl.intra_latency_s, inter_lat)
-    if cl.p2p_latency_s > 0:  # a measured send/recv alpha-beta (calibrated hosts)
-        bw, lat = cl.p2p_bw_gb_s, cl.p2p_latency_s
+    bw, lat = cl.measured_link("p2p", (np.where(inside, cl.intra_bw_gb_s, inter_bw),
+                                       np.where(inside, cl.intra_latency_s, inter_lat)))
     block = np.asarray(c.get("attn_density", 1.0)) * _attention_pair(
         cl, 2.0 * c["micro"] / t * local.seq * local.seq * local.hidden)
     # backward: each block's 2 GEMMs twice, plus Q K^T again when fused (as `add_attention`)

@@ -346,9 +346,7 @@ def _tp_pp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarra
     tp = m.layers / c["pp"] * n_ar * per_ar
     # One activation out and one gradient back per chunk boundary; with the scatter/gather
     # optimisation each tp rank sends 1/t of it (Narayanan et al. 2021, sec. 4.1).
-    pbw, plat = _link(cl, gpus, np.full(np.shape(t), gpus <= cl.gpus_per_node))
-    if cl.p2p_latency_s > 0:  # a measured send/recv alpha-beta (calibrated hosts)
-        pbw, plat = cl.p2p_bw_gb_s, cl.p2p_latency_s
+    pbw, plat = cl.measured_link("p2p", _link(cl, gpus, np.full(np.shape(t), gpus <= cl.gpus_per_node)))
     p2p = np.where(c["pp"] > 1, plat + act / t / (pbw * GB), 0.0)
     # Once per step after the schedule: the first and the last stage sum the tied word-embedding
     # gradients (Megatron's embedding group: V h / t bytes over 2 ranks, bus factor 1; V schedules
@@ -381,10 +379,8 @@ def _dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
     bw, lat = _link(cl, gpus, c["tp"] * d <= cl.gpus_per_node,
                     np.clip(cl.gpus_per_node // c["tp"], 1, d))
     frac = (d - 1) / d
-    # measured hosts price all-gathers and reduce-scatters with their own in-situ alpha-beta
-    ag_bw, ag_lat = (cl.allgather_bw_gb_s, cl.allgather_latency_s) if cl.allgather_latency_s > 0 else (bw, lat)
-    rs_bw, rs_lat = ((cl.reduce_scatter_bw_gb_s, cl.reduce_scatter_latency_s) if cl.reduce_scatter_latency_s > 0
-                     else (bw, lat))
+    ag_bw, ag_lat = cl.measured_link("allgather", (bw, lat))
+    rs_bw, rs_lat = cl.measured_link("reduce_scatter", (bw, lat))
     grad_bytes = psi * c["dtype_bytes"] / c["compression_ratio"]
     all_reduce = _collective(grad_bytes, 2 * frac, bw, lat, d)
     reduce_scatter = _collective(grad_bytes, frac, rs_bw, rs_lat, d)
