@@ -231,11 +231,23 @@ def test_layer_growth_splits_residuals_into_per_layer_and_per_step() -> None:
     assert per_layer == pytest.approx(0.0015) and per_step == pytest.approx(0.008)
 
 
-def test_rate_share_is_median_together_over_median_alone() -> None:
+def test_rate_share_is_the_median_paired_ratio() -> None:
     from tuning.calibration import rate_share
 
-    assert rate_share([10.0, 12.0, 11.0], [5.5, 6.6, 6.0]) == pytest.approx(6.0 / 11.0)
-    assert rate_share([10.0], [10.5, 11.0]) == 1.0  # never above one core's rate
+    # pairs 6/10, 9/20 and 4/5: the host's speed drifted between them; ratios 0.6, 0.45, 0.8
+    assert rate_share([10.0, 20.0, 5.0], [6.0, 9.0, 4.0], world=2, cpus=2) == pytest.approx(0.6)
+    assert rate_share([10.0, 10.0], [10.5, 11.0], world=2, cpus=2) == 1.0  # never above one core's rate
+    # 4 one-thread ranks on 2 cores get at most half a core each, however the alone baseline came out
+    assert rate_share([10.0, 10.0], [8.1, 8.1], world=4, cpus=2) == 0.5
+
+
+def test_lockstep_rate_spans_first_start_to_last_end() -> None:
+    """Ranks scheduled at different moments: each ran 100 loops in 1 s of its own, but the last ended
+    2 s after the first began, and ranks in lockstep wait for it: 50 loops/s, not 100."""
+    from tuning.calibration import lockstep_rate
+
+    assert lockstep_rate(100, [(0.0, 1.0), (1.0, 2.0)]) == pytest.approx(50.0)
+    assert lockstep_rate(100, [(3.0, 5.0)]) == pytest.approx(50.0)
 
 
 def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) -> None:

@@ -592,9 +592,11 @@ def measure_cpu_share(world: int, *, seconds: float = 0.5) -> float:
     return statistics.median(shares)
 
 
-def _kernel_loop(seconds: float, barrier: Any, out: Any) -> None:
+def _kernel_worker(inbox: Any, out: Any) -> None:
     """Worker of measure_rate_share: the engine's kernel mix (a linear layer's three GEMMs, LayerNorm,
-    GELU, an add) on one thread for `seconds` of wall time after the barrier; reports loops per second."""
+    GELU, an add) on one thread. Each message (loops, start_at) runs it `loops` times from `start_at`
+    and reports the (start, end) perf_counter (CLOCK_MONOTONIC: one clock for every process on the host);
+    None ends the worker."""
     import torch
     import torch.nn.functional as F
 
@@ -606,47 +608,69 @@ def _kernel_loop(seconds: float, barrier: Any, out: Any) -> None:
 
     for _ in range(3):
         step()  # warm-up
-    barrier.wait()
-    t0, loops = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds:
-        step()
-        loops += 1
-    out.put(loops / (time.perf_counter() - t0))
+    out.put(None)  # ready
+    while (msg := inbox.get()) is not None:
+        loops, start_at = msg
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            step()
+        out.put((t0, time.perf_counter()))
 
 
-def _concurrent_rates(world: int, seconds: float) -> list[float]:
-    """Loops per second of each of `world` processes running `_kernel_loop` together."""
+def lockstep_rate(loops: int, spans: Sequence[tuple[float, float]]) -> float:
+    """Rate of ranks that each ran `loops` in their (start, end) spans, as ranks in lockstep see it:
+    every rank waits for the last, so the work takes from the first start to the last end. Each rank's
+    own window would overstate it: one scheduled late runs alone at the end (seen: 179 against 66-108
+    loops/s at 4 ranks on 2 cores, a median share of 0.81 above the cores' 0.5)."""
+    return loops / (max(end for _, end in spans) - min(start for start, _ in spans))
+
+
+def rate_share(alone: Sequence[float], together: Sequence[float], *, world: int, cpus: int) -> float:
+    """Throughput share of each concurrent rank: the median over paired repeats of (rate of the ranks
+    run together / rate of one process alone just before), at most min(1, cpus / world): `world`
+    one-thread ranks cannot get more than the cores. Pairs cancel the host's drift between repeats
+    (one process alone ran at 89-204 loops/s within two minutes here). Unlike the even-share model it
+    includes what busy loops do not see: cores that are hardware threads of one physical core, shared
+    caches and memory bandwidth, and the load of other users at that moment."""
+    ratios = [t / a for a, t in zip(alone, together, strict=True)]
+    return min(1.0, cpus / world, statistics.median(ratios))
+
+
+def measure_rate_share(world: int, *, seconds: float = 0.5, repeats: int = 8) -> float:
+    """Measured per-rank compute share at `world` ranks (`rate_share`): `world` workers started once;
+    in each of `repeats` pairs, one runs the kernel mix alone, then all run it together, timed in
+    lockstep (`lockstep_rate`), each a fixed amount of work: about `seconds` alone. 1.0 at world 1."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(world), ctx.Queue()
-    procs = [ctx.Process(target=_kernel_loop, args=(seconds, barrier, out)) for _ in range(world)]
-    for p in procs:
-        p.start()
-    rates = [out.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    return rates
-
-
-def rate_share(alone: Sequence[float], together: Sequence[float]) -> float:
-    """Throughput share of each concurrent rank: median rate of the ranks run together over the median
-    rate of one process alone (repeats of each), at most 1. Unlike the even-share model it includes what
-    busy loops do not see: cores that are hardware threads of one physical core, shared caches and
-    memory bandwidth, and the load of other users at that moment."""
-    return min(1.0, statistics.median(together) / statistics.median(alone))
-
-
-def measure_rate_share(world: int, *, seconds: float = 1.0, repeats: int = 2) -> float:
-    """Measured per-rank compute share at `world` ranks (`rate_share`): the kernel mix alone and with
-    `world` processes together, interleaved `repeats` times. 1.0 at world 1."""
     if world == 1:
         return 1.0
-    alone, together = [], []
-    for _ in range(repeats):
-        alone += _concurrent_rates(1, seconds)
-        together += _concurrent_rates(world, seconds)
-    return rate_share(alone, together)
+    ctx = mp.get_context("spawn")
+    inboxes, out = [ctx.Queue() for _ in range(world)], ctx.Queue()
+    procs = [ctx.Process(target=_kernel_worker, args=(inbox, out), daemon=True) for inbox in inboxes]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            out.get(timeout=300)
+
+        def rate(ranks: int, loops: int) -> float:
+            start_at = time.perf_counter() + 0.05
+            for inbox in inboxes[:ranks]:
+                inbox.put((loops, start_at))
+            return lockstep_rate(loops, [out.get(timeout=300) for _ in range(ranks)])
+
+        loops = max(20, round(rate(1, 30) * seconds))  # size the work on this host's speed
+        alone, together = [], []
+        for _ in range(repeats):
+            alone.append(rate(1, loops))
+            together.append(rate(world, loops))
+    finally:
+        for inbox in inboxes:
+            inbox.put(None)
+        for p in procs:
+            p.join(timeout=30)
+    return rate_share(alone, together, world=world, cpus=len(os.sched_getaffinity(0)))
 
 
 def busy_reason(*, load1: float, cpus: int, measured_share: float, model_share: float) -> str | None:
