@@ -28,10 +28,17 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory):
+    """The uncompressed run, launched once: the "none" case and the emulated link's fast side."""
+    home = tmp_path_factory.mktemp("dense")
+    return launch(load_config(None, TINY), home=home), home
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_method_changes_wire_bytes(tmp_path, name):
+def test_method_changes_wire_bytes(tmp_path, name, dense_run):
     extra, low, high = CASES[name]
-    result = launch(load_config(None, TINY + extra), home=tmp_path)
+    result = dense_run[0] if name == "none" else launch(load_config(None, TINY + extra), home=tmp_path)
     assert result.status == "completed" and len(result.steps) == 4
     s = result.summary
     assert s["dense_bytes"] > 0
@@ -39,10 +46,10 @@ def test_method_changes_wire_bytes(tmp_path, name):
     assert all(step["loss"] == step["loss"] for step in result.steps)  # no NaN
 
 
-def test_emulated_link_slows_the_step_and_is_marked(tmp_path):
-    fast = launch(load_config(None, TINY), home=tmp_path)
-    slow = launch(load_config(None, TINY + ["link.gbps=0.1", "link.latency_us=1000"]), home=tmp_path)
+def test_emulated_link_slows_the_step_and_is_marked(dense_run):
+    fast, home = dense_run
+    slow = launch(load_config(None, TINY + ["link.gbps=0.1", "link.latency_us=1000"]), home=home)
     # 0.1 Gbit/s: each step's gradient all-reduce (about 0.25 MB at 2 ranks) takes ~20 ms more
     assert slow.summary["step_time_s"] > fast.summary["step_time_s"] + 0.01
-    store = RunStore.open_home(tmp_path)
+    store = RunStore.open_home(home)
     assert store.run(slow.run_id)["emulated"] and not store.run(fast.run_id)["emulated"]
