@@ -9,7 +9,8 @@ Run: `python bench/simulator.py`. Parts:
 - `print_measured_comparison()`: calibrates this machine (micro-benchmarks only), launches the
   engine's validation configs (1, 2 and 4 ranks, 2 interleaved rounds) and prints simulated vs
   measured step time with the median and max |error| (docs/simulator.md, "Validation on this
-  machine"). Takes several minutes on 2 cores.
+  machine"). Takes several minutes on 2 cores; `--measured` runs only it, `--save FILE` pickles its
+  table with the host profile, clusters and runs (`pd.read_pickle(FILE).attrs`) to re-price offline.
 """
 from __future__ import annotations
 
@@ -66,17 +67,22 @@ def print_published_comparison() -> pd.DataFrame:
     return table
 
 
-def print_measured_comparison(*, rounds: int = 2) -> pd.DataFrame:
-    """Print the simulated-vs-measured step-time table of the engine on this machine."""
-    from tuning.calibration import compare_measured
+def print_measured_comparison(*, rounds: int = 2, save: Path | None = None) -> pd.DataFrame:
+    """Print the simulated-vs-measured step-time table of the engine on this machine; with `save`,
+    pickle the table with its host profile, clusters and runs there, to re-price them offline."""
+    from tuning.calibration import compare_measured, consistent_shares
 
     start_load = os.getloadavg()
     table = compare_measured(rounds=rounds, on_row=lambda row: print(json.dumps(row), flush=True))
+    if save is not None:
+        table.to_pickle(save)
     host = table.attrs["host"]
     print(f"calibration: load1 {host.load1:.1f}, cpus {host.cpus}, non-GEMM {host.nongemm_gb_s:.2f} GB/s, "
           f"optimizer (clip + AdamW) {host.optimizer_gb_s:.2f} GB/s, overheads "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in host.overheads.items()))
-    print("measured per-rank compute share: " + ", ".join(f"world {w}: {v:.2f}" for w, v in sorted(host.shares.items()))
+    used = consistent_shares(host.shares)
+    print("measured per-rank compute share: " + ", ".join(f"world {w}: {v:.2f} (priced {used[w]:.2f})"
+                                                           for w, v in sorted(host.shares.items()))
           + "; multi-rank extras: " + ", ".join(
               f"world {w}: {o['overhead_rank_step_s'] * 1e3:.2f} ms/step, {o['overhead_rank_layer_s'] * 1e3:.2f} ms/layer-mb"
               for w, o in sorted(host.rank_overheads.items())))
@@ -122,14 +128,23 @@ def print_moe_and_context(*, cluster: str = "dgx-a100-80gb", repeats: int = 3) -
 
 
 def main() -> None:
-    """Run every part of the simulator benchmark."""
+    """Run every part of the simulator benchmark (`--measured [--save FILE]`: only the measured one)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measured", action="store_true", help="only the measured comparison on this machine")
+    parser.add_argument("--save", type=Path, help="pickle the measured table, host profile and runs here")
+    args = parser.parse_args()
+    if args.measured:
+        print_measured_comparison(save=args.save)
+        return
     print_search_speed()
     print()
     print_moe_and_context()
     print()
     print_published_comparison()
     print()
-    print_measured_comparison()
+    print_measured_comparison(save=args.save)
 
 
 if __name__ == "__main__":

@@ -284,6 +284,32 @@ def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) 
     assert grow == pytest.approx(0.014)
 
 
+def test_a_larger_worlds_share_raises_a_smaller_ones() -> None:
+    """2 ranks on the cores where 4 ranks got 4 x 0.50 = 2.0 cores' throughput get 1.0 each, not the
+    0.55 one ~10 s sample gave (a quiet-host calibration of issue 16); never lowered, never above 1."""
+    from tuning.calibration import consistent_shares
+
+    assert consistent_shares({1: 1.0, 2: 0.55, 4: 0.50}) == {1: 1.0, 2: 1.0, 4: 0.50}
+    assert consistent_shares({2: 0.59, 4: 0.32})[2] == pytest.approx(0.64)  # 4 x 0.32 / 2
+    assert consistent_shares({2: 0.90, 4: 0.43}) == {2: 0.90, 4: 0.43}  # 1.72 < 1.80 cores: kept
+    assert consistent_shares({2: 0.55}) == {2: 0.55}  # nothing larger measured
+
+
+def test_calibrate_local_prices_with_the_consistent_share(monkeypatch) -> None:
+    """A world-2 profile calibrated after the world-4 share is known runs at the share world 4
+    implies (0.50 x 4 / 2 = 1.0), not the 0.55 measured at world 2."""
+    from tuning import calibration as cal
+
+    host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=4.0, cpus=2,
+                       load1=1.0, overheads={}, shares={4: 0.50})
+    monkeypatch.setattr(cal, "measure_rate_share", lambda world: {2: 0.55}[world])
+    monkeypatch.setattr(cal, "measure_cpu_share", lambda world: 1.0)
+    monkeypatch.setattr(cal, "measure_allreduce", lambda world: (1e-3, 1.0))
+    spec = calibrate_local(2, host=host, parallel=False)
+    assert spec.peak_flops == pytest.approx(2e9) and spec.hbm_gb_s == pytest.approx(5.0)
+    assert host.shares == {4: 0.50, 2: 0.55}  # the measurement itself is kept as measured
+
+
 def test_check_error_refuses_beyond_the_threshold() -> None:
     from tuning.calibration import check_error
 

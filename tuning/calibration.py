@@ -17,7 +17,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -549,12 +549,24 @@ def _fsdp_links(host: HostProfile, world: int, progress: Callable[[str], None]) 
 
 
 def _measured_share(host: HostProfile, world: int, progress: Callable[[str], None]) -> float:
-    """The per-rank compute share at `world` ranks, measured once per host profile (1.0 at one rank)."""
+    """The per-rank compute share at `world` ranks, measured once per host profile (1.0 at one rank),
+    made consistent with the shares measured at the profile's other world sizes (`consistent_shares`)."""
     if world not in host.shares:
         if world > 1:
             progress(f"per-rank compute share ({world} processes together)")
         host.shares[world] = measure_rate_share(world)
-    return host.shares[world]
+    return consistent_shares(host.shares)[world]
+
+
+def consistent_shares(shares: Mapping[int, float]) -> dict[int, float]:
+    """Measured per-rank shares by world size, each raised to what a larger world's measurement
+    implies (ours): `w` ranks on the cores that `v > w` ranks shared get at least the throughput the
+    `v` ranks got together, so share(w) >= min(1, v * share(v) / w). One measurement is a ~10 s
+    sample of a host whose phases last longer: on a quiet host here 2 ranks measured 0.98, 0.91 and
+    0.52 back to back, and a calibration measured 0.55 at 2 ranks beside 0.50 at 4 (4 x 0.50 = 2.0
+    cores of throughput, so 2 ranks get 1.0 each); 6 of its 7 world-2 runs were priced too slow."""
+    return {w: max(s, min(1.0, max([v * shares[v] / w for v in shares if v > w], default=0.0)))
+            for w, s in shares.items()}
 
 
 def _spin(seconds: float, barrier: Any, out: Any) -> None:
@@ -787,6 +799,7 @@ def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int
     simulated_s, error_pct ((sim - meas) / meas), load1 (mean 1-min load during its runs), speed
     (median `speed_index` taken just before its runs) and error_at_speed_pct (the error of
     simulated_s / speed: the model's error with the host's drift since calibration taken out).
+    `table.attrs` holds the host profile, the cluster profile per world size and every run.
     """
     import pandas as pd
 
@@ -795,7 +808,10 @@ def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int
     configs = configs or VALIDATION_CONFIGS
     cfgs = {name: load_config(None, BASE_OVERRIDES + ov) for name, ov in configs.items()}
     host = host or measure_host()
-    clusters = {w: calibrate_local(w, host=host) for w in sorted({c.world_size for c in cfgs.values()})}
+    worlds = sorted({c.world_size for c in cfgs.values()})
+    for w in worlds:  # every share first, so each world's is consistent with the others' (consistent_shares)
+        _measured_share(host, w, lambda _: None)
+    clusters = {w: calibrate_local(w, host=host) for w in worlds}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfgs}
     for _ in range(rounds):
         for name, cfg in cfgs.items():
@@ -813,5 +829,5 @@ def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int
                      "load1": statistics.mean(r["load1"] for r in runs[name]), "speed": speed,
                      "error_at_speed_pct": 100.0 * (simulated / speed - measured) / measured})
     table = pd.DataFrame(rows)
-    table.attrs.update(host=host, clusters=clusters)
+    table.attrs.update(host=host, clusters=clusters, runs=runs)
     return table
