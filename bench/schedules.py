@@ -9,8 +9,9 @@ mean of its (stage, kind), the runtime's host work before each action, the p2p d
 and tail of each rank's step and when each rank entered it. "sim" gives every rank a core of its
 own; "sim shared" adds processor sharing of os.cpu_count() cores among the ranks doing CPU work
 (Costs.cores), the column to compare with when ranks > cores; "sim drawn" is the mean of 20
-walks with every action's work and host work drawn from the step's recorded ones (own cores):
-the step is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
+walks with every action's work drawn from the step's recorded ones and the host work between
+actions at its mean (own cores; `predicted_bubble`, what `show` and the Run page use): the step
+is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
 most (stage, micro-batch) forwards a rank held before their backward, times one stage's
 activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
 5 a s^2 b per layer, times 2 for fp32) is "counted"; "measured" is the most bytes autograd held

@@ -348,6 +348,33 @@ def test_calibrate_reads_the_costs_off_a_recorded_step():
     assert plain.compute[(0, "F")] == pytest.approx(1.5) and sorted(plain.draws[(0, "F")]) == [1.0, 2.0]
 
 
+def test_drawn_walks_draw_the_actions_work_and_keep_the_host_work_at_its_mean():
+    """A recorded gpipe step (pp=2, two micro-batches) with F 1 and B 2 every time and local host
+    gaps 0.2, 0.8, 0.5, 0.5, 0.5 (mean 0.5): with nothing to draw in the actions' work, a drawn walk
+    is the walk at mean costs, whatever the seed (drawing the host gaps too moved actions by up to
+    0.3 s); `draw_host=True` keeps that older form."""
+    import random
+
+    from tuning.sim_schedule import calibrate, predicted_bubble, predicted_timeline
+
+    spans = {0: [("0F0", 0.5, 1.5), ("0F1", 1.7, 2.7), ("0B0", 7.8, 9.8), ("0B1", 10.3, 12.3)],
+             1: [("1F0", 2.0, 3.0), ("1F1", 3.8, 4.8), ("1B0", 5.3, 7.3), ("1B1", 7.8, 9.8)]}
+    step = {r: {"actions": row, "total_s": row[-1][2] + 0.5, "wall_start": 100.0, "paths": {}}
+            for r, row in spans.items()}
+    costs = calibrate(step, stage_rank={0: 0, 1: 1}).costs
+    assert sorted(costs.overhead_draws) == pytest.approx([0.2, 0.5, 0.5, 0.5, 0.8])
+    assert costs.overhead_s == pytest.approx(0.5)
+    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2}
+    mean = predicted_timeline(step, **kwargs)
+    for seed in range(5):
+        drawn = predicted_timeline(step, rng=random.Random(seed), **kwargs)
+        for rank in (0, 1):
+            _same(drawn.rows[rank], mean.rows[rank])
+    assert predicted_bubble(step, draws=8, **kwargs) == pytest.approx(predicted_bubble(step, **kwargs))
+    old = [predicted_timeline(step, rng=random.Random(seed), draw_host=True, **kwargs) for seed in range(5)]
+    assert any(t.rows[1][0][1] != pytest.approx(mean.rows[1][0][1]) for t in old)
+
+
 def test_simulator_prices_every_schedule():
     from tuning.simulator import SCHEDULES as SIM_SCHEDULES, ModelSpec, ParallelSpec, simulate
     from tuning.hardware import load_cluster
