@@ -370,9 +370,10 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
     spread of the costs adds, E[max] >= max E). The host work between actions stays at its mean:
     its recorded gaps are heavy-tailed (pp=4 on 2 cores: coefficient of variation 0.8-1.3, 1f1b's
     median 0.8 ms, mean 3.0 ms, max 14 ms), so independent draws put a rare long gap before random
-    actions on the critical path. Over two bench/schedules.py runs at pp=4 it came within 3 points
-    of the measured bubble for 17 of 18 (schedule, run) pairs, against 12 of 18 with the host work
-    drawn too (`draw_host=True`, the form before 2026-11-24). kwargs as `predicted_timeline`."""
+    actions on the critical path. Over three bench/schedules.py runs at pp=4 it came within 3 points
+    of the measured bubble for 24 of 27 (schedule, run) pairs, against 20 of 27 with the host work
+    drawn too (`draw_host=True`, the form before 2026-11-24; docs/simulator.md). kwargs as
+    `predicted_timeline`."""
     if draws <= 0:
         t = predicted_timeline(step, **kwargs)
         return {r: t.bubble_fraction(r) for r in t.rows}
