@@ -375,6 +375,68 @@ def test_drawn_walks_draw_the_actions_work_and_keep_the_host_work_at_its_mean():
     assert any(t.rows[1][0][1] != pytest.approx(mean.rows[1][0][1]) for t in old)
 
 
+def test_an_overlap_pair_sends_its_forward_only_after_its_backward():
+    """torch's runtime posts an OVERLAP_F_B's sends after both halves (`_add_send_recv`). Unit costs
+    (F 1, B 2), pp=2, rank 0 running 0F0, (0F1;0B0), 0B1, hand-walked: 0F1 ends at 2 but 0B0 waits
+    for 1B0 (ends 4) and runs [4, 6], so 0F1's activation leaves at 6: 1F1 [6, 7], 1B1 [7, 9], 0B1
+    [9, 11]. Timed from 0F1's end (the walk before), 1F1 ran [4, 5] and the step ended at 9."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from engine.parallel.schedules import with_comms
+    from tuning.sim_schedule import walk
+
+    a = _Action.from_str
+    pair = _Action(-1, _ComputationType.OVERLAP_F_B, None, (a("0F1"), a("0B0")))
+    actions = {0: [a("0F0"), pair, a("0B1")], 1: [a("1F0"), a("1B0"), a("1F1"), a("1B1")]}
+    t = walk(actions, stage_rank={0: 0, 1: 1}, comms=with_comms(actions, {0: 0, 1: 1}))
+    _same(t.rows[0], [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 4, 6), ("0B1", 9, 11)])
+    _same(t.rows[1], [("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 6, 7), ("1B1", 7, 9)])
+    assert walk(actions, stage_rank={0: 0, 1: 1}).makespan == pytest.approx(9.0)
+
+
+def test_an_input_leaves_when_its_send_is_posted():
+    """With torch's lowered lists, an input arrives p2p after the sender's list posts its send.
+    Hand lists, rank 0 posting both sends after 0F1; F 1, p2p 0.5: 0F0 [0, 1], 0F1 [1, 2], both
+    sent at 2, so 1F0 runs [2.5, 3.5] and 1F1 [3.5, 4.5]; timed from the end of 0F0 (without the
+    lists), 1F0 ran [1.5, 2.5]. The unit-cost search walk lowers every schedule the same way
+    (dualpipev pp=4, 8 micro-batches: bubble 0.125 of the compute, 0.0625 before)."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    from tuning.sim_schedule import Costs, bubble_ratio, walk
+
+    a = _Action.from_str
+    actions = {0: [a("0F0"), a("0F1")], 1: [a("1F0"), a("1F1")]}
+    comms = {0: [a("0F0"), a("0F1"), a("0SEND_F0"), a("0SEND_F1")],
+             1: [a("1RECV_F0"), a("1RECV_F1"), a("1F0"), a("1F1")]}
+    t = walk(actions, stage_rank={0: 0, 1: 1}, comms=comms, costs=Costs(p2p_s=0.5))
+    _same(t.rows[1], [("1F0", 2.5, 3.5), ("1F1", 3.5, 4.5)])
+    _same(walk(actions, stage_rank={0: 0, 1: 1}, costs=Costs(p2p_s=0.5)).rows[1], [("1F0", 1.5, 2.5), ("1F1", 2.5, 3.5)])
+    assert bubble_ratio("dualpipev", 4, 8) == pytest.approx(0.125)
+
+
+def test_calibrate_reads_each_ranks_own_host_work():
+    """A recorded gpipe step (pp=2, two micro-batches, F 1, B 2) walked by hand with host work 0.2
+    before each action on rank 0, 0.8 on rank 1, and p2p 0.3: rank 0 0F0 [.2, 1.2], 0F1 [1.4, 2.4];
+    rank 1 1F0 ready 1.5, runs [2.3, 3.3], 1F1 [4.1, 5.1], 1B0 [5.9, 7.9], 1B1 [8.7, 10.7]; rank 0
+    0B0 [8.4, 10.4], 0B1 [11.2, 13.2]. Calibrated from it, each rank gets its own host work (the
+    one mean is 0.65) and p2p 0.3, and the walk reproduces the step; one mean for all
+    (`per_rank=False`, the form before) moves rank 1's actions."""
+    from tuning.sim_schedule import calibrate, predicted_timeline
+
+    spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.2, 13.2)],
+             1: [("1F0", 2.3, 3.3), ("1F1", 4.1, 5.1), ("1B0", 5.9, 7.9), ("1B1", 8.7, 10.7)]}
+    step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
+    costs = calibrate(step, stage_rank={0: 0, 1: 1}).costs
+    assert dict(costs.rank_overhead_s) == pytest.approx({0: 0.2, 1: 0.8})
+    assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.65, 0.3, 0.0, 0.0))
+    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2}
+    t = predicted_timeline(step, **kwargs)
+    for rank, row in spans.items():
+        _same(t.rows[rank], row)
+    one_mean = predicted_timeline(step, per_rank=False, **kwargs)
+    assert one_mean.rows[1][1][1] != pytest.approx(4.1)
+
+
 def test_simulator_prices_every_schedule():
     from tuning.simulator import SCHEDULES as SIM_SCHEDULES, ModelSpec, ParallelSpec, simulate
     from tuning.hardware import load_cluster

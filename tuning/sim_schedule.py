@@ -4,10 +4,12 @@
 earliest time its rank is free and its inputs are ready: a forward after the forward of the
 previous stage on the micro-batch's path, a full or input backward after its own forward and the
 backward of the next stage on the path, a weight backward after its input backward; a dependency
-on another rank adds `p2p_s`. `Costs` adds the rest of what a run spends (host work before each
-action, the head and tail of each rank's step, when each rank enters it, and processor sharing
-when ranks outnumber cores); `calibrate` reads those off a recorded step, so `predicted_timeline`
-prices the executed schedule with what the run itself measured. The result holds each action's
+on another rank adds `p2p_s`, counted, when the lists carry torch's SEND / RECV actions
+(`comms`, `schedules.with_comms`), from where the sender's list posts the send. `Costs`
+adds the rest of what a run spends (host work before each action, per rank, the head and tail of
+each rank's step, when each rank enters it, and processor sharing when ranks outnumber cores);
+`calibrate` reads those off a recorded step, so `predicted_timeline` prices the executed
+schedule with what the run itself measured. The result holds each action's
 start and end, so the bubble of every rank is read off the timeline, never derived by formula. `bubble_ratio(schedule, pp, m, v)`
 prices with unit costs (forward 1, full backward 2, input and weight backward 1 each) and is
 cached per (schedule, pp, m, v) for the search.
@@ -60,6 +62,7 @@ class Costs:
     cores: float | None = None
     background: float = 0.0  # other runnable threads on those cores (e.g. other jobs)
     overhead_draws: tuple[float, ...] = ()  # recorded host-work samples, drawn from by `walk(rng=...)`
+    rank_overhead_s: Mapping[int, float] = field(default_factory=dict)  # per rank, in place of overhead_s
 
     def rate(self, running: int) -> float:
         """Speed of each of `running` ranks doing CPU work at once (1: a core of its own)."""
@@ -116,28 +119,37 @@ class _Rank:
 def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
          cost: Callable[[_Action], float] | None = None, p2p_s: float = 0.0,
          paths: dict[int, list[int]] | None = None, costs: Costs | None = None,
-         rng: random.Random | None = None) -> Timeline:
+         rng: random.Random | None = None, comms: dict[int, list[_Action]] | None = None) -> Timeline:
     """The timeline of `actions` run in order per rank (see the module docstring).
 
     `paths[mb]` is the stages micro-batch mb visits in order (SkipPipe); default every stage.
     `costs` adds host overhead, p2p delay and core sharing (`p2p_s` is a shorthand for
-    `Costs(p2p_s=...)`). An event-driven walk: time advances to the next segment end or input
-    arrival, and every rank doing CPU work progresses at `costs.rate(running)`.
+    `Costs(p2p_s=...)`). `comms`: the same lists with the SEND / RECV actions torch's runtime runs
+    (`schedules.with_comms`); an input from another rank then arrives `p2p_s` after its send is
+    posted (an OVERLAP_F_B posts its sends after both halves), not after the action computing it. An
+    event-driven walk: time advances to the next segment end or input arrival, and every rank
+    doing CPU work progresses at `costs.rate(running)`.
     Raises RuntimeError when the lists deadlock (an action waits on one that never runs).
     """
     cost = cost or (lambda a: UNIT_COST[a.computation_type.value])
     costs = costs or Costs(p2p_s=p2p_s)
     hop = _hops(paths, len(stage_rank))
-    overhead = (lambda: rng.choice(costs.overhead_draws)) if rng and costs.overhead_draws else (lambda: costs.overhead_s)
-    ranks = {r: _Rank(_segments(order, cost, overhead, costs), costs.start_s.get(r, 0.0))
-             for r, order in actions.items()}
+
+    def overhead(rank: int) -> Callable[[], float]:
+        if rng and costs.overhead_draws:
+            return lambda: rng.choice(costs.overhead_draws)
+        return lambda: costs.rank_overhead_s.get(rank, costs.overhead_s)
+
+    ranks = {r: _Rank(_segments((comms or actions)[r], cost, overhead(r), costs), costs.start_s.get(r, 0.0))
+             for r in actions}
     done: dict[tuple[int, str, int], float] = {}
+    sent: dict[tuple[str, int, int], float] | None = {} if comms is not None else None  # when each send was posted
     rows: dict[int, list[tuple[str, float, float]]] = {r: [] for r in ranks}
     windows: dict[int, tuple[float, float]] = {}
     now = 0.0
     while True:
         # a rank finishing an action can make an earlier-visited rank ready at the same instant
-        while any([_advance(r, st, now, done, rows, windows, hop, stage_rank, costs.p2p_s)
+        while any([_advance(r, st, now, done, rows, windows, hop, stage_rank, costs.p2p_s, sent)
                    for r, st in ranks.items()]):
             pass
         live = {r: st for r, st in ranks.items() if st.index < len(st.segments)}
@@ -162,15 +174,29 @@ def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: 
 
     segs: list[tuple[str, float, _Action | None]] = [("head", costs.head_s, None)]
     for outer in order:
-        for a in schedules.compute_actions(outer):
-            segs += [("overhead", overhead(), a), ("compute", cost(a), a)]
+        if outer.computation_type.value in _SENDS:
+            segs.append(("send", 0.0, outer))
+        elif outer.computation_type.value in ("RECV_F", "RECV_B"):
+            continue  # posting a receive is in the host work; a wait on it is in the p2p delay
+        elif outer.is_compute_op or outer.sub_actions:
+            for a in schedules.compute_actions(outer):
+                segs += [("overhead", overhead(), a), ("compute", cost(a), a)]
     return segs + [("tail", costs.tail_s, None)]
 
 
+_SENDS = ("SEND_F", "SEND_B")
+
+
+def _transfer(send: _Action) -> tuple[str, int, int]:
+    """The input a SEND action posts: (direction F / B, receiving stage, micro-batch)."""
+    kind, s, mb = send.computation_type.value, send.stage_index, send.microbatch_index
+    return kind[-1], s + (1 if kind == "SEND_F" else -1), mb
+
+
 def _advance(rank: int, st: _Rank, now: float, done: dict, rows: dict, windows: dict, hop: Callable,
-             stage_rank: dict[int, int], p2p_s: float) -> bool:
+             stage_rank: dict[int, int], p2p_s: float, sent: dict | None = None) -> bool:
     """Finish `rank`'s segments whose work is done at `now` and find when the next one may run;
-    True when a compute action finished (other ranks may now be ready)."""
+    True when a compute action finished or a send was posted (other ranks may now be ready)."""
     eps = 1e-12 * max(1.0, now)
     finished = False
     while st.index < len(st.segments):
@@ -179,7 +205,7 @@ def _advance(rank: int, st: _Rank, now: float, done: dict, rows: dict, windows: 
             if kind == "head":
                 st.ready = st.start
             elif kind == "overhead":
-                st.ready = _ready_time(action, done, hop, stage_rank, p2p_s)
+                st.ready = _ready_time(action, done, hop, stage_rank, p2p_s, sent)
                 if st.ready is None:
                     return finished
             else:
@@ -190,6 +216,9 @@ def _advance(rank: int, st: _Rank, now: float, done: dict, rows: dict, windows: 
         if kind == "compute":
             done[(action.stage_index, action.computation_type.value, action.microbatch_index)] = now
             rows[rank].append((str(action), st.seg_start, now))
+            finished = True
+        elif kind == "send":
+            sent[_transfer(action)] = now
             finished = True
         elif kind == "tail":
             windows[rank] = (st.start, now)
@@ -222,11 +251,19 @@ def _needs(action: _Action, hop: Callable) -> list[tuple[int, tuple[str, ...]]]:
     return [(s, ("F",))] + ([(nxt, ("B", "I"))] if nxt is not None else [])
 
 
-def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: float) -> float | None:
-    """When the inputs of `action` are ready; None while one of them has not run."""
+def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: float,
+                sent: dict | None = None) -> float | None:
+    """When the inputs of `action` are ready; None while one of them has not run (with `sent`, the
+    times sends were posted: while one from another rank has not been sent)."""
     s, mb = action.stage_index, action.microbatch_index
     ready = 0.0
     for stage, kinds in _needs(action, hop):
+        if stage_rank[stage] != stage_rank[s] and sent is not None:
+            at = sent.get(("F" if kinds == ("F",) else "B", s, mb))
+            if at is None:
+                return None
+            ready = max(ready, at + p2p_s)
+            continue
         ends = [done[(stage, k, mb)] for k in kinds if (stage, k, mb) in done]
         if not ends:
             return None
@@ -281,7 +318,8 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
 
     v = schedules.chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
     actions = schedules.schedule_actions(schedule=schedule, pp=pp, n_microbatches=m, virtual=virtual, layers=layers)
-    return walk(actions, stage_rank=schedules.stage_to_rank(schedule, pp, pp * v)).bubble_ratio()
+    stage_rank = schedules.stage_to_rank(schedule, pp, pp * v)
+    return walk(actions, stage_rank=stage_rank, comms=schedules.with_comms(actions, stage_rank)).bubble_ratio()
 
 
 # ---------------------------------------------------------------- executed schedules (runs)
@@ -340,11 +378,15 @@ class Calibration:
 def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: int, n_microbatches: int,
                        virtual: int = 1, layers: int | None = None, cores: float | None = None,
                        background: float = 0.0, rng: random.Random | None = None,
-                       draw_host: bool = False) -> Timeline:
+                       draw_host: bool = False, sends: bool = True, per_rank: bool = True) -> Timeline:
     """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
     with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
     with `rng`, every action's work is one draw from the step's recorded ones of its (stage, kind),
-    and the host work before it is the step's mean (`draw_host`: a draw too, see `predicted_bubble`)."""
+    and the host work before it its rank's mean in the step (`draw_host`: a draw too, see
+    `predicted_bubble`). The forms before 2026-11-24 stay available: `sends=False` times an input
+    from the end of the action computing it rather than from its send in torch's lowered list
+    (SkipPipe, with its own executor, always does), and `per_rank=False` charges every rank the
+    mean host work."""
     from engine.parallel import schedules
     from engine.parallel.skippipe import skip_actions
 
@@ -357,9 +399,11 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
                                              virtual=virtual, layers=layers)
         stage_rank = schedules.stage_to_rank(schedule, pp, pp * v)
     paths = paths if schedule == "skip" else None
-    cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background)
+    comms = schedules.with_comms(actions, stage_rank) if schedule != "skip" and sends else None
+    cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background, comms=comms,
+                    per_rank=per_rank)
     return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
-                paths=paths, costs=cal.costs, rng=rng if draw_host else None)
+                paths=paths, costs=cal.costs, rng=rng if draw_host else None, comms=comms)
 
 
 def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: int = 0,
@@ -370,10 +414,13 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
     spread of the costs adds, E[max] >= max E). The host work between actions stays at its mean:
     its recorded gaps are heavy-tailed (pp=4 on 2 cores: coefficient of variation 0.8-1.3, 1f1b's
     median 0.8 ms, mean 3.0 ms, max 14 ms), so independent draws put a rare long gap before random
-    actions on the critical path. Over three bench/schedules.py runs at pp=4 it came within 3 points
-    of the measured bubble for 24 of 27 (schedule, run) pairs, against 20 of 27 with the host work
-    drawn too (`draw_host=True`, the form before 2026-11-24; docs/simulator.md). kwargs as
-    `predicted_timeline`."""
+    actions on the critical path. Each rank keeps its own mean: the middle ranks post sends and
+    receives both ways, and on shared cores the ranks get unequal shares (at pp=4 on 2 cores, a
+    rank's delays beyond the overall mean, summed over a step, ran from -32 to +38 ms). On four saved
+    bench/schedules.py runs at pp=4 this came within 3 points of the measured bubble for 35 of 36
+    (schedule, run) pairs (mean |error| 1.3 points), against 26 of 36 (2.3 points) with one mean
+    host work and inputs timed from the end of the action computing them (docs/simulator.md).
+    kwargs as `predicted_timeline`."""
     if draws <= 0:
         t = predicted_timeline(step, **kwargs)
         return {r: t.bubble_fraction(r) for r in t.rows}
@@ -383,7 +430,8 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
 
 
 def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], paths: dict[int, list[int]] | None = None,
-              cores: float | None = None, background: float = 0.0) -> Calibration:
+              cores: float | None = None, background: float = 0.0,
+              comms: dict[int, list[_Action]] | None = None, per_rank: bool = True) -> Calibration:
     """The walk's prices read off one recorded step (`executed_steps(...)[step]`, ranks keyed in
     pp order): the cost of each (stage, kind), and `Costs`.
 
@@ -391,12 +439,15 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     gap since the rank's previous action (or its step start) is sorted by what it waited on: an
     input from another rank that arrived later than that (a remote gap: p2p + the runtime's host
     work), else nothing (a local gap: host work only). overhead_s = mean local gap past the first
-    action; p2p_s = mean remote gap - mean local gap; tail_s = mean time from a rank's last action
-    to its step end; the walk charges overhead_s before every action, the first included, so
-    head_s = mean first gap of a rank that did not wait - overhead_s. With `cores` set, every
-    compute, overhead, head and tail span is converted to work at a core of its own by the same
-    processor sharing the walk applies (`Costs.rate` of the ranks running at each instant; a rank
-    in a remote gap counts as waiting), so the walk inflates it back by its own sharing.
+    action, rank_overhead_s = each rank's own (`per_rank`); p2p_s = mean over remote gaps of the
+    gap less its rank's mean local gap; tail_s = mean time from a rank's last action to its step
+    end; the walk charges the host work before every action, the first included, so head_s =
+    mean first gap of a rank that did not wait - overhead_s. With `cores` set, every compute,
+    overhead, head and tail span is converted to work at a core of its own by the same processor
+    sharing the walk applies (`Costs.rate` of the ranks running at each instant; a rank in a
+    remote gap counts as waiting), so the walk inflates it back by its own sharing. With `comms`
+    (the lists the walk will run, `walk(comms=...)`), an input arrives when its send was posted
+    (at the end of the compute before the SEND in the sender's list), as the walk times it.
     """
     origin = min(row["wall_start"] for row in step.values())
     ranks = {rank: i for i, rank in enumerate(sorted(step))}
@@ -407,22 +458,30 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
         for name, _, end in row["actions"]:
             a = _action(name)
             ends[(a.stage_index, a.computation_type.value, a.microbatch_index)] = end + start[ranks[r]]
+    sent = _sent(step, comms, ends, start) if comms is not None else None
     spans: dict[str, list[tuple[float, float]]] = {"local": [], "head": [], "remote": [], "tail": []}
     compute: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    by_rank: dict[int, list[tuple[float, float]]] = {}  # local gaps per rank
+    waits: list[tuple[int, float, float]] = []  # (rank, input arrived, action start)
     for r, row in step.items():
         off = start[ranks[r]]
         prev = off
         for i, (name, s, e) in enumerate(row["actions"]):
             a = _action(name)
             remote = [min(ends[(st, k, a.microbatch_index)] for k in kinds if (st, k, a.microbatch_index) in ends)
+                      if sent is None else sent.get(("F" if kinds == ("F",) else "B", a.stage_index,
+                                                     a.microbatch_index), -1.0)
                       for st, kinds in _needs(a, hop)
                       if stage_rank[st] != stage_rank[a.stage_index]
                       and any((st, k, a.microbatch_index) in ends for k in kinds)]
             arrived = max(remote, default=-1.0)
             if arrived > prev:
                 spans["remote"].append((arrived, s + off))
+                waits.append((ranks[r], arrived, s + off))
             else:
                 spans["head" if i == 0 else "local"].append((prev, s + off))
+                if i:
+                    by_rank.setdefault(ranks[r], []).append((prev, s + off))
             compute.setdefault((a.stage_index, a.computation_type.value), []).append((s + off, e + off))
             prev = e + off
         spans["tail"].append((prev, row["total_s"] + off))
@@ -436,14 +495,35 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     def mean_wall(items: list[tuple[float, float]]) -> float:
         return sum(b - a for a, b in items) / len(items) if items else 0.0
 
-    p2p = max(0.0, mean_wall(spans["remote"]) - mean_wall(spans["local"])) if spans["remote"] else 0.0
+    local_wall = {rank: mean_wall(items) for rank, items in by_rank.items()} if per_rank else {}
+    overall = mean_wall(spans["local"])
+    p2p = max(0.0, statistics.fmean(b - a - local_wall.get(rank, overall) for rank, a, b in waits)) if waits else 0.0
     overhead = mean_work(spans["local"])
     costs = Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
                   tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background,
-                  overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]))
+                  overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]),
+                  rank_overhead_s={rank: mean_work(items) for rank, items in by_rank.items()} if per_rank else {})
     return Calibration({key: mean_work(items) for key, items in compute.items()},
                        {key: tuple(_work(a, b, running, sharing) for a, b in items) for key, items in compute.items()},
                        costs)
+
+
+def _sent(step: dict[int, dict[str, Any]], comms: dict[int, list[_Action]], ends: dict, start: dict[int, float]
+          ) -> dict[tuple[str, int, int], float]:
+    """Per input (direction, receiving stage, micro-batch), when the recorded step posted its send:
+    at the end of the compute before the SEND in the sender's list."""
+    from engine.parallel import schedules
+
+    out: dict[tuple[str, int, int], float] = {}
+    for i in range(len(step)):
+        last = start[i]
+        for a in comms.get(i, []):
+            if a.computation_type.value in _SENDS:
+                out[_transfer(a)] = last
+            elif a.is_compute_op or a.sub_actions:
+                for sub in schedules.compute_actions(a):
+                    last = max(last, ends.get((sub.stage_index, sub.computation_type.value, sub.microbatch_index), last))
+    return out
 
 
 def _work(a: float, b: float, running: list[tuple[float, float]], costs: Costs) -> float:

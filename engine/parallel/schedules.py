@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
     _Action,
+    _add_send_recv,
     _ComputationType,
 )
 
@@ -117,6 +118,15 @@ def _single_stage_order(schedule: str, stage: int, pp: int, m: int) -> list[_Act
 def compute_actions(action: _Action) -> list[_Action]:
     """The single compute actions inside `action` (an OVERLAP_F_B holds a forward and a backward)."""
     return list(action.sub_actions) if action.sub_actions else [action]
+
+
+def with_comms(actions: dict[int, list[_Action]], stage_rank: dict[int, int]) -> dict[int, list[_Action]]:
+    """`actions` with the SEND / RECV actions torch's runtime inserts (`_add_send_recv`, the lowering
+    `_prepare_schedule_with_comms` runs): a send right after the action computing it (after both
+    halves of an OVERLAP_F_B), a receive where the sender's progress puts it in the receiver's list."""
+    lists = {rank: list(order) for rank, order in actions.items() if order}
+    lowered = _add_send_recv(lists, stage_to_rank=lambda s: stage_rank[s], num_stages=len(stage_rank))
+    return {rank: lowered.get(rank, []) for rank in actions}
 
 
 def format_actions(actions: dict[int, list[_Action]]) -> dict[int, list[str]]:
