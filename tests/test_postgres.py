@@ -77,3 +77,44 @@ def test_storage_url_errors_are_one_line_and_exit_2(tmp_path, url, said):
     assert not (tmp_path / "runs").exists()  # refused before any process started
     with pytest.raises(StorageError, match=said):
         make_storage(url)
+
+
+def _open_storage(url: str, go, out) -> None:
+    go.wait()
+    try:
+        make_storage(url)
+        out.put("ok")
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on what each worker saw
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_workers_opening_a_fresh_postgresql_database_at_once_all_succeed():
+    """Optuna creates its tables with CREATE TABLE IF NOT EXISTS, which PostgreSQL does not serialize:
+    two `workbench tune` workers started together on an empty database failed in CI with
+    UniqueViolation "pg_type_typname_nsp_index". Four processes open one fresh database at once."""
+    if not _server_listens():
+        pytest.skip("no PostgreSQL server listens on 127.0.0.1:5432")
+    import multiprocessing as mp
+
+    import sqlalchemy
+
+    name = f"wb_race_{uuid.uuid4().hex[:10]}"
+    admin = sqlalchemy.create_engine(with_driver(PG_URL), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sqlalchemy.text(f"CREATE DATABASE {name}"))
+    try:
+        ctx = mp.get_context("spawn")
+        go, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_open_storage, args=(PG_URL.rsplit("/", 1)[0] + f"/{name}", go, out))
+                 for _ in range(4)]
+        for p in procs:
+            p.start()
+        go.set()
+        seen = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert seen == ["ok"] * 4, seen
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sqlalchemy.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        admin.dispose()

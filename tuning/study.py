@@ -123,8 +123,14 @@ def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s
 
 @contextlib.contextmanager
 def _schema_lock(url: str) -> Iterator[None]:
-    """Serialize opening one SQLite study file across processes: Optuna creates its tables and version
-    row without a lock, and workers started together fail with "table ... already exists"."""
+    """Serialize opening one study database across processes: Optuna creates its tables and version
+    row without a lock, and workers started together fail, on SQLite with "table ... already
+    exists", on PostgreSQL with UniqueViolation "pg_type_typname_nsp_index" (its CREATE TABLE IF NOT
+    EXISTS is not atomic). SQLite: a lock file; PostgreSQL: a session advisory lock."""
+    if url.startswith("postgresql"):
+        with _advisory_lock(url):
+            yield
+        return
     if not url.startswith("sqlite:///"):
         yield
         return
@@ -141,6 +147,27 @@ def _schema_lock(url: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+SCHEMA_LOCK_KEY = 0x776F726B62656E63  # "workbenc": the advisory lock every workbench worker takes to open a study database
+
+
+@contextlib.contextmanager
+def _advisory_lock(url: str) -> Iterator[None]:
+    """Hold PostgreSQL's session advisory lock SCHEMA_LOCK_KEY (released with the connection)."""
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    engine = sqlalchemy.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 10})
+    try:
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
+    finally:
+        engine.dispose()
 
 
 def _interrupt_run(home: str | Path | None) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
