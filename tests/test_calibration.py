@@ -152,7 +152,9 @@ def test_one_rank_prediction_within_factor_three() -> None:
     cluster = calibrate_local(1, host=host)
     cfg = load_config(None, BASE)
     steps = [m.step_time_s for m in Trainer(cfg, device=torch.device("cpu")).run()]
-    measured = statistics.median(steps[1:])
+    # the fastest step: the calibration's 10 ms batches see the host's quiet moments, and the other
+    # xdist worker's launches slowed the steps' median 3.2x past them once in CI (0.080 s vs 0.025 s)
+    measured = min(steps[1:])
     predicted = predict_run(cfg, cluster).iteration_time_s
     assert measured / 3 <= predicted <= 3 * measured, (predicted, measured)
     # host-side overheads make the prediction larger than the GEMM+memory terms alone
