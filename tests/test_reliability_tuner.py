@@ -28,7 +28,7 @@ from engine.config import load_config
 from profilers.store import RunStore
 from tuning.objective import Objective
 from tuning.space import SearchSpace
-from tuning.study import load_study, run_trials
+from tuning.study import load_study, make_storage, run_trials
 
 # its own worker group: these are the suite's three longest tests, and in "launch" they made it the long pole
 pytestmark = pytest.mark.xdist_group("tuner")
@@ -61,8 +61,10 @@ def _tune(space: Path, base: Path, study: str, storage: str, trials: int, jobs: 
 
 
 def _trials(study: str, storage: str) -> list[optuna.trial.FrozenTrial]:
+    # make_storage takes the schema lock: a bare URL raced the tuner creating the tables once in CI
+    # (UNIQUE constraint failed: alembic_version.version_num)
     try:
-        return optuna.load_study(study_name=study, storage=storage).get_trials()
+        return optuna.load_study(study_name=study, storage=make_storage(storage)).get_trials()
     except KeyError:
         return []
 
