@@ -19,10 +19,14 @@ activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor:
 at once on a rank (saved-tensor hooks on each stage forward, weights excluded, freed at the
 micro-batch's B or W; engine/parallel/pipeline.py), not recorded under SkipPipe.
 
-SkipPipe's ratio is the median over `--ratio-pairs` alternated 1f1b / skip runs of `--ratio-steps`
-steps each: with one pair of the table's 6-step runs it read 0.54 to 1.02 on a shared 2-core host.
+SkipPipe's ratio to 1f1b: two engine Trainers, 1f1b and skip (same model, same seed, profilers on),
+in the same four rank processes, stepping alternately (1f1b-skip, then skip-1f1b, `--ratio-pairs`
+times after 3 warm-up pairs); each step's time is its slowest rank's, and the ratio is the median of
+the pairs' skip / 1f1b. Separate runs of each schedule drifted apart with the host's speed (one pair
+of 6-step runs read 0.54 to 1.02, medians of three 12-step pairs 0.57 to 0.83); steps seconds apart in
+one world do not.
 
-    python bench/schedules.py [--steps 6] [--loss-steps 150] [--ratio-pairs 3] [--ratio-steps 12] [--save DIR]
+    python bench/schedules.py [--steps 6] [--loss-steps 150] [--ratio-pairs 60] [--save DIR]
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import run_world, timed  # noqa: E402
 
 from engine.config import load_config  # noqa: E402
 from engine.launch import launch  # noqa: E402
@@ -88,12 +95,29 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
             "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20, "held_mib": max(held) / 2**20}
 
 
-def step_time(name: str, steps: int, home: Path) -> float:
-    """Median step time of one run of `name` (steps 3+)."""
-    run_id, store = _run(name, steps, home)
-    frame = store.step_frame(run_id)
-    col = next(c for c in frame.columns if c.startswith("step_time"))
-    return statistics.median(frame[col].iloc[2:] if len(frame) > 2 else frame[col])
+def alternated_ratios(rank: int, world: int, pairs: int, warmup: int = 3) -> list[float]:
+    """Per pair of adjacent steps, skip's step time over 1f1b's (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.train import Trainer
+
+    trainers = {}
+    for name in ("1f1b", "skip"):
+        cfg = load_config(None, MODEL + [f"parallel.schedule={name}", f"train.steps={warmup + pairs}"] + SCHEDULES[name])
+        trainers[name] = Trainer(cfg, device=torch.device("cpu"))
+        trainers[name].collectives.disable()  # one collective profiler patches torch.distributed at a time
+    times: dict[str, list[float]] = {"1f1b": [], "skip": []}
+    for i in range(warmup + pairs):
+        for name in ("1f1b", "skip") if i % 2 == 0 else ("skip", "1f1b"):
+            trainer = trainers[name]
+            trainer.collectives.enable()
+            times[name].append(timed(lambda: trainer.train_step(i)))
+            trainer.collectives.disable()
+    slowest = torch.tensor(times["1f1b"] + times["skip"], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    full, skip = slowest.tolist()[warmup:warmup + pairs], slowest.tolist()[2 * warmup + pairs:]
+    return [s / f for f, s in zip(full, skip)]
 
 
 def loss_after(name: str, steps: int, home: Path) -> float:
@@ -109,19 +133,16 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=0, help="also train 1f1b and skip this long (0: skip it)")
     ap.add_argument("--only", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--save", type=Path, default=None, help="also pickle each schedule's executed steps here")
-    ap.add_argument("--ratio-pairs", type=int, default=3, help="alternated 1f1b / skip runs for SkipPipe's ratio")
-    ap.add_argument("--ratio-steps", type=int, default=12, help="steps of each of those runs (median of steps 3+)")
+    ap.add_argument("--ratio-pairs", type=int, default=60, help="alternated 1f1b / skip step pairs for SkipPipe's ratio")
     args = ap.parse_args()
     rows = {}
-    pairs: list[tuple[float, float]] = []
+    ratios: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
             rows[name] = measure(name, args.steps, Path(tmp), args.save)
             print(name, rows[name], flush=True)
-        if "skip" in rows and "1f1b" in rows:
-            for _ in range(args.ratio_pairs):  # interleaved repeats: the host's speed drifts between runs
-                pairs.append((step_time("1f1b", args.ratio_steps, Path(tmp)),
-                              step_time("skip", args.ratio_steps, Path(tmp))))
+        if "skip" in rows and "1f1b" in rows and args.ratio_pairs:
+            ratios = run_world(alternated_ratios, PP, args.ratio_pairs)
         losses = {n: loss_after(n, args.loss_steps, Path(tmp)) for n in ("1f1b", "skip")} if args.loss_steps else {}
     print(f"pp={PP}, layers={LAYERS}, d={D}, seq={SEQ}, {GLOBAL // MICRO} micro-batches, {args.steps} steps each "
           f"(median of steps 3+; load avg {os.getloadavg()[0]:.1f} on a shared 2-core machine)")
@@ -133,10 +154,10 @@ def main() -> None:
               f"{100 * (r['measured'] - r['simulated']):8.1f} {r['shared']:10.3f} "
               f"{100 * (r['measured'] - r['shared']):8.1f} {r['drawn']:9.3f} {100 * (r['measured'] - r['drawn']):8.1f} "
               f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib'] or float('nan'):12.2f}")
-    if pairs:
-        ratios = [skip / full for full, skip in pairs]
-        print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b, {len(pairs)} alternated pairs: "
-              f"{', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}  (goal <= 0.8)")
+    if ratios:
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b over {len(ratios)} alternated step pairs in one world: "
+              f"median {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f})  (goal <= 0.8)")
     if losses:
         print(f"loss (mean of last 10 of {args.loss_steps} steps, equal tokens): 1f1b {losses['1f1b']:.4f}, "
               f"skip {losses['skip']:.4f}, skip/1f1b - 1 = {100 * (losses['skip'] / losses['1f1b'] - 1):+.2f}% "

@@ -251,6 +251,11 @@ def _needs(action: _Action, hop: Callable) -> list[tuple[int, tuple[str, ...]]]:
     return [(s, ("F",))] + ([(nxt, ("B", "I"))] if nxt is not None else [])
 
 
+def _input_key(kinds: tuple[str, ...], stage: int, mb: int) -> tuple[str, int, int]:
+    """The key `_transfer` gives the input of (stage, mb) computed by actions of `kinds`."""
+    return ("F" if kinds == ("F",) else "B", stage, mb)
+
+
 def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: float,
                 sent: dict | None = None) -> float | None:
     """When the inputs of `action` are ready; None while one of them has not run (with `sent`, the
@@ -259,7 +264,7 @@ def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int
     ready = 0.0
     for stage, kinds in _needs(action, hop):
         if stage_rank[stage] != stage_rank[s] and sent is not None:
-            at = sent.get(("F" if kinds == ("F",) else "B", s, mb))
+            at = sent.get(_input_key(kinds, s, mb))
             if at is None:
                 return None
             ready = max(ready, at + p2p_s)
@@ -469,8 +474,7 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
         for i, (name, s, e) in enumerate(row["actions"]):
             a = _action(name)
             remote = [min(ends[(st, k, a.microbatch_index)] for k in kinds if (st, k, a.microbatch_index) in ends)
-                      if sent is None else sent.get(("F" if kinds == ("F",) else "B", a.stage_index,
-                                                     a.microbatch_index), -1.0)
+                      if sent is None else sent.get(_input_key(kinds, a.stage_index, a.microbatch_index), -1.0)
                       for st, kinds in _needs(a, hop)
                       if stage_rank[st] != stage_rank[a.stage_index]
                       and any((st, k, a.microbatch_index) in ends for k in kinds)]
