@@ -1,17 +1,19 @@
 """Every pipeline schedule at pp=4: step time, measured vs simulated bubble, peak activations;
 SkipPipe's step-time ratio to 1f1b; optionally SkipPipe's loss after N steps vs 1f1b.
 
-Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 micro-batches. The
+Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 micro-batches, for
+`--steps` steps; the columns are medians over steps 3+ (12 by default, 4 before 2026-11-24: on this
+2-core host one step's scheduling noise moves a 4-step median by a point or two). The
 measured bubble of a rank is 1 - (its executed compute actions' time) / (its step time), from the
 actions the engine recorded; the simulated one walks the schedule's own action list
 (tuning/sim_schedule.py) with the prices `calibrate` reads off the same step: each action the
-mean of its (stage, kind), each rank's host work before each action, the p2p delay (counted
+mean of its (stage, kind), each rank's host work before each kind of action, the p2p delay (counted
 from where torch's lowered list posts the input's send: an OVERLAP_F_B sends after both halves),
 the head and tail of each rank's step and when each rank entered it. "sim" gives every rank a
 core of its own; "sim shared" adds processor sharing of os.cpu_count() cores among the ranks doing
 CPU work (Costs.cores), the column to compare with when ranks > cores; "sim drawn" is the mean of
 20 walks with every action's work drawn from the step's recorded ones and the host work between
-actions at its rank's mean (own cores; `predicted_bubble`, what `show` and the Run page use): the
+actions at its (rank, kind)'s mean (own cores; `predicted_bubble`, what `show` and the Run page use): the
 step is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
 most (stage, micro-batch) forwards a rank held before their backward, times one stage's
 activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
@@ -26,7 +28,7 @@ the pairs' skip / 1f1b. Separate runs of each schedule drifted apart with the ho
 of 6-step runs read 0.54 to 1.02, medians of three 12-step pairs 0.57 to 0.83); steps seconds apart in
 one world do not.
 
-    python bench/schedules.py [--steps 6] [--loss-steps 150] [--ratio-pairs 60] [--save DIR]
+    python bench/schedules.py [--steps 14] [--loss-steps 150] [--ratio-pairs 60] [--save DIR]
 """
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ def loss_after(name: str, steps: int, home: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=14, help="steps of each schedule's run (medians of steps 3+)")
     ap.add_argument("--loss-steps", type=int, default=0, help="also train 1f1b and skip this long (0: skip it)")
     ap.add_argument("--only", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--save", type=Path, default=None, help="also pickle each schedule's executed steps here")

@@ -420,21 +420,57 @@ def test_calibrate_reads_each_ranks_own_host_work():
     rank 1 1F0 ready 1.5, runs [2.3, 3.3], 1F1 [4.1, 5.1], 1B0 [5.9, 7.9], 1B1 [8.7, 10.7]; rank 0
     0B0 [8.4, 10.4], 0B1 [11.2, 13.2]. Calibrated from it, each rank gets its own host work (the
     one mean is 0.65) and p2p 0.3, and the walk reproduces the step; one mean for all
-    (`per_rank=False`, the form before) moves rank 1's actions."""
+    (`per_rank=False`, the form before) moves rank 1's actions. Host work per kind is off here
+    (`per_kind=False`): the kinds' factors pooled over both ranks are not 1 on this step."""
     from tuning.sim_schedule import calibrate, predicted_timeline
 
     spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.2, 13.2)],
              1: [("1F0", 2.3, 3.3), ("1F1", 4.1, 5.1), ("1B0", 5.9, 7.9), ("1B1", 8.7, 10.7)]}
     step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
-    costs = calibrate(step, stage_rank={0: 0, 1: 1}).costs
+    costs = calibrate(step, stage_rank={0: 0, 1: 1}, per_kind=False).costs
     assert dict(costs.rank_overhead_s) == pytest.approx({0: 0.2, 1: 0.8})
     assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.65, 0.3, 0.0, 0.0))
-    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2}
+    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2, "per_kind": False}
     t = predicted_timeline(step, **kwargs)
     for rank, row in spans.items():
         _same(t.rows[rank], row)
     one_mean = predicted_timeline(step, per_rank=False, **kwargs)
     assert one_mean.rows[1][1][1] != pytest.approx(4.1)
+
+
+
+def test_the_walk_charges_each_kinds_host_work():
+    """Host work per (rank, kind): rank 0 0.2 before an F, 0.6 before a B; rank 1 0.4 and 1.2; p2p
+    0.3, F 1, B 2, gpipe pp=2 with two micro-batches and torch's sends. By hand: 0F0 [.2, 1.2], 0F1
+    [1.4, 2.4]; 1F0 ready 1.5, runs [1.9, 2.9], 1F1 [3.3, 4.3], 1B0 [5.5, 7.5], 1B1 [8.7, 10.7];
+    0B0 ready 7.8, runs [8.4, 10.4], 0B1 ready 11.0, runs [11.6, 13.6]. Read back from that step:
+    local gaps 0.2 (F) on rank 0 and 0.4 (F), 1.2, 1.2 (B) on rank 1, so the kinds' factors are
+    0.3 / 0.75 and 1.2 / 0.75, and a rank's host work before a kind is its mean times that factor;
+    the remote gaps (0.9, 0.9 on rank 0 before a B, 0.7 on rank 1 before an F) less that host work
+    give p2p (0.58 + 0.58 + 0.3267) / 3. Without kinds (the form before): one host work per rank and
+    p2p (0.7 + 0.7 - 0.2333) / 3."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    from engine.parallel.schedules import with_comms
+    from tuning.sim_schedule import Costs, calibrate, walk
+
+    a = _Action.from_str
+    actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
+    comms = with_comms(actions, {0: 0, 1: 1})
+    costs = Costs(p2p_s=0.3, kind_overhead_s={(0, "F"): 0.2, (0, "B"): 0.6, (1, "F"): 0.4, (1, "B"): 1.2})
+    t = walk(actions, stage_rank={0: 0, 1: 1}, costs=costs, comms=comms)
+    spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.6, 13.6)],
+             1: [("1F0", 1.9, 2.9), ("1F1", 3.3, 4.3), ("1B0", 5.5, 7.5), ("1B1", 8.7, 10.7)]}
+    for rank, row in spans.items():
+        _same(t.rows[rank], row)
+    step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
+    read = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms).costs
+    r1 = (0.4 + 1.2 + 1.2) / 3
+    assert dict(read.kind_overhead_s) == pytest.approx({(0, "F"): 0.2 * 0.4, (0, "B"): 0.2 * 1.6,
+                                                        (1, "F"): r1 * 0.4, (1, "B"): r1 * 1.6})
+    assert read.p2p_s == pytest.approx((0.58 + 0.58 + (0.7 - r1 * 0.4)) / 3)
+    before = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, per_kind=False).costs
+    assert not before.kind_overhead_s and before.p2p_s == pytest.approx((0.7 + 0.7 + (0.7 - r1)) / 3)
 
 
 def test_simulator_prices_every_schedule():

@@ -6,7 +6,7 @@ previous stage on the micro-batch's path, a full or input backward after its own
 backward of the next stage on the path, a weight backward after its input backward; a dependency
 on another rank adds `p2p_s`, counted, when the lists carry torch's SEND / RECV actions
 (`comms`, `schedules.with_comms`), from where the sender's list posts the send. `Costs`
-adds the rest of what a run spends (host work before each action, per rank, the head and tail of
+adds the rest of what a run spends (host work before each action, per rank and kind, the head and tail of
 each rank's step, when each rank enters it, and processor sharing when ranks outnumber cores);
 `calibrate` reads those off a recorded step, so `predicted_timeline` prices the executed
 schedule with what the run itself measured. The result holds each action's
@@ -63,6 +63,8 @@ class Costs:
     background: float = 0.0  # other runnable threads on those cores (e.g. other jobs)
     overhead_draws: tuple[float, ...] = ()  # recorded host-work samples, drawn from by `walk(rng=...)`
     rank_overhead_s: Mapping[int, float] = field(default_factory=dict)  # per rank, in place of overhead_s
+    # per (rank, action kind "F" / "B" / "I" / "W"), in place of both: the host work before an action of that kind
+    kind_overhead_s: Mapping[tuple[int, str], float] = field(default_factory=dict)
 
     def rate(self, running: int) -> float:
         """Speed of each of `running` ranks doing CPU work at once (1: a core of its own)."""
@@ -135,10 +137,11 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
     costs = costs or Costs(p2p_s=p2p_s)
     hop = _hops(paths, len(stage_rank))
 
-    def overhead(rank: int) -> Callable[[], float]:
+    def overhead(rank: int) -> Callable[[_Action], float]:
         if rng and costs.overhead_draws:
-            return lambda: rng.choice(costs.overhead_draws)
-        return lambda: costs.rank_overhead_s.get(rank, costs.overhead_s)
+            return lambda a: rng.choice(costs.overhead_draws)
+        mean = costs.rank_overhead_s.get(rank, costs.overhead_s)
+        return lambda a: costs.kind_overhead_s.get((rank, a.computation_type.value), mean)
 
     ranks = {r: _Rank(_segments((comms or actions)[r], cost, overhead(r), costs), costs.start_s.get(r, 0.0))
              for r in actions}
@@ -168,7 +171,7 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
         now += dt
 
 
-def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: Callable[[], float],
+def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: Callable[[_Action], float],
               costs: Costs) -> list[tuple[str, float, _Action | None]]:
     from engine.parallel import schedules
 
@@ -180,7 +183,7 @@ def _segments(order: list[_Action], cost: Callable[[_Action], float], overhead: 
             continue  # posting a receive is in the host work; a wait on it is in the p2p delay
         elif outer.is_compute_op or outer.sub_actions:
             for a in schedules.compute_actions(outer):
-                segs += [("overhead", overhead(), a), ("compute", cost(a), a)]
+                segs += [("overhead", overhead(a), a), ("compute", cost(a), a)]
     return segs + [("tail", costs.tail_s, None)]
 
 
@@ -383,15 +386,17 @@ class Calibration:
 def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: int, n_microbatches: int,
                        virtual: int = 1, layers: int | None = None, cores: float | None = None,
                        background: float = 0.0, rng: random.Random | None = None,
-                       draw_host: bool = False, sends: bool = True, per_rank: bool = True) -> Timeline:
+                       draw_host: bool = False, sends: bool = True, per_rank: bool = True,
+                       per_kind: bool = True) -> Timeline:
     """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
     with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
     with `rng`, every action's work is one draw from the step's recorded ones of its (stage, kind),
     and the host work before it its rank's mean in the step (`draw_host`: a draw too, see
     `predicted_bubble`). The forms before 2026-11-24 stay available: `sends=False` times an input
     from the end of the action computing it rather than from its send in torch's lowered list
-    (SkipPipe, with its own executor, always does), and `per_rank=False` charges every rank the
-    mean host work."""
+    (SkipPipe, with its own executor, always does), `per_rank=False` charges every rank the
+    mean host work, and `per_kind=False` (the form before 2026-11-24's last change) charges a rank
+    the same host work before every kind of action."""
     from engine.parallel import schedules
     from engine.parallel.skippipe import skip_actions
 
@@ -406,7 +411,7 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
     paths = paths if schedule == "skip" else None
     comms = schedules.with_comms(actions, stage_rank) if schedule != "skip" and sends else None
     cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background, comms=comms,
-                    per_rank=per_rank)
+                    per_rank=per_rank, per_kind=per_kind)
     return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
                 paths=paths, costs=cal.costs, rng=rng if draw_host else None, comms=comms)
 
@@ -421,10 +426,11 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
     median 0.8 ms, mean 3.0 ms, max 14 ms), so independent draws put a rare long gap before random
     actions on the critical path. Each rank keeps its own mean: the middle ranks post sends and
     receives both ways, and on shared cores the ranks get unequal shares (at pp=4 on 2 cores, a
-    rank's delays beyond the overall mean, summed over a step, ran from -32 to +38 ms). On four saved
-    bench/schedules.py runs at pp=4 this came within 3 points of the measured bubble for 35 of 36
-    (schedule, run) pairs (mean |error| 1.3 points), against 26 of 36 (2.3 points) with one mean
-    host work and inputs timed from the end of the action computing them (docs/simulator.md).
+    rank's delays beyond the overall mean, summed over a step, ran from -32 to +38 ms); and each
+    kind of action its own factor on it (a W waits on no receive: 0.65-0.87 of the mean before it,
+    an I 1.09-1.3). On twelve saved bench/schedules.py runs at pp=4 this came within 3 points of
+    the measured bubble for 104 of 108 (schedule, run) pairs, against 99 of 108 with one host work
+    per rank, whose misses leaned optimistic on the zero-bubble family (docs/simulator.md).
     kwargs as `predicted_timeline`."""
     if draws <= 0:
         t = predicted_timeline(step, **kwargs)
@@ -436,7 +442,8 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
 
 def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], paths: dict[int, list[int]] | None = None,
               cores: float | None = None, background: float = 0.0,
-              comms: dict[int, list[_Action]] | None = None, per_rank: bool = True) -> Calibration:
+              comms: dict[int, list[_Action]] | None = None, per_rank: bool = True,
+              per_kind: bool = True) -> Calibration:
     """The walk's prices read off one recorded step (`executed_steps(...)[step]`, ranks keyed in
     pp order): the cost of each (stage, kind), and `Costs`.
 
@@ -444,8 +451,13 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     gap since the rank's previous action (or its step start) is sorted by what it waited on: an
     input from another rank that arrived later than that (a remote gap: p2p + the runtime's host
     work), else nothing (a local gap: host work only). overhead_s = mean local gap past the first
-    action, rank_overhead_s = each rank's own (`per_rank`); p2p_s = mean over remote gaps of the
-    gap less its rank's mean local gap; tail_s = mean time from a rank's last action to its step
+    action, rank_overhead_s = each rank's own (`per_rank`), and kind_overhead_s (`per_kind`, ours) =
+    its rank's mean x the mean local gap before actions of that kind, over all ranks, / overhead_s: the
+    runtime's host work depends on the rank (its share of the cores, sends both ways in the middle)
+    and on what precedes the action (before an F or I it waits on a receive; before a W nothing),
+    and one factor per kind, pooled over the ranks, stays steady where a rank has few gaps of a kind;
+    p2p_s = mean over remote gaps of the gap less the host work the walk charges before that action
+    (its rank's mean local gap x its kind's factor); tail_s = mean time from a rank's last action to its step
     end; the walk charges the host work before every action, the first included, so head_s =
     mean first gap of a rank that did not wait - overhead_s. With `cores` set, every compute,
     overhead, head and tail span is converted to work at a core of its own by the same processor
@@ -467,7 +479,8 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     spans: dict[str, list[tuple[float, float]]] = {"local": [], "head": [], "remote": [], "tail": []}
     compute: dict[tuple[int, str], list[tuple[float, float]]] = {}
     by_rank: dict[int, list[tuple[float, float]]] = {}  # local gaps per rank
-    waits: list[tuple[int, float, float]] = []  # (rank, input arrived, action start)
+    by_kind: dict[str, list[tuple[float, float]]] = {}  # local gaps per kind of the action after them
+    waits: list[tuple[int, str, float, float]] = []  # (rank, action kind, input arrived, action start)
     for r, row in step.items():
         off = start[ranks[r]]
         prev = off
@@ -481,11 +494,12 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
             arrived = max(remote, default=-1.0)
             if arrived > prev:
                 spans["remote"].append((arrived, s + off))
-                waits.append((ranks[r], arrived, s + off))
+                waits.append((ranks[r], a.computation_type.value, arrived, s + off))
             else:
                 spans["head" if i == 0 else "local"].append((prev, s + off))
                 if i:
                     by_rank.setdefault(ranks[r], []).append((prev, s + off))
+                    by_kind.setdefault(a.computation_type.value, []).append((prev, s + off))
             compute.setdefault((a.stage_index, a.computation_type.value), []).append((s + off, e + off))
             prev = e + off
         spans["tail"].append((prev, row["total_s"] + off))
@@ -501,12 +515,24 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
 
     local_wall = {rank: mean_wall(items) for rank, items in by_rank.items()} if per_rank else {}
     overall = mean_wall(spans["local"])
-    p2p = max(0.0, statistics.fmean(b - a - local_wall.get(rank, overall) for rank, a, b in waits)) if waits else 0.0
+
+    def kind_factors(mean: Callable[[list[tuple[float, float]]], float]) -> dict[str, float]:
+        """Each kind's mean local gap over the mean of all (ranks pooled)."""
+        whole = mean(spans["local"])
+        return {kind: mean(items) / whole for kind, items in by_kind.items()} if per_kind and whole > 0 else {}
+
+    kind_wall = kind_factors(mean_wall)
+    p2p = max(0.0, statistics.fmean(b - a - local_wall.get(rank, overall) * kind_wall.get(kind, 1.0)
+                                    for rank, kind, a, b in waits)) if waits else 0.0
     overhead = mean_work(spans["local"])
+    rank_work = {rank: mean_work(items) for rank, items in by_rank.items()} if per_rank else {}
+    kind_work = kind_factors(mean_work)
     costs = Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
                   tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background,
                   overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]),
-                  rank_overhead_s={rank: mean_work(items) for rank, items in by_rank.items()} if per_rank else {})
+                  rank_overhead_s=rank_work,
+                  kind_overhead_s={(rank, kind): rank_work.get(rank, overhead) * factor
+                                   for rank in range(len(step)) for kind, factor in kind_work.items()})
     return Calibration({key: mean_work(items) for key, items in compute.items()},
                        {key: tuple(_work(a, b, running, sharing) for a, b in items) for key, items in compute.items()},
                        costs)
