@@ -6,7 +6,6 @@ short micro-benchmarks and compares one 1-rank engine config with its real step 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import pytest

@@ -457,7 +457,7 @@ def test_the_walk_charges_each_kinds_host_work():
     a = _Action.from_str
     actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
     comms = with_comms(actions, {0: 0, 1: 1})
-    costs = Costs(p2p_s=0.3, kind_overhead_s={(0, "F"): 0.2, (0, "B"): 0.6, (1, "F"): 0.4, (1, "B"): 1.2})
+    costs = Costs(p2p_s=0.3, rank_overhead_s={0: 0.4, 1: 0.8}, kind_factor={"F": 0.5, "B": 1.5})
     t = walk(actions, stage_rank={0: 0, 1: 1}, costs=costs, comms=comms)
     spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.6, 13.6)],
              1: [("1F0", 1.9, 2.9), ("1F1", 3.3, 4.3), ("1B0", 5.5, 7.5), ("1B1", 8.7, 10.7)]}
@@ -466,11 +466,11 @@ def test_the_walk_charges_each_kinds_host_work():
     step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
     read = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms).costs
     r1 = (0.4 + 1.2 + 1.2) / 3
-    assert dict(read.kind_overhead_s) == pytest.approx({(0, "F"): 0.2 * 0.4, (0, "B"): 0.2 * 1.6,
-                                                        (1, "F"): r1 * 0.4, (1, "B"): r1 * 1.6})
+    assert dict(read.rank_overhead_s) == pytest.approx({0: 0.2, 1: r1})
+    assert dict(read.kind_factor) == pytest.approx({"F": 0.4, "B": 1.6})
     assert read.p2p_s == pytest.approx((0.58 + 0.58 + (0.7 - r1 * 0.4)) / 3)
     before = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, per_kind=False).costs
-    assert not before.kind_overhead_s and before.p2p_s == pytest.approx((0.7 + 0.7 + (0.7 - r1)) / 3)
+    assert not before.kind_factor and before.p2p_s == pytest.approx((0.7 + 0.7 + (0.7 - r1)) / 3)
 
 
 def test_simulator_prices_every_schedule():

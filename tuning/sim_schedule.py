@@ -63,8 +63,8 @@ class Costs:
     background: float = 0.0  # other runnable threads on those cores (e.g. other jobs)
     overhead_draws: tuple[float, ...] = ()  # recorded host-work samples, drawn from by `walk(rng=...)`
     rank_overhead_s: Mapping[int, float] = field(default_factory=dict)  # per rank, in place of overhead_s
-    # per (rank, action kind "F" / "B" / "I" / "W"), in place of both: the host work before an action of that kind
-    kind_overhead_s: Mapping[tuple[int, str], float] = field(default_factory=dict)
+    # per action kind ("F" / "B" / "I" / "W"): the factor on its rank's host work before an action of that kind
+    kind_factor: Mapping[str, float] = field(default_factory=dict)
 
     def rate(self, running: int) -> float:
         """Speed of each of `running` ranks doing CPU work at once (1: a core of its own)."""
@@ -141,7 +141,7 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
         if rng and costs.overhead_draws:
             return lambda a: rng.choice(costs.overhead_draws)
         mean = costs.rank_overhead_s.get(rank, costs.overhead_s)
-        return lambda a: costs.kind_overhead_s.get((rank, a.computation_type.value), mean)
+        return lambda a: mean * costs.kind_factor.get(a.computation_type.value, 1.0)
 
     ranks = {r: _Rank(_segments((comms or actions)[r], cost, overhead(r), costs), costs.start_s.get(r, 0.0))
              for r in actions}
@@ -451,8 +451,9 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     gap since the rank's previous action (or its step start) is sorted by what it waited on: an
     input from another rank that arrived later than that (a remote gap: p2p + the runtime's host
     work), else nothing (a local gap: host work only). overhead_s = mean local gap past the first
-    action, rank_overhead_s = each rank's own (`per_rank`), and kind_overhead_s (`per_kind`, ours) =
-    its rank's mean x the mean local gap before actions of that kind, over all ranks, / overhead_s: the
+    action, rank_overhead_s = each rank's own (`per_rank`), and kind_factor (`per_kind`, ours) = the
+    mean local gap before actions of that kind, over all ranks, / overhead_s (the walk charges a rank's
+    mean x its kind's factor): the
     runtime's host work depends on the rank (its share of the cores, sends both ways in the middle)
     and on what precedes the action (before an F or I it waits on a receive; before a W nothing),
     and one factor per kind, pooled over the ranks, stays steady where a rank has few gaps of a kind;
@@ -525,14 +526,11 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
     p2p = max(0.0, statistics.fmean(b - a - local_wall.get(rank, overall) * kind_wall.get(kind, 1.0)
                                     for rank, kind, a, b in waits)) if waits else 0.0
     overhead = mean_work(spans["local"])
-    rank_work = {rank: mean_work(items) for rank, items in by_rank.items()} if per_rank else {}
-    kind_work = kind_factors(mean_work)
     costs = Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
                   tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background,
                   overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]),
-                  rank_overhead_s=rank_work,
-                  kind_overhead_s={(rank, kind): rank_work.get(rank, overhead) * factor
-                                   for rank in range(len(step)) for kind, factor in kind_work.items()})
+                  rank_overhead_s={rank: mean_work(items) for rank, items in by_rank.items()} if per_rank else {},
+                  kind_factor=kind_factors(mean_work))
     return Calibration({key: mean_work(items) for key, items in compute.items()},
                        {key: tuple(_work(a, b, running, sharing) for a, b in items) for key, items in compute.items()},
                        costs)
