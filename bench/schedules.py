@@ -7,14 +7,16 @@ Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 mi
 measured bubble of a rank is 1 - (its executed compute actions' time) / (its step time), from the
 actions the engine recorded; the simulated one walks the schedule's own action list
 (tuning/sim_schedule.py) with the prices `calibrate` reads off the same step: each action the
-mean of its (stage, kind), each rank's host work before each kind of action, the p2p delay (counted
-from where torch's lowered list posts the input's send: an OVERLAP_F_B sends after both halves),
-the head and tail of each rank's step and when each rank entered it. "sim" gives every rank a
+mean of its (stage, kind), each rank's host work before each kind of action (run while the
+action's inputs are in flight), the p2p delay (counted from where torch's lowered list posts the
+input's send: an OVERLAP_F_B sends after both halves, to the start of the action it gated), the
+head and tail of each rank's step and when each rank entered it. "sim" gives every rank a
 core of its own; "sim shared" adds processor sharing of os.cpu_count() cores among the ranks doing
 CPU work (Costs.cores), the column to compare with when ranks > cores; "sim drawn" is the mean of
-20 walks with every action's work drawn from the step's recorded ones and the host work between
-actions at its (rank, kind)'s mean (own cores; `predicted_bubble`, what `show` and the Run page use): the
-step is a max over paths, so spread in the costs adds waits a walk at mean costs misses. Peak activations: the
+20 walks with every action's work and every input's delay drawn from the step's recorded ones and
+the host work between actions at its (rank, kind)'s mean (own cores; `predicted_bubble`, what
+`show` and the Run page use): the step is a max over paths, so spread in the costs adds waits a
+walk at mean costs misses. Peak activations: the
 most (stage, micro-batch) forwards a rank held before their backward, times one stage's
 activation bytes (fp32, Korthikanti et al. 2022 eq. 1 without the 2-byte factor: 34 s b h +
 5 a s^2 b per layer, times 2 for fp32) is "counted"; "measured" is the most bytes autograd held

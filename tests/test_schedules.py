@@ -324,9 +324,12 @@ def test_walk_shares_the_cores_among_running_ranks():
 
 def test_calibrate_reads_the_costs_off_a_recorded_step():
     """A recorded 1f1b step (pp=2, one micro-batch) whose every gap is what the walk charges: host
-    work 0.5 before each action, a remote input 0.5 later (p2p), tail 0.5, rank 1 entering 0.25 s
-    late. Calibrated from it, the walk reproduces the step and its measured bubble; with one shared
-    core, `_ps_step`'s stretched spans are read back as F 1, B 2 of work (plain means: stage 0 F 1.5)."""
+    work 0.5 before each action, an action waiting on a remote input starting 1.0 after its send
+    (p2p 1.0 in the default form, where the host work runs while the input is in flight; 0.5 plus
+    the host work in the form before, `overlap=False`), tail 0.5, rank 1 entering 0.25 s late.
+    Calibrated from it, the walk reproduces the step and its measured bubble in both forms; with
+    one shared core, `_ps_step`'s stretched spans are read back as F 1, B 2 of work (plain means:
+    stage 0 F 1.5)."""
     from tuning.sim_schedule import calibrate, measured_bubble, predicted_timeline
 
     step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
@@ -335,12 +338,15 @@ def test_calibrate_reads_the_costs_off_a_recorded_step():
     cal = calibrate(step, stage_rank={0: 0, 1: 1})
     compute, costs = cal.compute, cal.costs
     assert compute == pytest.approx({(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0})
-    assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.5, 0.5, 0.0, 0.5))
+    assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.5, 1.0, 0.0, 0.5))
     assert dict(costs.start_s) == pytest.approx({0: 0.0, 1: 0.25})
-    t = predicted_timeline(step, schedule="1f1b", pp=2, n_microbatches=1)
-    _same(t.rows[0], [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)])
-    assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx(list(measured_bubble(step).values()))
-    assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx([1 - 3 / 9.5, 1 - 3 / 6.25])
+    before = calibrate(step, stage_rank={0: 0, 1: 1}, overlap=False).costs
+    assert (before.overhead_s, before.p2p_s, before.head_s, before.tail_s) == pytest.approx((0.5, 0.5, 0.0, 0.5))
+    for overlap in (True, False):
+        t = predicted_timeline(step, schedule="1f1b", pp=2, n_microbatches=1, overlap=overlap)
+        _same(t.rows[0], [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)])
+        assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx(list(measured_bubble(step).values()))
+        assert [t.bubble_fraction(r) for r in (0, 1)] == pytest.approx([1 - 3 / 9.5, 1 - 3 / 6.25])
 
     shared = calibrate(_ps_step(), stage_rank={0: 0, 1: 1}, cores=1).compute
     assert shared == pytest.approx({(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0})
@@ -352,7 +358,8 @@ def test_drawn_walks_draw_the_actions_work_and_keep_the_host_work_at_its_mean():
     """A recorded gpipe step (pp=2, two micro-batches) with F 1 and B 2 every time and local host
     gaps 0.2, 0.8, 0.5, 0.5, 0.5 (mean 0.5): with nothing to draw in the actions' work, a drawn walk
     is the walk at mean costs, whatever the seed (drawing the host gaps too moved actions by up to
-    0.3 s); `draw_host=True` keeps that older form."""
+    0.3 s); `draw_host=True` keeps that older form. The inputs' delays are not drawn here
+    (`draw_p2p=False`; see `test_host_work_runs_while_the_input_is_in_flight`)."""
     import random
 
     from tuning.sim_schedule import calibrate, predicted_bubble, predicted_timeline
@@ -364,7 +371,7 @@ def test_drawn_walks_draw_the_actions_work_and_keep_the_host_work_at_its_mean():
     costs = calibrate(step, stage_rank={0: 0, 1: 1}).costs
     assert sorted(costs.overhead_draws) == pytest.approx([0.2, 0.5, 0.5, 0.5, 0.8])
     assert costs.overhead_s == pytest.approx(0.5)
-    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2}
+    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2, "draw_p2p": False}
     mean = predicted_timeline(step, **kwargs)
     for seed in range(5):
         drawn = predicted_timeline(step, rng=random.Random(seed), **kwargs)
@@ -421,16 +428,18 @@ def test_calibrate_reads_each_ranks_own_host_work():
     0B0 [8.4, 10.4], 0B1 [11.2, 13.2]. Calibrated from it, each rank gets its own host work (the
     one mean is 0.65) and p2p 0.3, and the walk reproduces the step; one mean for all
     (`per_rank=False`, the form before) moves rank 1's actions. Host work per kind is off here
-    (`per_kind=False`): the kinds' factors pooled over both ranks are not 1 on this step."""
+    (`per_kind=False`): the kinds' factors pooled over both ranks are not 1 on this step. The form
+    tested is the one before 2026-11-24's last change (host work after the input is in,
+    `overlap=False`)."""
     from tuning.sim_schedule import calibrate, predicted_timeline
 
     spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.2, 13.2)],
              1: [("1F0", 2.3, 3.3), ("1F1", 4.1, 5.1), ("1B0", 5.9, 7.9), ("1B1", 8.7, 10.7)]}
     step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
-    costs = calibrate(step, stage_rank={0: 0, 1: 1}, per_kind=False).costs
+    costs = calibrate(step, stage_rank={0: 0, 1: 1}, per_kind=False, overlap=False).costs
     assert dict(costs.rank_overhead_s) == pytest.approx({0: 0.2, 1: 0.8})
     assert (costs.overhead_s, costs.p2p_s, costs.head_s, costs.tail_s) == pytest.approx((0.65, 0.3, 0.0, 0.0))
-    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2, "per_kind": False}
+    kwargs = {"schedule": "gpipe", "pp": 2, "n_microbatches": 2, "per_kind": False, "overlap": False}
     t = predicted_timeline(step, **kwargs)
     for rank, row in spans.items():
         _same(t.rows[rank], row)
@@ -448,7 +457,8 @@ def test_the_walk_charges_each_kinds_host_work():
     0.3 / 0.75 and 1.2 / 0.75, and a rank's host work before a kind is its mean times that factor;
     the remote gaps (0.9, 0.9 on rank 0 before a B, 0.7 on rank 1 before an F) less that host work
     give p2p (0.58 + 0.58 + 0.3267) / 3. Without kinds (the form before): one host work per rank and
-    p2p (0.7 + 0.7 - 0.2333) / 3."""
+    p2p (0.7 + 0.7 - 0.2333) / 3. Both in the form with the host work after the input is in
+    (`overlap=False`, `Costs`' default)."""
     from torch.distributed.pipelining.schedules import _Action
 
     from engine.parallel.schedules import with_comms
@@ -464,13 +474,60 @@ def test_the_walk_charges_each_kinds_host_work():
     for rank, row in spans.items():
         _same(t.rows[rank], row)
     step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
-    read = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms).costs
+    read = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, overlap=False).costs
     r1 = (0.4 + 1.2 + 1.2) / 3
     assert dict(read.rank_overhead_s) == pytest.approx({0: 0.2, 1: r1})
     assert dict(read.kind_factor) == pytest.approx({"F": 0.4, "B": 1.6})
     assert read.p2p_s == pytest.approx((0.58 + 0.58 + (0.7 - r1 * 0.4)) / 3)
-    before = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, per_kind=False).costs
+    before = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, per_kind=False, overlap=False).costs
     assert not before.kind_factor and before.p2p_s == pytest.approx((0.7 + 0.7 + (0.7 - r1)) / 3)
+
+
+def test_host_work_runs_while_the_input_is_in_flight():
+    """The walk's default form (ours, 2026-11-24): after an action a rank does its host work at once,
+    while its next input is in flight, and the next action starts at the later of the two; p2p is
+    the delay from the send's posting to that start. gpipe pp=2, two micro-batches, torch's sends,
+    F 1, B 2, host work 0.2 on rank 0 and 0.6 on rank 1, delay 0.5, by hand: 0F0 [.2, 1.2], 0F1
+    [1.4, 2.4]; 1F0 max(0.6, 1.2 + .5) [1.7, 2.7], 1F1 max(3.3, 2.9) [3.3, 4.3], 1B0 [4.9, 6.9], 1B1
+    [7.5, 9.5]; 0B0 max(2.6, 7.4) [7.4, 9.4], 0B1 max(9.6, 10.0) [10.0, 12.0]. Read back from that
+    step with 0B1 started at 10.1 instead: p2p 0.5, the mean delay of the inputs that gated their
+    action (1F0, 0B0: sent later than the rank's host work after its previous action would end;
+    0B1's was sent 0.1 after, within rank 0's 0.2, so its 0.6 is left out), and the walk reproduces
+    the step but 0B1. The form before (host work after the input is in): p2p = mean of start - sent
+    - host over the three waits, (0.3 + 0.4 - 0.1) / 3. A walk given recorded delays draws one per
+    input."""
+    import random
+
+    from torch.distributed.pipelining.schedules import _Action
+
+    from engine.parallel.schedules import with_comms
+    from tuning.sim_schedule import Costs, calibrate, predicted_timeline, walk
+
+    a = _Action.from_str
+    actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
+    comms = with_comms(actions, {0: 0, 1: 1})
+    costs = Costs(p2p_s=0.5, rank_overhead_s={0: 0.2, 1: 0.6}, host_overlaps_wait=True)
+    t = walk(actions, stage_rank={0: 0, 1: 1}, costs=costs, comms=comms)
+    spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 7.4, 9.4), ("0B1", 10.0, 12.0)],
+             1: [("1F0", 1.7, 2.7), ("1F1", 3.3, 4.3), ("1B0", 4.9, 6.9), ("1B1", 7.5, 9.5)]}
+    for rank, row in spans.items():
+        _same(t.rows[rank], row)
+
+    spans[0][3] = ("0B1", 10.1, 12.1)
+    step = {r: {"actions": row, "total_s": row[-1][2], "wall_start": 100.0, "paths": {}} for r, row in spans.items()}
+    read = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, per_kind=False).costs
+    assert dict(read.rank_overhead_s) == pytest.approx({0: 0.2, 1: 0.6})
+    assert read.p2p_s == pytest.approx(0.5) and sorted(read.p2p_draws) == pytest.approx([0.5, 0.5])
+    walked = predicted_timeline(step, schedule="gpipe", pp=2, n_microbatches=2, per_kind=False)
+    _same(walked.rows[0], spans[0][:3] + [("0B1", 10.0, 12.0)])
+    _same(walked.rows[1], spans[1])
+    before = calibrate(step, stage_rank={0: 0, 1: 1}, comms=comms, per_kind=False, overlap=False).costs
+    assert before.p2p_s == pytest.approx((0.3 + 0.4 - 0.1) / 3)
+
+    spread = Costs(p2p_s=0.5, p2p_draws=(0.1, 0.9), rank_overhead_s={0: 0.2, 1: 0.6}, host_overlaps_wait=True)
+    starts = {walk(actions, stage_rank={0: 0, 1: 1}, costs=spread, comms=comms,
+                   draw_p2p=random.Random(seed)).rows[1][0][1] for seed in range(8)}
+    assert sorted(round(x, 9) for x in starts) == pytest.approx([1.3, 2.1])
 
 
 def test_simulator_prices_every_schedule():

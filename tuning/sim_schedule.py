@@ -6,8 +6,9 @@ previous stage on the micro-batch's path, a full or input backward after its own
 backward of the next stage on the path, a weight backward after its input backward; a dependency
 on another rank adds `p2p_s`, counted, when the lists carry torch's SEND / RECV actions
 (`comms`, `schedules.with_comms`), from where the sender's list posts the send. `Costs`
-adds the rest of what a run spends (host work before each action, per rank and kind, the head and tail of
-each rank's step, when each rank enters it, and processor sharing when ranks outnumber cores);
+adds the rest of what a run spends (host work before each action, per rank and kind, run while
+the action's inputs are in flight, the head and tail of each rank's step, when each rank enters
+it, and processor sharing when ranks outnumber cores);
 `calibrate` reads those off a recorded step, so `predicted_timeline` prices the executed
 schedule with what the run itself measured. The result holds each action's
 start and end, so the bubble of every rank is read off the timeline, never derived by formula. `bubble_ratio(schedule, pp, m, v)`
@@ -65,6 +66,11 @@ class Costs:
     rank_overhead_s: Mapping[int, float] = field(default_factory=dict)  # per rank, in place of overhead_s
     # per action kind ("F" / "B" / "I" / "W"): the factor on its rank's host work before an action of that kind
     kind_factor: Mapping[str, float] = field(default_factory=dict)
+    # True: the host work before an action runs right after the rank's previous one, while its
+    # inputs are in flight, and the action starts at the later of the two (p2p_s then counts from
+    # the send's posting to the action's start); False: the host work runs once the inputs are in
+    host_overlaps_wait: bool = False
+    p2p_draws: tuple[float, ...] = ()  # recorded input delays, drawn from by `walk(draw_p2p=...)`
 
     def rate(self, running: int) -> float:
         """Speed of each of `running` ranks doing CPU work at once (1: a core of its own)."""
@@ -121,16 +127,20 @@ class _Rank:
 def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
          cost: Callable[[_Action], float] | None = None, p2p_s: float = 0.0,
          paths: dict[int, list[int]] | None = None, costs: Costs | None = None,
-         rng: random.Random | None = None, comms: dict[int, list[_Action]] | None = None) -> Timeline:
+         rng: random.Random | None = None, comms: dict[int, list[_Action]] | None = None,
+         draw_p2p: random.Random | None = None) -> Timeline:
     """The timeline of `actions` run in order per rank (see the module docstring).
 
     `paths[mb]` is the stages micro-batch mb visits in order (SkipPipe); default every stage.
     `costs` adds host overhead, p2p delay and core sharing (`p2p_s` is a shorthand for
     `Costs(p2p_s=...)`). `comms`: the same lists with the SEND / RECV actions torch's runtime runs
     (`schedules.with_comms`); an input from another rank then arrives `p2p_s` after its send is
-    posted (an OVERLAP_F_B posts its sends after both halves), not after the action computing it. An
-    event-driven walk: time advances to the next segment end or input arrival, and every rank
-    doing CPU work progresses at `costs.rate(running)`.
+    posted (an OVERLAP_F_B posts its sends after both halves), not after the action computing it.
+    `draw_p2p`: each input's delay is one draw from `costs.p2p_draws` instead. With
+    `costs.host_overlaps_wait` the host work before an action starts when the rank's previous
+    segment ends and the action when both that and its inputs are done; without, the host work
+    starts once the inputs are in. An event-driven walk: time advances to the next segment end or
+    input arrival, and every rank doing CPU work progresses at `costs.rate(running)`.
     Raises RuntimeError when the lists deadlock (an action waits on one that never runs).
     """
     cost = cost or (lambda a: UNIT_COST[a.computation_type.value])
@@ -150,9 +160,11 @@ def walk(actions: dict[int, list[_Action]], *, stage_rank: dict[int, int],
     rows: dict[int, list[tuple[str, float, float]]] = {r: [] for r in ranks}
     windows: dict[int, tuple[float, float]] = {}
     now = 0.0
+    p2p = (lambda: draw_p2p.choice(costs.p2p_draws)) if draw_p2p and costs.p2p_draws else (lambda: costs.p2p_s)
     while True:
         # a rank finishing an action can make an earlier-visited rank ready at the same instant
-        while any([_advance(r, st, now, done, rows, windows, hop, stage_rank, costs.p2p_s, sent)
+        while any([_advance(r, st, now, done, rows, windows, hop, stage_rank, p2p, sent,
+                            costs.host_overlaps_wait)
                    for r, st in ranks.items()]):
             pass
         live = {r: st for r, st in ranks.items() if st.index < len(st.segments)}
@@ -197,7 +209,8 @@ def _transfer(send: _Action) -> tuple[str, int, int]:
 
 
 def _advance(rank: int, st: _Rank, now: float, done: dict, rows: dict, windows: dict, hop: Callable,
-             stage_rank: dict[int, int], p2p_s: float, sent: dict | None = None) -> bool:
+             stage_rank: dict[int, int], p2p_s: Callable[[], float], sent: dict | None = None,
+             overlap: bool = False) -> bool:
     """Finish `rank`'s segments whose work is done at `now` and find when the next one may run;
     True when a compute action finished or a send was posted (other ranks may now be ready)."""
     eps = 1e-12 * max(1.0, now)
@@ -207,10 +220,11 @@ def _advance(rank: int, st: _Rank, now: float, done: dict, rows: dict, windows: 
         if st.ready is None:
             if kind == "head":
                 st.ready = st.start
-            elif kind == "overhead":
-                st.ready = _ready_time(action, done, hop, stage_rank, p2p_s, sent)
-                if st.ready is None:
+            elif kind == ("compute" if overlap else "overhead"):  # the segment that waits on the inputs
+                ready = _ready_time(action, done, hop, stage_rank, p2p_s, sent)
+                if ready is None:
                     return finished
+                st.ready = max(ready, now) if overlap else ready
             else:
                 st.ready = now
             st.left, st.seg_start = work, max(now, st.ready)
@@ -259,7 +273,7 @@ def _input_key(kinds: tuple[str, ...], stage: int, mb: int) -> tuple[str, int, i
     return ("F" if kinds == ("F",) else "B", stage, mb)
 
 
-def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: float,
+def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: Callable[[], float],
                 sent: dict | None = None) -> float | None:
     """When the inputs of `action` are ready; None while one of them has not run (with `sent`, the
     times sends were posted: while one from another rank has not been sent)."""
@@ -270,12 +284,12 @@ def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int
             at = sent.get(_input_key(kinds, s, mb))
             if at is None:
                 return None
-            ready = max(ready, at + p2p_s)
+            ready = max(ready, at + p2p_s())
             continue
         ends = [done[(stage, k, mb)] for k in kinds if (stage, k, mb) in done]
         if not ends:
             return None
-        ready = max(ready, min(ends) + (p2p_s if stage_rank[stage] != stage_rank[s] else 0.0))
+        ready = max(ready, min(ends) + (p2p_s() if stage_rank[stage] != stage_rank[s] else 0.0))
     return ready
 
 
@@ -387,7 +401,7 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
                        virtual: int = 1, layers: int | None = None, cores: float | None = None,
                        background: float = 0.0, rng: random.Random | None = None,
                        draw_host: bool = False, sends: bool = True, per_rank: bool = True,
-                       per_kind: bool = True) -> Timeline:
+                       per_kind: bool = True, overlap: bool = True, draw_p2p: bool = True) -> Timeline:
     """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
     with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
     with `rng`, every action's work is one draw from the step's recorded ones of its (stage, kind),
@@ -395,8 +409,11 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
     `predicted_bubble`). The forms before 2026-11-24 stay available: `sends=False` times an input
     from the end of the action computing it rather than from its send in torch's lowered list
     (SkipPipe, with its own executor, always does), `per_rank=False` charges every rank the
-    mean host work, and `per_kind=False` (the form before 2026-11-24's last change) charges a rank
-    the same host work before every kind of action."""
+    mean host work, `per_kind=False` charges a rank the same host work before every kind of
+    action, and `overlap=False` (the form before 2026-11-24's last change, with `draw_p2p=False`)
+    runs the host work before an action only once its inputs are in, at one mean p2p delay. The
+    default (ours) runs it while the inputs are in flight (`Costs.host_overlaps_wait`), and with
+    `rng` each input's delay is one draw from the step's recorded ones (`draw_p2p`)."""
     from engine.parallel import schedules
     from engine.parallel.skippipe import skip_actions
 
@@ -411,9 +428,10 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
     paths = paths if schedule == "skip" else None
     comms = schedules.with_comms(actions, stage_rank) if schedule != "skip" and sends else None
     cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background, comms=comms,
-                    per_rank=per_rank, per_kind=per_kind)
+                    per_rank=per_rank, per_kind=per_kind, overlap=overlap)
     return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
-                paths=paths, costs=cal.costs, rng=rng if draw_host else None, comms=comms)
+                paths=paths, costs=cal.costs, rng=rng if draw_host else None, comms=comms,
+                draw_p2p=rng if draw_p2p else None)
 
 
 def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: int = 0,
@@ -421,16 +439,22 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
     """Per pp rank (0..pp-1), the predicted bubble of `step`: the walk at mean costs, or with
     `draws` > 0 the mean over that many walks with every action's work drawn from the recorded ones
     (ours: the step time is a max over paths, so a walk at mean costs misses the waits that the
-    spread of the costs adds, E[max] >= max E). The host work between actions stays at its mean:
+    spread of the costs adds, E[max] >= max E), and each input's delay from its send to the start
+    of the action it gated drawn from the recorded ones (heavy-tailed too: at pp=4 on 2 cores mean
+    0.8-1.3 ms, median 0.3-0.6 ms, the same for every schedule; the chunked schedules cross ranks
+    twice as often per micro-batch, so one mean delay per hop left them 1-2 points optimistic, and
+    the walk runs the host work while the input is in flight, as torch's runtime posts its sends
+    and receives before it blocks on one). The host work between actions stays at its mean:
     its recorded gaps are heavy-tailed (pp=4 on 2 cores: coefficient of variation 0.8-1.3, 1f1b's
     median 0.8 ms, mean 3.0 ms, max 14 ms), so independent draws put a rare long gap before random
     actions on the critical path. Each rank keeps its own mean: the middle ranks post sends and
     receives both ways, and on shared cores the ranks get unequal shares (at pp=4 on 2 cores, a
     rank's delays beyond the overall mean, summed over a step, ran from -32 to +38 ms); and each
     kind of action its own factor on it (a W waits on no receive: 0.65-0.87 of the mean before it,
-    an I 1.09-1.3). On twelve saved bench/schedules.py runs at pp=4 this came within 3 points of
-    the measured bubble for 104 of 108 (schedule, run) pairs, against 99 of 108 with one host work
-    per rank, whose misses leaned optimistic on the zero-bubble family (docs/simulator.md).
+    an I 1.09-1.3). Measured minus predicted on bench/schedules.py runs at pp=4 (docs/simulator.md):
+    six saved runs, 54 of 54 (schedule, run) pairs within 3 points, mean |error| 0.76 points,
+    against 53 of 54 and 1.13 for the form with host work after the input is in and one mean
+    delay (`overlap=False, draw_p2p=False`), whose modular and interleaved leaned +1.3 to +1.5.
     kwargs as `predicted_timeline`."""
     if draws <= 0:
         t = predicted_timeline(step, **kwargs)
@@ -443,24 +467,28 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
 def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], paths: dict[int, list[int]] | None = None,
               cores: float | None = None, background: float = 0.0,
               comms: dict[int, list[_Action]] | None = None, per_rank: bool = True,
-              per_kind: bool = True) -> Calibration:
+              per_kind: bool = True, overlap: bool = True) -> Calibration:
     """The walk's prices read off one recorded step (`executed_steps(...)[step]`, ranks keyed in
     pp order): the cost of each (stage, kind), and `Costs`.
 
     Ranks are aligned on their wall-clock step starts (`start_s`). For each executed action the
     gap since the rank's previous action (or its step start) is sorted by what it waited on: an
-    input from another rank that arrived later than that (a remote gap: p2p + the runtime's host
-    work), else nothing (a local gap: host work only). overhead_s = mean local gap past the first
+    input from another rank sent later than that (a remote gap, a wait), else nothing (a local
+    gap: host work only). overhead_s = mean local gap past the first
     action, rank_overhead_s = each rank's own (`per_rank`), and kind_factor (`per_kind`, ours) = the
     mean local gap before actions of that kind, over all ranks, / overhead_s (the walk charges a rank's
     mean x its kind's factor): the
     runtime's host work depends on the rank (its share of the cores, sends both ways in the middle)
     and on what precedes the action (before an F or I it waits on a receive; before a W nothing),
     and one factor per kind, pooled over the ranks, stays steady where a rank has few gaps of a kind;
-    p2p_s = mean over remote gaps of the gap less the host work the walk charges before that action
-    (its rank's mean local gap x its kind's factor); tail_s = mean time from a rank's last action to its step
-    end; the walk charges the host work before every action, the first included, so head_s =
-    mean first gap of a rank that did not wait - overhead_s. With `cores` set, every compute,
+    with `overlap` (the default, ours), p2p_s = mean delay from an input's send to the start of the
+    action it gated, over the waits whose input was sent later than the rank's previous action
+    end plus the host work the walk charges before the action (its rank's mean local gap x its
+    kind's factor; all waits where none was), and `p2p_draws` those delays; without (the form
+    before), p2p_s = mean over remote gaps of the time from the send less that host work; tail_s =
+    mean time from a rank's last action to its step end; the walk charges the host work before
+    every action, the first included, so head_s = mean first gap of a rank that did not wait -
+    overhead_s. With `cores` set, every compute,
     overhead, head and tail span is converted to work at a core of its own by the same processor
     sharing the walk applies (`Costs.rate` of the ranks running at each instant; a rank in a
     remote gap counts as waiting), so the walk inflates it back by its own sharing. With `comms`
@@ -495,7 +523,7 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
             arrived = max(remote, default=-1.0)
             if arrived > prev:
                 spans["remote"].append((arrived, s + off))
-                waits.append((ranks[r], a.computation_type.value, arrived, s + off))
+                waits.append((ranks[r], a.computation_type.value, arrived, s + off, prev))
             else:
                 spans["head" if i == 0 else "local"].append((prev, s + off))
                 if i:
@@ -523,14 +551,25 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
         return {kind: mean(items) / whole for kind, items in by_kind.items()} if per_kind and whole > 0 else {}
 
     kind_wall = kind_factors(mean_wall)
-    p2p = max(0.0, statistics.fmean(b - a - local_wall.get(rank, overall) * kind_wall.get(kind, 1.0)
-                                    for rank, kind, a, b in waits)) if waits else 0.0
+
+    def host_wall(rank: int, kind: str) -> float:
+        """The host work the walk charges `rank` before an action of `kind` (wall seconds)."""
+        return local_wall.get(rank, overall) * kind_wall.get(kind, 1.0)
+
+    if overlap:  # the delays of the inputs that gated their action: in after the rank's own host work
+        delays = tuple(b - a for rank, kind, a, b, prev in waits if a - prev > host_wall(rank, kind)) or \
+            tuple(b - a for _, _, a, b, _ in waits)
+        p2p = statistics.fmean(delays) if delays else 0.0
+    else:
+        delays = ()
+        p2p = max(0.0, statistics.fmean(b - a - host_wall(rank, kind) for rank, kind, a, b, _ in waits)) \
+            if waits else 0.0
     overhead = mean_work(spans["local"])
     costs = Costs(p2p_s=p2p, overhead_s=overhead, head_s=max(0.0, mean_work(spans["head"]) - overhead),
                   tail_s=mean_work(spans["tail"]), start_s=start, cores=cores, background=background,
                   overhead_draws=tuple(_work(a, b, running, sharing) for a, b in spans["local"]),
                   rank_overhead_s={rank: mean_work(items) for rank, items in by_rank.items()} if per_rank else {},
-                  kind_factor=kind_factors(mean_work))
+                  kind_factor=kind_factors(mean_work), host_overlaps_wait=overlap, p2p_draws=delays)
     return Calibration({key: mean_work(items) for key, items in compute.items()},
                        {key: tuple(_work(a, b, running, sharing) for a, b in items) for key, items in compute.items()},
                        costs)

@@ -2,8 +2,9 @@
 
 `schedule_report(store, run_id)` reads the actions the engine recorded (kind "schedule", and
 "skip_path" under SkipPipe) for the run's last recorded step and prices the schedule's own action
-list with the costs read off that step (tuning/sim_schedule.py: action durations drawn from the
-recorded ones over DRAWS walks; host work, p2p delay, head and tail at their means); `schedule_figure(report)` draws
+list with the costs read off that step (tuning/sim_schedule.py: action durations and input delays
+drawn from the recorded ones over DRAWS walks; host work, head and tail at their means);
+`schedule_figure(report)` draws
 the executed actions of each rank on a shared time axis (plotly), so the gaps are the bubble.
 """
 from __future__ import annotations
