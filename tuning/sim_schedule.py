@@ -273,10 +273,11 @@ def _input_key(kinds: tuple[str, ...], stage: int, mb: int) -> tuple[str, int, i
     return ("F" if kinds == ("F",) else "B", stage, mb)
 
 
-def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int], p2p_s: Callable[[], float],
-                sent: dict | None = None) -> float | None:
+def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int, int],
+                p2p_s: Callable[[], float], sent: dict | None = None) -> float | None:
     """When the inputs of `action` are ready; None while one of them has not run (with `sent`, the
-    times sends were posted: while one from another rank has not been sent)."""
+    times sends were posted: while one from another rank has not been sent). `p2p_s()` gives the
+    delay of each input from another rank (a constant, or a draw)."""
     s, mb = action.stage_index, action.microbatch_index
     ready = 0.0
     for stage, kinds in _needs(action, hop):
