@@ -3,7 +3,10 @@ SkipPipe's step-time ratio to 1f1b; optionally SkipPipe's loss after N steps vs 
 
 Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 micro-batches, for
 `--steps` steps; the columns are medians over steps 3+ (12 by default, 4 before 2026-11-24: on this
-2-core host one step's scheduling noise moves a 4-step median by a point or two). The
+2-core host one step's scheduling noise moves a 4-step median by a point or two), and each "diff
+pts" column is the median over those steps of the step's own measured minus predicted bubble, in
+points (each step is priced from its own recorded costs; the difference of the two columns'
+medians, used before, can set one step's measured against another's prediction). The
 measured bubble of a rank is 1 - (its executed compute actions' time) / (its step time), from the
 actions the engine recorded; the simulated one walks the schedule's own action list
 (tuning/sim_schedule.py) with the prices `calibrate` reads off the same step: each action the
@@ -93,9 +96,14 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
     layers_per_stage = LAYERS // (PP * (2 if name in ("interleaved", "looped_bfs", "zero_bubble", "zbv", "dualpipev",
                                                       "modular") else 1))
     stage_bytes = 2 * (34 * SEQ * MICRO * D + 5 * HEADS * SEQ * SEQ * MICRO) * layers_per_stage
+
+    def diff(predicted: list[float]) -> float:  # median over steps of the step's own measured - predicted
+        return statistics.median(m - p for m, p in zip(measured, predicted))
+
     return {"step_s": statistics.median(frame[step_col].iloc[2:] if len(frame) > 2 else frame[step_col]),
             "measured": statistics.median(measured), "simulated": statistics.median(simulated),
             "shared": statistics.median(shared), "drawn": statistics.median(drawn), "load": os.getloadavg()[0],
+            "diff_sim": diff(simulated), "diff_shared": diff(shared), "diff_drawn": diff(drawn),
             "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20, "held_mib": max(held) / 2**20}
 
 
@@ -155,8 +163,8 @@ def main() -> None:
           f"{'peak act (mb-stages)':>21s} {'counted MiB':>11s} {'measured MiB':>12s}")
     for name, r in rows.items():
         print(f"{name:12s} {r['step_s']:7.3f} {r['load']:5.1f} {r['measured']:9.3f} {r['simulated']:6.3f} "
-              f"{100 * (r['measured'] - r['simulated']):8.1f} {r['shared']:10.3f} "
-              f"{100 * (r['measured'] - r['shared']):8.1f} {r['drawn']:9.3f} {100 * (r['measured'] - r['drawn']):8.1f} "
+              f"{100 * r['diff_sim']:8.1f} {r['shared']:10.3f} "
+              f"{100 * r['diff_shared']:8.1f} {r['drawn']:9.3f} {100 * r['diff_drawn']:8.1f} "
               f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib'] or float('nan'):12.2f}")
     if ratios:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
