@@ -452,10 +452,11 @@ def predicted_bubble(step: dict[int, dict[str, Any]], *, draws: int = 0, seed: i
     receives both ways, and on shared cores the ranks get unequal shares (at pp=4 on 2 cores, a
     rank's delays beyond the overall mean, summed over a step, ran from -32 to +38 ms); and each
     kind of action its own factor on it (a W waits on no receive: 0.65-0.87 of the mean before it,
-    an I 1.09-1.3). Measured minus predicted on bench/schedules.py runs at pp=4 (docs/simulator.md):
-    six saved runs, 54 of 54 (schedule, run) pairs within 3 points, mean |error| 0.76 points,
-    against 53 of 54 and 1.13 for the form with host work after the input is in and one mean
-    delay (`overlap=False, draw_p2p=False`), whose modular and interleaved leaned +1.3 to +1.5.
+    an I 1.09-1.3). Measured minus predicted on 13 saved bench/schedules.py runs at pp=4 (median
+    over each run's steps of the step's own difference; docs/simulator.md): 117 of 117 (schedule,
+    run) pairs within 3 points, mean |error| 0.73 points, against 115 of 117 and 1.16 for the form
+    with host work after the input is in and one mean delay (`overlap=False, draw_p2p=False`);
+    three more fresh runs 27 of 27.
     kwargs as `predicted_timeline`."""
     if draws <= 0:
         t = predicted_timeline(step, **kwargs)
