@@ -507,11 +507,12 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
             a = _action(name)
             ends[(a.stage_index, a.computation_type.value, a.microbatch_index)] = end + start[ranks[r]]
     sent = _sent(step, comms, ends, start) if comms is not None else None
-    spans: dict[str, list[tuple[float, float]]] = {"local": [], "head": [], "remote": [], "tail": []}
+    spans: dict[str, list[tuple[float, float]]] = {"local": [], "head": [], "tail": []}
     compute: dict[tuple[int, str], list[tuple[float, float]]] = {}
     by_rank: dict[int, list[tuple[float, float]]] = {}  # local gaps per rank
     by_kind: dict[str, list[tuple[float, float]]] = {}  # local gaps per kind of the action after them
-    waits: list[tuple[int, str, float, float]] = []  # (rank, action kind, input arrived, action start)
+    # the remote gaps: (rank, action kind, input arrived, action start, the rank's previous action end)
+    waits: list[tuple[int, str, float, float, float]] = []
     for r, row in step.items():
         off = start[ranks[r]]
         prev = off
@@ -524,7 +525,6 @@ def calibrate(step: dict[int, dict[str, Any]], *, stage_rank: dict[int, int], pa
                       and any((st, k, a.microbatch_index) in ends for k in kinds)]
             arrived = max(remote, default=-1.0)
             if arrived > prev:
-                spans["remote"].append((arrived, s + off))
                 waits.append((ranks[r], a.computation_type.value, arrived, s + off, prev))
             else:
                 spans["head" if i == 0 else "local"].append((prev, s + off))
