@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: app test demo install clean chromium slurm
+.PHONY: app test demo install clean chromium slurm slurm-local postgres netns matrix
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || { apt-get install -y python3-venv && $(PY) -m venv $(VENV); }
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
-	# torch==2.13.0 is a local CPU build on our machines; pyproject keeps torch>=2.6 for GPU users.
+	# torch==2.13.0 is a local CPU build on our machines; pyproject states the tested range, torch>=2.13,<2.14.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
 	# DeepSpeed checks the DeepSpeed export: a CPU install without its CUDA ops (~1 min); its tests skip without it
@@ -37,8 +37,34 @@ chromium:
 slurm:
 	@{ command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge) >/dev/null 2>&1 || echo "slurm not installed: the Slurm tests will skip"; }
 
-test: $(STAMP) chromium slurm
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
+# a one-node Slurm cluster on this machine to try `--launcher slurm` (root): prints the SLURM_CONF to export;
+# Ctrl-C (or SIGTERM) cancels every job and stops munged, slurmctld and slurmd
+slurm-local: $(STAMP) slurm
+	$(BIN)/python -m tests.slurm_cluster
+
+# N "nodes" as network namespaces joined by veth through a bridge (root): prints each node's address and the
+# `workbench run --nnodes N --node-rank I --rdzv-endpoint ...` line to start on it; Ctrl-C removes them
+netns: $(STAMP)
+	$(BIN)/python -m tests.netns $(or $(N),2)
+
+# the PostgreSQL tests need a server on 127.0.0.1:5432 (user postgres without a password, database test):
+# tests/postgres_server.sh installs and starts Debian's server when none listens, and says so;
+# without root or apt they skip with a reason
+postgres:
+	@bash tests/postgres_server.sh
+
+# -rs: every skipped test is listed with its reason
+test: $(STAMP) chromium slurm postgres
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30
+
+# the compatibility matrix (docs/compatibility.md): every accepted cell on real ranks, or CELLS=a+b,c+d;
+# each result goes to docs/data/matrix.json, then the document is regenerated (also after a failure)
+matrix: $(STAMP)
+	@status=0; MATRIX_CELLS="$(or $(CELLS),all)" MATRIX_RECORD=docs/data/matrix.json OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -p no:cacheprovider -rf tests/test_matrix.py::test_cell || status=$$?; \
+	$(BIN)/python -m engine.compat --write docs/compatibility.md; \
+	if [ -z "$(CELLS)" ]; then MATRIX_COMPLETE=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_matrix.py::test_every_accepted_cell_has_a_passing_current_result || status=$$?; fi; exit $$status
 
 clean:
 	rm -rf $(VENV)

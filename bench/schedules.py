@@ -1,5 +1,6 @@
 """Every pipeline schedule at pp=4: step time, measured vs simulated bubble, peak activations;
-SkipPipe's step-time ratio to 1f1b; optionally SkipPipe's loss after N steps vs 1f1b.
+SkipPipe's step-time ratio to 1f1b; optionally the full model's validation loss after N steps of
+SkipPipe and of 1f1b at equal tokens (held-out split, every stage evaluated).
 
 Each schedule is a real `launch()` of the same tiny GPT (8 layers) at pp=4, 8 micro-batches, for
 `--steps` steps; the columns are medians over steps 3+ (12 by default, 4 before 2026-11-24: on this
@@ -73,7 +74,10 @@ def _run(name: str, steps: int, home: Path, extra: list[str] | None = None) -> t
     return result.run_id, RunStore.open_home(home)
 
 
-def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict:
+def measure(name: str, steps: int, home: Path, save: Path | None = None, prior: dict | None = None) -> dict:
+    """One run of `name`: the medians of the module docstring. With `prior` (an earlier run's
+    executed steps), also "diff oos": each late step's measured bubble minus the drawn walk priced
+    from the earlier run's step at the same position (calibrate on one run, predict the next)."""
     run_id, store = _run(name, steps, home)
     frame = store.step_frame(run_id)
     step_col = next(c for c in frame.columns if c.startswith("step_time"))
@@ -83,10 +87,15 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
     if save:
         save.mkdir(parents=True, exist_ok=True)
         (save / f"{name}.pkl").write_bytes(pickle.dumps(executed))
-    measured, simulated, shared, drawn, peaks, held = [], [], [], [], [], []
-    for step in late:
+    measured, simulated, shared, drawn, peaks, held, oos = [], [], [], [], [], [], []
+    prior_late = sorted(prior)[2:] if prior else []
+    for i, step in enumerate(late):
         ranks = executed[step]
         measured.append(statistics.fmean(measured_bubble(ranks).values()))
+        if i < len(prior_late):
+            oos.append(measured[-1] - statistics.fmean(predicted_bubble(
+                ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO, virtual=virtual, layers=LAYERS,
+                draws=20, priced_from=prior[prior_late[i]]).values()))
         for out, cores, draws in ((simulated, None, 0), (shared, os.cpu_count(), 0), (drawn, None, 20)):
             out.append(statistics.fmean(predicted_bubble(ranks, schedule=name, pp=PP, n_microbatches=GLOBAL // MICRO,
                                                          virtual=virtual, layers=LAYERS, cores=cores,
@@ -104,7 +113,8 @@ def measure(name: str, steps: int, home: Path, save: Path | None = None) -> dict
             "measured": statistics.median(measured), "simulated": statistics.median(simulated),
             "shared": statistics.median(shared), "drawn": statistics.median(drawn), "load": os.getloadavg()[0],
             "diff_sim": diff(simulated), "diff_shared": diff(shared), "diff_drawn": diff(drawn),
-            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20, "held_mib": max(held) / 2**20}
+            "peak_mb": max(peaks), "peak_mib": max(peaks) * stage_bytes / 2**20, "held_mib": max(held) / 2**20,
+            "diff_oos": statistics.median(oos) if oos else float("nan"), "executed": executed}
 
 
 def alternated_ratios(rank: int, world: int, pairs: int, warmup: int = 3) -> list[float]:
@@ -132,11 +142,21 @@ def alternated_ratios(rank: int, world: int, pairs: int, warmup: int = 3) -> lis
     return [s / f for f, s in zip(full, skip)]
 
 
-def loss_after(name: str, steps: int, home: Path) -> float:
-    run_id, store = _run(name, steps, home, ["train.lr=0.003"])
+EVALS = 3  # validation points per loss run
+
+
+def loss_after(name: str, steps: int, home: Path) -> dict:
+    """Train `name` for `steps` steps (equal tokens: the same global batch and steps for every schedule)
+    and evaluate the FULL model on the held-out split (the last val_fraction of the corpus, 16
+    batches) every steps / EVALS steps; SkipPipe's evaluate runs every stage (no path skipped).
+    Returns the validation losses by step and the training loss (mean of the last 10 steps: under
+    SkipPipe the skipped paths' own loss, not the full model's)."""
+    run_id, store = _run(name, steps, home, ["train.lr=0.003", f"train.eval_interval={max(1, steps // EVALS)}",
+                                             "train.eval_batches=16"])
     frame = store.step_frame(run_id)
     loss_col = next(c for c in frame.columns if c.startswith("loss"))
-    return float(frame[loss_col].tail(10).mean())
+    val = {rec.step + 1: rec.value for rec in store.metrics(run_id, kind="eval", name="val_loss")}
+    return {"val": val, "train": float(frame[loss_col].tail(10).mean())}
 
 
 def main() -> None:
@@ -146,13 +166,16 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--save", type=Path, default=None, help="also pickle each schedule's executed steps here")
     ap.add_argument("--ratio-pairs", type=int, default=60, help="alternated 1f1b / skip step pairs for SkipPipe's ratio")
+    ap.add_argument("--out-of-sample", action="store_true",
+                    help="run each schedule twice back to back; price the second run from the first's costs")
     args = ap.parse_args()
     rows = {}
     ratios: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
-            rows[name] = measure(name, args.steps, Path(tmp), args.save)
-            print(name, rows[name], flush=True)
+            prior = measure(name, args.steps, Path(tmp))["executed"] if args.out_of_sample else None
+            rows[name] = measure(name, args.steps, Path(tmp), args.save, prior=prior)
+            print(name, {k: v for k, v in rows[name].items() if k != "executed"}, flush=True)
         if "skip" in rows and "1f1b" in rows and args.ratio_pairs:
             ratios = run_world(alternated_ratios, PP, args.ratio_pairs)
         losses = {n: loss_after(n, args.loss_steps, Path(tmp)) for n in ("1f1b", "skip")} if args.loss_steps else {}
@@ -160,20 +183,25 @@ def main() -> None:
           f"(median of steps 3+; load avg {os.getloadavg()[0]:.1f} on a shared 2-core machine)")
     print(f"{'schedule':12s} {'step s':>7s} {'load':>5s} {'measured':>9s} {'sim':>6s} {'diff pts':>8s} "
           f"{'sim shared':>10s} {'diff pts':>8s} {'sim drawn':>9s} {'diff pts':>8s} "
-          f"{'peak act (mb-stages)':>21s} {'counted MiB':>11s} {'measured MiB':>12s}")
+          f"{'peak act (mb-stages)':>21s} {'counted MiB':>11s} {'measured MiB':>12s} {'oos diff':>8s}")
     for name, r in rows.items():
         print(f"{name:12s} {r['step_s']:7.3f} {r['load']:5.1f} {r['measured']:9.3f} {r['simulated']:6.3f} "
               f"{100 * r['diff_sim']:8.1f} {r['shared']:10.3f} "
               f"{100 * r['diff_shared']:8.1f} {r['drawn']:9.3f} {100 * r['diff_drawn']:8.1f} "
-              f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib'] or float('nan'):12.2f}")
+              f"{r['peak_mb']:21d} {r['peak_mib']:11.2f} {r['held_mib'] or float('nan'):12.2f} "
+              f"{100 * r['diff_oos']:8.1f}")
     if ratios:
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         print(f"SkipPipe (skip_ratio 0.33) step time / 1f1b over {len(ratios)} alternated step pairs in one world: "
               f"median {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f})  (goal <= 0.8)")
     if losses:
-        print(f"loss (mean of last 10 of {args.loss_steps} steps, equal tokens): 1f1b {losses['1f1b']:.4f}, "
-              f"skip {losses['skip']:.4f}, skip/1f1b - 1 = {100 * (losses['skip'] / losses['1f1b'] - 1):+.2f}% "
-              "(goal within 5%)")
+        full, skip = losses["1f1b"], losses["skip"]
+        print(f"full model's validation loss at equal tokens ({GLOBAL * SEQ} tokens a step; held-out split):")
+        for step in sorted(full["val"]):
+            a, b = full["val"][step], skip["val"].get(step, float("nan"))
+            print(f"  after {step:4d} steps: 1f1b {a:.4f}, skip {b:.4f}, skip/1f1b - 1 = {100 * (b / a - 1):+.2f}%")
+        print(f"  (goal within 5%); training loss, last 10 of {args.loss_steps} steps: 1f1b {full['train']:.4f}, "
+              f"skip {skip['train']:.4f} (skip's is its skipped paths', not the full model's)")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ Run: `python bench/simulator.py`. Parts:
 - `print_search_speed()`: configurations of a 1T-parameter GPT on 3,072 GPUs evaluated by the
   vectorised enumeration, the time it took and the configurations per second (issue 16 target:
   >= 1,000,000/s on this 2-core machine).
-- `print_published_comparison()`: every published row (tuning/data/published.yaml) simulated, and
-  the held-out median |error| overall and per strategy class (`workbench simulate --validate`).
+- `print_published_comparison()`: every published row (tuning/data/published.yaml) simulated, the
+  held-out median |error| overall and per group, the ranking per table (Spearman, top-1 regret), and
+  each held-out row assessed leave-one-out against the domain of validity: inside or extrapolated,
+  and whether its interval covers the measurement (`workbench simulate --validate`; `--published`
+  runs only this part).
 - `print_measured_comparison()`: calibrates this machine (micro-benchmarks only), launches the
   engine's validation configs (1, 2 and 4 ranks, 2 interleaved rounds) and prints simulated vs
   measured step time with the median and max |error| (docs/simulator.md, "Validation on this
@@ -56,14 +59,25 @@ def print_search_speed(*, cluster: str = "dgx-a100-80gb", gpus: int = 3072,
 
 
 def print_published_comparison() -> pd.DataFrame:
-    """Print simulated vs published throughput per row and the held-out error summary."""
+    """Print simulated vs published throughput per row, the held-out error summary, the ranking per
+    table and the leave-one-out coverage of the domain's intervals."""
+    from tuning.published import sources
+    from tuning.sim_domain import held_out_coverage
+    from tuning.validation import ranking
+
     table = published_comparison()
-    cols = ["id", "hardware", "class", "layout", "metric", "published", "simulated", "error_pct", "fitted"]
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_rows", 200):
+    cols = ["id", "hardware", "framework", "class", "layout", "metric", "published", "simulated", "error_pct", "fitted"]
+    with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_rows", 400):
         print(table[cols].round(1).to_string(index=False))
         for name, df in summarize(table).items():
             print(f"held-out |error| by {name}:")
             print(df.round(1).to_string(index=False))
+        print("ranking per table:")
+        print(ranking(table, sources()).drop(columns=["source"]).round(3).to_string(index=False))
+        cover = held_out_coverage()
+        print(f"held-out rows, leave-one-out: {int(cover['covered'].sum())} of {len(cover)} inside their interval, "
+              f"{int((~cover['inside']).sum())} flagged extrapolated "
+              f"({int(cover.loc[~cover['inside'], 'covered'].sum())} of those covered)")
     return table
 
 
@@ -134,7 +148,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measured", action="store_true", help="only the measured comparison on this machine")
     parser.add_argument("--save", type=Path, help="pickle the measured table, host profile and runs here")
+    parser.add_argument("--published", action="store_true", help="only the published comparison")
     args = parser.parse_args()
+    if args.published:
+        print_published_comparison()
+        return
     if args.measured:
         print_measured_comparison(save=args.save)
         return

@@ -44,7 +44,10 @@ def exhaustive(space: SearchSpace, base, home: Path) -> dict[tuple, float]:
     for params in space.grid():
         study.enqueue_trial(params)
     run_trials(study, Objective(base, space, home=home, warmup_steps=2), len(space.grid()))
-    return {key(t.params): (t.values[0] if t.values else 0.0) for t in study.get_trials()}
+    trials = study.get_trials()  # invalid points and repeats are skipped (unrun): invalid ones measure 0
+    table = {key(t.params): 0.0 for t in trials if t.user_attrs.get("skipped")}
+    table.update({key(t.params): (t.values[0] if t.values else 0.0) for t in trials if not t.user_attrs.get("skipped")})
+    return table
 
 
 def tpe_on_table(table: dict[tuple, float], space: SearchSpace, seed: int, target: float) -> int:

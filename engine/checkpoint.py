@@ -15,14 +15,24 @@ so a checkpoint saved in one layout resumes in any other valid layout of the sam
   stages: the last stage's `head.weight` optimizer state is stored under `tok_emb.weight` too.
 - Optimizer hyperparameters (`param_groups`) are saved but the config's values win at resume.
 - Data order: batches are a pure function of (seed, step) (engine/data.py), so the step is the
-  whole data state.
-- RNG: each rank's torch generator states, restored when the layout (dp, tp, pp) is the saved
+  whole data state; a real data source read in order (engine/data_sources.py) saves its position
+  under `data` (the same on every rank) and resumes from it.
+- Experts keep their global ids under expert parallelism (`experts.2` is expert 2 on every
+  rank that holds it, engine/moe.py), so an ep=2 checkpoint resumes at ep=1 and back.
+- RNG: each rank's torch generator states, restored when the layout (dp, tp, pp, cp, ep) is the saved
   one; in another layout dropout masks differ anyway (other shapes per rank), so the seeded
   state stays.
 - CO2: each dp rank trains its own replica between outer rounds, so the checkpoint holds each dp
   rank's parameters and inner optimizer state, plus CO2's anchor, outer momentum and in-flight
   round (engine/comm/co2.py). Such a checkpoint resumes in the same dp and tp degrees only; a
   plain checkpoint resumes into a CO2 run (CO2 re-takes its anchor from the loaded weights).
+- Gradient compressors: each rank's memory (error-feedback residuals, Rand-k's call counters,
+  PowerSGD's memories and random stream, L-GreCo's levels) under `comm.rank<r>`, with the DDP
+  bucket order it was made in (engine/comm/bucket_order.py). It resumes into the same kind of
+  compressor in the same degrees (ZeRO-1 <-> DDP and ZeRO-2 <-> ZeRO-3 keep it); other degrees
+  are refused, another compressor starts with empty memories.
+- layer_split=auto: the split the run used is in the metadata, and a resumed auto run takes it
+  (the measured one depends on timings).
 """
 from __future__ import annotations
 
@@ -37,7 +47,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.errors import ConfigError
+
 if TYPE_CHECKING:
+    from engine.config import RunConfig
     from engine.train import Trainer
 
 logger = logging.getLogger(__name__)
@@ -45,6 +58,12 @@ logger = logging.getLogger(__name__)
 # engine/model.py ties GPT.head.weight to GPT.tok_emb.weight; a pp=1 model names the pair by the latter
 _TIED = {"head.weight": "tok_emb.weight"}
 _OPTIM_SECTIONS = ("state", "param_groups")
+_TORCH_SAVE_MAGIC = b"PK\x03\x04"  # DCP writes each item with torch.save: a zip archive
+
+
+def checkpoint_folder(cfg: Any, run_dir: Path | None) -> Path:
+    """Where a run's checkpoints go: train.checkpoint_dir, else the run folder's `checkpoints`."""
+    return Path(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else (run_dir or Path(".")) / "checkpoints"
 
 
 def checkpoint_path(folder: Path, step: int) -> Path:
@@ -58,12 +77,39 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
 
     path = checkpoint_path(folder, step)
     state, _ = _train_state(trainer, co2=trainer.co2 is not None)
+    comm = _comm_state(trainer)
+    if comm is not None:
+        state["comm"] = {f"rank{trainer.rank}": comm[1]}
     meta = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None,
-                       "seed": trainer.cfg.train.seed})
+                       "seed": trainer.cfg.train.seed, "layer_split": trainer.par.layer_split,
+                       "comm": comm[0] if comm else None})
     state["meta"] = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)  # a tensor: read without pickle
     state["rng"] = {f"rank{trainer.rank}": _rng_state(trainer.device)}
+    if trainer.stream is not None:
+        from engine.data_sources import encode_state
+
+        state["data"] = encode_state(trainer.stream.state_dict())
     dcp.save(state, checkpoint_id=str(path))  # .metadata is written last: a half-written folder does not load
     return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's metadata record (step, layout, seed, ...), read by this rank alone."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    saved = _reader(path).read_metadata().state_dict_metadata
+    got = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
+    dcp.load(got, storage_reader=_reader(path), no_dist=True)
+    return json.loads(bytes(got["meta"].tolist()).decode())
+
+
+def saved_layer_split(path: str | Path, *, layers: int, pp: int) -> list[int] | None:
+    """The blocks per stage the checkpoint's run used, when it is a split of `layers` over `pp` stages."""
+    split = read_meta(path).get("layer_split")  # absent in checkpoints written before it was recorded
+    if isinstance(split, list) and len(split) == pp and sum(split) == layers:
+        return [int(n) for n in split]
+    return None
 
 
 def load(trainer: Trainer, path: str | Path) -> int:
@@ -84,15 +130,102 @@ def load(trainer: Trainer, path: str | Path) -> int:
     # config's hyperparameters (param_groups) win over the saved ones
     to_read = {k: v for k, v in _flat(state).items() if isinstance(v, torch.Tensor) and not _is_param_group(k)}
     rng_key = f"rng.rank{trainer.rank}"
-    same_layout = all(meta[axis] == value for axis, value in _layout(trainer).items())
+    # checkpoints written before cp and ep were recorded had both at 1 (ep > 1 did not resume then)
+    same_layout = all(meta.get(axis, 1) == value for axis, value in _layout(trainer).items())
     if same_layout and any(k.startswith(rng_key + ".") for k in saved):
         to_read.update({f"{rng_key}.{name}": t for name, t in _rng_state(trainer.device).items()})
     elif trainer.cfg.model.dropout > 0:
         logger.warning("resume in another layout than %s: dropout masks are drawn afresh", meta)
+    comm_key = f"comm.rank{trainer.rank}."
+    if _comm_resumes(trainer, meta):
+        to_read.update({k: torch.empty(md.size, dtype=md.properties.dtype, device=trainer.device)
+                        for k, md in saved.items() if k.startswith(comm_key)})
     dcp.load(to_read, storage_reader=_reader(path))
+    _load_comm_state(trainer, {k[len(comm_key):]: v for k, v in to_read.items() if k.startswith(comm_key)})
     _set_rng_state({k[len(rng_key) + 1:]: v for k, v in to_read.items() if k.startswith(rng_key + ".")})
     apply({k: to_read.get(k, v) for k, v in _flat(state).items()})
+    _load_data_position(trainer, path, saved)
     return int(meta["step"])
+
+
+def _load_data_position(trainer: Trainer, path: Path, saved: dict[str, Any]) -> None:
+    """Move a real data source's stream to the saved position (engine/data_sources.py)."""
+    if trainer.stream is None:
+        return
+    import torch.distributed.checkpoint as dcp
+
+    from engine.data_sources import decode_state
+
+    if "data" not in saved:
+        raise ValueError(f"train.resume_from={path}: the checkpoint has no data position (saved with "
+                         f"data.source other than {trainer.cfg.data.source}); resume with its own data.source")
+    got = {"data": torch.empty(saved["data"].size, dtype=torch.uint8)}
+    dcp.load(got, storage_reader=_reader(path))
+    trainer.stream.load_state_dict(decode_state(got["data"]))
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """Before any rank starts: train.resume_from is a readable checkpoint of this config's model.
+
+    Reads the checkpoint's `.metadata` (the saved tensors' names and full shapes) and compares them
+    with the model the config builds on the meta device (no memory, no weights); checks that each
+    saved item lies inside its shard file and starts as torch.save writes it. Raises a ConfigError
+    naming the first mismatched tensor and both shapes, or the unreadable file."""
+    if not cfg.train.resume_from:
+        return
+    path = Path(cfg.train.resume_from)
+    try:
+        metadata = _reader(path).read_metadata()
+    except Exception as exc:  # a truncated or overwritten pickle fails in many ways (ValueError, EOFError, ...)
+        raise ConfigError("train.resume_from", str(path), f"its .metadata cannot be read ({type(exc).__name__}: "
+                          f"{exc}); the checkpoint is damaged: resume from another stepNNNNNN folder") from None
+    _check_shards(path, metadata.storage_data)
+    if cfg.model.entry is None and cfg.model.hf is None:  # a user's or HF model's shapes are known inside its ranks
+        _check_model_shapes(cfg, path, metadata.state_dict_metadata)
+
+
+def _check_shards(path: Path, storage: dict[Any, Any]) -> None:
+    for index, info in storage.items():
+        shard = path / info.relative_path
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < info.offset + info.length:
+            found = "is missing" if size is None else f"has {size} bytes, {info.offset + info.length} needed"
+            raise ConfigError("train.resume_from", str(path), f"shard {info.relative_path} {found} (for {index.fqn}); "
+                              "the checkpoint is incomplete: resume from another stepNNNNNN folder")
+        with open(shard, "rb") as f:
+            f.seek(info.offset)
+            head = f.read(4)
+        if not info.transform_descriptors and head != _TORCH_SAVE_MAGIC:
+            raise ConfigError("train.resume_from", str(path), f"shard {info.relative_path} is damaged at byte "
+                              f"{info.offset} ({index.fqn} does not start as torch.save writes it); "
+                              "resume from another stepNNNNNN folder")
+
+
+def _check_model_shapes(cfg: RunConfig, path: Path, saved: dict[str, Any]) -> None:
+    from engine.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    expected = {f"model.{name}": tuple(t.shape) for name, t in model.state_dict().items()}
+    # a CO2 checkpoint holds one replica per dp rank (dp0.model..., dp1.model...): the first one is compared
+    replica = "dp0." if any(k.startswith("dp0.model.") for k in saved) else ""
+    found = {k[len(replica):]: tuple(v.size) for k, v in saved.items()
+             if k.startswith(replica + "model.") and hasattr(v, "size")}
+    for name, shape in expected.items():
+        if name not in found:
+            raise ConfigError("train.resume_from", str(path), f"the checkpoint has no {name} {list(shape)}, which "
+                              f"this model has (model.layers={cfg.model.layers}); resume with the model config "
+                              "the checkpoint was written with")
+        if found[name] != shape:
+            raise ConfigError("train.resume_from", str(path), f"{name} is {list(found[name])} in the checkpoint but "
+                              f"{list(shape)} in this model (model.d_model={cfg.model.d_model}, "
+                              f"model.vocab={cfg.model.vocab}); resume with the model config the checkpoint was "
+                              "written with")
+    extra = [k for k in found if k not in expected]
+    if extra:
+        raise ConfigError("train.resume_from", str(path), f"the checkpoint holds {extra[0]} {list(found[extra[0]])}, "
+                          f"which this model lacks (model.layers={cfg.model.layers}); resume with the model config "
+                          "the checkpoint was written with")
 
 
 # ---------------------------------------------------------------- model + optimizer
@@ -111,7 +244,9 @@ def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callab
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
     model_names = {k: strip(k) for k in model_sd}
-    param_names = _optimizer_names(optim_sd, strip)
+    # an untied head (most Hugging Face models, engine/hf.py) is its own parameter, never the embedding
+    tied = all(getattr(getattr(m, "module", m), "tied", True) for m in par.modules)
+    param_names = _optimizer_names(optim_sd, strip, tied=tied)
     prefix = f"dp{trainer.coords['dp']}." if co2 else ""
     state: dict[str, Any] = {
         f"{prefix}model": {model_names[k]: v for k, v in model_sd.items()},
@@ -169,14 +304,14 @@ def _as_one_module(modules: list[nn.Module]) -> tuple[nn.Module, Callable[[str],
     return nn.ModuleList(modules), lambda name: name.split(".", 1)[1]
 
 
-def _optimizer_names(optim_sd: dict[str, Any], strip: Callable[[str], str]) -> dict[str, str]:
+def _optimizer_names(optim_sd: dict[str, Any], strip: Callable[[str], str], *, tied: bool = True) -> dict[str, str]:
     """Local parameter name -> global name, for the parameters the optimizer holds."""
     local = {_split_optim_key(k)[1] for k in optim_sd}
     names = {name: strip(name) for name in local}
     held = set(names.values())
     for name, global_name in names.items():
         # a last pipeline stage holds the tied head without the embedding: store it as the embedding
-        if global_name in _TIED and _TIED[global_name] not in held:
+        if tied and global_name in _TIED and _TIED[global_name] not in held:
             names[name] = _TIED[global_name]
     return names
 
@@ -213,8 +348,9 @@ def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 # ---------------------------------------------------------------- layout, rng, metadata
 
 def _layout(trainer: Trainer) -> dict[str, int]:
+    """The degrees that decide what each rank holds and draws: dp, tp, pp, cp and ep."""
     d = trainer.dims
-    return {"dp": d.dp, "tp": d.tp, "pp": d.pp}
+    return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": trainer.cfg.parallel.ep}
 
 
 def _check_co2_layout(trainer: Trainer, meta: dict[str, Any]) -> None:
@@ -225,6 +361,63 @@ def _check_co2_layout(trainer: Trainer, meta: dict[str, Any]) -> None:
         raise ValueError(f"train.resume_from: a CO2 checkpoint (dp={meta['dp']}, tp={meta['tp']}) holds one "
                          f"replica per dp rank and resumes only as a CO2 run with the same dp and tp; "
                          f"this run has co2.enabled={trainer.co2 is not None}, dp={here['dp']}, tp={here['tp']}")
+
+
+# ---------------------------------------------------------------- compressor state
+
+def _comm_state(trainer: Trainer) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """(kind, tensors) of this rank's gradient compressor memory, or None when it keeps none.
+
+    Residuals, Rand-k's call counters, PowerSGD's memories and L-GreCo's levels are per rank (each
+    dp rank's error differs) and tied to its buckets, so they are saved per global rank with the
+    DDP bucket order they were made in (engine/comm/bucket_order.py).
+    """
+    monitor = trainer.comm
+    state = getattr(monitor, "compressor_state", None)
+    tensors = state.state_dict() if hasattr(state, "state_dict") else {}
+    if not tensors:  # fp16/bf16, or nothing sent yet
+        return None
+    order = monitor.bucket_order.state() if monitor.bucket_order is not None else {}
+    tensors["bucket_order"] = torch.frombuffer(bytearray(json.dumps(order).encode()), dtype=torch.uint8)
+    return _comm_kind(trainer, state), tensors
+
+
+def _comm_kind(trainer: Trainer, state: Any) -> str:
+    """Which memory a compressor state is: its class, compressor, and DDP buckets or FSDP2 groups."""
+    c = trainer.cfg
+    return f"{type(state).__name__}:{c.comm.compressor}:{'fsdp' if c.parallel.zero >= 2 else 'ddp'}"
+
+
+def _comm_resumes(trainer: Trainer, meta: dict[str, Any]) -> bool:
+    """Whether this run takes the checkpoint's compressor state: the same kind of compressor in the
+    same degrees; a compressor state into other degrees is refused (it has no exact mapping)."""
+    saved = meta.get("comm")
+    if not saved:
+        return False
+    monitor = trainer.comm
+    state = getattr(monitor, "compressor_state", None)
+    here = _comm_kind(trainer, state)
+    if not hasattr(state, "load_state_dict") or here != saved:
+        logger.warning("train.resume_from: the checkpoint's compressor state (%s) does not apply to this run's "
+                       "compressor (%s): it starts with empty memories", saved, here if state is not None else "none")
+        return False
+    layout = _layout(trainer)
+    if any(meta.get(axis, 1) != value for axis, value in layout.items()):
+        saved_layout = ", ".join(f"{axis}={meta.get(axis, 1)}" for axis in layout)
+        raise ValueError(f"train.resume_from: the checkpoint's gradient compressor state ({saved}) is per rank "
+                         f"and resumes only in its own degrees ({saved_layout}); this run has "
+                         f"{', '.join(f'{a}={v}' for a, v in layout.items())} (comm.compressor=none drops it)")
+    return True
+
+
+def _load_comm_state(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> None:
+    if not tensors:
+        return
+    monitor = trainer.comm
+    order = tensors.pop("bucket_order", None)
+    if order is not None and monitor.bucket_order is not None:
+        monitor.bucket_order.load(json.loads(bytes(order.tolist()).decode()))
+    monitor.compressor_state.load_state_dict(tensors)
 
 
 def _reader(path: Path):

@@ -39,6 +39,7 @@ class CommMonitor:
         self.wire_bytes = 0
         self.dense_bytes = 0
         self.compressor_state: Any = None
+        self.bucket_order = None  # engine.comm.bucket_order.BucketOrder of a compressed DDP model
         self.link = None
         self._legs_seen: dict[str, list[int]] = {}  # bidirectional: per-leg totals at the last record
 
@@ -97,6 +98,11 @@ def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any
     n = dist.get_world_size(group)
     monitor = CommMonitor(n, mark=trainer.timer.mark)
     state, hook = _compression_hook(cfg, ddp, group, monitor)
+    if cfg.comm.compressor != "none":  # a resumed run compresses its first buckets in the checkpoint's order
+        from engine.comm.bucket_order import BucketOrder
+
+        monitor.bucket_order = BucketOrder(ddp.module.named_parameters())
+        hook = monitor.bucket_order.wrap(hook)
     if cfg.link.gbps > 0 or cfg.link.groups:
         monitor.link = _link_of(cfg, group)
         # the cost reads monitor.link at each bucket, so a live tuner can change the link

@@ -37,6 +37,9 @@ class ModelConfig:
     top_k: int = 2  # experts each token is routed to
     capacity_factor: float = 1.25  # expert capacity = factor * tokens * top_k / experts; 0 = no dropping
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
+    hf: str | dict[str, Any] | None = None  # a Hugging Face causal LM (engine/hf.py): a config.json path (or
+    # folder) or an inline mapping with model_type; then layers/d_model/heads/vocab are read from it
+    hf_weights: str | None = None  # a local folder of safetensors to load into model.hf (random init when unset)
     # (model, train_dataset, step_fn) also works: step_fn(model, inputs, targets, lr) -> loss tensor runs
     # the whole optimizer step itself (examples/minmax.py: extragradient); the engine's AdamW is not stepped
 
@@ -45,8 +48,16 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = "text"  # text (byte-level stdlib corpus) | synthetic (random tokens) | files
-    path: str | None = None  # file or folder of text files when source=files
+    source: str = "text"  # text (byte-level stdlib corpus) | synthetic (random tokens) | files | tokens | megatron | hf
+    # files: a file or folder of text read as bytes; tokens: a flat uint16/uint32 token file (nanoGPT
+    # train.bin); megatron: the prefix of an indexed dataset (prefix.bin + prefix.idx); hf: a jsonl / json /
+    # parquet / arrow / txt file or folder (engine/data_sources.py)
+    path: str | None = None
+    dtype: str = "uint16"  # tokens: the id type of the file, uint16 | uint32
+    tokenizer: str | None = None  # hf: a tokenizer.json or a tokenizer folder (read offline)
+    text_field: str = "text"  # hf: the record field holding the text
+    eos_id: int = -1  # tokens: the id that ends a document; hf: appended to each document; -1: none
+    pack: bool = False  # tokens | megatron | hf: attention stays inside each document, positions restart
     val_fraction: float = 0.05  # share of the corpus held out for validation
     split: str = "train"  # which split training reads (train | val)
     lengths: str = "fixed"  # fixed (every sample seq_len) | lognormal | pareto (long tail) | a file of lengths
@@ -220,6 +231,8 @@ class ClusterConfig:
     sbatch: list[str] | None = None  # extra #SBATCH options, e.g. ["--qos=high", "--exclusive"]
     setup: list[str] | None = None  # shell lines run before srun, e.g. ["module load cuda/12.4"]
     telemetry_host: str | None = None  # the name compute nodes reach the launcher by (default: its host name)
+    signal_s: int = 90  # SIGUSR1 this many seconds before the time limit: ranks checkpoint, the job requeues
+    # itself and resumes from that checkpoint (engine/preempt.py); 0: no signal, no requeue
 
 
 @dataclass(kw_only=True, slots=True)
@@ -282,6 +295,8 @@ def _type_name(tp: Any) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     if tp in names:
         return names[tp]
+    if tp is dict or typing.get_origin(tp) is dict:
+        return "a mapping"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) is list:
         return f"a list of {_type_name(typing.get_args(tp)[0]).split(' ', 1)[-1]}s"
@@ -313,6 +328,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             if len(inner) == 1:
                 raise
             raise ConfigError(path, value, "must be " + " or ".join(_type_name(a) for a in inner)) from None
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(path, value, "must be a mapping")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(path, value, f"must be {_type_name(tp)}")
@@ -361,13 +380,25 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:
-    """Build a RunConfig from a nested dict; unknown keys and wrong types raise ConfigError."""
-    return _build(RunConfig, data or {}, "")
+    """Build a RunConfig from a nested dict; unknown keys and wrong types raise ConfigError.
+
+    With `model.hf`, the shape keys layers, d_model, heads and vocab are the Hugging Face config's
+    (one fact, read from one place: engine/shapes.py)."""
+    cfg = _build(RunConfig, data or {}, "")
+    if cfg.model.hf is not None:
+        from engine.shapes import from_hf_config
+
+        shape = from_hf_config(cfg.model.hf)
+        m = cfg.model
+        m.layers, m.d_model, m.heads, m.vocab = shape.layers, shape.hidden, shape.heads, shape.vocab
+    return cfg
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML file with safe loading; errors name the file and the problem."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError("config", str(path), "is a folder; give a run config YAML file in it, e.g. examples/tiny.yaml")
     if not p.is_file():
         raise ConfigError("config", str(path), "file not found")
     try:

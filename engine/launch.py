@@ -29,7 +29,7 @@ Progress = Callable[[dict[str, Any]], None]
 @dataclass(slots=True)
 class RunResult:
     run_id: str
-    status: str  # completed | failed | interrupted
+    status: str  # completed | failed | interrupted | pruned
     world_size: int
     run_dir: Path
     steps: list[dict[str, Any]] = field(default_factory=list)  # rank 0's {step, loss, step_time_s, tokens_per_s}
@@ -54,7 +54,27 @@ def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int =
         cmd += [f"--nnodes={nnodes}"] + ([f"--node-rank={node_rank}"] if node_rank is not None else [])
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         cmd += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
+        # node 0 hosts the rendezvous store, the others never: torchrun guesses it by host name, so a node
+        # whose name resolves to another interface (a namespace) would not host, and on one machine every
+        # node would try to (the first to bind wins and node 0 fails: EADDRINUSE)
+        cmd += [f"--rdzv-conf=is_host={int(node_rank == 0)}"] if node_rank is not None else []
+        if node_rank is not None and "$" not in rdzv_endpoint:  # the address peers reach this node by
+            cmd += [f"--local-addr={route_source(rdzv_endpoint)}"]
     return cmd + ["-m", "engine.worker", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+
+
+def route_source(endpoint: str) -> str:
+    """This machine's address on the route to `endpoint` ('host:port'): what the other nodes reach it by.
+    torchrun would advertise its host name, which may resolve to another interface (or none the peers see)."""
+    import socket
+
+    host = endpoint.rpartition(":")[0] or endpoint
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
 
 
 def _kill_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
@@ -141,6 +161,16 @@ def _first_failure(run_dir: Path, log: str) -> RankFailure:
     return RankFailure(None, "the launcher failed before any rank reported", log[-2000:])
 
 
+def stop_status(exc: BaseException) -> tuple[str, str]:
+    """(status, reason) of a run its caller stopped: a trial the tuner pruned reads 'pruned'
+    (optuna.TrialPruned, known by name: the engine does not import optuna), else 'interrupted'."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "interrupted by the user (Ctrl-C)"
+    if type(exc).__name__ == "TrialPruned":
+        return "pruned", f"pruned by the tuner at step {exc}"
+    return "interrupted", f"stopped by the caller: {type(exc).__name__}: {exc}"
+
+
 def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None = None, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
@@ -149,7 +179,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     """Validate, register the run, start the ranks, stream telemetry into the store, wait.
     launcher="slurm" submits the run as one Slurm job of cfg.cluster instead (engine/slurm.py);
     `on_job` then hears each change of the job's state (queued, running, done)."""
-    from profilers.telemetry import TelemetryServer
+    from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
     if launcher == "slurm":
         from engine.slurm import launch_slurm
@@ -164,17 +194,18 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     from engine.device import check_ranks_fit_gpus
 
     check_ranks_fit_gpus(cfg.backend, cfg.world_size // nnodes)
-    store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent)
+    store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent, join=nnodes > 1)
     home = run_dir.parent.parent
     server = TelemetryServer(store)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            "WORKBENCH_TELEMETRY": server.start(), "WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home),
-           **(extra_env or {})}
+           "WORKBENCH_NODE_RANK": str(node_rank), **(extra_env or {}), TOKEN_ENV: server.token}
     cmd = torchrun_command(cfg_path, run_dir, nproc=cfg.world_size // nnodes, nnodes=nnodes,
                            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     started = time.time()
     status, failure = "completed", None
-    with open(run_dir / "launcher.log", "w") as log:
+    log_path = run_dir / ("launcher.log" if nnodes == 1 else f"launcher-node{node_rank}.log")  # one per node
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)
         try:
@@ -182,14 +213,13 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
         except BaseException as exc:  # Ctrl-C, or the caller stopped the run (a pruned trial)
             _kill_session(proc)
             server.stop()
-            reason = "interrupted by the user (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else \
-                f"stopped by the caller: {type(exc).__name__}: {exc}"
-            store.finish_run(run_id, "interrupted", error=reason)
+            status, reason = stop_status(exc)
+            store.finish_run(run_id, status, error=reason)
             raise
         finally:
             _kill_session(proc)
             server.stop()
-    log_text = (run_dir / "launcher.log").read_text(errors="replace")
+    log_text = log_path.read_text(errors="replace")
     if server.error is not None and status != "timeout":  # e.g. a full disk: never a silent loss
         status, failure = "failed", RankFailure(None, f"the run store could not take this run's telemetry "
                                                 f"({server.records_failed} records not stored): {server.error}; "
@@ -198,16 +228,46 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
         status, failure = "failed", RankFailure(None, f"timed out after {timeout_s:.0f} s; every rank was stopped")
     elif status == "failed":
         failure = _first_failure(run_dir, log_text)
-    return finish(store, run_id, status, cfg, run_dir, started, failure, raise_on_failure)
+    if nnodes > 1 and failure is not None:
+        failure = node_failure(store, run_id, failure, node_rank=node_rank, nnodes=nnodes, returncode=proc.returncode)
+    return finish(store, run_id, status, cfg, run_dir, started, failure, raise_on_failure,
+                  extra_summary=telemetry_summary(server), first=nnodes > 1)
 
 
-def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, parent: str | None):
+def node_ranks(store, run_id: str, node_rank: int) -> list[int]:
+    """The global ranks that node `node_rank` ran (each rank records its launcher's node rank)."""
+    return sorted({r.rank for r in store.metrics(run_id, kind="node", name="node_rank") if r.value == node_rank})
+
+
+def node_failure(store, run_id: str, failure: RankFailure, *, node_rank: int, nnodes: int,
+                 returncode: int | None) -> RankFailure:
+    """A multi-node failure says which node (its host and ranks) and how its torchrun ended."""
+    import socket
+
+    ranks = node_ranks(store, run_id, node_rank)
+    how = f"its torchrun was killed by signal {-returncode} ({signal.Signals(-returncode).name})" \
+        if returncode is not None and returncode < 0 else failure.reason
+    rank = failure.rank if failure.rank is not None else (ranks[0] if ranks else None)
+    return RankFailure(rank, f"node {node_rank} of {nnodes} ({socket.gethostname()}, ranks "
+                       f"{', '.join(map(str, ranks)) or '?'}): {how}", failure.traceback)
+
+
+def telemetry_summary(server) -> dict[str, Any]:
+    """What the run's summary says about its telemetry server: connections refused for a bad token."""
+    return {"telemetry_refused": server.connections_refused}
+
+
+def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, parent: str | None,
+             join: bool = False):
     """Validate and record a new run (status running) with its config file; every launcher starts here.
     Returns (store, run_id, run_dir, config path)."""
     from profilers.host import host_info, software_versions
     from profilers.store import RunStore, default_home
 
     validate(cfg)
+    from engine.checkpoint import check_resume
+
+    check_resume(cfg)  # a wrong or damaged checkpoint: one line here, not a traceback from every rank
     dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.world_size, cp=cfg.parallel.cp)
     home = Path(home) if home else default_home()
     run_id = run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
@@ -218,16 +278,18 @@ def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, par
     store = RunStore.open_home(home)
     store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=cfg.world_size,
                      layout=dims.describe(), host=host_info(), versions=software_versions(),
-                     emulated=cfg.link.gbps > 0 or bool(cfg.link.groups), parent=parent)
+                     emulated=cfg.link.gbps > 0 or bool(cfg.link.groups), parent=parent, join=join)
     return store, run_id, run_dir, cfg_path
 
 
 def finish(store, run_id: str, status: str, cfg: RunConfig, run_dir: Path, started: float,
-           failure: RankFailure | None, raise_on_failure: bool, extra_summary: dict[str, Any] | None = None) -> RunResult:
+           failure: RankFailure | None, raise_on_failure: bool, extra_summary: dict[str, Any] | None = None,
+           first: bool = False) -> RunResult:
     """Record the run's outcome and summary (every launcher ends here); raise the failure if asked."""
     result = _result(store, run_id, status, cfg, run_dir, started, failure)
     result.summary.update(extra_summary or {})
-    store.finish_run(run_id, status, error=result.error, error_rank=result.error_rank, summary=result.summary)
+    store.finish_run(run_id, status, error=result.error, error_rank=result.error_rank, summary=result.summary,
+                     first=first)
     if failure is not None and raise_on_failure:
         raise failure
     return result

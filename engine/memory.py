@@ -38,6 +38,8 @@ def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
     """(root parameters, parameters of one block, blocks) one rank of pipeline `stage` holds
     before ZeRO sharding (TP divides the block matmuls); the root is what no block holds."""
     m, tp = cfg.model, cfg.parallel.tp
+    if m.hf is not None:
+        return _hf_stage_parts(cfg, stage)
     h, r = m.d_model, m.mlp_ratio
     block = (4 + 2 * r) * h * h / tp + 4 * h  # q,k,v,o + mlp split over tp; two LayerNorms replicated
     if m.experts > 0:  # MoE blocks: router + this rank's experts/ep, replicated over tp (engine/parallel/expert.py)
@@ -51,6 +53,30 @@ def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
         root += m.vocab * h + m.seq_len * h  # token + position embeddings
     if stage == last:
         root += 2 * h + (m.vocab * h if last > 0 else 0)  # ln_f; the tied head is a second copy when pp > 1
+    return root, block, _stage_layers(cfg)[stage]
+
+
+def _hf_stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
+    """`_stage_parts` of a Hugging Face model from its config's shape (engine/shapes.py): attention and
+    dense MLP matrices split over tp, experts over ep (replicated over tp), norms and router replicated."""
+    from engine.shapes import from_hf_config
+
+    sh, p = from_hf_config(cfg.model.hf), cfg.parallel
+    norms = 2 * sh.hidden * sh.norm_params
+    per_layer = []
+    for i in range(sh.layers):
+        if i in sh.moe_layers:
+            mlp = sh.router_params + sh.experts // max(p.ep, 1) * sh.mlp_params(sh.moe_ffn_hidden) \
+                + sh.shared_expert_params / p.tp
+        else:
+            mlp = sh.mlp_params(sh.ffn_hidden) / p.tp
+        per_layer.append(sh.attention_params / p.tp + mlp + norms)
+    block = sum(per_layer) / max(len(per_layer), 1)
+    root, last = 0.0, p.pp - 1
+    if stage == 0:
+        root += sh.vocab * sh.hidden
+    if stage == last:
+        root += sh.final_norm_params + (sh.vocab * sh.hidden if (not sh.tied_embeddings or last > 0) else 0)
     return root, block, _stage_layers(cfg)[stage]
 
 
@@ -73,6 +99,11 @@ def _layer_activation_elems(cfg: RunConfig) -> float:
     """
     m, p = cfg.model, cfg.parallel
     s, b, h, a, r, t = m.seq_len, cfg.batch.micro, m.d_model, m.heads, m.mlp_ratio, p.tp
+    if m.hf is not None:  # SwiGLU: gate, up and their product take the GELU MLP's two r h tensors' place
+        from engine.shapes import from_hf_config
+
+        sh = from_hf_config(m.hf)
+        r = 1.5 * (sh.moe_ffn_hidden * sh.top_k if sh.experts else sh.ffn_hidden) / sh.hidden
     norm_inputs = 2.0 / t if p.sequence_parallel else 2.0
     elems = s * b * h * (norm_inputs + 2.0 + (5 + 2 * r) / t) + a * s * b / t
     if m.dropout > 0:

@@ -36,31 +36,43 @@ class ParallelDims:
                 "parallel", f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "") + f" = {product}",
                 f"must equal world_size({self.world_size})")
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes, outermost first: (pp, dp, tp), or (pp, dp, cp, tp) with context parallelism."""
+        return CP_MESH_AXES if self.cp > 1 else MESH_AXES
+
+    def rank_grid(self):
+        """The global rank at every mesh coordinate: an int tensor shaped like `axes` (row-major, tp
+        fastest-varying, kept within a node; then cp), the placement order laid onto it. THE rank
+        formula of the engine: the DeviceMesh, `coords` and every group built outside the mesh
+        (expert groups, placement's link groups) read it from here."""
+        import torch
+
+        flat = list(self.order) if self.order is not None else list(range(self.world_size))
+        return torch.tensor(flat, dtype=torch.int).reshape([getattr(self, axis) for axis in self.axes])
+
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each mesh axis; tp is the fastest-varying (kept within a node), then cp."""
-        rank = self.order.index(rank) if self.order is not None else rank  # its mesh position
-        inner = self.tp * self.cp
-        coords = {"pp": rank // (self.dp * inner), "dp": (rank // inner) % self.dp,
-                  "cp": (rank // self.tp) % self.cp, "tp": rank % self.tp}
-        if self.cp == 1:  # like describe(): cp appears only when it is used
-            del coords["cp"]
-        return coords
+        """This rank's index along each mesh axis (cp only when cp > 1, like `describe()`)."""
+        where = (self.rank_grid() == rank).nonzero()
+        if len(where) != 1:
+            raise ValueError(f"rank {rank} is not on the mesh of {self.describe()}")
+        return dict(zip(self.axes, where[0].tolist()))
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along `axis` (one per coordinate of the other axes, in
+        row-major order), as the DeviceMesh of `build_mesh` groups them."""
+        return groups_along(self.rank_grid(), self.axes, axis)
 
     def build_mesh(self, device_type: str):
         """A DeviceMesh of shape (pp, dp, tp), or (pp, dp, cp, tp) with context parallelism, with
-        named axes; with cp > 1 also the flattened "dp_cp" axis gradients are averaged over.
-        A placement order (cp == 1 only, validate() says so) lays global ranks onto the mesh."""
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        named axes, laid out by `rank_grid` (a placement order puts global ranks on it; cp == 1
+        only, validate() says so); with cp > 1 also the flattened "dp_cp" axis gradients are
+        averaged over."""
+        from torch.distributed.device_mesh import DeviceMesh
 
-        if self.order is not None and list(self.order) != list(range(self.world_size)):
-            import torch
-
-            layout = torch.tensor(self.order, dtype=torch.int).reshape(self.pp, self.dp, self.tp)
-            return DeviceMesh(device_type, layout, mesh_dim_names=MESH_AXES)
-        if self.cp == 1:
-            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=CP_MESH_AXES)
-        mesh["dp", "cp"]._flatten("dp_cp")  # one group for the gradient average over dp x cp
+        mesh = DeviceMesh(device_type, self.rank_grid(), mesh_dim_names=self.axes)
+        if self.cp > 1:
+            mesh["dp", "cp"]._flatten("dp_cp")  # one group for the gradient average over dp x cp
         return mesh
 
     def describe(self) -> dict[str, int]:
@@ -68,3 +80,15 @@ class ParallelDims:
         if self.cp > 1:
             out["cp"] = self.cp
         return out
+
+
+def groups_along(grid, axes: tuple[str, ...], axis: str) -> list[list[int]]:
+    """The rank lists along `axis` of a rank grid (a tensor shaped like `axes`, e.g. a DeviceMesh's
+    `.mesh`): one list per coordinate of the other axes, row-major."""
+    i = axes.index(axis)
+    return grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
+
+
+def mesh_axis_groups(mesh, axis: str) -> list[list[int]]:
+    """The global ranks of every group along `axis` of a DeviceMesh: what its sub-meshes hold."""
+    return groups_along(mesh.mesh, tuple(mesh.mesh_dim_names), axis)

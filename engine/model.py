@@ -152,6 +152,13 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     expert; `active` counts the top_k experts a token passes through (plus the routers)."""
     from engine.moe import moe_parameter_counts
 
+    if cfg.hf is not None:  # a Hugging Face model: its config's shape (GQA, SwiGLU, untied head, experts)
+        shape = model_shape(cfg)
+        out = {"per_layer": shape.layer_params(0), "layers": sum(shape.layer_params(i) for i in range(shape.layers)),
+               "embedding": shape.embedding_params, "total": shape.params}
+        if shape.experts:
+            out["active"] = shape.active_params
+        return out
     h, l = cfg.d_model, cfg.layers
     mlp = 2 * cfg.mlp_ratio * h * h
     per_layer = 4 * h * h + mlp + 4 * h  # q,k,v,o + mlp + two LayerNorms
@@ -168,6 +175,16 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
+def model_shape(cfg: ModelConfig):
+    """The engine/shapes.py ModelShape of `cfg`: model.hf's config, else the built-in GPT."""
+    from engine.shapes import from_gpt, from_hf_config
+
+    if cfg.hf is not None:
+        return from_hf_config(cfg.hf)
+    return from_gpt(layers=cfg.layers, d_model=cfg.d_model, heads=cfg.heads, seq_len=cfg.seq_len, vocab=cfg.vocab,
+                    mlp_ratio=cfg.mlp_ratio, experts=cfg.experts, top_k=cfg.top_k, moe_every=cfg.moe_every)
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward, no recomputation).
 
@@ -179,6 +196,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """
     from engine.moe import moe_parameter_counts
 
+    if cfg.hf is not None:
+        return model_shape(cfg).flops_per_token(cfg.seq_len)
     h, l, s = cfg.d_model, cfg.layers, cfg.seq_len
     matmul_params = l * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab * h
     moe = moe_parameter_counts(cfg)

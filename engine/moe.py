@@ -92,17 +92,21 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.experts, cfg.top_k
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.dropout)
-                                     for _ in range(cfg.experts))
+        # keyed by the GLOBAL expert id: under expert parallelism a rank keeps a subset under the
+        # same names (`experts.2.w1.weight` is expert 2 on every layout), so checkpoints never collide
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.dropout)
+                                      for e in range(cfg.experts)})
         self.exchange: Exchange = self.run_experts  # replaced by expert parallelism
         self.compressor = None  # LSH-MoE token compression (engine/comm/lsh.py), set by expert parallelism
         self.aux_loss: torch.Tensor | None = None
         self.stats = MoEStats(cfg.experts)
 
-    def run_experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Tokens sorted by local expert, `counts` per local expert -> outputs in the same order."""
-        chunks = tokens.split(counts.tolist())
-        outs = [expert(chunk) for expert, chunk in zip(self.experts, chunks)]
+    def run_experts(self, tokens: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """Tokens sorted by local expert, `counts` per local expert (a tensor, or the Python ints
+        expert parallelism already read) -> outputs in the same order."""
+        # variable chunk sizes are Python ints: one host read per layer (as every dropless MoE)
+        chunks = tokens.split(counts if isinstance(counts, list) else counts.tolist())
+        outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)]
         return torch.cat(outs) if outs else tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,8 @@ class MoE(nn.Module):
             y = restore(self.exchange(sent, counts))
         else:
             y = self.exchange(tokens, r.counts)
-        out = torch.zeros_like(flat).index_add(0, r.token, y * r.gate.to(y.dtype).unsqueeze(1))
+        # under bf16 autocast the experts return bf16 while the residual stream is fp32: sum in fp32
+        out = torch.zeros_like(flat).index_add(0, r.token, (y * r.gate.to(y.dtype).unsqueeze(1)).to(flat.dtype))
         if self.training:
             self.aux_loss = self.aux_loss_coef * r.aux_loss
             self.stats.add(r.routed, r.counts)
@@ -122,17 +127,27 @@ class MoE(nn.Module):
 
 
 class MoEStats:
-    """Assignments this rank routed to each expert, and how many were dropped, since the last read."""
+    """Assignments this rank routed to each expert, and how many were kept (not dropped), since
+    the last read. Summed on the device of the routing (allocated at the first forward); read
+    once per step record (`step_stats`), never per layer or micro-batch."""
 
     def __init__(self, experts: int) -> None:
-        self.routed = torch.zeros(experts, dtype=torch.long)
-        self.kept = torch.zeros(experts, dtype=torch.long)
+        self.experts = experts
+        self.routed: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
 
     def add(self, routed: torch.Tensor, kept: torch.Tensor) -> None:
-        self.routed += routed.detach().cpu()
-        self.kept += kept.detach().cpu()
+        if self.routed is None or self.routed.device != routed.device:
+            self.routed = torch.zeros(self.experts, dtype=torch.long, device=routed.device)
+            self.kept = torch.zeros(self.experts, dtype=torch.long, device=routed.device)
+        self.routed += routed.detach()
+        self.kept += kept.detach()
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed, kept) per expert since the last take, on their device (zeros before any add)."""
+        if self.routed is None:
+            zeros = torch.zeros(self.experts, dtype=torch.long)
+            return zeros, zeros.clone()
         out = (self.routed.clone(), self.kept.clone())
         self.routed.zero_()
         self.kept.zero_()
@@ -155,19 +170,21 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 def step_stats(modules: list[nn.Module]) -> dict[str, float]:
     """Per-step MoE metrics of this rank: tokens routed to each expert (summed over MoE layers,
-    before dropping) and the drop rate; resets the counters."""
+    before dropping) and the drop rate; resets the counters. One host read for all of them."""
     routed, kept = None, None
     for module in modules:
         for layer in moe_layers(module):
             r, k = layer.stats.take()
-            routed = r if routed is None else routed + r
-            kept = k if kept is None else kept + k
+            routed = r if routed is None else routed + r.to(routed.device)
+            kept = k if kept is None else kept + k.to(kept.device)
     if routed is None:
         return {}
-    out = {f"tokens/e{i}": float(v) for i, v in enumerate(routed.tolist())}
-    total = float(routed.sum())
-    out["drop_rate"] = (total - float(kept.sum())) / total if total else 0.0
-    out["imbalance"] = float(routed.max()) / (total / len(routed)) if total else 0.0  # max / mean load
+    values = torch.cat([routed, kept.sum().reshape(1)]).tolist()  # the step record's one read
+    per_expert, total_kept = values[:-1], values[-1]
+    out = {f"tokens/e{i}": float(v) for i, v in enumerate(per_expert)}
+    total = float(sum(per_expert))
+    out["drop_rate"] = (total - total_kept) / total if total else 0.0
+    out["imbalance"] = max(per_expert) / (total / len(per_expert)) if total else 0.0  # max / mean load
     return out
 
 

@@ -30,6 +30,7 @@ class Parallelized:
     after_backward: Callable[[], None] = lambda: None  # grad syncs not done by a wrapper
     hooks: dict[str, Any] = field(default_factory=dict)  # comm hook states (compression, co2, link)
     experts: Any = None  # engine.parallel.expert.ExpertParallel when parallel.ep > 1
+    layer_split: list[int] | None = None  # pp > 1: blocks per stage chunk it runs (None: even)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         seen: set[int] = set()
@@ -59,12 +60,17 @@ def _data_parallel(model: nn.Module, cfg: RunConfig, mesh, axis: str = "dp", ign
                                broadcast_buffers=d.broadcast_buffers, ignored_params=ignored_params)
 
 
-def _expert_parallel(model: nn.Module, cfg: RunConfig, dims: ParallelDims):
+def _expert_parallel(model: nn.Module, cfg: RunConfig, mesh):
     """Shard the experts over ep ranks carved out of dp (None when parallel.ep == 1)."""
     p, c = cfg.parallel, cfg.comm
+    import datetime
+
+    if cfg.model.hf is not None and p.ep > 1:  # transformers' fused experts (engine/parallel/expert_fused.py)
+        from engine.parallel.expert_fused import apply_fused_expert_parallel
+
+        return apply_fused_expert_parallel(model, mesh, ep=p.ep, timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
     if cfg.model.experts == 0 or p.ep == 1:
         return None
-    import datetime
 
     from engine.parallel.expert import apply_expert_parallel
 
@@ -73,7 +79,7 @@ def _expert_parallel(model: nn.Module, cfg: RunConfig, dims: ParallelDims):
         from engine.comm.link import LinkEmulator
 
         link = LinkEmulator(gbps=cfg.link.gbps, latency_us=cfg.link.latency_us)
-    return apply_expert_parallel(model, dp=dims.dp, tp=dims.tp, pp=dims.pp, ep=p.ep,
+    return apply_expert_parallel(model, mesh, ep=p.ep,
                                  hierarchical=c.moe_hierarchical, ranks_per_node=cfg.link.ranks_per_node,
                                  node_groups=[g.ranks for g in cfg.link.groups] if cfg.link.groups else None,
                                  link=link, compression=c.moe_compression, lsh_buckets=c.lsh_buckets,
@@ -85,6 +91,12 @@ def _no_sync_of(module: nn.Module) -> Callable[[], contextlib.AbstractContextMan
     from engine.parallel.data import no_sync_context
 
     return lambda: no_sync_context(module)
+
+
+def _keep_gathered_of(module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    from engine.parallel.zero import keep_gathered
+
+    return lambda: keep_gathered(module)
 
 
 def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh, device_type: str = "cpu") -> None:
@@ -121,7 +133,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     # TP first: ZeRO/FSDP2 then shards the DTensors TP produced (torchtitan's order); checkpointing
     # before wrapping so the wrappers see the recomputing blocks
     _tp_and_checkpointing(model, cfg, mesh, device.type)
-    experts = _expert_parallel(model, cfg, dims)
+    experts = _expert_parallel(model, cfg, mesh)
     if dims.dp * dims.cp == 1 or cfg.co2.enabled:
         # one replica, or CO2: each rank keeps a plain module and CO2 synchronises parameters itself
         return Parallelized(modules=[model], forward=model)
@@ -135,8 +147,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
         hooks = comm_hook_factory(wrapped, mesh[grad_axis(dims)].get_group())
     # ZeRO-2/3 reduce-scatter every micro-batch (as ZeRO defines them): skipping the sync would
-    # keep every block's full unsharded gradients until the last micro-batch
-    no_sync = _no_sync_of(wrapped) if p.zero < 2 else contextlib.nullcontext
+    # keep every block's full unsharded gradients until the last micro-batch; ZeRO-2 keeps the
+    # parameters gathered between micro-batches (one all-gather per step), ZeRO-3 re-gathers them
+    no_sync = _no_sync_of(wrapped) if p.zero < 2 else _keep_gathered_of(wrapped) if p.zero == 2 \
+        else contextlib.nullcontext
     if experts is not None:  # expert gradients: summed over their replicas, not averaged by the dp wrapper
         return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks, experts=experts,
                             after_backward=experts.reduce_gradients)
@@ -176,7 +190,8 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
         if dp_group is not None:
             allreduce_grads(pipe.modules, dp_group)
 
-    return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe, after_backward=after_backward)
+    return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe, after_backward=after_backward,
+                        layer_split=layer_split)
 
 
 def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh) -> list[int]:
@@ -185,9 +200,16 @@ def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh) -> list[in
     from engine.parallel.layer_split import auto_layer_split, layer_seconds
 
     m = cfg.model
+    if cfg.train.resume_from:  # a resumed run keeps the split its checkpoint ran with (timings vary)
+        from engine.checkpoint import saved_layer_split
+
+        saved = saved_layer_split(cfg.train.resume_from, layers=m.layers, pp=dims.pp)
+        if saved is not None:
+            return saved
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
     block = model.layers["0"]
-    seconds = layer_seconds(block, micro=cfg.batch.micro, seq=m.seq_len, d_model=m.d_model,
-                            n_microbatches=cfg.grad_accum, dp_group=dp_group)
+    with torch.random.fork_rng(devices=[]):  # the probe's dropout leaves the run's random stream alone
+        seconds = layer_seconds(block, micro=cfg.batch.micro, seq=m.seq_len, d_model=m.d_model,
+                                n_microbatches=cfg.grad_accum, dp_group=dp_group)
     stage = mesh["pp"].get_local_rank()
     return auto_layer_split(m.layers, stage=stage, pp=dims.pp, seconds=seconds, group=host_group())

@@ -8,7 +8,8 @@
   stay inside one whenever a group's size is a multiple of tp (validate() requires it); dp
   crosses groups only when a stage needs more ranks than a group has.
 
-Pure functions: the order is data (`rank_order`), built into a DeviceMesh by `engine.mesh`.
+Pure functions: the order is data (`rank_order`); `engine.mesh.ParallelDims` lays it onto the mesh
+(the one rank formula) and answers which ranks form each group.
 """
 from __future__ import annotations
 
@@ -34,16 +35,13 @@ def rank_order(world: int, *, placement: str = "naive",
 
 
 def mesh_groups(order: Sequence[int], *, pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
-    """The rank sets of every pp, dp and tp group of a mesh laid out by `order`.
+    """The rank sets of every pp, dp and tp group of a mesh laid out by `order`, as the mesh
+    groups them (`ParallelDims.axis_groups`: the engine's one rank formula).
 
     A pp group is one pipeline (its ranks in stage order), a dp group the replicas of one
     (stage, tp shard), a tp group the shards of one (stage, replica).
     """
-    def at(s: int, d: int, t: int) -> int:
-        return order[(s * dp + d) * tp + t]
+    from engine.mesh import ParallelDims
 
-    return {
-        "pp": [[at(s, d, t) for s in range(pp)] for d in range(dp) for t in range(tp)],
-        "dp": [[at(s, d, t) for d in range(dp)] for s in range(pp) for t in range(tp)],
-        "tp": [[at(s, d, t) for t in range(tp)] for s in range(pp) for d in range(dp)],
-    }
+    dims = ParallelDims(dp, tp, pp, len(order), order=tuple(order))
+    return {axis: dims.axis_groups(axis) for axis in ("pp", "dp", "tp")}

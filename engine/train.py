@@ -23,6 +23,7 @@ from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims
 from engine.model import build_model, flops_per_token, loss_fn
 from engine.parallelize import Parallelized, parallelize
+from engine.validate_data import STREAM_SOURCES
 from profilers.collectives import CollectiveProfiler
 from profilers.steps import StepTimer
 
@@ -85,7 +86,10 @@ class Trainer:
         if self.collectives.enabled:  # records read tp:all_reduce, dp:all_gather, pp:send, ...
             self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "cp", "tp")
                                           if getattr(self.dims, axis) > 1})
+            if self.dims.dp > 1 and self.dims.cp > 1:  # the gradient average over dp x cp (engine/mesh.py)
+                self.collectives.name_groups({"dp_cp": self.mesh["dp_cp"].get_group()})
         self.user_dataset = None
+        self.stream = self.val_stream = None  # a real data source read in order (engine/data_sources.py)
         self.par: Parallelized = self._build()
         if self.user_dataset is not None:
             # a user's model trains on its own dataset (validated on it too: it brings no split)
@@ -93,7 +97,12 @@ class Trainer:
             self.tokens_per_step = cfg.batch.global_ * self.user_dataset.seq_len
             self.flops_per_step = None  # unknown architecture: MFU reads n/a
         else:
-            self.splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
+            if cfg.data.source in STREAM_SOURCES:
+                from engine.data_sources import build_streams
+
+                self.stream, self.val_stream = build_streams(cfg.data, cfg.model)
+            else:
+                self.splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
             self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
             self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = peak_flops(device)
@@ -118,6 +127,10 @@ class Trainer:
             # optional third item: step_fn(model, inputs, targets, lr) -> loss runs a whole
             # optimizer step itself (e.g. extragradient: two gradient evaluations per step)
             self.user_step = step_fn[0] if step_fn else None
+        elif self.cfg.model.hf is not None:  # a Hugging Face causal LM (engine/hf.py)
+            from engine.hf import build_hf_model
+
+            model = build_hf_model(self.cfg.model, seed=self.cfg.train.seed)
         else:
             model = build_model(self.cfg.model, seed=self.cfg.train.seed)
         factory = None
@@ -137,11 +150,22 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
+        if self.stream is not None:
+            return self._stream_batch()
         if c.data.lengths != "fixed" and self.user_dataset is None:
             return self._packed_batch(step)
         x, y = local_batch(self.splits.train, global_batch=c.batch.global_, dp=self.dims.dp,
                            dp_rank=self.coords["dp"], seed=c.train.seed, step=step)
         x, y = self._cp_shard(x, y)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _stream_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the stream's next global batch (the stream moves on: one call per step)."""
+        from engine.data_sources import rank_rows
+
+        rows = rank_rows(self.stream.next_rows(self.cfg.batch.global_), dp=self.dims.dp, dp_rank=self.coords["dp"])
+        packed = (rows.positions, rows.doc_ids) if self.cfg.data.pack else (None, None)
+        x, y = self._cp_shard(rows.x, rows.y, *packed)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _cp_shard(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
@@ -233,7 +257,8 @@ class Trainer:
         from engine.parallel.adaptive_sp import GroupCache, PlanAhead, calibrate
         from engine.parallel.flexsp import solve
 
-        groups = GroupCache(self.cfg.train.timeout_s)
+        groups = GroupCache(self.cfg.train.timeout_s,
+                            on_group=lambda g: self.collectives.name_groups({"sp": g}))  # records read sp:...
         model = self.par.modules[0]
         cost = calibrate(model, world=self.dims.world_size, groups=groups, seq_len=self.cfg.model.seq_len,
                          device=self.device)
@@ -277,10 +302,9 @@ class Trainer:
                 self._docs_ahead = (step + 1, self._flexsp_docs(step + 1))
                 ahead.submit(step + 1, [doc.numel() - 1 for doc in self._docs_ahead[1]])
         self.tokens_per_step = sum(lengths)
-        with self.timer.phase("forward"):
-            share, report = run_step(self.par.modules[0], docs, plan, groups, rank=self.rank,
-                                     total_tokens=sum(lengths), cost=cost, device=self.device,
-                                     autocast=self._autocast())
+        share, report = run_step(self.par.modules[0], docs, plan, groups, rank=self.rank,
+                                 total_tokens=sum(lengths), cost=cost, device=self.device,
+                                 autocast=self._autocast(), phase=self.timer.phase)  # forward, backward apart
         if self.rank == 0:
             self._record_plan(step, report, cap)
         # _reduce_loss averages over the dp x cp ranks; the shares add up to the mean
@@ -414,8 +438,8 @@ class Trainer:
         pipe = self.par.pipeline
         pp_group = self.mesh["pp"].get_group() if pipe is not None else None
         # the last stage's head is a copy of the first stage's tok_emb (on one rank under V schedules)
-        tied_copy = [_unwrap(m).head.weight for m in pipe.modules
-                     if _unwrap(m).head is not None and _unwrap(m).tok_emb is None] if pipe is not None else []
+        tied_copy = [_unwrap(m).head.weight for m in pipe.modules if _unwrap(m).head is not None
+                     and _unwrap(m).tok_emb is None and getattr(_unwrap(m), "tied", True)] if pipe is not None else []
         ep = self.par.experts  # expert-parallel experts differ per ep rank: their squares sum over ep
         norm = clip_grad_norm(list(self.par.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy,
                               sharded=ep.expert_params if ep else (), shard_group=ep.ep_group if ep else None)
@@ -426,15 +450,26 @@ class Trainer:
         """Mean val loss over fixed validation batches (all ranks take part)."""
         c, par = self.cfg, self.par
         par.train(False)
-        batches = val_batches(self.splits.val, global_batch=c.batch.global_, n=c.train.eval_batches,
-                              dp=self.dims.dp, dp_rank=self.coords["dp"])
+        batches = self._val_batches()
         total = 0.0
-        for x, y in batches:
-            x, y = self._cp_shard(x, y)
+        for x, y, *packed in batches:
+            x, y = self._cp_shard(x, y, *packed)
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
                 total += self._eval_batch(x, y)
         return self._sync_loss(total / len(batches))
+
+    def _val_batches(self) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's slices of the fixed validation batches (with positions and document ids when packed)."""
+        c = self.cfg
+        if self.val_stream is None:
+            return val_batches(self.splits.val, global_batch=c.batch.global_, n=c.train.eval_batches,
+                               dp=self.dims.dp, dp_rank=self.coords["dp"])
+        from engine.data_sources import rank_rows, val_rows
+
+        out = [rank_rows(b, dp=self.dims.dp, dp_rank=self.coords["dp"])
+               for b in val_rows(self.val_stream, rows=c.batch.global_, n=c.train.eval_batches)]
+        return [(b.x, b.y, b.positions, b.doc_ids) if c.data.pack else (b.x, b.y) for b in out]
 
     def _eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         pipe, micro = self.par.pipeline, self.cfg.batch.micro
@@ -483,7 +518,7 @@ class Trainer:
             yield m
 
     def _checkpoint_dir(self) -> Path:
-        return Path(self.cfg.train.checkpoint_dir) if self.cfg.train.checkpoint_dir else (self.run_dir or Path(".")) / "checkpoints"
+        return ckpt.checkpoint_folder(self.cfg, self.run_dir)
 
     def _record(self, m: StepMetrics) -> None:
         e, s = self.emit, m.step
@@ -507,7 +542,10 @@ class Trainer:
                 if name not in ("wire_bytes", "dense_bytes"):  # the CommMonitor's, per step
                     e(s, "comm", name, value)
             if self.comm is None:  # no DDP gradient hook (TP, FSDP2, pipeline): nothing compressed
-                sent = float(sum(ev["bytes"] for ev in events if ev["op"] != "ddp_bucket"))
+                from profilers.collectives import sent_bytes
+
+                # bytes sent (bus factors), the unit of the compressors' wire bytes; not nccl-tests sizes
+                sent = float(sum(sent_bytes(ev) for ev in events if ev["op"] != "ddp_bucket"))
                 e(s, "comm", "wire_bytes", sent)
                 e(s, "comm", "dense_bytes", sent)
         if self.cfg.model.experts > 0:  # tokens this rank routed to each expert, and the drop rate

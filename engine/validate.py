@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError, ConfigErrors
 from engine.mesh import world_product
+from engine.validate_data import DATA_SOURCES, STREAM_SOURCES, stream_rules
 
 if TYPE_CHECKING:
     from engine.config import RunConfig
@@ -68,7 +69,7 @@ def _model_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("model.vocab", m.vocab, "must be >= 2")
     if not 0.0 <= m.dropout < 1.0:
         yield ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
-    if m.heads > 0 and m.d_model > 0 and m.d_model % m.heads:
+    if m.hf is None and m.heads > 0 and m.d_model > 0 and m.d_model % m.heads:
         yield ConfigError("model.d_model", m.d_model, f"must be divisible by model.heads={m.heads}")
     if m.entry is not None and not re.fullmatch(r"[\w.]+:\w+", m.entry):
         yield ConfigError("model.entry", m.entry, "must look like 'package.module:function'")
@@ -83,12 +84,17 @@ def _model_rules(cfg: RunConfig) -> Iterator[ConfigError]:
 
 def _data_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     d = cfg.data
-    yield from _choice("data.source", d.source, ("text", "synthetic", "files"))
+    yield from _choice("data.source", d.source, DATA_SOURCES)
     yield from _choice("data.split", d.split, ("train", "val"))
     if d.source == "files" and not d.path:
         yield ConfigError("data.path", d.path, "must name a file or folder when data.source=files")
     if not 0.0 < d.val_fraction <= 0.5:
         yield ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
+    if d.source in STREAM_SOURCES:
+        yield from stream_rules(cfg)
+    elif d.pack:
+        yield ConfigError("data.pack", True, f"needs data.source one of {', '.join(STREAM_SOURCES)} (document "
+                          "boundaries come from the data); data.lengths draws packed documents for the others")
 
 
 def _degree_rules(cfg: RunConfig) -> Iterator[ConfigError]:
@@ -291,6 +297,7 @@ def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _positive("cluster.nodes", c.nodes)
     yield from _positive("cluster.gpus_per_node", c.gpus_per_node, allow_zero=True)
     yield from _positive("cluster.cpus_per_rank", c.cpus_per_rank)
+    yield from _positive("cluster.signal_s", c.signal_s, allow_zero=True)
     if c.nodes > 0 and cfg.world_size % c.nodes:
         yield ConfigError("cluster.nodes", c.nodes, f"must divide the world size {world} = {cfg.world_size}"
                           f"{_try(cfg.world_size)}")
@@ -341,7 +348,7 @@ def _moe_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("train.activation_checkpointing", True, "is not supported with model.experts > 0 "
                           "(recomputing a block would route and exchange its tokens again)")
     if p.ep > 1:
-        if m.experts == 0:
+        if m.experts == 0 and m.hf is None:
             yield ConfigError("parallel.ep", p.ep, "needs model.experts > 0 (it shards experts)")
         elif m.experts % p.ep:
             yield ConfigError("parallel.ep", p.ep, f"must divide model.experts={m.experts}{_try(m.experts)}")
@@ -410,7 +417,7 @@ def _context_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                          (m.experts > 0, "model.experts > 0")):
             if on:
                 yield ConfigError("parallel.cp", p.cp, f"context parallelism does not combine with {name} here")
-        if p.cp_impl == "ring" and (cfg.data.lengths != "fixed" or m.dropout > 0):
+        if p.cp_impl == "ring" and (cfg.data.lengths != "fixed" or cfg.data.pack or m.dropout > 0):
             yield ConfigError("parallel.cp_impl", "ring", "has no packed-document masks or attention dropout "
                               "here; use cp_impl=ulysses (or data.lengths=fixed, model.dropout=0)")
     if p.adaptive_sp:
@@ -431,6 +438,9 @@ def _adaptive_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                           "(a group may span every rank with Ulysses)")
     if p.cp_impl != "ulysses":
         yield ConfigError("parallel.cp_impl", p.cp_impl, "adaptive_sp runs its groups with ulysses")
+    if 0 < m.seq_len < 2 * world:
+        yield ConfigError("model.seq_len", m.seq_len, f"must be >= 2 * dp*cp = {2 * world} with adaptive_sp "
+                          "(each group size is calibrated at two lengths that are multiples of it)")
 def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     """link.groups (heterogeneous link emulation), parallel.placement and layer_split=auto."""
     ln, p = cfg.link, cfg.parallel
@@ -489,7 +499,55 @@ def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                                   f"group: the group size {len(g.ranks)} must be a multiple of {p.tp}")
 
 
-RULES = (_model_rules, _data_rules, _degree_rules, _pipeline_rules, _batch_rules, _train_rules,
+HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py builds and trains these
+
+
+def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+    """model.hf (engine/hf.py): what a Hugging Face model combines with; the shape rules read its config."""
+    from engine.shapes import from_hf_config
+
+    m, p = cfg.model, cfg.parallel
+    if m.hf is None:
+        if m.hf_weights is not None:
+            yield ConfigError("model.hf_weights", m.hf_weights, "needs model.hf (the config the weights belong to)")
+        return
+    try:
+        shape = from_hf_config(m.hf)
+    except ConfigError as exc:
+        yield exc
+        return
+    if shape.family not in HF_TRAINABLE:
+        yield ConfigError("model.hf", shape.family, f"model_type {shape.family} is priced by the simulator but not "
+                          f"trained by the engine; trainable: {', '.join(HF_TRAINABLE)}")
+    if m.hf_weights is not None and not Path(m.hf_weights).is_dir():
+        yield ConfigError("model.hf_weights", m.hf_weights, "must be a local folder of safetensors (and config.json)")
+    for on, name, why in ((m.entry is not None, "model.entry", "a model is either model.hf or model.entry"),
+                          (m.experts > 0, "model.experts", "applies to the built-in GPT; a Hugging Face MoE "
+                           "brings its own experts"),
+                          (m.dropout > 0, "model.dropout", "applies to the built-in GPT; set attention_dropout "
+                           "in model.hf"),
+                          (p.adaptive_sp, "parallel.adaptive_sp", "runs the built-in GPT only"),
+                          (p.schedule == "skip" and p.pp > 1, "parallel.schedule", "skip runs the built-in GPT only"),
+                          (p.layer_split == "auto", "parallel.layer_split", "auto probes a GPT block; give a list")):
+        if on:
+            yield ConfigError(name, getattr(m, name.split(".")[1], None) if name.startswith("model.")
+                              else getattr(p, name.split(".")[1]), f"with model.hf: {why}")
+    if shape.kv_heads % p.tp:
+        yield ConfigError("parallel.tp", p.tp, f"must divide the key/value heads of model.hf "
+                          f"(num_key_value_heads={shape.kv_heads}){_try(shape.kv_heads)}")
+    if p.ep > 1:
+        if shape.experts == 0:
+            yield ConfigError("parallel.ep", p.ep, f"needs a mixture-of-experts model; model.hf is {shape.family} (dense)")
+        elif shape.experts % p.ep:
+            yield ConfigError("parallel.ep", p.ep, f"must divide the experts of model.hf "
+                              f"(num_local_experts={shape.experts}){_try(shape.experts)}")
+        for on, name in ((p.tp > 1, "parallel.tp"), (p.pp > 1, "parallel.pp"), (p.cp > 1, "parallel.cp"),
+                         (cfg.train.activation_checkpointing, "train.activation_checkpointing")):
+            if on:
+                yield ConfigError("parallel.ep", p.ep, f"with model.hf does not combine with {name} here (not wired)")
+
+
+RULES = (_model_rules, _hf_rules, _data_rules, _degree_rules, _pipeline_rules, _batch_rules, _train_rules,
          _comm_rules, _run_rules, _cluster_rules, _moe_rules, _lengths_rules, _context_rules)
 
 

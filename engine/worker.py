@@ -6,6 +6,7 @@ external torchrun (multi-node), where rank 0 registers the run in the store itse
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -111,6 +112,18 @@ def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = la
     return out
 
 
+def _preemption(cfg, run_dir: Path):
+    """In a job that asked for Slurm's warning signal: (the installed handler, the checkpoint to resume from
+    or None); else None."""
+    from engine import preempt
+    from engine.checkpoint import checkpoint_folder
+
+    if not preempt.enabled():
+        return None
+    handler = preempt.Preemption().install()
+    return handler, (None if cfg.train.resume_from else preempt.resume_point(checkpoint_folder(cfg, run_dir)))
+
+
 class Terminated(Exception):
     """The launcher stopped this rank (SIGTERM), usually because another rank failed."""
 
@@ -159,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     external = not os.environ.get("WORKBENCH_TELEMETRY")
     run_id = _run_id()
     from profilers.store import default_home
-    from profilers.telemetry import TelemetryClient
+    from profilers.telemetry import TOKEN_ENV, TelemetryClient
 
     run_dir = Path(args.run_dir) if args.run_dir else default_home() / "runs" / run_id  # honours WORKBENCH_HOME
 
-    client = TelemetryClient(os.environ.get("WORKBENCH_TELEMETRY") or None, run_id, rank)
+    client = TelemetryClient(os.environ.get("WORKBENCH_TELEMETRY") or None, run_id, rank,
+                             token=os.environ.get(TOKEN_ENV))
     samplers: list = []
     ok, cfg = False, None
     try:
@@ -174,15 +188,21 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("parallel", f"{world_product(cfg.parallel.cp)}={cfg.world_size}",
                               f"must equal WORLD_SIZE={world} of the launcher")
         device = _init(cfg, rank, world)
+        client.emit(-1, "node", "node_rank", float(os.environ.get("WORKBENCH_NODE_RANK", 0)))  # which node ran it
         running = [-1]  # the step in progress: samples taken during it carry its number
         samplers = _samplers(cfg, client, int(os.environ.get("LOCAL_RANK", 0)), lambda: running[0])
         from engine.train import Trainer
 
         from engine.faults import from_env
 
+        from engine import checkpoint as ckpt
         from engine.live import KnobChannel, StopRun
+        from engine.preempt import Preempted, checkpoint_and_leave
 
         fault = from_env()
+        preemption = _preemption(cfg, run_dir)
+        if preemption is not None and preemption[1] is not None:  # a requeued job: continue where it stopped
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=str(preemption[1])))
         trainer = Trainer(cfg, device=device, emit=client.emit, flush=client.flush, run_dir=run_dir)
         channel = KnobChannel(run_dir, cfg.live.every, cfg.live.wait_s) if cfg.live.every else None
 
@@ -192,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                 fault.maybe_fire(rank, step)
             if channel:
                 channel(t, step)
+            if preemption is not None and step > t.start_step and preemption[0].agreed():
+                client.emit(step, "event", "preempted", 1.0)
+                checkpoint_and_leave(t, step, ckpt.checkpoint_folder(cfg, run_dir), run_dir, rank)
 
         try:
             for _ in trainer.run(on_boundary=boundary):
                 pass
-        except StopRun:
+        except (StopRun, Preempted):
             pass
         ok = True
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher with its rank

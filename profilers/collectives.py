@@ -96,6 +96,15 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}; known: {', '.join(sorted(CANONICAL))}")
 
 
+def sent_bytes(event: dict[str, Any]) -> float:
+    """Bytes one rank put on the wire for a recorded collective: its nccl-tests ``bytes`` times the
+    bus factor (on a ring: 2(n-1)/n of an all_reduce buffer, the n-1 other ranks' inputs of an
+    all_gather, ...), the unit compression hooks report ``wire_bytes`` in; 0 for a receive."""
+    if event["op"] == "recv":
+        return 0.0
+    return event["bytes"] * bus_factor(event["op"], max(int(event["group_size"]), 1))
+
+
 def algbw(nbytes: float, seconds: float) -> float:
     """Algorithm bandwidth in GB/s (1e9 B/s): bytes / time; 0 for a zero time."""
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0

@@ -1,4 +1,6 @@
-"""The run store: SQLite in WAL mode, one file (`runs.db`) under the workbench home.
+"""The run store: SQLite in WAL mode, one file (`runs.db`) under the workbench home, or a shared
+PostgreSQL database (`--runs postgresql://...` / ``$WORKBENCH_RUNS``) that launchers on several nodes
+write at once; one query path for both (profilers/store_sql.py).
 
 Writers (the telemetry server, the launcher) and readers (dashboard, CLI, tuner) may open the
 same file from several processes and threads at once: WAL lets readers run while one writer
@@ -8,7 +10,8 @@ process after a fork) gets its own connection, opened lazily on first use: const
 `RunStore` does no I/O.
 
 Schema history (``PRAGMA user_version``): 1 = runs + metrics; 2 adds ``runs.parent`` and the
-``segments`` table of live-tuning segments. An older file is migrated on open; a newer one is
+``segments`` table of live-tuning segments; 3 allows run status ``pruned`` (SQLite cannot alter a
+CHECK: the runs table is rebuilt). An older file is migrated on open; a newer one is
 refused with a `StoreError`, never written.
 """
 
@@ -27,13 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from profilers.records import Record
+from profilers.store_sql import PostgresBackend, SqliteBackend, is_url
 
 if TYPE_CHECKING:
     import pandas as pd
 
 STORE_FILENAME = "runs.db"
-STATUSES = ("running", "completed", "failed", "interrupted")
-FINAL_STATUSES = ("completed", "failed", "interrupted")
+RUNS_ENV = "WORKBENCH_RUNS"  # a postgresql:// URL: the run store every launcher and dashboard shares
+STATUSES = ("running", "completed", "failed", "interrupted", "pruned")
+FINAL_STATUSES = ("completed", "failed", "interrupted", "pruned")  # pruned: a tuner stopped the trial's run
 BUSY_TIMEOUT_MS = 30_000
 _JSON_FIELDS = ("config", "layout", "host", "versions", "summary")
 _RUN_FIELDS = (
@@ -65,7 +70,23 @@ CREATE TABLE IF NOT EXISTS segments (
     end_step INTEGER, trial_number INTEGER, params TEXT, value REAL, time REAL);
 CREATE INDEX IF NOT EXISTS segments_run ON segments (run_id, start_step);
 """
-MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+_RUNS_V3 = ("run_id, name, status, config, world_size, layout, host, versions, emulated, created, started, ended, "
+            "error, error_rank, summary, parent")
+_V3 = f"""
+CREATE TABLE runs_v3 (
+    run_id TEXT PRIMARY KEY, name TEXT, status TEXT NOT NULL
+        CHECK (status IN ('running', 'completed', 'failed', 'interrupted', 'pruned')),
+    config TEXT, world_size INTEGER, layout TEXT, host TEXT, versions TEXT,
+    emulated INTEGER NOT NULL DEFAULT 0, created REAL, started REAL, ended REAL,
+    error TEXT, error_rank INTEGER, summary TEXT, parent TEXT);
+INSERT INTO runs_v3 ({_RUNS_V3}) SELECT {_RUNS_V3} FROM runs;
+DROP TABLE runs;
+ALTER TABLE runs_v3 RENAME TO runs;
+CREATE INDEX IF NOT EXISTS runs_created ON runs (created);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, created);
+CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent);
+"""
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
 """``MIGRATIONS[i]`` takes a store from schema version i to i + 1."""
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -74,7 +95,7 @@ class StoreError(RuntimeError):
     """A run store that cannot be opened, read or written; names the file, the cause and a fix."""
 
     def __init__(self, path: Path | str, cause: str, hint: str = "") -> None:
-        self.path = Path(path)
+        self.path = path if isinstance(path, str) and is_url(path) else Path(path)
         self.cause = cause
         self.hint = hint
         super().__init__(f"run store {self.path}: {cause}" + (f"; {hint}" if hint else ""))
@@ -103,7 +124,22 @@ def _dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, default=str, sort_keys=True)
 
 
-def _decode_run(row: sqlite3.Row) -> dict[str, Any]:
+class _Tx:
+    """A write transaction's connection: each statement in the backend's SQL."""
+
+    def __init__(self, conn: Any, backend: SqliteBackend | PostgresBackend) -> None:
+        self.conn, self.backend = conn, backend
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self.conn.execute(self.backend.sql(sql), tuple(params))
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> Any:
+        cursor = self.conn.cursor()
+        cursor.executemany(self.backend.sql(sql), rows)
+        return cursor
+
+
+def _decode_run(row: Any) -> dict[str, Any]:
     out = dict(row)
     for field in _JSON_FIELDS:
         if out.get(field) is not None:
@@ -113,34 +149,41 @@ def _decode_run(row: sqlite3.Row) -> dict[str, Any]:
 
 
 class RunStore:
-    """Runs, metrics and tuning segments in one SQLite file (WAL); safe across processes."""
+    """Runs, metrics and tuning segments in one SQLite file (WAL) or one PostgreSQL database;
+    safe across processes (and, on PostgreSQL, across machines)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path).expanduser().absolute()
+        self.location = str(path) if is_url(path) else str(Path(path).expanduser().absolute())
+        self.backend: SqliteBackend | PostgresBackend = (
+            PostgresBackend(self.location) if is_url(path) else SqliteBackend(Path(self.location)))
+        self.path: Path | str = self.location if is_url(path) else Path(self.location)
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._all: list[tuple[threading.Thread, sqlite3.Connection]] = []
+        self._all: list[tuple[threading.Thread, Any]] = []
         self._pid = os.getpid()
 
     @classmethod
     def open_home(cls, home: str | Path | None = None) -> RunStore:
-        """The store ``runs.db`` under ``home`` (default: `default_home()`)."""
+        """The shared store ``$WORKBENCH_RUNS`` if set, else ``runs.db`` under ``home`` (default:
+        `default_home()`); run folders (configs, error files) stay under the home either way."""
+        if os.environ.get(RUNS_ENV):
+            return cls(os.environ[RUNS_ENV])
         folder = Path(home).expanduser() if home is not None else default_home()
         return cls(folder / STORE_FILENAME)
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
-        return (RunStore, (str(self.path),))
+        return (RunStore, (self.location,))
 
     def __repr__(self) -> str:
-        return f"RunStore({str(self.path)!r})"
+        return f"RunStore({self.backend.label!r})"
 
     # -- connections -------------------------------------------------------------------------
     @contextmanager
     def _errors(self) -> Iterator[None]:
         try:
             yield
-        except sqlite3.Error as exc:
-            raise StoreError(self.path, f"{type(exc).__name__}: {exc}", _hint(str(exc))) from exc
+        except self.backend.errors as exc:
+            raise StoreError(self.backend.label, f"{type(exc).__name__}: {exc}", _hint(str(exc))) from exc
 
     def _conn(self) -> sqlite3.Connection:
         if os.getpid() != self._pid:  # after fork: never share the parent's connections
@@ -165,7 +208,16 @@ class RunStore:
                 conn.close()
         self._all = alive
 
-    def _open(self) -> sqlite3.Connection:
+    def _open(self) -> Any:
+        if isinstance(self.backend, PostgresBackend):
+            with self._errors():
+                conn = self.backend.connect(SCHEMA_VERSION)
+                if self.backend.version(conn) > SCHEMA_VERSION:
+                    conn.close()
+                    raise StoreError(self.backend.label, f"schema version {self.backend.version(conn)} is newer "
+                                     f"than this workbench supports ({SCHEMA_VERSION})", "upgrade the workbench")
+            return conn
+        assert isinstance(self.path, Path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -216,30 +268,34 @@ class RunStore:
             raise
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE takes the lock up front, honouring busy_timeout)."""
+    def _write(self) -> Iterator[_Tx]:
+        """One write transaction (SQLite: BEGIN IMMEDIATE takes the lock up front, honouring busy_timeout)."""
         conn = self._conn()
         with self._errors():
-            conn.execute("BEGIN IMMEDIATE")
+            self.backend.begin(conn)
             try:
-                yield conn
+                yield _Tx(conn, self.backend)
                 conn.execute("COMMIT")
             except BaseException:
-                if conn.in_transaction:
+                if self.backend.in_transaction(conn):
                     conn.execute("ROLLBACK")
                 raise
 
-    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         conn = self._conn()
         with self._errors():
-            return conn.execute(sql, params).fetchall()
+            return conn.execute(self.backend.sql(sql), tuple(params)).fetchall()
 
     def schema_version(self) -> int:
-        """The schema version of the file (after any migration on open)."""
-        return int(self._query("PRAGMA user_version")[0][0])
+        """The store's schema version (after any migration on open)."""
+        conn = self._conn()
+        with self._errors():
+            return self.backend.version(conn)
 
     def journal_mode(self) -> str:
-        """The file's journal mode (``wal`` for every store this class opened)."""
+        """The file's journal mode (``wal`` for every SQLite store this class opened; ``postgresql``)."""
+        if isinstance(self.backend, PostgresBackend):
+            return "postgresql"
         return str(self._query("PRAGMA journal_mode")[0][0]).lower()
 
     def close(self) -> None:
@@ -249,7 +305,7 @@ class RunStore:
         for conn in conns:
             try:
                 conn.close()
-            except sqlite3.Error:
+            except self.backend.errors:
                 pass
         self._local = threading.local()
 
@@ -263,14 +319,16 @@ class RunStore:
     def create_run(self, run_id: str, *, name: str, config: dict[str, Any], world_size: int,
                    layout: dict[str, Any] | None = None, host: dict[str, Any] | None = None,
                    versions: dict[str, Any] | None = None, emulated: bool = False,
-                   parent: str | None = None) -> None:
-        """Insert a run with status ``running`` (``created`` and ``started`` = now)."""
+                   parent: str | None = None, join: bool = False) -> None:
+        """Insert a run with status ``running`` (``created`` and ``started`` = now). ``join=True``: the
+        launchers of a multi-node run all register the same id; the first one's row stays."""
         now = time.time()
         with self._write() as conn:
             conn.execute(
                 "INSERT INTO runs (run_id, name, status, config, world_size, layout, host, "
                 "versions, emulated, parent, created, started) "
-                "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                + (" ON CONFLICT (run_id) DO NOTHING" if join else ""),
                 (run_id, name, _dumps(config), int(world_size), _dumps(layout), _dumps(host),
                  _dumps(versions), int(bool(emulated)), parent, now, now))
 
@@ -294,18 +352,28 @@ class RunStore:
             cursor = conn.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?",
                                   (*values, run_id))
             if cursor.rowcount == 0:
-                raise KeyError(f"no run {run_id!r} in {self.path}")
+                raise KeyError(f"no run {run_id!r} in {self.backend.label}")
 
     def finish_run(self, run_id: str, status: str, *, error: str | None = None,
-                   error_rank: int | None = None, summary: dict[str, Any] | None = None) -> None:
-        """Mark a run completed, failed or interrupted (``ended`` = now), with the reason."""
+                   error_rank: int | None = None, summary: dict[str, Any] | None = None,
+                   first: bool = False) -> None:
+        """Mark a run completed, failed, interrupted or pruned (``ended`` = now), with the reason. ``first=True``
+        (each node of a multi-node run): only while still running, so the first node's outcome stays,
+        except that a failure replaces another node's completion."""
         if status not in FINAL_STATUSES:
             raise ValueError(f"status={status!r} must be one of {', '.join(FINAL_STATUSES)}")
         fields: dict[str, Any] = {"status": status, "ended": time.time(), "error": error,
                                   "error_rank": error_rank}
         if summary is not None:
             fields["summary"] = summary
-        self.update_run(run_id, **fields)
+        if not first:
+            self.update_run(run_id, **fields)
+            return
+        values = [_dumps(v) if k in _JSON_FIELDS else v for k, v in fields.items()]
+        replaceable = "('running', 'completed')" if status == "failed" else "('running')"
+        with self._write() as conn:
+            conn.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in fields)} "
+                         f"WHERE run_id = ? AND status IN {replaceable}", (*values, run_id))
 
     def write(self, records: Sequence[Record]) -> int:
         """Append a batch of records in one transaction; returns how many were written."""
@@ -325,10 +393,10 @@ class RunStore:
         with self._write() as conn:
             cursor = conn.execute(
                 "INSERT INTO segments (run_id, start_step, end_step, trial_number, params, value, "
-                "time) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "time) VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
                 (run_id, int(start_step), end_step, trial_number, _dumps(params), value,
                  time.time()))
-            return int(cursor.lastrowid or 0)
+            return int(cursor.fetchone()[0])
 
     def end_segment(self, segment_id: int, *, end_step: int, value: float | None = None) -> None:
         """Close an open segment with its last step and its measured objective value."""
@@ -605,7 +673,7 @@ class RunStore:
         columns = ["time", "name", "value", "rank", "step"]
         # INDEXED BY: without it SQLite picks the (run_id, name) index and reads the whole run
         longest = self._query("SELECT MAX(n) FROM (SELECT COUNT(*) AS n FROM metrics INDEXED BY "
-                              "metrics_kind_step WHERE run_id = ? AND kind = ? GROUP BY name, rank)",
+                              "metrics_kind_step WHERE run_id = ? AND kind = ? GROUP BY name, rank) AS counts",
                               (run_id, kind))[0][0] or 0
         if not max_points or longest <= max_points:
             return self._frame("SELECT time, name, value, rank, step FROM metrics WHERE run_id = ? "
@@ -613,7 +681,7 @@ class RunStore:
         # window functions (SQLite >= 3.25): number each series' samples, keep every k-th and the last
         sql = ("SELECT time, name, value, rank, step FROM (SELECT time, name, value, rank, step, "
                "(ROW_NUMBER() OVER w) - 1 AS i, COUNT(*) OVER (PARTITION BY name, rank) AS n FROM metrics "
-               "INDEXED BY metrics_kind_step WHERE run_id = ? AND kind = ? WINDOW w AS (PARTITION BY name, rank ORDER BY time, rowid)) "
+               "INDEXED BY metrics_kind_step WHERE run_id = ? AND kind = ? WINDOW w AS (PARTITION BY name, rank ORDER BY time, rowid)) AS numbered "
                "WHERE i % ((n + ? - 1) / ?) = 0 OR i = n - 1 ORDER BY time")
         return self._frame(sql, (run_id, kind, max_points, max_points), columns)
 

@@ -1,6 +1,9 @@
 """Telemetry: ranks ship records in batches to one writer, which commits them to the run store.
 
-Wire protocol (TCP, newline-delimited JSON): the client sends one line per batch,
+Wire protocol (TCP, newline-delimited JSON): a connection opens with ``{"token": T}``, the run's
+secret (``$WORKBENCH_TELEMETRY_TOKEN``, made by the launcher and handed only to its ranks); the
+server answers ``{"auth": "ok"}`` or closes it, counted in ``connections_refused``, before reading
+any record. Then the client sends one line per batch,
 ``{"seq": 7, "records": [[run_id, rank, step, kind, name, value, time], ...]}``, and the
 server answers ``{"ack": 7}`` once that batch is committed. ``TelemetryClient.flush()`` waits
 for the ack, so whatever a flush returned for is durable even if the rank is then killed.
@@ -13,10 +16,13 @@ finished step within about half a second.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -30,7 +36,10 @@ from profilers.store import RunStore
 log = logging.getLogger(__name__)
 
 _MAX_LINE = 64 * 1024 * 1024
+_MAX_HELLO = 4096
+_HELLO_TIMEOUT_S = 10.0
 _STOP = object()
+TOKEN_ENV = "WORKBENCH_TELEMETRY_TOKEN"
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -40,13 +49,40 @@ def _parse_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def bind_address(host: str) -> str:
+    """The one IP address `host` names, for the server to bind; a wildcard is refused.
+
+    Binding 0.0.0.0 would take connections from every network the machine is on; the ranks need
+    exactly the address they are told to connect to."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, IndexError) as exc:
+            raise ValueError(f"telemetry host {host!r} does not resolve: {exc}") from None
+    if ip.is_unspecified:
+        raise ValueError(f"telemetry host {host!r} is a wildcard; name the one address the ranks "
+                         "connect to (cluster.telemetry_host), e.g. the login node's cluster-network IP")
+    return str(ip)
+
+
+def new_token() -> str:
+    """A fresh per-run secret (32 random bytes, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
 class TelemetryServer:
     """The one writer: accepts rank connections and commits each received batch to the store."""
 
-    def __init__(self, store: RunStore, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, store: RunStore, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None) -> None:
         self.store = store
-        self.host = host
+        self.host = bind_address(host)
         self.port = port
+        self.token = token or new_token()  # hand it to the ranks as $WORKBENCH_TELEMETRY_TOKEN
+        self.connections_refused = 0  # connections that did not open with this run's token
+        self._count_lock = threading.Lock()
         self.records_written = 0
         self.batches_written = 0
         self.records_failed = 0
@@ -123,9 +159,43 @@ class TelemetryServer:
             thread.start()
             self._conn_threads.append(thread)
 
+    def _authenticate(self, conn: socket.socket) -> bytes | None:
+        """Read the opening ``{"token": ...}`` line; the bytes after it, or None if refused."""
+        buffer, deadline = b"", time.monotonic() + _HELLO_TIMEOUT_S
+        while b"\n" not in buffer and len(buffer) <= _MAX_HELLO and time.monotonic() < deadline:
+            try:
+                chunk = conn.recv(_MAX_HELLO)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            buffer += chunk
+        line, _, rest = buffer.partition(b"\n")
+        try:
+            given = json.loads(line).get("token")
+        except (ValueError, AttributeError):
+            given = None
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self.token.encode()):
+            conn.sendall(b'{"auth": "ok"}\n')
+            return rest
+        with self._count_lock:
+            self.connections_refused += 1
+        log.warning("telemetry: refused a connection without this run's token (%d so far)",
+                    self.connections_refused)
+        _close_quietly(conn)
+        return None
+
     def _read_loop(self, conn: socket.socket) -> None:
-        buffer = b""
         send_lock = threading.Lock()
+        try:
+            buffer = self._authenticate(conn)
+        except OSError:
+            buffer = None
+        if buffer is None:
+            _close_quietly(conn)
+            return
         try:
             while True:
                 try:
@@ -239,8 +309,10 @@ class TelemetryClient:
 
     def __init__(self, address: str | None, run_id: str, rank: int, *,
                  flush_interval: float = 0.25, store_path: str | Path | None = None,
-                 max_buffer: int = 1_000_000, ack_timeout: float = 10.0) -> None:
+                 max_buffer: int = 1_000_000, ack_timeout: float = 10.0,
+                 token: str | None = None) -> None:
         self.address = address
+        self.token = token or ""
         self.run_id = run_id
         self.rank = int(rank)
         self.flush_interval = float(flush_interval)
@@ -267,10 +339,11 @@ class TelemetryClient:
 
     @classmethod
     def from_env(cls, rank: int, *, run_id: str | None = None, **kwargs: object) -> TelemetryClient:
-        """A client for ``$WORKBENCH_TELEMETRY`` / ``$WORKBENCH_RUN_ID`` (set by the launcher)."""
+        """A client for ``$WORKBENCH_TELEMETRY`` / ``$WORKBENCH_RUN_ID`` /
+        ``$WORKBENCH_TELEMETRY_TOKEN`` (set by the launcher)."""
         address = os.environ.get("WORKBENCH_TELEMETRY") or None
         run = run_id or os.environ.get("WORKBENCH_RUN_ID") or "unnamed"
-        return cls(address, run, rank, **kwargs)  # type: ignore[arg-type]
+        return cls(address, run, rank, token=os.environ.get(TOKEN_ENV), **kwargs)  # type: ignore[arg-type]
 
     def emit(self, step: int, kind: str, name: str, value: float) -> None:
         """Buffer one value (pass a Python number: ``tensor.item()`` would sync the device)."""
@@ -357,6 +430,10 @@ class TelemetryClient:
             self._sock = socket.create_connection(_parse_address(self.address), timeout=5.0)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._reader = self._sock.makefile("rb")
+            self._sock.sendall(json.dumps({"token": self.token}).encode() + b"\n")
+            if json.loads(self._reader.readline() or b"{}").get("auth") != "ok":
+                raise ConnectionRefusedError("the telemetry server refused this client's token "
+                                             f"(${TOKEN_ENV} does not match the run's)")
         self._seq += 1
         payload = json.dumps({"seq": self._seq, "records": batch}).encode() + b"\n"
         self._sock.settimeout(self.ack_timeout)

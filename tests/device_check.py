@@ -128,3 +128,69 @@ def check(name: str, group: Any, args: list[Any]) -> None:
                 raise DeviceDisciplineError(
                     f"{name}: a host tensor created without a device at {where} enters a collective "
                     "of a device group (NCCL: No backend type associated with device type cpu)")
+
+
+# ---- host syncs --------------------------------------------------------------------------------
+
+# what a read of a device tensor costs on a GPU: the host waits for the stream to reach it
+READS = {"item": "item()", "tolist": "tolist()", "cpu": "cpu()", "numpy": "numpy()", "__int__": "int()",
+         "__index__": "int()", "__float__": "float()", "__bool__": "bool()"}
+# drawn without device=: on the CPU, then copied to the device (a blocking copy is a stream sync)
+HOST_DRAWS = ("randperm", "randint", "rand", "randn", "multinomial", "normal", "bernoulli")
+
+
+class HostSyncs:
+    """Records the host syncs project code (engine/, profilers/, tuning/) makes while active: a
+    read of a device tensor (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `int()`, `float()`,
+    `bool()`) and a random draw on the host (`torch.randperm(...)` and kin without `device=`).
+
+    On CPU every tensor is a CPU tensor, so this brings the split back as `DeviceDiscipline`
+    does: a tensor project code made with a factory without naming a device is a host tensor
+    (reading it costs nothing); every other tensor is a device tensor. `seen` lists each sync as
+    'engine/moe.py:add cpu()' (file:function op), once per call. Only direct calls from project
+    code count (torch's own reads inside its functions are torch's), as on a GPU
+    `torch.cuda.set_sync_debug_mode` would show them.
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def _where(self) -> str | None:
+        frame = sys._getframe(2)
+        if not frame.f_code.co_filename.startswith(PROJECT):
+            return None
+        return f"{Path(frame.f_code.co_filename).relative_to(ROOT)}:{frame.f_code.co_name}"
+
+    def _read(self, name: str, fn: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            where = self._where()
+            if where is not None and not getattr(tensor, _TAG, None):
+                self.seen.append(f"{where} {READS[name]}")
+            return fn(tensor, *args, **kwargs)
+
+        return read
+
+    def _draw(self, name: str, fn: Any) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            where = self._where()
+            if where is not None and kwargs.get("device") is None:
+                self.seen.append(f"{where} {name} on the host")
+            return fn(*args, **kwargs)
+
+        return draw
+
+    def __enter__(self) -> HostSyncs:
+        self._saved = [(torch, n, getattr(torch, n)) for n in FACTORIES + HOST_DRAWS]
+        self._saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in READS]
+        for owner, name, fn in self._saved:
+            if owner is torch.Tensor:
+                setattr(owner, name, self._read(name, fn))
+            elif name in HOST_DRAWS:
+                setattr(owner, name, self._draw(name, fn))
+            else:
+                setattr(owner, name, _factory(fn))  # host tags, as DeviceDiscipline sets them
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)

@@ -1,5 +1,8 @@
-"""A one-node Slurm cluster on 127.0.0.1 for tests: munged, slurmctld and slurmd in the foreground,
-all state under one temp folder, ports picked free (platform.md, "A one-node Slurm cluster").
+"""A one-node Slurm cluster on 127.0.0.1 for tests and for trying `--launcher slurm` by hand: munged,
+slurmctld and slurmd in the foreground, all state under one temp folder, ports picked free.
+
+By hand: `make slurm-local` (as root) starts it, prints the `export SLURM_CONF=...` line to paste into
+another shell, and runs until Ctrl-C or SIGTERM, which cancel every job and stop the three daemons.
 
 `SlurmCluster(base).start()` returns the cluster or raises ClusterUnavailable with the reason (no
 Slurm installed, not root, a daemon that would not start); `stop()` cancels every job, waits for
@@ -160,14 +163,47 @@ class SlurmCluster:
         self.procs.clear()
 
 
-if __name__ == "__main__":  # a cluster to try things by hand: SLURM_CONF=<printed path> sbatch ...
-    import sys
+class _Stop(Exception):
+    """SIGINT, SIGTERM or SIGHUP asked the cluster to stop."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signum)
+
+
+def main(argv: list[str]) -> int:
+    """Run a cluster until a signal (or `argv[0]` seconds); every daemon and job is gone on return."""
+    import signal
     import tempfile
 
-    c = SlurmCluster(Path(tempfile.mkdtemp(prefix="slurm-")))
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+    base = Path(tempfile.mkdtemp(prefix="slurm-"))
+    cluster = SlurmCluster(base)
     try:
-        c.start()
-        print(c.conf, flush=True)
-        time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 3600)
+        cluster.start()
+        print(f"A one-node Slurm cluster runs ({CPUS} CPUs, partition debug, state in {base}).\n"
+              f"In another shell:\n  export SLURM_CONF={cluster.conf}\n"
+              "  workbench run examples/tiny.yaml --launcher slurm\n  sinfo; squeue -t all\n"
+              "Ctrl-C here stops it (every job cancelled, munged/slurmctld/slurmd stopped).", flush=True)
+        deadline = time.time() + (float(argv[0]) if argv else float("inf"))
+        while time.time() < deadline and all(p.poll() is None for p in cluster.procs):
+            time.sleep(0.5)
+        return 0 if time.time() >= deadline else 1
+    except ClusterUnavailable as exc:
+        print(f"cannot start the cluster: {exc}", flush=True)
+        return 2
+    except _Stop:
+        return 0
     finally:
-        c.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        print("stopped: no job, no daemon left", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

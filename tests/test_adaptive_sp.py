@@ -116,7 +116,29 @@ def test_group_layout_puts_larger_groups_first_on_contiguous_ranks():
     assert group_layout([1, 4, 1, 2]) == [[0, 1, 2, 3], [4, 5], [6], [7]]
 
 
+def _calibrate_body(rank: int, world_size: int) -> dict:
+    from engine.config import ModelConfig
+    from engine.model import build_model
+    from engine.parallel.adaptive_sp import GroupCache, calibrate
+
+    cfg = ModelConfig(layers=1, d_model=32, heads=4, seq_len=12, vocab=256, dropout=0.0)
+    cost = calibrate(build_model(cfg, seed=0), world=world_size, groups=GroupCache(120.0), seq_len=12,
+                     device=torch.device("cpu"), rounds=1)
+    return {"sizes": getattr(cost, "sizes", None), "a2a": sorted(cost.a2a), "group_bias": sorted(cost.group_bias)}
+
+
+def test_calibration_covers_every_group_size_the_plans_may_use():
+    # seq_len 12 is not a multiple of 2 * 4: the old calibration skipped groups of 4 and the solver
+    # priced their all-to-all at 0. Now size 4 is measured at lengths 4 and 12.
+    out = run_ranks(4, _calibrate_body)[0]
+    assert out == {"sizes": (1, 2, 4), "a2a": [2, 4], "group_bias": [2, 4]}
+    from engine.parallel.adaptive_sp import calibration_lengths
+
+    assert calibration_lengths(world=4, seq_len=12, heads=4) == ([2, 4], {2: (6, 12), 4: (4, 12)})
+
+
 @pytest.mark.parametrize("bad, match", [
+    (["parallel.adaptive_sp=true", "parallel.dp=4", "batch.global=16", "model.seq_len=6"], r"model.seq_len.*must be >= 2 \* dp\*cp = 8"),
     (["parallel.adaptive_sp=true", "parallel.dp=3"], r"dp\*cp = 3 to be a power of two"),
     (["parallel.adaptive_sp=true", "parallel.dp=2", "parallel.tp=2"], r"needs tp=1, pp=1"),
     (["parallel.adaptive_sp=true", "parallel.dp=2", "parallel.cp_impl=ring"], r"adaptive_sp runs its groups with ulysses"),
@@ -163,3 +185,6 @@ def test_adaptive_sp_trains_through_the_real_launcher(tmp_path):
     plans = {r.step for r in RunStore.open_home(tmp_path).metrics(result.run_id, kind="flexsp", rank=0)
              if r.name == "groups"}
     assert plans == set(range(cfg.train.steps))
+    # forward and backward timed apart (old code: the whole share ran under "forward", backward read 0)
+    table = RunStore.open_home(tmp_path).breakdown_table(result.run_id)
+    assert (table["backward"] > 0).all() and (table["forward"] > 0).all(), table

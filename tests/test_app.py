@@ -383,6 +383,7 @@ def test_simulator_report_compares_like_with_like_and_answers_first(tmp_path):
         # one bar per value of the knob, each the best config's time there: never a sum of configs
         assert list(bars.data[0].y) == list(table["iteration_time_s"])
         assert max(bars.data[0].y) < 5 * best["iteration_time_s"].iloc[0]
+        assert bars.layout.uniformtext.mode == "hide"  # labels wider than their bar never overlap (was None)
     scatter = figs["Configurations that fit: TFLOP/s per GPU against memory per GPU"]
     assert not any(getattr(tr.marker, "showscale", False) for tr in scatter.data)  # legend, no colour bar
     text = sim_report.write_report(tmp_path / "r.html", df, best, sens, title="t").read_text()
@@ -425,3 +426,38 @@ def test_collective_totals_are_read_once_per_run_version(tmp_path, monkeypatch):
     store.finish_run("live-0001", "completed")
     table()
     assert reads == ["live-0001"] * 2
+
+
+def test_tune_page_shows_predicted_vs_measured_order(tmp_path, monkeypatch):
+    """Issue 38 item 5: a study whose trials recorded the simulator's prediction shows the order table."""
+    import optuna
+
+    from tuning.study import default_storage
+
+    study = optuna.create_study(study_name="ordered", storage=default_storage(tmp_path), direction="maximize")
+    dist = {"batch.micro": optuna.distributions.CategoricalDistribution([1, 2, 4, 8])}
+    for micro in (1, 2, 4, 8):
+        cfg = {"parallel": {"dp": 2}, "batch": {"global": 16, "micro": micro}}
+        study.add_trial(optuna.trial.create_trial(
+            params={"batch.micro": micro}, distributions=dist, value=80.0 * micro ** -0.3,
+            user_attrs={"config": cfg, "predicted_tokens_per_s": 100.0 * micro ** 0.3,
+                        "tokens_per_s": 80.0 * micro ** -0.3}))
+    at = render(tmp_path, "tune", monkeypatch)
+    assert any(s.value == "Predicted vs measured order" for s in at.subheader)
+    assert any("pairs of finished trials ordered as measured: raw 0%" in c.value for c in at.caption)
+
+
+def test_run_page_names_a_hugging_face_model(tmp_path, monkeypatch):
+    """The Run page's header names the run's model.hf family and shape (issue 37)."""
+    store = RunStore.open_home(tmp_path)
+    hf = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4}
+    store.create_run("mx-0001", name="mx", world_size=2, config={"name": "mx", "model": {"hf": hf, "seq_len": 16}},
+                     layout={"dp": 2, "tp": 1, "pp": 1})
+    store.finish_run("mx-0001", "completed")
+    store.close()
+    at = render(tmp_path, "run", monkeypatch)
+    at.selectbox(key="run_pick").set_value("mx-0001").run()
+    assert not at.exception
+    assert any("mixtral (Hugging Face, inline config): 2 layers, hidden 32, 4/2 kv heads" in c.value
+               for c in at.caption), [c.value for c in at.caption]

@@ -138,6 +138,17 @@ def _fill_text_area(page, label: str, text: str) -> None:
     page.wait_for_timeout(800)
 
 
+def test_the_toolbar_has_no_deploy_button(server, page):
+    """A local tool: Streamlit's "Deploy" button is hidden (.streamlit/config.toml, toolbarMode minimal)."""
+    url, _ = server
+    page.goto(url)
+    page.get_by_role("heading", name="Workbench overview").wait_for(timeout=30_000)
+    _settle(page)
+    # old code: the toolbar showed it (stAppDeployButton, count 1)
+    assert page.locator('[data-testid="stAppDeployButton"]').count() == 0
+    assert page.get_by_role("button", name="Deploy").count() == 0
+
+
 def test_launch_a_run_watch_it_tune_and_export(server, page):
     try:
         _scenario(server, page)

@@ -18,7 +18,8 @@ def cli(*args: str, home=None, timeout: int = 300) -> subprocess.CompletedProces
 def test_help_lists_every_command():
     out = cli("--help")
     assert out.returncode == 0
-    for command in ("run", "runs", "show", "commbench", "tune", "studies", "export", "simulate", "calibrate", "app"):
+    for command in ("run", "runs", "show", "commbench", "tune", "studies", "export", "simulate", "calibrate", "app",
+                    "tokenize"):
         assert f" {command} " in out.stdout, command
 
 
@@ -103,8 +104,9 @@ def test_show_fits_80_columns_with_whole_headers():
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "…" not in text and "..." not in text, text
-    for name in ("estimate_activations(GiB)", "comm_exposed", "wire / dense bytes (ratio)", "busbw (GB/s)"):
+    for name in ("estimate_activations", "comm_exposed", "wire / dense bytes (ratio)", "busbw (GB/s)"):
         assert name in text, name
+    assert "466.5 KiB" in text  # memory in the unit that reads best (0.000444912 GiB)
     assert "{'" not in text and "45,815" in text and "1x" in text
 
 
@@ -215,3 +217,28 @@ def test_a_dead_workers_trial_says_why(tmp_path):
     assert dead.state == TrialState.FAIL
     assert dead.user_attrs["reason"].startswith("worker died: no heartbeat since "), dead.user_attrs
     assert study.get_trials()[1].state == TrialState.COMPLETE
+
+
+# ---------------------------------------------------------------- issue 40.2: hints that work
+def test_hints_name_the_storage_the_presets_and_a_folder(tmp_path):
+    """After a PostgreSQL study the export hint carries --storage (without it: "no such study");
+    an unknown --model name lists the presets; a folder given as a config or space says so."""
+    import typer
+
+    from engine.config import load_config
+    from engine.errors import ConfigError
+    from tuning.space import SearchSpace
+    from workbench.cli_sim import _model
+    from workbench.cli_tune import export_command
+
+    assert export_command("s1", "postgresql://u:secret@db:5432/t") == \
+        "workbench export s1 --storage 'postgresql://u:***@db:5432/t'"
+    assert export_command("s1", None) == "workbench export s1"
+    with pytest.raises(typer.BadParameter, match=r"^--model: '7b' is not a preset; presets: 22b, 175b, 1t; or "):
+        _model("7b")
+    with pytest.raises(ConfigError, match=r"is a folder; give a run config YAML file in it"):
+        load_config(tmp_path, [])
+    with pytest.raises(ConfigError, match=r"is a folder; give a search space YAML file in it"):
+        SearchSpace.from_yaml(tmp_path)
+    out = cli("tune", str(tmp_path), "--trials", "1", home=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "is a folder" in out.stderr, out.stderr[-400:]

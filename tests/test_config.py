@@ -104,6 +104,9 @@ RULES = [
     (["model.experts=4", "parallel.dp=2", "parallel.ep=4"], "parallel.ep", r"must divide parallel.dp=2"),
     (["model.experts=4", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1"], "parallel.ep", r"needs parallel.zero=0"),
     (["model.experts=4", "comm.moe_compression=lsh"], "comm.moe_compression", r"needs parallel.ep > 1"),
+    (["model.hf={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+      "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}", "parallel.tp=4"], "parallel.tp",
+     r"must divide the key/value heads of model.hf \(num_key_value_heads=2\)"),
     (["data.lengths=zipf"], "data.lengths", r"must be one of fixed, lognormal, pareto or a file"),
     (["parallel.cp=3"], "parallel.cp", r"tp\*cp = 1\*3 must divide model.heads=4"),
 ]

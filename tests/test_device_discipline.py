@@ -114,10 +114,15 @@ def test_engine_collectives_keep_device_discipline(tmp_path):
         assert results[1][name] == losses, name  # the global loss, equal on every rank
 
 
-def test_train_step_reads_the_device_twice_whatever_the_accumulation(monkeypatch):
-    """The engine's own .item() calls in a step: one for the reported loss, one for the clipping
-    coefficient; none per micro-batch (torch's CPU AdamW reads its step counters: not ours)."""
-    import sys
+INPUT_PIPELINE = "engine/data.py:"  # batches are drawn on the host by design, then copied non_blocking
+
+
+def test_train_step_reads_the_device_twice_whatever_the_accumulation():
+    """The engine's own host reads in a step (`.item()`, `.tolist()`, `.cpu()`, `int()`, `float()`,
+    `bool()` of a device tensor: tests/device_check.py's HostSyncs): one for the reported loss, one
+    for the clipping coefficient; none per micro-batch (torch's CPU AdamW reads its step counters:
+    not ours). Before: also `float(norm)` in Trainer._clip, a second read of the norm."""
+    from device_check import HostSyncs
     from engine.config import load_config
     from engine.train import Trainer
 
@@ -125,14 +130,73 @@ def test_train_step_reads_the_device_twice_whatever_the_accumulation(monkeypatch
     cfg = load_config(None, TINY + ["batch.micro=1", "profile.enabled=false", "train.eval_interval=0"])
     trainer = Trainer(cfg, device=torch.device("cpu"))
     assert cfg.grad_accum == 8
-    reads = []
-    item = torch.Tensor.item
+    with HostSyncs() as syncs:
+        trainer.train_step(0)
+    ours = sorted(s for s in syncs.seen if not s.startswith(INPUT_PIPELINE))
+    assert ours == ["engine/parallel/data.py:clip_grad_norm item()", "engine/train.py:<lambda> item()"], syncs.seen
 
-    def spy(self):
-        reads.append(sys._getframe(1).f_code.co_filename)
-        return item(self)
 
-    monkeypatch.setattr(torch.Tensor, "item", spy)
-    trainer.train_step(0)
-    ours = [f for f in reads if "/engine/" in f or "/profilers/" in f]
-    assert len(ours) == 2, ours
+# what a step must read on the host, and why; every other read of a device tensor is a stall
+NEEDED = {
+    "engine/train.py:result item()": "the step's loss, read after the optimizer step is queued",
+    "engine/parallel/data.py:clip_grad_norm item()": "the clipping coefficient, a Python float for every grad kind",
+    "engine/moe.py:run_experts tolist()": "each expert's rows as Python ints for split (dropless MoE), per layer",
+    "engine/parallel/expert.py:__call__ tolist()": "all_to_all_single's split sizes as Python ints, per layer",
+}
+SYNC_PATHS = {
+    "topk": ["parallel.dp=2", "comm.compressor=topk", "comm.density=0.1"],
+    "randk": ["parallel.dp=2", "comm.compressor=randk", "comm.density=0.1"],
+    "int8": ["parallel.dp=2", "comm.compressor=int8"],
+    "bidirectional-topk": ["parallel.dp=2", "comm.compressor=topk", "comm.bidirectional=true", "comm.density=0.1"],
+    "bidirectional-randk": ["parallel.dp=2", "comm.compressor=randk", "comm.bidirectional=true", "comm.density=0.1"],
+    "zero2-randk": ["parallel.dp=2", "parallel.zero=2", "comm.compressor=randk", "comm.density=0.1"],
+    "zero2-topk": ["parallel.dp=2", "parallel.zero=2", "comm.compressor=topk", "comm.density=0.1"],
+    "moe": ["parallel.dp=2", "model.experts=4"],
+    "moe-ep2": ["parallel.dp=2", "parallel.ep=2", "model.experts=4"],
+    "moe-ep2-hierarchical": ["parallel.dp=2", "parallel.ep=2", "model.experts=4", "comm.moe_hierarchical=true",
+                             "link.ranks_per_node=1"],
+}
+
+
+def _step_syncs(rank: int, world: int) -> dict[str, list[str]]:
+    """Each path's host syncs in its second step (the first builds DDP's buckets, FSDP2's state)."""
+    from device_check import HostSyncs
+    from engine.config import load_config
+    from engine.train import Trainer
+
+    out = {}
+    for name, overrides in SYNC_PATHS.items():
+        cfg = load_config(None, TINY + overrides + ["train.grad_clip=0.5"])
+        trainer = Trainer(cfg, device=torch.device("cpu"))
+        trainer.train_step(0)
+        with HostSyncs() as syncs:
+            trainer.train_step(1)
+        out[name] = syncs.seen
+        trainer.collectives.disable()
+    return out
+
+
+@pytest.mark.slow
+def test_compression_hooks_and_moe_steps_make_only_the_needed_host_syncs():
+    """Top-k, int8, Rand-k (plain, bidirectional, FSDP2) and MoE steps at dp=2 read the device only
+    for the loss, the clipping coefficient and (MoE) one split-size read per layer and micro-batch.
+    Before: int(indices.max()) per Top-k bucket, float(absmax) per int8 bucket, randperm on the
+    host per Rand-k bucket / shard, MoE statistics .cpu() twice per layer and micro-batch, two
+    or three split-size reads per expert-parallel layer."""
+    from collections import Counter
+
+    results = run_ranks(2, _step_syncs, timeout=240)
+    moe_reads = 2 * 2  # 2 MoE layers x 2 micro-batches (batch 8 over dp 2, micro 2)
+    wrong = {}
+    for name in SYNC_PATHS:
+        for rank, seen in enumerate(r[name] for r in results):
+            counts = Counter(s for s in seen if not s.startswith(INPUT_PIPELINE))
+            want = Counter({"engine/train.py:result item()": 1, "engine/parallel/data.py:clip_grad_norm item()": 1})
+            layer_reads = sum(counts[k] for k in ("engine/moe.py:run_experts tolist()",
+                                                  "engine/parallel/expert.py:__call__ tolist()"))
+            if name.startswith("moe") and layer_reads == moe_reads:  # one read per layer, either place
+                want.update({k: counts[k] for k in ("engine/moe.py:run_experts tolist()",
+                                                    "engine/parallel/expert.py:__call__ tolist()") if counts[k]})
+            if counts != want:
+                wrong[f"{name} rank {rank}"] = dict(counts - want)
+    assert not wrong, "\n".join(f"{k}: extra host syncs {v}" for k, v in wrong.items())

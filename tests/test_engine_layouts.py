@@ -67,3 +67,21 @@ def test_checkpoint_resumes_in_same_and_other_layout(tmp_path, resume_layout):
     assert [s["step"] for s in resumed.steps] == [3, 4, 5]
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed.steps, full.steps[3:]))
     assert diff <= 1e-4, (resumed.steps, full.steps[3:])
+
+
+def test_zero2_gathers_parameters_once_per_step_at_any_accumulation(tmp_path, reference):
+    """ZeRO-2 keeps parameters gathered across the micro-batches of a step: at accumulation 4 it
+    issues as many parameter all-gathers as at accumulation 1 (before: one per FSDP group and
+    micro-batch, ZeRO-3's traffic), and both follow the single process."""
+    gathers, scatters = {}, {}
+    for micro in (4, 1):  # dp=2, global batch 8: accumulation 1 and 4
+        cfg = load_config(None, TINY + ["parallel.dp=2", "parallel.zero=2", f"batch.micro={micro}"])
+        result = launch(cfg, home=tmp_path)
+        assert_launch_follows(result, *reference, steps=5)
+        totals = RunStore.open_home(tmp_path).comm_totals(result.run_id)
+        gathers[cfg.grad_accum] = totals["dp:all_gather"]["count"] / 5  # per step and rank
+        scatters[cfg.grad_accum] = totals["dp:reduce_scatter"]["count"] / 5
+    # per step: one all-gather per FSDP group (4 blocks + the root); and the evaluation after step
+    # 5 gathers the 5 groups once more: 5 + 5/5 per step
+    assert gathers == {1: 6, 4: 6}, gathers
+    assert scatters == {1: 5, 4: 20}, scatters  # gradients still reduce-scattered every micro-batch

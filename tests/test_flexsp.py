@@ -152,3 +152,15 @@ def test_a_per_sequence_constant_is_paid_by_every_rank_of_the_group():
     assert cost.seq_time(10, 2) == pytest.approx(10.0)
     plan = solve([10] * 4, n=4, cap=100, cost=cost, time_limit_s=5.0)
     assert plan.sizes == [1, 1, 1, 1] and plan.predicted_s == pytest.approx(15.0)
+
+
+def test_a_group_size_the_model_did_not_calibrate_is_refused_not_free():
+    # calibrated: 1 and 2 only. Free communication at size 4 would make [4] the plan for one long
+    # sequence (64/4 = 16 < 64/2 = 32); an uncalibrated size is never planned and cannot be priced.
+    cost = CostModel(a1=1.0, a2=0.0, a2a={2: 0.0}, sizes=(1, 2))
+    plan = solve([8, 1, 1], n=4, cap=100, cost=cost, time_limit_s=5.0)
+    assert 4 not in plan.sizes and sum(plan.sizes) == 4
+    with pytest.raises(ValueError, match="group size 4 was not calibrated"):
+        cost.seq_time(8, 4)
+    with pytest.raises(ValueError, match="largest usable \\(calibrated\\) group"):
+        solve([300], n=4, cap=100, cost=cost)

@@ -131,6 +131,8 @@ def test_cpu_clocks_keep_host_time():
     ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12),
     ("NVIDIA A10", 125e12), ("NVIDIA A10G", None), ("AMD Instinct MI250X", 191.5e12),
     ("AMD Instinct MI300X", 1307.4e12), ("Tesla T4", None), ("NVIDIA GeForce RTX 3060", None),
+    # whole words only: "l4" is in "L40" and "h200" in "GH200" as substrings, not as words
+    ("NVIDIA L40", 181e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H100-SXM5-80GB", 989e12),
 ])
 def test_peak_table_by_device_name(name, peak):
     assert peak_bf16(name) == peak

@@ -61,28 +61,68 @@ def _done_hook(_state: object, bucket: _FakeBucket) -> torch.futures.Future:
     return fut
 
 
-def test_wrapped_hook_completes_after_delay_without_blocking() -> None:
+class _FakeClock:
+    """Stands in for engine.comm.link's `time`: perf_counter reads a counter that only sleep moves,
+    so the emulator's arithmetic is checked exactly (the real waits: bench/timing_claims.py)."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 100.0, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class _FakeTimer:
+    """Records each future's deadline instead of completing it on a thread."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[float, torch.futures.Future, object]] = []
+
+    def complete_at(self, deadline: float, fut: torch.futures.Future, value: object) -> None:
+        self.pending.append((deadline, fut, value))
+
+
+@pytest.fixture
+def clock(monkeypatch) -> tuple[_FakeClock, _FakeTimer]:
+    from engine.comm import link as link_mod
+
+    fake, timer = _FakeClock(), _FakeTimer()
+    monkeypatch.setattr(link_mod, "time", fake)
+    monkeypatch.setattr(link_mod, "_timer", lambda: timer)
+    return fake, timer
+
+
+def test_wrapped_hook_completes_after_delay_without_blocking(clock) -> None:
+    fake, timer = clock
     numel = 1000
     link = LinkEmulator(gbps=numel * 4 * 8 / 1e9 / 0.3)  # a 4 kB bucket takes 300 ms
     delay = link.delay_for("all_reduce", numel * 4, 2)
     assert delay == pytest.approx(0.3)
     hook = link.wrap_hook(_done_hook, group_size=2)
-    start = time.perf_counter()
     fut = hook(None, _FakeBucket(numel))
-    returned = time.perf_counter() - start
-    value = fut.wait()
-    total = time.perf_counter() - start
-    assert returned < delay / 3  # the training thread was not held up
-    assert total >= delay
-    assert torch.equal(value, torch.full((numel,), 2.0))
+    assert not fut.done() and fake.slept == []  # the training thread was not held up
+    [(deadline, pending, value)] = timer.pending
+    assert deadline == pytest.approx(100.0 + delay) and pending is fut
+    fut.set_result(value)
+    assert torch.equal(fut.wait(), torch.full((numel,), 2.0))
+    # one link: a second bucket issued at once starts when the first is done
+    hook(None, _FakeBucket(numel))
+    assert timer.pending[1][0] == pytest.approx(100.0 + 2 * delay)
 
 
-def test_wrapped_hook_custom_cost_and_errors() -> None:
+def test_wrapped_hook_custom_cost_and_errors(clock) -> None:
+    _, timer = clock
     link = LinkEmulator(gbps=1.0)
     hook = link.wrap_hook(_done_hook, group_size=2, cost=lambda s, b: 0.05)
-    start = time.perf_counter()
-    hook(None, _FakeBucket(10)).wait()
-    assert time.perf_counter() - start >= 0.05
+    hook(None, _FakeBucket(10))
+    assert timer.pending[0][0] == pytest.approx(100.05)
 
     def failing(_s: object, _b: object) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
@@ -93,22 +133,25 @@ def test_wrapped_hook_custom_cost_and_errors() -> None:
         link.wrap_hook(failing, group_size=2)(None, _FakeBucket(10)).wait()
 
 
-def test_emulated_sleeps_only_the_remainder() -> None:
+def test_emulated_sleeps_only_the_remainder(clock) -> None:
+    fake, _ = clock
     link = LinkEmulator(gbps=8e-3)  # 1 MB/s
     delay = link.delay_for("broadcast", 60_000, 2)  # 60 ms
-    start = time.perf_counter()
-    out = link.emulated(lambda: time.sleep(0.04) or "done", op="broadcast", nbytes=60_000, group_size=2)
-    took = time.perf_counter() - start
-    assert out == "done"
-    assert delay <= took < delay + 0.035  # not 40 + 60 ms
-    start = time.perf_counter()
-    link.emulated(lambda: time.sleep(0.08), op="broadcast", nbytes=60_000, group_size=2)
-    assert time.perf_counter() - start < 0.08 + 0.035  # the real op was already slower
+
+    def op(seconds: float):
+        def run() -> str:
+            fake.now += seconds  # the real collective took this long
+            return "done"
+        return run
+
+    assert link.emulated(op(0.04), op="broadcast", nbytes=60_000, group_size=2) == "done"
+    assert fake.slept == [pytest.approx(delay - 0.04)]  # not 40 + 60 ms
+    link.emulated(op(0.08), op="broadcast", nbytes=60_000, group_size=2)
+    assert len(fake.slept) == 1  # the real op was already slower
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(1)
-    start = time.perf_counter()
-    link.emulated(fut, op="broadcast", nbytes=60_000, group_size=2, started_at=start - 0.05)
-    assert 0.005 <= time.perf_counter() - start < 0.045  # 50 of the 60 ms were already spent
+    link.emulated(fut, op="broadcast", nbytes=60_000, group_size=2, started_at=fake.now - 0.05)
+    assert fake.slept[1] == pytest.approx(delay - 0.05)  # 50 of the 60 ms were already spent
 
 
 # ---- 2-rank gloo DDP ---------------------------------------------------------------------

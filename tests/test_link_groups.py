@@ -214,8 +214,9 @@ def test_simulator_prices_dp_rings_and_pp_edges_by_placement() -> None:
     assert placement_links(topo, pp=2, dp=2, tp=1, placement="naive")["pp"] == pytest.approx((12.5, 5e-6))
     assert placement_links(topo, pp=2, dp=2, tp=1, placement="holmes")["dp"] == pytest.approx((12.5, 5e-6))
     assert placement_links(topo, pp=2, dp=2, tp=1, placement="holmes")["pp"] == pytest.approx((0.125, 50e-6))
-    # first stage's parameters: 2 layers x (12 h^2 + 13 h) + V h + s h = 99,968 + 16,384 + 1,024 = 117,376
-    grad_bytes = 117_376 * 4
+    # first stage's parameters: 2 layers x (12 h^2 + 13 h) + V h + s h + the final norm's 2 h
+    # = 99,968 + 16,384 + 1,024 + 128 = 117,504
+    grad_bytes = 117_504 * 4
     naive = simulate_placement(model, host, par, topology=topo, placement="naive")
     holmes = simulate_placement(model, host, par, topology=topo, placement="holmes")
     # dp=2 all-reduce (bus factor 1), exposed after the pipeline: 469,504 B at 125e6 B/s + 50 us

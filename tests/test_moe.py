@@ -53,9 +53,15 @@ def test_moe_parameter_and_flop_counts_match_the_module():
 
 
 def test_expert_groups_and_hierarchical_layout():
-    ep_groups, replicas = expert_group_ranks(dp=4, tp=2, pp=1, ep=2)
+    from engine.mesh import ParallelDims
+
+    ep_groups, replicas = expert_group_ranks(ParallelDims(4, 2, 1, 8).axis_groups("dp"), ep=2)
     assert ep_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    # a placement order moves the ranks; the groups follow the mesh (tp pairs {0, 2}, {1, 3} here)
+    holmes = ParallelDims(2, 2, 1, 4, order=(0, 2, 1, 3))
+    assert holmes.axis_groups("tp") == [[0, 2], [1, 3]]
+    assert expert_group_ranks(holmes.axis_groups("dp"), ep=2) == ([[0, 1], [2, 3]], [[0], [1], [2], [3]])
     assert node_split([4, 5, 6, 7], 2) == [[0, 1], [2, 3]]
     with pytest.raises(ValueError):
         node_split([0, 1, 2], 2)  # 2 members on node 0, 1 on node 1
@@ -115,6 +121,12 @@ EP_LAYOUTS = {
     "ep4": ["parallel.dp=4", "parallel.ep=4"],
     "ep2-dp4": ["parallel.dp=4", "parallel.ep=2"],
     "ep2-dp2-tp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+    # Holmes lays ranks 0, 2, 1, 3 onto the mesh: tp groups {0, 2}, {1, 3}, dp (and ep) groups {0, 1},
+    # {2, 3}; before, expert groups came from a second rank formula that ignored the placement
+    # (ep groups {0, 2}, {1, 3}: the tp pairs) and step 0's loss was already off
+    "ep2-dp2-tp2-holmes": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.placement=holmes",
+                           "link.groups=[{name: a, ranks: [0, 2], gbps: 100}, {name: b, ranks: [1, 3], gbps: 100}]",
+                           "link.inter_gbps=100"],
     # two emulated nodes of 2 ranks: inside-node all_to_all, then across nodes; exact, so parity holds
     "ep4-hierarchical": ["parallel.dp=4", "parallel.ep=4", "comm.moe_hierarchical=true", "link.ranks_per_node=2"],
 }
@@ -218,7 +230,10 @@ def _exchange_vs_local(rank: int, world: int, hierarchical: bool) -> float:
     layer = MoE(cfg)
     layer.load_state_dict(ref.state_dict())
     model = torch.nn.ModuleDict({"moe": layer})
-    apply_expert_parallel(model, dp=2, tp=1, pp=1, ep=2, hierarchical=hierarchical, ranks_per_node=1)
+    from engine.mesh import ParallelDims
+
+    mesh = ParallelDims(2, 1, 1, 2).build_mesh("cpu")
+    apply_expert_parallel(model, mesh, ep=2, hierarchical=hierarchical, ranks_per_node=1)
     tokens = torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     counts = torch.tensor([5 + rank, 0, 0, 0])
     got = layer.exchange(tokens, counts)
@@ -254,3 +269,69 @@ def test_memory_estimate_counts_this_ranks_experts(ep, tp):
             held += p.numel()
     params = estimate_memory(cfg)["params"] / 4
     assert params == pytest.approx(held, rel=1e-9)
+
+
+def _checkpoint_record(path) -> tuple[dict, dict[str, int]]:
+    """The layout record of a DCP checkpoint folder and, per tensor name, how many copies it stores."""
+    import json
+    import warnings
+    from collections import Counter
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = {"meta": torch.empty(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata["meta"].size,
+                                dtype=torch.uint8)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(meta, storage_reader=FileSystemReader(str(path)))
+    copies = Counter(index.fqn for index in FileSystemReader(str(path)).read_metadata().storage_data)
+    return json.loads(bytes(meta["meta"].tolist()).decode()), dict(copies)
+
+
+EP_RESUMES = {  # (saved in, resumed in)
+    "ep2-to-ep2": (["parallel.dp=2", "parallel.ep=2"], ["parallel.dp=2", "parallel.ep=2"]),
+    "ep2-to-ep1": (["parallel.dp=2", "parallel.ep=2"], []),
+    # two replicas of each ep shard (ranks 0, 2 and 1, 3): each expert stored once
+    "dp4-ep2-to-dp2": (["parallel.dp=4", "parallel.ep=2"], ["parallel.dp=2"]),
+}
+
+
+@pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
+@pytest.mark.parametrize("name", list(EP_RESUMES))
+def test_expert_parallel_checkpoint_resumes_in_ep2_and_ep1(tmp_path, name):
+    """An ep=2 checkpoint names each expert by its global id and records ep: the same layout and
+    ep=1 continue the uninterrupted run (before: each ep rank saved its experts as `experts.0`,
+    `experts.1` and DCP kept one rank's copy; ep=1 failed on "Missing key ... experts.2")."""
+    from engine.launch import launch
+
+    saved_in, resumed_in = EP_RESUMES[name]
+    ckpt = tmp_path / "ckpt"
+    common = MOE + ["train.steps=6", "train.eval_interval=0"]
+    full = launch(load_config(None, common + saved_in + ["train.checkpoint_interval=3",
+                                                         f"train.checkpoint_dir={ckpt}"]), home=tmp_path)
+    record, copies = _checkpoint_record(ckpt / "step000003")
+    assert (record["ep"], record["cp"], record["dp"]) == (2, 1, int(saved_in[0].split("=")[1]))
+    experts = {k for k in copies if k.startswith("model.") and ".experts." in k}
+    # 2 MoE layers x 4 experts x (w1, w2) weights, each stored once under its global id
+    assert {k.split(".experts.")[1].split(".")[0] for k in experts} == {"0", "1", "2", "3"}
+    assert len(experts) == 2 * 4 * 2 and all(copies[k] == 1 for k in experts), copies
+    resumed = launch(load_config(None, common + resumed_in + [f"train.resume_from={ckpt / 'step000003'}"]),
+                     home=tmp_path)
+    assert [s["step"] for s in resumed.steps] == [3, 4, 5]
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed.steps, full.steps[3:]))
+    assert diff <= 1e-6, (resumed.steps, full.steps[3:])
+
+
+def test_moe_forward_under_bf16_autocast_sums_in_the_residual_dtype():
+    """precision=bf16: the experts' outputs are bf16 under autocast, the residual stream fp32; the
+    weighted sum goes into an fp32 buffer and matches the fp32 layer within bf16 rounding."""
+    from engine.moe import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(d_model=8, experts=4, top_k=2, capacity_factor=0))
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+    assert got.dtype == torch.float32
+    assert float((got - layer(x)).abs().max()) < 5e-2

@@ -200,24 +200,16 @@ def test_pp2_v_schedule_warms_up_without_sending_to_itself(world2):
 
 
 def test_bubble_measured_on_pp2(world2):
-    compute = {}
-    for layout, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    """Every step of every schedule splits into own compute and idle time. The measured idle
+    against (p-1)/m, and the schedules' own compute against each other, are timing claims
+    (bench/schedules.py prices each schedule's bubble; bench/timing_claims.py pp2_bubble)."""
+    for layout in ("gpipe", "1f1b", "interleaved"):
         for rank_result in world2:
+            assert len(rank_result[layout]["timings"]) == STEPS
             for timing in rank_result[layout]["timings"]:
                 assert timing["bubble_s"] > 0
                 assert timing["compute_s"] > 0
                 assert timing["total_s"] == pytest.approx(timing["compute_s"] + timing["bubble_s"])
-        # first stage, steps without shape inference (it runs on the first step and after the
-        # evaluation): idle / own compute is at least about (p-1)/m. Only a lower bound: on this
-        # tiny model p2p latency on 2 shared cores adds idle time (measured 0.4-4 against
-        # 0.125-0.25), so no upper bound holds here.
-        timings = [t for i, t in enumerate(world2[0][layout]["timings"]) if i not in (0, EVAL_AFTER + 1)]
-        ratio = statistics.median(t["bubble_s"] / t["compute_s"] for t in timings)
-        assert ratio >= bubble_fraction(layout, 2, GLOBAL_BATCH // MICRO, virtual) / 2, (layout, ratio)
-        compute[layout] = statistics.median(t["compute_s"] for t in timings)
-    # the same layers and micro-batches on rank 0 under every schedule: similar own compute, so
-    # forward and backward are counted on every schedule's code path
-    assert max(compute.values()) <= 3 * min(compute.values()), compute
 
 
 def test_bubble_fraction_formula():

@@ -38,7 +38,6 @@ def test_phases_add_up_to_step_time() -> None:
                 time.sleep(work) if sleep else _busy(work)
             outer[name] = outer.get(name, 0.0) + time.perf_counter() - t0
 
-        wall0 = time.perf_counter()
         timer.start_step()
         timed("data", 0.02, sleep=True)
         for _ in range(2):  # a phase entered twice adds up (two micro-batches)
@@ -48,16 +47,16 @@ def test_phases_add_up_to_step_time() -> None:
         _busy(0.04)  # not in any phase: lands in "other"
         timed("optimizer", 0.01, sleep=True)
         parts = timer.end_step()
-        wall = time.perf_counter() - wall0
         assert set(parts) == set(PHASES)
         assert sum(parts.values()) == pytest.approx(timer.step_time, rel=1e-9)
-        assert sum(parts.values()) == pytest.approx(wall, rel=0.02)
+        # lower bounds only (a phase lasts at least its work, at most the time around it); the
+        # step against an outside wall clock: bench/timing_claims.py step_timer
         for name, minimum in (("data", 0.02), ("forward", 0.04), ("backward", 0.05),
                               ("optimizer", 0.01)):
             assert minimum <= parts[name] <= outer[name]
         assert parts["comm_exposed"] == 0.005 and parts["bubble"] == 0.0
         # "other" holds the 40 ms outside phases, minus the comm time added from elsewhere
-        assert 0.04 - 0.005 <= parts["other"] <= wall - 0.12 - 0.005
+        assert 0.04 - 0.005 <= parts["other"]
 
 
 def test_step_timer_rules() -> None:

@@ -657,8 +657,17 @@ def test_no_eval_exec_pickle_or_unsafe_yaml_in_the_source():
                 if not (isinstance(wo, ast.Constant) and wo.value is True):
                     offenders.append(f"{where} torch.load() without weights_only=True")
     assert offenders == []
-    # the one import of a name that comes from user text: model.entry, through engine.data.load_entry
-    assert dynamic_imports == ["engine/data.py:load_entry"]
+    # the one import of a name that comes from user text: model.entry, through engine.data.load_entry;
+    # engine/torch_compat.py:_private imports torch's private modules, each named by a literal below
+    assert dynamic_imports == ["engine/data.py:load_entry", "engine/torch_compat.py:_private"]
+    compat = ast.parse((ROOT / "engine" / "torch_compat.py").read_text())
+    literals = {t.id for node in compat.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                for t in node.targets if isinstance(t, ast.Name)}
+    private_calls = [node for node in ast.walk(compat)
+                     if isinstance(node, ast.Call) and _call_name(node) == "_private"]
+    assert private_calls and all(isinstance(c.args[0], ast.Constant) and c.args[0].value.startswith("torch")
+                                 or isinstance(c.args[0], ast.Name) and c.args[0].id in literals
+                                 for c in private_calls)
     # the scan really saw the loaders it checks; checkpoints no longer call torch.load (DCP reads
     # tensors with weights_only=True, its metadata through engine/checkpoint.py's allow-list)
     assert yaml_loads >= 2
@@ -718,3 +727,20 @@ def test_user_entry_point_is_imported_only_when_named(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("usermodel_probe_pkg", None)
+
+
+def test_a_conditional_value_is_judged_where_it_applies():
+    """virtual=2 is wrong on its own (the default schedule takes no virtual stages), but every point
+    where it applies (layout pp2) has schedule interleaved: the space is accepted. A value that no
+    point where it applies can take is still refused."""
+    when = {"parallel.layout": ["dp1-tp1-pp2"]}
+    data = {"world_size": 2, "params": {
+        "parallel.layout": {"choices": ["dp2-tp1-pp1", "dp1-tp1-pp2"]},
+        "parallel.schedule": {"choices": ["interleaved"], "when": when},
+        "parallel.virtual": {"choices": [2], "when": when}}}
+    base = load_config(None, ["model.layers=4", "model.d_model=32", "model.heads=4", "batch.global=8",
+                              "batch.micro=2", "parallel.dp=2"])
+    SearchSpace.from_dict(data).check_against(base)
+    data["params"]["parallel.schedule"]["choices"] = ["1f1b"]
+    with pytest.raises(ConfigError, match=r"^params.parallel.virtual.choices\[0\]=2: is not a valid parallel.virtual"):
+        SearchSpace.from_dict(data).check_against(base)

@@ -141,6 +141,17 @@ def test_older_store_is_migrated_by_two_processes_at_once(tmp_path):
     assert [len(store.metrics(f"old{i}")) for i in range(3)] == [500] * 3  # no record lost in the migration
     store.create_run("new", name="new", config={}, world_size=1, parent="study:x#0")  # the v2 column works
     assert store.run("new")["parent"] == "study:x#0" and store.run("old0")["parent"] is None
+    store.finish_run("new", "pruned", error="pruned by the tuner at step 3")  # v3: a pruned trial's run
+    assert store.run("new")["status"] == "pruned" and store.run("old1")["status"] == "completed"
+
+
+def test_a_run_the_tuner_pruned_reads_pruned_not_interrupted():
+    import optuna
+
+    from engine.launch import stop_status
+
+    assert stop_status(optuna.TrialPruned(3)) == ("pruned", "pruned by the tuner at step 3")
+    assert stop_status(KeyboardInterrupt())[0] == "interrupted"
 
 
 @pytest.mark.parametrize("content,pattern", [

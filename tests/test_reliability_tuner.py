@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "train.steps=3",
         "batch.global=8", "batch.micro=4", "parallel.dp=1", "train.warmup_steps=0", "train.timeout_s=30",
         "profile.host_interval_s=0", "profile.nvml_interval_s=0"]
-SPACE = {"params": {"batch.micro": {"choices": [2, 4, 8]}, "ddp.bucket_cap_mb": {"choices": [1, 25]}}}
+# 24 distinct configs: more than any test here runs (the tuner never re-runs an earlier trial's config)
+SPACE = {"params": {"batch.micro": {"choices": [1, 2, 4, 8]}, "ddp.bucket_cap_mb": {"choices": [1, 25, 50]},
+                    "train.seed": {"choices": [0, 1]}}}
 STEP_NAMES = {"loss", "step_time(s)", "tokens_per_s", "lr", "grad_norm"}
 WORKERS, TRIALS_EACH = 4, 3
 
@@ -142,9 +144,10 @@ def test_tuner_killed_twice_with_two_jobs_resumes_losing_nothing(tmp_path):
 
 def test_crashed_and_oom_trials_do_not_stop_the_study(tmp_path):
     study = load_study("faults", f"sqlite:///{tmp_path}/studies.db", sampler="random", seed=0, pruner="none")
-    space = SearchSpace.from_dict({"params": {"batch.micro": {"choices": [4]}}})
     base = load_config(None, BASE)
-    for fault in ("rank=0,step=1,kind=kill", "rank=0,step=1,kind=oom", None):
+    for seed, fault in enumerate(("rank=0,step=1,kind=kill", "rank=0,step=1,kind=oom", None)):
+        # another seed each: the tuner runs no config an earlier (not failed) trial ran
+        space = SearchSpace.from_dict({"params": {"batch.micro": {"choices": [4]}}, "fixed": {"train.seed": seed}})
         run_trials(study, Objective(base, space, home=tmp_path, extra_env={"WORKBENCH_FAULT": fault} if fault
                                     else None), 1)
     killed, oom, good = study.get_trials()
@@ -171,9 +174,12 @@ def test_four_workers_share_one_study_and_one_store(tmp_path):
     wall = time.time() - started
     assert all(p.returncode == 0 for p in procs), [_errors(err) for _, err in outs]
     total = WORKERS * TRIALS_EACH
-    trials = _trials(study, storage)
-    assert sorted(t.number for t in trials) == list(range(total))
+    every = _trials(study, storage)
+    assert sorted(t.number for t in every) == list(range(len(every)))  # unique, no gaps
+    trials = [t for t in every if not t.user_attrs.get("skipped")]  # repeats drawn meanwhile are skipped
+    assert len(trials) == total
     assert all(t.state == TrialState.COMPLETE for t in trials), [(t.number, t.state, t.user_attrs) for t in trials]
+    assert len({t.user_attrs["config_key"] for t in trials}) == total  # no config ran twice
     run_ids = [t.user_attrs["run_id"] for t in trials]
     assert len(set(run_ids)) == total
     store = RunStore.open_home(tmp_path)

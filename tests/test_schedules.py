@@ -624,3 +624,21 @@ def test_show_reads_the_executed_schedule(tmp_path):
     fig = schedule_figure(report)
     assert {trace.name for trace in fig.data} == {"F", "B"}
     assert sum(len(trace.x) for trace in fig.data) == 8
+
+
+def test_a_step_priced_from_another_runs_costs():
+    """Out of sample (issue 36.3): `priced_from` reads the prices off another recorded step, so a
+    step can be predicted from an earlier run's costs; pricing a step from itself is the default."""
+    from tuning.sim_schedule import predicted_timeline
+
+    step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
+            1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,
+                "paths": {}}}
+    slow = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 9.0, 11.0)], "total_s": 11.5, "wall_start": 100.0, "paths": {}},
+            1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 7.75)], "total_s": 8.25, "wall_start": 100.25,
+                "paths": {}}}
+    kw = dict(schedule="1f1b", pp=2, n_microbatches=1)
+    own, crossed = predicted_timeline(step, **kw), predicted_timeline(step, priced_from=slow, **kw)
+    assert predicted_timeline(step, priced_from=step, **kw).rows == own.rows
+    assert crossed.rows == predicted_timeline(slow, **kw).rows != own.rows
+    assert crossed.bubble_fraction(0) > own.bubble_fraction(0)  # rank 1's backward took 4, not 2

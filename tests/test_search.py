@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -67,12 +66,10 @@ def test_enumeration_is_exactly_the_valid_set() -> None:
     assert got == expected
 
 
-def test_1t_space_on_3072_gpus_is_fast() -> None:
-    start = time.perf_counter()
+def test_1t_space_on_3072_gpus() -> None:
+    """The whole space, priced; how long it takes is a timing claim: bench/timing_claims.py search."""
     df = enumerate_configs(GPT_1T, A100, 3072, 3072)
-    elapsed = time.perf_counter() - start
     assert len(df) >= 10_000
-    assert elapsed <= 60.0
     assert (df.dp * df.tp * df.pp * df.cp == 3072).all()
     assert set(RESULT_COLUMNS) <= set(df.columns) and df.attrs["units"]["iteration_time_s"] == "s"
     assert df["fits"].any() and not df["fits"].all()
@@ -119,17 +116,20 @@ def test_optuna_search_never_beats_exhaustive_and_is_seeded() -> None:
 
 # ---------------------------------------------------------------- uncertainty
 
-def test_intervals_come_from_the_class_residuals_and_mark_overlaps() -> None:
-    from tuning.published import validation_table
+def test_intervals_come_from_the_domain_and_mark_overlaps() -> None:
     from tuning.search import add_uncertainty
+    from tuning.sim_domain import prediction
 
-    df = add_uncertainty(enumerate_configs(GPT_13B, A100, 64, 256))
-    held = validation_table().query("not fitted")
-    tp_pp = held[held["class"] == "TP+PP"]["error_pct"] / 100.0  # 7 held-out Megatron rows
+    df = add_uncertainty(enumerate_configs(GPT_13B, A100, 64, 256), hardware="dgx-a100-80gb", params=GPT_13B.params)
     row = df[(df["tp"] == 8) & (df["pp"] == 2) & (df["virtual"] == 1)].iloc[0]
     assert row["strategy_class"] == "TP+PP"
-    assert row["time_lo_s"] == pytest.approx(row["iteration_time_s"] * (1 + tp_pp.min()))
-    assert row["time_hi_s"] == pytest.approx(row["iteration_time_s"] * (1 + tp_pp.max()))
+    # the published Megatron-LM TP+PP rows ran on 256-3072 GPUs: 64 is outside, so the row is flagged and its
+    # interval is the one `prediction` gives the same configuration (widened for the distance)
+    one = prediction(row["iteration_time_s"], hardware="dgx-a100-80gb", framework="megatron", tp=8, pp=2, virtual=1,
+                     zero=int(row["zero"]), gpus=64, micro=int(row["micro"]), params=GPT_13B.params)
+    assert row["extrapolated"] and not one["domain"]["inside"]
+    assert [row["time_lo_s"], row["time_hi_s"]] == pytest.approx(one["interval_s"], rel=1e-9)
+    assert row["time_lo_s"] < row["iteration_time_s"] < row["time_hi_s"]
     best = best_configs(df, 1).iloc[0]
     assert best["overlaps_best"]
     expected = df["fits"] & (df["time_lo_s"] <= best["time_hi_s"])
@@ -148,7 +148,7 @@ def test_flip_parameter_names_the_smallest_change_that_flips() -> None:
     top = best_configs(enumerate_configs(GPT_13B, spec, 64, 256), 1).iloc[0]
     assert _config_key(top) != _config_key(best_configs(enumerate_configs(GPT_13B, A100, 64, 256), 1).iloc[0])
     smaller = [t for t in res["tried"] if abs(np.log(t["factor"])) < abs(np.log(res["factor"])) - 1e-12]
-    assert smaller and not any(t["flips"] for t in smaller)
+    assert not any(t["flips"] for t in smaller)  # nothing smaller flipped (empty when the smallest step did)
 
 
 # ---------------------------------------------------------------- learning from real trials
@@ -226,3 +226,30 @@ def test_warm_start_correction_separates_compressors_of_one_class() -> None:
     summary = trend_summary(trend)
     assert summary["first_median_abs_error_pct"] == pytest.approx(100 * (1 - 2 ** -0.75))  # 40.5%
     assert summary["last_median_abs_error_pct"] == pytest.approx(100 * (1 - 2 ** (-9 / 64)))  # 9.3%
+
+
+def test_warm_start_corrects_the_order_of_trials_within_a_cell() -> None:
+    """The simulator orders micro-batches backwards (predicts micro 8 fastest; this host ran micro 1 fastest):
+    one factor per (class, compressor) cannot fix an order inside the cell, the order weights learnt on
+    pairs of the other trials do. Issue 38 item 5: the correction also corrects the ranking."""
+    import optuna
+
+    from tuning.warmstart import fit_correction, order_features, pairwise_agreement, prediction_order
+
+    study = optuna.create_study(direction="maximize")
+    for micro in (1, 2, 4, 8, 1, 2, 4, 8):
+        cfg = {"parallel": {"dp": 2}, "batch": {"global": 16, "micro": micro}}
+        predicted, measured = 100.0 * micro ** 0.3, 80.0 * micro ** -0.3
+        study.add_trial(optuna.trial.create_trial(value=measured, user_attrs={
+            "config": cfg, "predicted_tokens_per_s": predicted, "tokens_per_s": measured}))
+    order = prediction_order(study)
+    assert order.attrs["raw_agreement"] < 0.2  # backwards (ties between repeats count half)
+    assert order.attrs["corrected_agreement"] > 0.8
+    assert list(order.sort_values("corrected", ascending=False)["measured_rank"].iloc[:2]) == [1, 1]  # micro 1 first
+    # the weights: log(measured / predicted) falls by 0.6 ln 2 per doubling of micro (= accumulation halving)
+    samples = [("DP/ZeRO-1", "none", 80.0 * m ** -0.3, 100.0 * m ** 0.3, order_features(
+        {"parallel": {"dp": 2}, "batch": {"global": 16, "micro": m}})) for m in (1, 2, 4, 8)]
+    c = fit_correction(samples)
+    one, eight = (c.factor("DP/ZeRO-1", "none", s[4]) * s[3] for s in (samples[0], samples[3]))
+    assert one > eight  # corrected: micro 1 now predicted faster than micro 8
+    assert pairwise_agreement([1, 2, 3], [3, 2, 1]) == 0.0 and pairwise_agreement([1, 2, 3], [1, 2, 3]) == 1.0

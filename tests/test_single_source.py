@@ -38,3 +38,21 @@ def test_memory_estimate_uses_the_pipeline_split():
                              "parallel.virtual=2", "parallel.layer_split=[1,2,1,2]", "batch.global=8",
                              "batch.micro=2"])
     assert _stage_layers(cfg) == [2, 4]
+
+
+def test_one_rank_formula_the_meshs():
+    """Which rank sits at which mesh coordinate is ParallelDims.rank_grid alone (STYLE habit 17):
+    coords, the groups of every axis, placement's groups and the expert groups all read it."""
+    from engine.mesh import ParallelDims
+    from engine.parallel.expert import expert_group_ranks
+    from engine.placement import mesh_groups
+
+    order = (0, 4, 1, 5, 2, 6, 3, 7)  # a placement that moves every rank but 0 and 7
+    dims = ParallelDims(2, 2, 2, 8, order=order)
+    grid = dims.rank_grid()
+    for rank in range(8):
+        c = dims.coords(rank)
+        assert int(grid[c["pp"], c["dp"], c["tp"]]) == rank
+    assert mesh_groups(order, pp=2, dp=2, tp=2) == {axis: dims.axis_groups(axis) for axis in ("pp", "dp", "tp")}
+    assert dims.axis_groups("tp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert expert_group_ranks(dims.axis_groups("dp"), ep=2)[0] == [[0, 1], [4, 5], [2, 3], [6, 7]]

@@ -19,7 +19,8 @@ import pytest
 
 from engine.config import load_config
 from engine.errors import ConfigError
-from engine.slurm import JobState, batch_script, job_state, parse_scontrol, slurm_reason, srun_command
+import engine.slurm as slurm_mod
+from engine.slurm import JobState, batch_script, job_srun, job_state, parse_scontrol, slurm_reason
 from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +60,7 @@ def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
         "cluster.account=proj42", "cluster.time=01:00:00", "cluster.constraint=h100", "cluster.cpus_per_rank=4",
         "cluster.sbatch=[--exclusive]", "cluster.setup=['source /shared/venv/bin/activate']"])
     run_dir = Path("/shared/home/runs/r1")
-    srun = srun_command(run_dir / "config.json", run_dir, nodes=2, nproc=8)
+    srun = job_srun(cfg, run_dir / "config.json", run_dir)
     script = batch_script(cfg, job_name="r1", output=run_dir / "slurm-%j.out", env={"WORKBENCH_RUN_ID": "r1"},
                           srun=srun)
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
@@ -67,8 +68,19 @@ def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
                  "#SBATCH --time=01:00:00", "#SBATCH --constraint=h100", "#SBATCH --exclusive",
                  "source /shared/venv/bin/activate", 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
         assert line in script.splitlines(), line
-    last = script.splitlines()[-1]
-    assert last.startswith("exec srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 ")
+    last = next(line for line in script.splitlines() if line.startswith("srun "))
+    # srun asks for the CPUs itself (22.05+ does not inherit sbatch's) and hands the node's 8 GPUs to its
+    # torchrun, whose ranks take one each by LOCAL_RANK
+    assert last.startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=32 --kill-on-bad-exit=1 "
+                           "--gpus-per-task=8 "), last
+    # Slurm's warning 90 s before the limit; the job requeues itself once the ranks checkpointed
+    assert "-m engine.preempt " in last
+    assert slurm_mod.rank_env(cfg, run_id="r1", home=run_dir, telemetry="h:1")["WORKBENCH_PREEMPTIBLE"] == "1"
+    for line in ("#SBATCH --signal=USR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
+        assert line in script.splitlines(), line
+    assert script.splitlines()[-2:] == [
+        "if [ -e /shared/home/runs/r1/requeue ]; then rm -f /shared/home/runs/r1/requeue; "
+        'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi', "exit $status"]
     for arg in ("--nproc-per-node=8", "--nnodes=2", "--rdzv-backend=c10d", '"--rdzv-endpoint=$HEAD:$PORT"',
                 '"--rdzv-id=$SLURM_JOB_ID"', "-m engine.worker"):
         assert arg in last, arg
@@ -86,6 +98,67 @@ def test_slurm_reason_uses_slurms_own_words():
                                         "*** JOB 7 ON vm CANCELLED AT 2026-11-22T18:17:05 DUE TO TIME LIMIT ***")
     assert (state.phase, state.queued_s, state.run_s) == ("done", 1.0, 60.0)
     assert JobState("8", "PENDING").phase == "queued" and JobState("8", "COMPLETING").phase == "running"
+
+
+_BUSY = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
+_RUNNING = ("JobId=7 JobName=r1 JobState=RUNNING Reason=None ExitCode=0:0 SubmitTime=2026-11-22T18:16:04 "
+            "StartTime=2026-11-22T18:16:05 EndTime=2026-11-22T19:16:05")
+
+
+def _fake_slurm(monkeypatch, answers: list[tuple[int, str, str]]) -> list[tuple[str, ...]]:
+    """Replace the Slurm commands: each call takes the next (returncode, stdout, stderr); the calls are returned."""
+    calls: list[tuple[str, ...]] = []
+
+    def fake(*cmd: str, timeout: float = 30, env=None):
+        calls.append(cmd)
+        code, out, err = answers.pop(0) if answers else (0, _RUNNING, "")
+        return subprocess.CompletedProcess(list(cmd), code, out, err)
+
+    monkeypatch.setattr(slurm_mod, "_slurm", fake)
+    monkeypatch.setattr(slurm_mod.time, "sleep", lambda s: None)
+    return calls
+
+
+def test_a_controller_that_does_not_answer_for_a_while_is_retried_not_a_lost_job(monkeypatch):
+    calls = _fake_slurm(monkeypatch, [(1, "", _BUSY)] * 6)  # scontrol and squeue both fail, three times
+    state = job_state("7")
+    assert state.state == "RUNNING" and state.phase == "running"
+    assert [c[0] for c in calls] == ["scontrol", "squeue"] * 3 + ["scontrol"]
+
+
+def test_a_controller_silent_past_the_patience_is_a_slurm_error(monkeypatch):
+    _fake_slurm(monkeypatch, [(1, "", _BUSY)] * 1000)
+    clock = iter(range(0, 10**6, 10))  # each look at the clock: 10 s later
+    monkeypatch.setattr(slurm_mod.time, "monotonic", lambda: next(clock))
+    with pytest.raises(slurm_mod.SlurmError, match="Slurm did not answer about job 7 for 300 s"):
+        job_state("7")
+
+
+def test_a_job_slurm_has_forgotten_is_unknown_at_once(monkeypatch):
+    calls = _fake_slurm(monkeypatch, [(1, "", "slurm_load_jobs error: Invalid job id specified"),
+                                      (1, "", "slurm_load_jobs error: Invalid job id specified")])
+    assert job_state("7").state == "UNKNOWN" and len(calls) == 2
+
+
+def test_cancel_retries_scancel_and_waits_until_nothing_is_left(monkeypatch):
+    done = _RUNNING.replace("RUNNING", "CANCELLED")
+    calls = _fake_slurm(monkeypatch, [(1, "", _BUSY), (0, "", ""), (0, _RUNNING.replace("RUNNING", "COMPLETING"), ""),
+                                      (0, done, "")])
+    assert slurm_mod.cancel("7").state == "CANCELLED"
+    assert [c[0] for c in calls] == ["scancel", "scancel", "scontrol", "scontrol"]
+
+
+def test_launcher_slurm_without_sbatch_fails_in_one_line_before_registering(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    for cmd in (["run", "examples/tiny.yaml", "--launcher", "slurm"],
+                ["tune", "examples/space.yaml", "--base", "examples/tiny.yaml", "--launcher", "slurm"]):
+        out = _cli(*cmd, home=tmp_path / "home", env={"PATH": str(empty)})
+        assert out.returncode == 2, out.stderr[-2000:]
+        lines = out.stderr.strip().splitlines()
+        assert lines == ["error: --launcher slurm: `sbatch` is not on PATH; install Slurm's client commands "
+                         "(Debian: slurm-client) or load your site's Slurm module, or use --launcher local"], lines
+    assert not (tmp_path / "home" / "runs").exists() and not (tmp_path / "home" / "studies.db").exists()
 
 
 def test_every_worker_of_a_study_uses_its_launcher():
@@ -174,6 +247,41 @@ def test_a_two_rank_run_through_slurm_lands_its_steps_in_the_store(tmp_path):
     assert job_state(s["slurm_job_id"]).state == "COMPLETED"
     assert s["queued_s"] >= 0 and s["run_s"] > 0 and row["started"] >= row["created"] - 1  # queue time apart
     assert seen[-1] == "done" and "running" in seen
+
+
+def _failing_queries(folder: Path, flag: Path) -> str:
+    """A PATH folder whose scontrol and squeue fail like a busy controller while `flag` exists."""
+    folder.mkdir()
+    for name in ("scontrol", "squeue"):
+        real = shutil.which(name)
+        shim = folder / name
+        shim.write_text(f"#!/bin/sh\nif [ -e {flag} ]; then echo '{_BUSY}' >&2; exit 1; fi\nexec {real} \"$@\"\n")
+        shim.chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_scontrol_and_squeue_failing_for_ten_seconds_never_end_the_run(tmp_path, monkeypatch):
+    from engine.launch import launch
+
+    flag = tmp_path / "controller-busy"
+    monkeypatch.setenv("PATH", _failing_queries(tmp_path / "bin", flag))
+    busy: list[float] = []
+
+    def on_job(state) -> None:  # once the job runs, the controller stops answering for 10 s
+        if state.phase == "running" and not busy:
+            flag.touch()
+            busy.append(time.time())
+            threading.Timer(10.0, flag.unlink).start()
+
+    result = launch(_cfg("parallel.dp=1", "batch.global=2", "train.steps=40"), home=tmp_path, launcher="slurm",
+                    on_job=on_job, raise_on_failure=False)
+    assert busy and not flag.exists()
+    assert result.status == "completed", result.error
+    assert result.summary["slurm_state"] == "COMPLETED" and len(result.steps) == 40
 
 
 @pytest.mark.usefixtures("slurm")
@@ -296,29 +404,44 @@ def _postgres_listens() -> bool:
 def test_two_worker_jobs_share_a_four_trial_study_on_postgresql(tmp_path):
     if not _postgres_listens():
         pytest.skip("no PostgreSQL server listens on 127.0.0.1:5432")
+    from profilers.store import RunStore
+    from tests.pg_schema import pg_schema
     from tuning.study import make_storage
 
     name = f"slurm-{uuid.uuid4().hex[:8]}"
     base = tmp_path / "base.yaml"
     base.write_text((REPO / "examples" / "tiny.yaml").read_text())
     sets = [a for s in [*TINY, "parallel.dp=1", "batch.global=2"] for a in ("--set", s)]
-    try:
-        out = _cli("tune", str(_space(tmp_path, steps=2)), "--base", str(base), *sets, "--launcher", "slurm",
-                   "--workers", "2", "--trials", "4", "--sampler", "grid", "--pruner", "none", "--storage", PG_URL,
-                   "--study", name, "--json", home=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        st = optuna.load_study(study_name=name, storage=make_storage(PG_URL))
-        trials = st.get_trials()
-        assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), \
-            [(t.state.name, t.user_attrs.get("reason")) for t in trials]
-        assert sorted(t.params["train.lr"] for t in trials) == [0.001, 0.002, 0.003, 0.004]  # distinct trials
-        assert len({t.user_attrs["slurm_job_id"] for t in trials}) == 4 and st.user_attrs["launcher"] == "slurm"
-        assert len({t.user_attrs["run_id"] for t in trials}) == 4
-    finally:
+    with pg_schema() as runs_url:
         try:
-            optuna.delete_study(study_name=name, storage=make_storage(PG_URL))
-        except KeyError:
-            pass
+            _tune_on_slurm_with_shared_stores(tmp_path, name, base, sets, runs_url)
+            store = RunStore(runs_url)  # both worker jobs' trial runs in the one PostgreSQL run store
+            trials = optuna.load_study(study_name=name, storage=make_storage(PG_URL)).get_trials()
+            assert {t.user_attrs["run_id"] for t in trials} == {r["run_id"] for r in store.runs()}
+            assert {r["status"] for r in store.runs()} == {"completed"} and not (tmp_path / "runs.db").exists()
+            store.close()
+        finally:
+            try:
+                optuna.delete_study(study_name=name, storage=make_storage(PG_URL))
+            except KeyError:
+                pass
+
+
+def _tune_on_slurm_with_shared_stores(tmp_path: Path, name: str, base: Path, sets: list[str], runs_url: str) -> None:
+    """`tune --launcher slurm --workers 2` with the study and the run store on PostgreSQL: 4 distinct trials."""
+    from tuning.study import make_storage
+
+    out = _cli("--runs", runs_url, "tune", str(_space(tmp_path, steps=2)), "--base", str(base), *sets,
+               "--launcher", "slurm", "--workers", "2", "--trials", "4", "--sampler", "grid", "--pruner", "none",
+               "--storage", PG_URL, "--study", name, "--json", home=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    st = optuna.load_study(study_name=name, storage=make_storage(PG_URL))
+    trials = st.get_trials()
+    assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), \
+        [(t.state.name, t.user_attrs.get("reason")) for t in trials]
+    assert sorted(t.params["train.lr"] for t in trials) == [0.001, 0.002, 0.003, 0.004]  # distinct trials
+    assert len({t.user_attrs["slurm_job_id"] for t in trials}) == 4 and st.user_attrs["launcher"] == "slurm"
+    assert len({t.user_attrs["run_id"] for t in trials}) == 4
 
 
 @pytest.mark.xdist_group("dashboard")
@@ -372,3 +495,94 @@ def test_a_stopped_worker_fails_its_trial_with_why(tmp_path):
     (trial,) = study.get_trials()
     assert trial.state == optuna.trial.TrialState.FAIL
     assert trial.user_attrs["reason"].startswith("interrupted: its tuner worker was stopped")
+
+
+def _cluster_processes(base_prefix: str) -> list[str]:
+    """munged/slurmctld/slurmd processes whose command line names a folder starting with `base_prefix`."""
+    left = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            line = " ".join(p.info["cmdline"] or [])
+            if p.info["name"] in ("munged", "slurmctld", "slurmd", "slurmstepd") and base_prefix in line:
+                left.append(f"{p.pid} {line[:120]}")
+        except psutil.Error:
+            continue
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_the_local_cluster_command_prints_how_to_use_it_and_stops_clean(sig):
+    import signal as signal_mod
+
+    if shutil.which("slurmctld") is None or os.geteuid() != 0:
+        pytest.skip("the local cluster needs Slurm installed and root")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.slurm_cluster"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # up to the usage text's last line
+        lines.append(line.rstrip())
+        if line.startswith("Ctrl-C here stops it") or line.startswith("cannot start"):
+            break
+    text = "\n".join(lines)
+    conf = next((ln.split("=", 1)[1] for ln in lines if ln.strip().startswith("export SLURM_CONF=")), None)
+    assert conf and "workbench run examples/tiny.yaml --launcher slurm" in text, text
+    base = str(Path(conf).parent)
+    assert _cluster_processes(base), "the daemons should run"
+    env = {**os.environ, "SLURM_CONF": conf}
+    job = subprocess.run(["sbatch", "--parsable", "--wrap", "sleep 300"], env=env, capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr
+    time.sleep(1.0)
+    proc.send_signal(getattr(signal_mod, sig))
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "stopped: no job, no daemon left" in rest, rest
+    assert _cluster_processes(base) == [] and not Path(base).exists()
+    sleeping = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == ["sleep", "300"]]
+    assert sleeping == []
+
+
+def _losses(store, run_id: str, rank: int) -> list[tuple[int, float]]:
+    return sorted((r.step, r.value) for r in store.metrics(run_id, kind="step", name="loss", rank=rank))
+
+
+@pytest.mark.usefixtures("slurm")
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+@pytest.mark.timeout(600)
+def test_slurms_warning_signal_checkpoints_requeues_and_the_loss_continues(tmp_path):
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    steps = 40
+    cfg = _cfg("parallel.dp=2", "batch.global=4", f"train.steps={steps}")
+    reference = launch(cfg, home=tmp_path / "ref")  # the same run, uninterrupted, on the local launcher
+    ref_store = RunStore.open_home(tmp_path / "ref")
+    done: dict = {}
+    phases: list[str] = []
+    worker = threading.Thread(target=lambda: done.update(result=launch(
+        cfg, home=tmp_path, launcher="slurm", raise_on_failure=False, on_job=lambda s: phases.append(s.phase))))
+    worker.start()
+    store, deadline, run_id = RunStore.open_home(tmp_path), time.time() + 300, None
+    while time.time() < deadline and worker.is_alive():  # Slurm's warning once step 8 has landed
+        runs = store.runs(limit=1)
+        run_id = runs[0]["run_id"] if runs else None
+        latest = store.latest_steps(run_id, n=1) if run_id else []
+        if latest and latest[-1]["step"] >= 8:
+            break
+        time.sleep(0.2)
+    job = store.run(run_id)["summary"]["slurm_job_id"]
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)  # what --signal=USR1@S sends
+    worker.join(timeout=400)
+    result = done["result"]
+    assert result.status == "completed", result.error
+    assert "Restarts=1" in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert phases.count("running") == 2 and "queued" in phases[phases.index("running"):], phases
+    saved = sorted(p.name for p in (tmp_path / "runs" / result.run_id / "checkpoints").iterdir())
+    assert len(saved) == 1 and int(saved[0][4:]) >= 9, saved
+    for rank in (0, 1):
+        got, want = _losses(store, result.run_id, rank), _losses(ref_store, reference.run_id, rank)
+        assert [s for s, _ in got] == list(range(steps))  # every step once: none lost, none repeated
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) <= 1e-6
+    assert _left(tmp_path / "runs" / result.run_id) == []

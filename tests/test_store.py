@@ -17,11 +17,20 @@ from profilers.store import (MIGRATIONS, SCHEMA_VERSION, STORE_FILENAME, RunStor
                              default_home)
 
 
-@pytest.fixture()
-def store(tmp_path: Path) -> RunStore:
-    s = RunStore(tmp_path / "runs.db")
-    yield s
-    s.close()
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> RunStore:
+    """The same tests over both backends (a fresh PostgreSQL schema each; skipped without a server)."""
+    if request.param == "sqlite":
+        s = RunStore(tmp_path / "runs.db")
+        yield s
+        s.close()
+        return
+    from tests.pg_schema import pg_schema
+
+    with pg_schema() as url:
+        s = RunStore(url)
+        yield s
+        s.close()
 
 
 def _rec(run: str, rank: int, step: int, kind: str, name: str, value: float) -> Record:
@@ -54,6 +63,9 @@ def test_round_trip(store: RunStore) -> None:
 
 def test_wal_mode_and_schema_version(store: RunStore, tmp_path: Path) -> None:
     store.create_run("r", name="n", config={}, world_size=1)
+    if store.journal_mode() == "postgresql":
+        assert store.schema_version() == SCHEMA_VERSION
+        return
     assert store.journal_mode() == "wal"
     assert store.schema_version() == SCHEMA_VERSION
     with sqlite3.connect(tmp_path / "runs.db") as raw:
@@ -214,6 +226,8 @@ def test_read_only_folder_gives_store_error() -> None:
 
 
 def test_full_disk_gives_store_error(store: RunStore) -> None:
+    if store.journal_mode() == "postgresql":
+        pytest.skip("SQLite's page limit stands in for a full disk; PostgreSQL has no such knob per session")
     store.create_run("r", name="n", config={}, world_size=1)
     # a page limit makes SQLite fail exactly as on a full disk (SQLITE_FULL)
     store._conn().execute("PRAGMA max_page_count = 20")
@@ -256,3 +270,107 @@ def test_processes_write_concurrently(tmp_path: Path) -> None:
         p.join(60)
         assert p.exitcode == 0
     assert len(RunStore(path).metrics("p")) == 2 * 40 * 3
+
+
+_READERS = [("latest_steps", ("a",), {"n": 3}), ("step_breakdown", ("a", 2), {}), ("breakdown_table", ("a",), {}),
+            ("comm_totals", ("a",), {}), ("wire_totals", ("a",), {}), ("peak_memory", ("a",), {}),
+            ("segments", ("a",), {}), ("run_summary", ("a",), {}), ("compare", (["a"],), {}),
+            ("step_frame", ("a",), {}), ("breakdown_steps", ("a",), {"max_steps": 2}),
+            ("breakdown_ranks", ("a",), {}), ("comm_points", ("a",), {"max_steps": 1}),
+            ("series", ("a", "memory"), {"max_points": 1}), ("series", ("a", "step"), {}),
+            ("memory_peaks", ("a",), {}), ("metrics", ("a",), {"kind": "comm", "as_frame": True})]
+
+
+def _same(a, b) -> bool:
+    import pandas as pd
+
+    if isinstance(a, pd.DataFrame):
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True), check_dtype=False)
+        return True
+    if isinstance(a, list) and a and isinstance(a[0], dict):  # segments: each store stamps its own time
+        return [{k: v for k, v in d.items() if k != "time"} for d in a] == \
+            [{k: v for k, v in d.items() if k != "time"} for d in b]
+    return a == b
+
+
+@pytest.mark.parametrize("reader, args, kwargs", _READERS, ids=[f"{r[0]}-{i}" for i, r in enumerate(_READERS)])
+def test_every_reader_answers_the_same_on_sqlite_and_postgresql(tmp_path: Path, reader, args, kwargs) -> None:
+    from tests.pg_schema import pg_schema
+
+    with pg_schema() as url:
+        answers = []
+        for s in (RunStore(tmp_path / "runs.db"), RunStore(url)):
+            _filled(s)
+            seg = s.add_segment("a", start_step=0, trial_number=1, params={"lr": 0.1})
+            s.end_segment(seg, end_step=4, value=2.5)
+            answers.append(getattr(s, reader)(*args, **kwargs))
+            s.close()
+        assert _same(*answers), answers
+
+
+def _pg_writer(url: str, rank: int) -> None:
+    store = RunStore(url)  # each process opens a fresh schema: creation must happen once, under the lock
+    store.create_run(f"run{rank}", name="n", config={}, world_size=1)
+    for step in range(40):
+        store.write([Record(f"run{rank}", 0, step, "step", "loss", 1.0 / (step + 1), 0.0)] * 3)
+    store.finish_run(f"run{rank}", "completed")
+    store.close()
+
+
+def test_launchers_on_several_nodes_share_one_postgresql_store(tmp_path: Path) -> None:
+    from tests.pg_schema import pg_schema
+
+    with pg_schema() as url:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_pg_writer, args=(url, r)) for r in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+        store = RunStore(url)
+        assert sorted(r["run_id"] for r in store.runs()) == ["run0", "run1", "run2", "run3"]
+        assert all(r["status"] == "completed" for r in store.runs())
+        assert [len(store.metrics(f"run{r}")) for r in range(4)] == [120] * 4
+        assert store.schema_version() == SCHEMA_VERSION
+        import psycopg
+
+        with psycopg.connect(url) as raw:
+            assert raw.execute("SELECT COUNT(*) FROM workbench_schema").fetchone()[0] == 1
+        store.close()
+
+
+def test_workbench_runs_points_every_open_home_at_the_shared_store(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.pg_schema import pg_schema
+
+    with pg_schema() as url:
+        monkeypatch.setenv("WORKBENCH_RUNS", url)
+        store = RunStore.open_home(tmp_path)
+        assert store.journal_mode() == "postgresql" and "runs.db" not in repr(store)
+        store.create_run("x", name="n", config={}, world_size=1)
+        assert RunStore.open_home(tmp_path / "elsewhere").run("x")["name"] == "n"
+        assert not (tmp_path / "runs.db").exists()
+        store.close()
+
+
+def test_a_postgresql_store_of_schema_2_is_migrated_to_take_pruned_runs(tmp_path: Path) -> None:
+    from tests.pg_schema import pg_schema
+
+    with pg_schema() as url:
+        first = RunStore(url)
+        assert first.runs() == []  # opens it: the schema is created
+        first.close()
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as raw:  # the store as schema 2 made it
+            raw.execute("ALTER TABLE runs DROP CONSTRAINT runs_status_check")
+            raw.execute("ALTER TABLE runs ADD CONSTRAINT runs_status_check CHECK "
+                        "(status IN ('running', 'completed', 'failed', 'interrupted'))")
+            raw.execute("UPDATE workbench_schema SET version = 2")
+        store = RunStore(url)
+        assert store.schema_version() == SCHEMA_VERSION
+        store.create_run("r", name="r", config={}, world_size=1)
+        store.finish_run("r", "pruned", error="pruned by the tuner at step 2")
+        assert store.run("r")["status"] == "pruned"
+        store.close()

@@ -61,8 +61,8 @@ def test_four_trial_study_end_to_end(tmp_path):
     study = _study(tmp_path)
     obj = Objective(_base(), SearchSpace.from_dict(SPACE), home=tmp_path, warmup_steps=1)
     run_trials(study, obj, 4)
-    trials = study.get_trials()
-    assert len(trials) == 4
+    trials = [t for t in study.get_trials() if not t.user_attrs.get("skipped")]  # repeats drawn are skipped
+    assert len(trials) == 4 and len({t.user_attrs["config_key"] for t in trials}) == 4  # the 4 configs, once each
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     assert len(done) >= 2  # the median pruner may stop late trials, never the first two
     store = RunStore.open_home(tmp_path)
@@ -83,6 +83,39 @@ def test_invalid_combination_never_launches(tmp_path):
         assert "run_id" not in t.user_attrs
     assert RunStore.open_home(tmp_path).runs() == []
     assert not (tmp_path / "runs").exists()
+
+
+def test_invalid_draws_and_repeats_are_skipped_not_run_and_counted(tmp_path):
+    """--trials N means N trials that ran: an invalid draw (micro 3) or the config of an earlier trial
+    is told PRUNED at once, marked skipped and counted; when no valid, unrun config is left, the loop
+    stops (here after 2 trials: micro 4 x two bucket sizes)."""
+    from engine.errors import ConfigError
+    from tuning.objective import TrialOutcome
+
+    class NoLaunch(Objective):
+        def evaluate(self, trial, cfg=None):  # as Objective.evaluate, without starting processes
+            try:
+                self.config_for(trial)
+            except ConfigError as exc:
+                return TrialOutcome(TrialState.PRUNED, None, f"invalid: {exc}")
+            return TrialOutcome(TrialState.COMPLETE, [float(trial.number)])
+
+    space = SearchSpace.from_dict({"params": {"batch.micro": {"choices": [3, 4]},
+                                              "ddp.bucket_cap_mb": {"choices": [1, 25]}}})
+    study = _study(tmp_path, sampler="random")
+    draws = run_trials(study, NoLaunch(_base(), space, home=tmp_path), 3)
+    trials = study.get_trials()
+    ran = [t for t in trials if not t.user_attrs.get("skipped")]
+    assert [t.state for t in ran] == [TrialState.COMPLETE] * 2, [(t.state, t.params) for t in ran]
+    from tuning.study import MAX_SKIPS_IN_A_ROW
+
+    assert draws.ran == 2
+    assert {t.params["ddp.bucket_cap_mb"] for t in ran} == {1, 25} and {t.params["batch.micro"] for t in ran} == {4}
+    skipped = [t for t in trials if t.user_attrs.get("skipped")]
+    assert draws.gave_up and draws.invalid + draws.repeats == len(skipped) >= MAX_SKIPS_IN_A_ROW
+    assert draws.invalid > 0 and draws.repeats > 0
+    assert all(t.state == TrialState.PRUNED and t.user_attrs["reason"].startswith(("invalid: ", "repeat: "))
+               for t in skipped)
 
 
 def test_a_trial_this_machine_cannot_hold_is_pruned_before_launch(tmp_path):
@@ -202,3 +235,38 @@ def test_live_in_job_study_records_segments(tmp_path):
     for s, t in zip(segs, trials):
         assert lrs[s["start_step"]] == pytest.approx(t.params["train.lr"], rel=1e-6)
 
+
+
+def test_the_median_pruner_ignores_one_noisy_step_and_prunes_a_slow_trial():
+    """Two finished trials ran at ~100 tokens/s. One slow step (60 after 100) is noise: kept. A trial
+    slower at every step (50-52) is pruned. Optuna's MedianPruner cut the noisy one at its step 2."""
+    from tuning.study import make_pruner
+
+    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", warmup_steps=0))
+    for values in ([100.0, 101.0, 99.0, 100.0], [99.0, 100.0, 101.0, 100.0]):
+        t = study.ask()
+        for step, v in enumerate(values, start=1):
+            t.report(v, step)
+        study.tell(t, 100.0)
+
+    def pruned_at(values):
+        t = study.ask()
+        for step, v in enumerate(values, start=1):
+            t.report(v, step)
+            if t.should_prune():
+                study.tell(t, state=TrialState.PRUNED)
+                return step
+        study.tell(t, values[-1])
+        return None
+
+    assert pruned_at([100.0, 60.0, 100.0, 99.0]) is None
+    assert pruned_at([50.0, 52.0, 51.0, 50.0]) == 2
+
+
+def test_example_space_says_how_many_ranks_it_needs():
+    import re
+
+    text = open("examples/space.yaml").read()
+    said = re.search(r"^# .*Needs (\d+) ranks", text, re.M)
+    assert said is not None, text.splitlines()[:3]
+    assert int(said.group(1)) == yaml.safe_load(text)["world_size"]

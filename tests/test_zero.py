@@ -63,16 +63,20 @@ def _no_sync_probe(model, dp_rank: int) -> tuple:
 
 def _peak_step(model, opt, dp_rank: int, stage: int) -> dict:
     """Model state at its peak in one more step, as the engine runs it (ZeRO-2/3 reduce-scatter
-    every micro-batch): params and grads during backward, optimizer states after the step."""
+    every micro-batch, ZeRO-2 keeps parameters gathered between them): params and grads during
+    backward, optimizer states after the step."""
     from engine.memory import ModelStatePeak
     from engine.model import loss_fn
     from engine.parallel.data import no_sync_context
 
+    from engine.parallel.zero import keep_gathered
+
     mbs = micro_batches(_batches()[0], dp_rank=dp_rank, dp=2, micro=MICRO)
+    between = {2: keep_gathered, 3: lambda _: contextlib.nullcontext()}.get(stage, no_sync_context)
     with ModelStatePeak([model]) as peak:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
-            with contextlib.nullcontext() if last or stage >= 2 else no_sync_context(model):
+            with contextlib.nullcontext() if last else between(model):
                 loss_fn(model(mb[:, :-1]), mb[:, 1:]).backward()
         opt.step()
     state = {**peak.peak, "optimizer": measure_model_state(model, opt)["optimizer"]}

@@ -1,5 +1,6 @@
 """Export a trial's config: YAML that `workbench run` runs as is, the torchrun command line, a JSON
-report, a Megatron-LM launch and a DeepSpeed config; the knobs that do not map are listed beside them.
+report, a Megatron-LM launch, a DeepSpeed config, a torchtitan TOML and an accelerate config
+(tuning/export_frameworks.py); the knobs that do not map are listed beside them.
 Each is checked by the tool it names (tests/test_export*.py): torchrun runs it, Megatron-LM's argument
 parser and DeepSpeed's config and scheduler classes accept it."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.config import RunConfig, from_dict
 
-FORMATS = ("yaml", "torchrun", "json", "megatron", "deepspeed")
+FORMATS = ("yaml", "torchrun", "json", "megatron", "deepspeed", "torchtitan", "accelerate")
 
 
 def pick_trial(study: optuna.Study, trial_number: int | None = None) -> FrozenTrial:
@@ -117,7 +118,7 @@ def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
              ("--vocab-size", m.vocab), ("--tokenizer-type", "NullTokenizer")]
     args = [tok for flag, value in pairs
             for tok in (flag, _num(value) if isinstance(value, float) else str(value))]
-    args.append("--mock-data")
+    args += _megatron_data(cfg)
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.virtual > 1:
@@ -136,7 +137,23 @@ def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
     if p.schedule == "gpipe":
         unmapped.append("parallel.schedule=gpipe (Megatron runs 1F1B)")
     unmapped += _comm_unmapped(cfg, "Megatron-LM")
+    if cfg.data.source == "megatron":
+        unmapped.append("data order: Megatron-LM shuffles the documents of --data-path (its GPTDataset index); "
+                        "the workbench reads them in order")
+    elif cfg.data.source in ("tokens", "hf", "files"):
+        unmapped.append(f"data.source={cfg.data.source} (Megatron-LM reads indexed .bin/.idx datasets: convert with "
+                        "its tools/preprocess_data.py; exported with --mock-data)")
     return args, unmapped
+
+
+def _megatron_data(cfg: RunConfig) -> list[str]:
+    """--data-path and --split for a Megatron indexed dataset, else mock data."""
+    d = cfg.data
+    if d.source != "megatron":
+        return ["--mock-data"]
+    val = max(1, round(100 * d.val_fraction))
+    prefix = d.path[:-4] if d.path and d.path.endswith((".bin", ".idx")) else d.path
+    return ["--data-path", str(prefix), "--split", f"{100 - val},{val},0"]
 
 
 def megatron_command(cfg: RunConfig) -> list[str]:
@@ -271,12 +288,15 @@ def report(study: optuna.Study, trial: FrozenTrial, cfg: RunConfig) -> dict[str,
     from profilers.host import software_versions
     from profilers.host import host_info
 
+    from tuning.simulator import model_shape
+
     counts: dict[str, int] = {}
     for t in study.get_trials(deepcopy=False):
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
     return {"study": study.study_name, "trial": trial.number, "values": trial.values, "params": trial.params,
             "metrics": {k: v for k, v in trial.user_attrs.items() if k != "config"},
-            "config": cfg.to_dict(), "trial_counts": counts, "search_space": study.user_attrs.get("space"),
+            "config": cfg.to_dict(), "model_shape": model_shape(cfg.to_dict()), "trial_counts": counts,
+            "search_space": study.user_attrs.get("space"),
             "remeasured": study.user_attrs.get("remeasured"), "hardware": host_info(),
             "software": software_versions()}
 
@@ -301,6 +321,10 @@ def export_trial(study: optuna.Study, trial_number: int | None = None, fmt: str 
         return json.dumps(report(study, trial, cfg), indent=2, default=str) + "\n"
     if fmt == "megatron":
         return megatron_script(cfg)
+    if fmt in ("torchtitan", "accelerate"):
+        from tuning.export_frameworks import accelerate_yaml, torchtitan_toml
+
+        return torchtitan_toml(cfg) if fmt == "torchtitan" else accelerate_yaml(cfg)
     return json.dumps(to_deepspeed(cfg)[0], indent=2) + "\n"
 
 
@@ -311,6 +335,10 @@ def export_notes(study: optuna.Study, trial_number: int | None = None, fmt: str 
         return to_deepspeed(cfg)[1]
     if fmt == "megatron":
         return megatron_args(cfg)[1]
+    if fmt in ("torchtitan", "accelerate"):
+        from tuning.export_frameworks import to_accelerate, to_torchtitan
+
+        return (to_torchtitan if fmt == "torchtitan" else to_accelerate)(cfg)[1]
     return []
 
 

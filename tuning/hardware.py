@@ -61,6 +61,9 @@ class ClusterSpec:
     gemm_max_efficiency: float = 0.8  # achieved/peak of a very large GEMM
     gemm_half_flops: float = 1e9  # GEMM size (FLOPs) reaching half of the max efficiency
     gemm_table: tuple[tuple[float, float], ...] = ()  # measured (GEMM FLOPs, FLOP/s); overrides the curve
+    # attention's max efficiency on the GEMM curve's shape (fitted on long-sequence rows, where attention
+    # dominates); 0 = the GEMM curve's own (attention priced as GEMMs)
+    attention_max_efficiency: float = 0.0
     # measured fused attention (one of its two GEMMs' FLOPs, FLOP/s); empty = attention at the GEMM rate
     attention_table: tuple[tuple[float, float], ...] = ()
     usable_memory_fraction: float = 0.95  # share of memory_gb usable (context, allocator slack)
@@ -112,10 +115,17 @@ class ClusterSpec:
         return self.peak_flops * self.gemm_max_efficiency * x / (x + self.gemm_half_flops)
 
     def attention_rate(self, flops: np.ndarray | float) -> np.ndarray:
-        """Achieved FLOP/s of one attention GEMM (Q K^T or scores x V) of `flops` FLOPs: the
-        measured fused-attention table where there is one (CPU hosts, `tuning.calibration`),
-        else the GEMM rate (GPU presets, fitted with attention priced as GEMMs)."""
-        return table_rate(self.attention_table, flops) if self.attention_table else self.gemm_rate(flops)
+        """Achieved FLOP/s of one attention GEMM (Q K^T or scores x V) of `flops` FLOPs of work done:
+        the measured fused-attention table where there is one (CPU hosts, `tuning.calibration`), else
+        the GEMM curve at `attention_max_efficiency` (GPU presets, fitted on long-sequence rows; a
+        fused kernel's softmax and its backward's recomputation keep it below the GEMMs' rate)."""
+        if self.attention_table:
+            return table_rate(self.attention_table, flops)
+        eff = self.attention_max_efficiency
+        if np.ndim(eff) == 0 and eff == 0:
+            return self.gemm_rate(flops)
+        x = np.maximum(np.asarray(flops, dtype=float), 1.0)
+        return self.peak_flops * eff * x / (x + self.gemm_half_flops)
 
     def measured_link(self, op: str, link: tuple[Any, Any]) -> tuple[Any, Any]:
         """(busbw GB/s, latency s) of `op` ("p2p", "allgather", "reduce_scatter") as a calibrated host
@@ -151,7 +161,7 @@ _A100 = ClusterSpec(
     name="dgx-a100-80gb",
     gpus_per_node=8,
     peak_flops=312e12,  # A100 SXM datasheet: 312 TFLOP/s dense bf16/fp16
-    memory_gb=80.0,  # A100 80GB: 80 GB HBM2e
+    memory_gb=85.9,  # A100 80GB: 80 GiB HBM2e (nvidia-smi: 81920 MiB) = 85.9 GB
     hbm_gb_s=2039.0,  # A100 80GB SXM datasheet: 2,039 GB/s
     # NVLink 3 via NVSwitch: 600 GB/s per GPU bidirectional = 300 GB/s per direction;
     # assumed 80% achievable busbw.
@@ -160,19 +170,21 @@ _A100 = ClusterSpec(
     # DGX A100: 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=22.5,
     inter_latency_s=20e-6,  # assumed IB round through the fat tree
-    # Fitted (tuning.published.fit_cluster) to the three `fitted: true` A100 rows of
-    # tuning/data/published.yaml only (Narayanan 2021 Table 1 1.7B and 1T, MosaicML MPT-7B on 8
-    # GPUs); every other published row is held out (docs/simulator.md, `simulate --validate`).
-    gemm_max_efficiency=0.712,
-    gemm_half_flops=2.17e8,
-    hbm_efficiency=0.387,
+    # Fitted (tuning.sim_fit.fit_cluster) to the five Megatron-LM / FSDP `fitted: true` A100 rows of
+    # tuning/data/published.yaml only (Narayanan 2021 Table 1 1.7B and 1T; MosaicML MPT-7B at 2048
+    # and 65536 tokens, MPT-125M at 2048, on 8 GPUs); every other published row is held out
+    # (docs/simulator.md, `simulate --validate`).
+    gemm_max_efficiency=0.7404,
+    gemm_half_flops=2.966e10,
+    hbm_efficiency=0.5079,
+    attention_max_efficiency=0.3396,
 )
 
 _H100 = ClusterSpec(
     name="dgx-h100",
     gpus_per_node=8,
     peak_flops=989e12,  # H100 SXM datasheet: ~989 TFLOP/s dense bf16
-    memory_gb=80.0,  # H100 SXM: 80 GB HBM3
+    memory_gb=85.5,  # H100 SXM: 80 GB HBM3 (nvidia-smi: 81559 MiB) = 85.5 GB
     hbm_gb_s=3350.0,  # H100 SXM datasheet: 3.35 TB/s
     # NVLink 4: 900 GB/s per GPU bidirectional = 450 per direction; assumed 80%.
     intra_bw_gb_s=360.0,
@@ -180,19 +192,20 @@ _H100 = ClusterSpec(
     # DGX H100: 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=45.0,
     inter_latency_s=20e-6,
-    # Fitted to the two `fitted: true` H100 rows of tuning/data/published.yaml (MosaicML MPT-7B
-    # on 8 and MPT-70B on 64 GPUs) with hbm_efficiency taken from the A100 fit (two rows cannot
-    # fix three parameters); the other H100 rows are held out.
-    gemm_max_efficiency=0.636,
-    gemm_half_flops=1.58e11,
-    hbm_efficiency=0.387,
+    # Fitted to the four `fitted: true` H100 rows of tuning/data/published.yaml (MosaicML MPT-7B at
+    # 2048 and 65536 tokens and MPT-760M on 8 GPUs, MPT-70B on 64) with hbm_efficiency taken from
+    # the A100 fit (too few rows for four parameters); the other H100 rows are held out.
+    gemm_max_efficiency=0.6533,
+    gemm_half_flops=1.548e11,
+    hbm_efficiency=0.5079,
+    attention_max_efficiency=0.1905,
 )
 
 _FRONTIER = ClusterSpec(
     name="frontier",
     gpus_per_node=8,  # 4 MI250X = 8 GCDs per node; one "GPU" here is one GCD
     peak_flops=191.5e12,  # MI250X: 383 TFLOP/s fp16/bf16 per package of 2 GCDs
-    memory_gb=64.0,  # MI250X: 128 GB HBM2e per package = 64 GB per GCD
+    memory_gb=68.7,  # MI250X: 128 GiB HBM2e per package = 64 GiB per GCD = 68.7 GB
     hbm_gb_s=1638.0,  # MI250X: 3.2768 TB/s per package = 1.64 TB/s per GCD
     # Infinity Fabric between GCDs of different packages: 50 GB/s per direction per link
     # (OLCF Frontier user guide); a ring is held to that link; assumed 80%.
@@ -207,10 +220,16 @@ _FRONTIER = ClusterSpec(
 )
 
 # A100 40GB SXM: same GPU and network as the 80GB node (MosaicML's benchmark tables run both on
-# 1600 Gb/s per node); 40 GB HBM2 at 1,555 GB/s (datasheet).
-_A100_40 = dataclasses.replace(_A100, name="dgx-a100-40gb", memory_gb=40.0, hbm_gb_s=1555.0)
+# 1600 Gb/s per node); 40 GiB HBM2 (42.9 GB) at 1,555 GB/s (datasheet).
+_A100_40 = dataclasses.replace(_A100, name="dgx-a100-40gb", memory_gb=42.9, hbm_gb_s=1555.0)  # 40 GiB
 
-PRESETS: dict[str, ClusterSpec] = {c.name: c for c in (_A100, _A100_40, _H100, _FRONTIER)}
+# Jean Zay gpu_p5 (IDRIS), where BigScience searched BLOOM-176B's layout: the same A100 80GB SXM
+# (the GEMM curve fitted on DGX rows), 8 per node on NVLink (assumed switched as in a DGX), and
+# "4 OmniPath links" of 100 Gb/s per node (bigscience train/tr11-176B-ml/README.md, Hardware):
+# 4 x 12.5 GB/s shared by 8 GPUs = 6.25 GB/s per GPU; assumed 90%.
+_JEAN_ZAY = dataclasses.replace(_A100, name="jean-zay-a100", inter_bw_gb_s=5.625)
+
+PRESETS: dict[str, ClusterSpec] = {c.name: c for c in (_A100, _A100_40, _H100, _FRONTIER, _JEAN_ZAY)}
 
 
 # ---------------------------------------------------------------- profile files

@@ -1,6 +1,7 @@
 """The objective: one trial = one real engine run, measured at steady state.
 
-Invalid combinations end at once as PRUNED with the validation reason (no process starts).
+Invalid combinations and repeats of an earlier trial's config are skipped by `screen` (told PRUNED
+with user attribute `skipped`, no process starts; the study loop draws again).
 Intermediate values (tokens/s per step after warm-up) feed the pruner; a pruned trial's ranks
 are stopped. Crash and hang end as FAIL, CUDA out-of-memory as PRUNED with reason "oom"; the
 reason is the trial's user attribute `reason` and the study goes on.
@@ -23,6 +24,18 @@ from tuning.space import SearchSpace
 
 THROUGHPUT = "throughput"
 PARETO = "throughput+val_loss"
+
+
+SKIPPED_ATTR = "skipped"  # trial user attribute: a draw told PRUNED without running (invalid or a repeat)
+KEY_ATTR = "config_key"  # trial user attribute: digest of the trial's full config (finds repeats)
+
+
+def config_key(cfg: RunConfig) -> str:
+    """A digest of the whole config: equal for two trials that would run the same thing."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 @dataclass(slots=True)
@@ -68,11 +81,28 @@ class Objective:
             overrides["train.eval_interval"] = overrides.get("train.steps", self.base.train.steps)
         return replace(self.base, overrides)
 
-    def evaluate(self, trial: optuna.trial.Trial) -> TrialOutcome:
+    def screen(self, trial: optuna.trial.Trial) -> tuple[RunConfig | None, str | None]:
+        """The trial's config, or why the draw is skipped before anything runs: its point is invalid,
+        or its config is the one an earlier trial of the study ran (or runs) and did not fail."""
         try:
             cfg = self.config_for(trial)
         except ConfigError as exc:
-            return self._prune(trial, f"invalid: {exc}")
+            return None, f"invalid: {exc}"
+        key = config_key(cfg)
+        trial.set_user_attr(KEY_ATTR, key)  # first: of two workers drawing one config at once, the earlier trial runs
+        for t in trial.study.get_trials(deepcopy=False):  # a failed trial may be retried: crashes can be transient
+            if (t.number < trial.number and t.state != optuna.trial.TrialState.FAIL
+                    and not t.user_attrs.get(SKIPPED_ATTR) and t.user_attrs.get(KEY_ATTR) == key):
+                return None, f"repeat: the config of trial {t.number}"
+        return cfg, None
+
+    def evaluate(self, trial: optuna.trial.Trial, cfg: RunConfig | None = None) -> TrialOutcome:
+        """Run the trial (`cfg`: its config from `screen`, else derived here)."""
+        if cfg is None:
+            try:
+                cfg = self.config_for(trial)
+            except ConfigError as exc:
+                return self._prune(trial, f"invalid: {exc}")
         trial.set_user_attr("config", cfg.to_dict())
         if self.cluster is not None:  # multi-fidelity: the simulator's figure (raw and corrected) next to the measured one
             from tuning.warmstart import record_prediction

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tuning.hardware import ClusterSpec, load_cluster
+from tuning.hardware import ClusterSpec
 from tuning.sim_context import CP_IMPLS
 from tuning.simulator import (
     RECOMPUTE,
@@ -229,14 +229,19 @@ def best_configs(df: pd.DataFrame, k: int = 10, *, fits_only: bool = True) -> pd
     return pool.nsmallest(k, "iteration_time_s").reset_index(drop=True)
 
 
-def add_uncertainty(df: pd.DataFrame) -> pd.DataFrame:
-    """Add strategy_class, time_lo_s / time_hi_s (measured-time interval from the class's held-out
-    residuals, tuning.published) and overlaps_best: the interval overlaps the best fitting one's,
-    so the data cannot tell the two apart. Returns `df` (columns added in place)."""
-    from tuning.published import interval_fields
+def add_uncertainty(df: pd.DataFrame, *, hardware: str = "", framework: str = "megatron",
+                    params: float = 0.0) -> pd.DataFrame:
+    """Add strategy_class, time_lo_s / time_hi_s (measured-time interval from held-out residuals,
+    widened outside the validated domain: tuning/sim_domain.py), extrapolated (outside the domain of
+    `hardware` / `framework` / the class at this GPU count, micro-batch and model size of `params`)
+    and overlaps_best: the interval overlaps the best fitting one's, so the data cannot tell the two
+    apart. Returns `df` (columns added in place)."""
+    from tuning.sim_domain import interval_fields
 
+    gpus = df["dp"].to_numpy() * df["tp"].to_numpy() * df["pp"].to_numpy() * df.get("cp", pd.Series(1, index=df.index)).to_numpy()
     fields = interval_fields(df["iteration_time_s"].to_numpy(), df["tp"].to_numpy(), df["pp"].to_numpy(),
-                             df["virtual"].to_numpy(), df["zero"].to_numpy())
+                             df["virtual"].to_numpy(), df["zero"].to_numpy(), hardware=hardware, framework=framework,
+                             gpus=gpus, micro=df["micro"].to_numpy(), params=params)
     for key, values in fields.items():
         df[key] = values
     pool = df[df["fits"]]

@@ -1,18 +1,20 @@
 """Context (sequence) parallelism and long-tail batches in the performance simulator (issue 19).
 
-`tuning.simulator.evaluate_arrays` prices a context-parallel degree cp on a model whose rank
+`tuning.sim_core.evaluate_arrays` prices a context-parallel degree cp on a model whose rank
 holds s/cp tokens of every sequence (`local_model`), then corrects what that local view gets
 wrong: attention, whose s^2 work is split over cp but not shrunk by cp^2 (`attention_delta`),
 the attention-score memory (`score_memory_scale`), and the cp communication (`cp_comm_time`).
 
 - Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): four all-to-alls per layer forward (Q, K, V
-  from sequence- to head-sharded, the output back), each of the rank's b s h / (cp t) activation
-  bytes, four in backward; attention runs on a/(t cp) heads over the full sequence, so it needs
-  heads % (tp x cp) == 0.
+  from sequence- to head-sharded, the output back), each of the rank's b s (width) / (cp t)
+  activation bytes, with keys and values at the grouped-query width kv_heads x head_dim, four in
+  backward; attention runs on a/(t cp) heads over the full sequence, so it needs heads and
+  key/value heads % (tp x cp) == 0.
 - Ring (Liu et al. 2023, Ring Attention; Megatron-LM context parallelism): cp - 1 steps, each
-  sending the K and V blocks (2 b s h / (cp t) bytes) to the next rank while the current block's
+  sending the K and V blocks (2 b s kv_width / (cp t) bytes) to the next rank while the current block's
   attention runs (overlapped); backward also sends dK, dV (twice the bytes). Both keep the
-  s x s / cp scores per rank unless attention is fused (`flash_attention`), as without cp.
+  s x s / cp scores per rank unless attention is fused (`flash_attention`), as without cp; a fused
+  causal kernel computes (s + 1) / 2s of the s x s over the whole sequence (load-balanced ring).
 - Gradients are reduced over dp x cp ranks (cp ranks hold the same parameters, as Megatron-LM).
 - `long_tail_batch`: packed rows of variable-length sequences (FlexSP, Wang et al. 2024) cost
   attention E[s^2] / (S E[s]) of a row's S^2 (block-diagonal masks), the GEMMs all S tokens.
@@ -27,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
+from tuning.sim_comm import all_to_all_time
+from tuning.sim_compute import attention_time, causal_factor
+from tuning.sim_spec import CP_IMPLS
 
-CP_IMPLS = ("ulysses", "ring")  # codes 0, 1 in evaluate_arrays' columns
-ULYSSES_A2A_PER_LAYER = 4  # Q, K, V to head-sharded and the output back (Jacobs et al. 2023, fig. 2)
 
 
 def local_model(model: Any, cp: int) -> Any:
@@ -51,60 +54,68 @@ def score_memory_scale(c: dict[str, np.ndarray], cp: int) -> np.ndarray:
 
 def _attention_pair(cl: ClusterSpec, flops: np.ndarray) -> np.ndarray:
     """Q K^T and scores x V of one layer, each `flops`, at the achieved attention rate."""
-    return 2.0 * flops / cl.attention_rate(flops)
+    return 2.0 * attention_time(cl, flops)
 
 
-def attention_delta(local: Any, cl: ClusterSpec, c: dict[str, np.ndarray], cp: int) -> np.ndarray:
+def _causal(model: Any, c: dict[str, np.ndarray], cl: ClusterSpec) -> np.ndarray:
+    """Share of the full s x s a fused causal kernel computes over the whole sequence (1 unfused)."""
+    return causal_factor(model, c, cl)
+
+
+def attention_delta(model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray], cp: int) -> np.ndarray:
     """Forward attention seconds per layer and micro-batch beyond what the local model priced.
 
-    The local model priced two GEMMs of 2 (b/t) (s/cp)^2 h. Ulysses runs them over the full
-    sequence on a/(t cp) heads: cp x bigger GEMMs; ring runs cp blocks of the local size. Both
-    are scaled by the attention density of long-tail batches (1 for one sequence per row).
+    The local model priced two GEMMs of 2 (b/t) (s/cp)^2 (q width), causal over s/cp tokens.
+    Ulysses runs them over the full sequence on a/(t cp) heads: cp x bigger GEMMs; ring runs cp
+    blocks of the local size (load-balanced, so the causal share is the full sequence's). Both are
+    scaled by the attention density of long-tail batches (1 for one sequence per row).
     """
-    block = 2.0 * c["micro"] / c["tp"] * local.seq * local.seq * local.hidden
-    priced = _attention_pair(cl, block)
-    true = np.where(_ring(c), cp * priced, _attention_pair(cl, cp * block))
+    block = 2.0 * c["micro"] / c["tp"] * local.seq * local.seq * local.q_dim
+    priced = _causal(local, c, cl) * _attention_pair(cl, block)
+    causal = _causal(model, c, cl)
+    true = causal * np.where(_ring(c), cp * _attention_pair(cl, block), _attention_pair(cl, cp * block))
     return true * np.asarray(c.get("attn_density", 1.0)) - priced
 
 
-def add_attention(times: dict[str, np.ndarray], local: Any, cl: ClusterSpec, c: dict[str, np.ndarray],
+def add_attention(times: dict[str, np.ndarray], model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray],
                   cp: int) -> dict[str, np.ndarray]:
     """Add `attention_delta` to forward and backward as the simulator prices attention: backward
     2x, fused attention recomputes Q K^T (0.5x), selective and full recomputation replay it."""
-    delta = local.layers / c["pp"] * attention_delta(local, cl, c, cp)
+    delta = local.layers / c["pp"] * attention_delta(model, local, cl, c, cp)
     flash = np.asarray(c.get("flash_attention", False))
     return {**times, "fwd": times["fwd"] + delta,
             "bwd": times["bwd"] + delta * (2.0 + 0.5 * flash + (c["recompute"] >= 1))}
 
 
-def cp_comm_time(local: Any, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
+def cp_comm_time(model: Any, local: Any, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
                  cp: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(exposed context-parallel communication, {fwd, bwd} compute it hides under) per
     micro-batch on one stage, seconds; the hidden part is no window for other traffic.
 
     The cp group's ranks are tp apart (tp innermost, then cp, as Megatron-LM), on the
-    intra-node link while tp x cp ranks fit in a node. Ulysses: 4 all-to-alls forward and 4
-    backward (2 more with full recomputation), not overlapped. Ring: per step a send/recv of
-    K and V (backward: K, V, dK, dV) hidden under that step's block of attention.
+    intra-node link while tp x cp ranks fit in a node. Ulysses: 4 all-to-alls forward (Q, K, V
+    and the output: keys and values at the grouped-query width) and 4 backward (2 more with full
+    recomputation), not overlapped. Ring: per step a send/recv of the K and V blocks (backward:
+    K, V, dK, dV, at the grouped-query width) hidden under that step's block of attention.
     """
-    from tuning.sim_moe import all_to_all_time
-
     if cp == 1:
         zero = np.zeros(np.shape(c["tp"]))
         return zero, {"fwd": zero, "bwd": zero}
     t = c["tp"]
-    shard = c["micro"] * local.seq * local.hidden * c["dtype_bytes"] / t  # b (s/cp) h / t
-    per_layer_a2a = ULYSSES_A2A_PER_LAYER * (2 + (c["recompute"] == 2))
-    ulysses = per_layer_a2a * all_to_all_time(cl, gpus, shard, np.full(np.shape(t), cp), t)
+    tokens = c["micro"] * local.seq * c["dtype_bytes"] / t  # b (s/cp) x dtype / t, per unit of width
+    a2a = (2.0 * all_to_all_time(cl, gpus, tokens * local.q_dim, np.full(np.shape(t), cp), t)
+           + 2.0 * all_to_all_time(cl, gpus, tokens * local.kv_dim, np.full(np.shape(t), cp), t))
+    ulysses = a2a * (2 + (c["recompute"] == 2))
     inside = t * cp <= cl.gpus_per_node
     inter_bw, inter_lat = cl.inter_link(gpus)
     bw, lat = cl.measured_link("p2p", (np.where(inside, cl.intra_bw_gb_s, inter_bw),
                                        np.where(inside, cl.intra_latency_s, inter_lat)))
-    block = np.asarray(c.get("attn_density", 1.0)) * _attention_pair(
-        cl, 2.0 * c["micro"] / t * local.seq * local.seq * local.hidden)
+    block = np.asarray(c.get("attn_density", 1.0)) * _causal(model, c, cl) * _attention_pair(
+        cl, 2.0 * c["micro"] / t * local.seq * local.seq * local.q_dim)
     # backward: each block's 2 GEMMs twice, plus Q K^T again when fused (as `add_attention`)
     bwd_block = (2.0 + 0.5 * np.asarray(c.get("flash_attention", False))) * block
-    send_fwd, send_bwd = lat + 2.0 * shard / (bw * GB), lat + 4.0 * shard / (bw * GB)
+    kv = tokens * local.kv_dim
+    send_fwd, send_bwd = lat + 2.0 * kv / (bw * GB), lat + 4.0 * kv / (bw * GB)
     fwd, bwd = (cp - 1) * np.maximum(send_fwd - block, 0.0), (cp - 1) * np.maximum(send_bwd - bwd_block, 0.0)
     replay = 1 + (c["recompute"] == 2)
     layers, ring = local.layers / c["pp"], _ring(c)
@@ -115,7 +126,7 @@ def cp_comm_time(local: Any, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray
 
 
 def by_degree(evaluate: Callable[..., dict[str, np.ndarray]], model: Any, cluster: ClusterSpec, gpus: int,
-              c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+              c: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
     """`evaluate` once per distinct cp (the local sequence is a scalar of the model), merged
     back into the rows' order (slices, no copies, when each degree's rows are contiguous, as
     `tuning.search` orders them)."""
@@ -130,7 +141,7 @@ def by_degree(evaluate: Callable[..., dict[str, np.ndarray]], model: Any, cluste
         sub = {k: (v[rows] if np.ndim(v) and np.size(v) == n else v) for k, v in c.items()}
         sub["cp"] = np.asarray(int(cp[rows].flat[0]))
         size = np.size(cp[rows])
-        parts.append((rows, {k: np.broadcast_to(v, (size,)) for k, v in evaluate(model, cluster, gpus, sub).items()}))
+        parts.append((rows, {k: np.broadcast_to(v, (size,)) for k, v in evaluate(model, cluster, gpus, sub, **kwargs).items()}))
     if all(isinstance(rows, slice) for rows, _ in parts):
         return {key: np.concatenate([res[key] for _, res in parts]) for key in parts[0][1]}
     out: dict[str, np.ndarray] = {}
@@ -154,6 +165,9 @@ def validate(model: Any, par: Any) -> list[str]:
     if par.cp > 1 and par.cp_impl == "ulysses" and model.heads % (par.tp * par.cp):
         reasons.append(f"parallel.cp_impl='ulysses' needs parallel.tp * parallel.cp = {par.tp} * {par.cp} "
                        f"to divide model.heads={model.heads} (heads are sharded over both)")
+    elif par.cp > 1 and par.cp_impl == "ulysses" and model.kv % (par.tp * par.cp):
+        reasons.append(f"parallel.cp_impl='ulysses' needs parallel.tp * parallel.cp = {par.tp} * {par.cp} "
+                       f"to divide the key/value heads ({model.kv}; grouped-query attention)")
     if not 0 < par.attn_density <= 1:
         reasons.append(f"attn_density={par.attn_density} must be in (0, 1]")
     return reasons
@@ -213,5 +227,5 @@ def flops_delta(model: Any, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nd
     """(executed, model) FLOPs per iteration that long-tail attention removes: (density - 1) x the
     4 s^2 h per layer and sample of the attention core (context parallelism changes no FLOPs)."""
     attn = (np.asarray(c.get("attn_density", 1.0)) - 1.0) * c["global_batch"] * model.layers * 4.0 \
-        * model.seq * model.seq * model.hidden
+        * model.seq * model.seq * model.q_dim
     return attn * (3.0 + (c["recompute"] >= 1)), 3.0 * attn

@@ -1,8 +1,11 @@
 """Mixture-of-Experts terms of the performance simulator (issue 18); pure numpy arithmetic.
 
-`tuning.simulator.evaluate_arrays` calls these when `model.experts > 0`. Every
+`tuning.sim_core.evaluate_arrays` calls these when `model.experts > 0`. Every
 `moe_every`-th block (1-based, blocks moe_every, 2 moe_every, ...: GShard's every other layer
-at 2) replaces its MLP by `experts` expert MLPs of the same shape and a softmax router (h x E).
+at 2) replaces its MLP by `experts` expert MLPs of width `moe_ffn_hidden` (the dense width by
+default; GELU or SwiGLU as the dense MLP), a softmax router (h x E) and, for Qwen-MoE, an
+always-active shared expert of width `shared_ffn_hidden`. Parameter counts come from the model's
+shape (`engine.shapes`, through `ModelSpec.params`).
 
 Sources (docs/simulator.md gives the equations):
 - Routing, capacity C = capacity_factor x k x tokens / E, buffers padded to C: Lepikhin et al.
@@ -21,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
+from tuning.sim_comm import all_to_all_time
+from tuning.sim_memory import memory
+from tuning.sim_zero import dp_comm
 
 A2A_PER_LAYER = 4  # dispatch + combine in forward, their gradients in backward (GShard, DeepSpeed-MoE)
 # Assumed wire-byte ratio of comm.moe_compression=lsh (LSH-MoE centroids instead of tokens): the
@@ -33,18 +39,14 @@ def moe_layer_count(layers: int, experts: int, moe_every: int) -> int:
     return layers // max(moe_every, 1) if experts > 0 else 0
 
 
-def expert_params(hidden: int) -> float:
-    """One expert = the dense MLP it replaces: 8 h^2 + 5 h (Narayanan et al. 2021 count)."""
-    return 8.0 * hidden * hidden + 5.0 * hidden
+def mlp_params(m: Any, width: int) -> float:
+    """One MLP of `width` as the model builds it (GELU: 2 matrices, SwiGLU: 3; biases if the model has them)."""
+    return float(m.shape.mlp_params(width)) if width else 0.0
 
 
-def param_counts(*, layers: int, hidden: int, experts: int, moe_every: int, top_k: int) -> dict[str, float]:
-    """Parameters the MoE blocks add to the dense count: every expert (total) and the top_k
-    experts a token passes through (active); both include the routers (h x E per MoE block)."""
-    n = moe_layer_count(layers, experts, moe_every)
-    router = n * hidden * experts
-    return {"moe_layers": n, "total": router + n * (experts - 1) * expert_params(hidden),
-            "active": router + n * (min(top_k, experts) - 1) * expert_params(hidden)}
+def _mlp_flops_per_token(m: Any, width: int) -> float:
+    """Forward FLOPs of one MLP of `width` per token: 2 x its matrices x h x width."""
+    return 2.0 * m.mlp_mats * m.hidden * width
 
 
 def load_factor(capacity_factor: float, imbalance: Any, padded: Any) -> np.ndarray:
@@ -58,29 +60,6 @@ def load_factor(capacity_factor: float, imbalance: Any, padded: Any) -> np.ndarr
     if capacity_factor <= 0:
         return imb
     return np.where(padded, capacity_factor, np.minimum(imb, capacity_factor))
-
-
-def all_to_all_time(cl: ClusterSpec, gpus: int, nbytes: np.ndarray, n: np.ndarray, stride: np.ndarray,
-                    hierarchical: Any = False) -> np.ndarray:
-    """One all_to_all of `nbytes` per rank in a group of n ranks `stride` apart, seconds.
-
-    Flat: (n-1) alpha + bytes (n-1)/n / busbw (nccl-tests factor; one message per peer), on the
-    intra-node link when the group's n x stride ranks fit in a node, else on each rank's NIC.
-    Hierarchical (DeepSpeed-MoE, SE-MoE): an all_to_all among the r ranks of the group inside a
-    node, then one among the n/r nodes: (r-1) alpha_intra + bytes (r-1)/r / intra + (N-1)
-    alpha_inter + bytes (N-1)/N / NIC. A group of one costs nothing.
-    """
-    n = np.asarray(n)
-    inter_bw, inter_lat = cl.inter_link(gpus)
-    inside = n * stride <= cl.gpus_per_node
-    frac = (n - 1) / np.maximum(n, 1)
-    flat = np.where(inside, (n - 1) * cl.intra_latency_s + nbytes * frac / (cl.intra_bw_gb_s * GB),
-                    (n - 1) * inter_lat + nbytes * frac / (inter_bw * GB))
-    r = np.clip(cl.gpus_per_node // np.maximum(stride, 1), 1, n)  # group ranks per node
-    nodes = np.maximum(n // r, 1)
-    hier = ((r - 1) * cl.intra_latency_s + nbytes * (r - 1) / r / (cl.intra_bw_gb_s * GB)
-            + (nodes - 1) * inter_lat + nbytes * (nodes - 1) / nodes / (inter_bw * GB))
-    return np.where(n > 1, np.where(np.asarray(hierarchical) & ~inside, hier, flat), 0.0)
 
 
 def _rows(m: Any, c: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -113,44 +92,58 @@ def _gemm_time(cl: ClusterSpec, flops: np.ndarray) -> np.ndarray:
     return flops / cl.gemm_rate(flops)
 
 
+def _mlp_time(m: Any, cl: ClusterSpec, tokens: np.ndarray, width: float, t: np.ndarray) -> np.ndarray:
+    """Forward seconds of one MLP of `width` over `tokens` on a tp rank: its matrices' GEMMs."""
+    if not width:
+        return np.zeros(np.shape(tokens))
+    one = 2.0 * tokens * m.hidden * width / t
+    return m.mlp_mats * _gemm_time(cl, one)
+
+
 def expert_compute_delta(m: Any, cl: ClusterSpec, c: dict[str, np.ndarray]) -> np.ndarray:
     """Forward seconds one MoE block adds over the dense block, per micro-batch on one rank.
 
-    Removes the dense MLP's two GEMMs (8 b s h^2 / t each); adds the router (2 b s h E / t) and,
-    for each of the E/ep local experts, two GEMMs over its load x ep x k x b s / E tokens (the
-    expert GEMMs are smaller than the dense one, so they run at a lower rate; ep makes them larger).
+    Removes the dense MLP's GEMMs; adds the router (2 b s h E / t), the shared expert over every
+    token and, for each of the E/ep local experts, its GEMMs over its load x ep x k x b s / E tokens
+    (the expert GEMMs are smaller than the dense one, so they run at a lower rate; ep makes them larger).
     """
     r = _rows(m, c)
     h, t, e = m.hidden, c["tp"], m.experts
-    dense = 8.0 * r["tokens"] * h * h / t
-    per_expert = 8.0 * r["load"] * r["ep"] * r["k"] * r["tokens"] / e * h * h / t
+    per_expert = r["load"] * r["ep"] * r["k"] * r["tokens"] / e
     router = 2.0 * r["tokens"] * h * e / t
-    return (e / r["ep"]) * 2.0 * _gemm_time(cl, per_expert) + _gemm_time(cl, router) - 2.0 * _gemm_time(cl, dense)
+    return ((e / r["ep"]) * _mlp_time(m, cl, per_expert, m.expert_ffn, t) + _gemm_time(cl, router)
+            + _mlp_time(m, cl, r["tokens"], m.shared_ffn_hidden, t) - _mlp_time(m, cl, r["tokens"], m.ffn, t))
 
 
 def activation_delta(m: Any, c: dict[str, np.ndarray]) -> np.ndarray:
     """Bytes per MoE block and micro-batch over the dense block (16-bit basis x dtype / 2):
-    the expert intermediates are load x k x the dense MLP's 16 sbh / t, plus the dispatched and
-    combined token buffers, 2 x 2 load k sbh / t (Korthikanti et al. 2022's MLP terms)."""
+    the expert intermediates are load x k x an expert MLP's 4 f / h sbh / t (8 f / h gated; the
+    dense GELU MLP's 16 sbh / t at f = 4h), the shared expert's over every token, less the dense
+    MLP's, plus the dispatched and combined token buffers, 2 x 2 load k sbh / t (Korthikanti et
+    al. 2022's MLP terms)."""
     r = _rows(m, c)
     sbh = r["tokens"] * m.hidden * c["dtype_bytes"] / 2.0
     lk = r["load"] * r["k"]
-    return sbh * ((lk - 1.0) * 16.0 + 4.0 * lk) / c["tp"]
+    per_width = (8.0 if m.gated_mlp else 4.0) / m.hidden
+    inside = per_width * (lk * m.expert_ffn + m.shared_ffn_hidden - m.ffn)
+    return sbh * (inside + 4.0 * lk) / c["tp"]
 
 
 def stage_params(m: Any, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(dense change, expert parameters) per GPU of a stage: the MoE blocks drop their dense MLP
-    (/t) and add a router (h x E, replicated); each rank holds E/ep experts of them (/t)."""
+    (/t) and add a router (h x E, replicated) and the shared expert (/t); each rank holds E/ep
+    experts of them (/t)."""
     n = moe_layer_count(m.layers, m.experts, m.moe_every) / c["pp"]
-    mlp = expert_params(m.hidden)
-    return n * (m.hidden * m.experts - mlp / c["tp"]), n * (m.experts / np.asarray(c.get("ep", 1))) * mlp / c["tp"]
+    shared = mlp_params(m, m.shared_ffn_hidden) + (m.hidden if m.shared_ffn_hidden else 0)
+    dense = n * (m.hidden * m.experts + (shared - mlp_params(m, m.ffn)) / c["tp"])
+    return dense, n * (m.experts / np.asarray(c.get("ep", 1))) * mlp_params(m, m.expert_ffn) / c["tp"]
 
 
 def expert_states(psi_e: np.ndarray, c: dict[str, np.ndarray], group: np.ndarray) -> dict[str, np.ndarray]:
     """Bytes of the expert weights, gradients and optimizer states per GPU; ZeRO shards them over
     the `group` ranks that hold the same experts (dp x cp / ep), as Rajbhandari et al. 2020."""
     zero, db = c["zero"], c["dtype_bytes"]
-    opt_bytes = np.where(db == 4, 8.0, 12.0)  # the simulator's rule for dense states (_memory)
+    opt_bytes = np.where(db == 4, 8.0, 12.0)  # the simulator's rule for dense states (sim_zero.state_bytes)
     reshard = np.asarray(c.get("reshard_after_forward", True))
     return {"params": psi_e * db / np.where((zero >= 3) & reshard, group, 1),
             "grads": psi_e * db / np.where(zero >= 2, group, 1),
@@ -160,17 +153,20 @@ def expert_states(psi_e: np.ndarray, c: dict[str, np.ndarray], group: np.ndarray
 def flops_delta(m: Any, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(executed, model) FLOPs per iteration the MoE blocks add over the dense model.
 
-    Per token and MoE block, forward: router 2 h E and k experts of 16 h^2 instead of one MLP;
-    executed FLOPs count the padding to capacity (padded buffers: capacity_factor x k experts),
-    model FLOPs (MFU) the k experts only. Backward 2x; full recomputation one more forward.
+    Per token and MoE block, forward: router 2 h E, k experts (2 x matrices x h x expert width each;
+    16 h^2 for a GELU MLP of 4h) and the shared expert instead of one dense MLP; executed FLOPs count
+    the padding to capacity (padded buffers: capacity_factor x k experts), model FLOPs (MFU) the k
+    experts only. Backward 2x; full recomputation one more forward.
     """
     n = moe_layer_count(m.layers, m.experts, m.moe_every)
     k, h = min(m.top_k, m.experts), m.hidden
     padded = np.asarray(c.get("moe_padded", True)) & (m.capacity_factor > 0)
     exec_k = np.where(padded, m.capacity_factor * k, k)
     tokens = c["global_batch"] * m.seq
-    fwd_exec = n * tokens * (2.0 * h * m.experts + (exec_k - 1.0) * 16.0 * h * h)
-    fwd_model = n * tokens * (2.0 * h * m.experts + (k - 1.0) * 16.0 * h * h)
+    expert, dense = _mlp_flops_per_token(m, m.expert_ffn), _mlp_flops_per_token(m, m.ffn)
+    fixed = 2.0 * h * m.experts + _mlp_flops_per_token(m, m.shared_ffn_hidden) - dense
+    fwd_exec = n * tokens * (fixed + exec_k * expert)
+    fwd_model = n * tokens * (fixed + k * expert)
     return fwd_exec * (3.0 + (c["recompute"] == 2)), 3.0 * fwd_model
 
 
@@ -203,24 +199,23 @@ def validate(m: Any, par: Any) -> list[str]:
 
 
 def dp_and_memory(model: Any, local: Any, cl: ClusterSpec, gpus: int, cg: dict[str, np.ndarray], psi: np.ndarray,
-                  act: dict[str, np.ndarray], times: dict[str, np.ndarray]) -> tuple[dict, dict, np.ndarray]:
+                  act: dict[str, np.ndarray], times: dict[str, np.ndarray],
+                  frameworks: Any = None) -> tuple[dict, dict, np.ndarray]:
     """Data-parallel traffic, memory and optimizer parameters of an MoE stage.
 
     Dense parameters (with the routers) are reduced and ZeRO-sharded over the dp x cp ranks of
     `cg`; expert parameters over the dp x cp / ep ranks holding the same experts (tp x ep apart).
     The two gradient streams share the backward window in proportion to their bytes.
-    Returns (dp {total, exposed}, memory as `simulator._memory`, parameters the optimizer steps).
+    Returns (dp {total, exposed}, memory as `sim_memory.memory`, parameters the optimizer steps).
     """
-    from tuning.simulator import _dp_comm, _memory  # the dense rules, shared on purpose
-
     dense_delta, psi_e = stage_params(model, cg)
     psi_d = psi + dense_delta
     ep = np.asarray(cg.get("ep", 1))
     ce = {**cg, "dp": cg["dp"] // ep, "tp": cg["tp"] * ep}
     share = psi_d / (psi_d + psi_e)
-    dense = _dp_comm(model, cl, gpus, cg, psi_d, {k: w * share for k, w in times.items()})
-    expert = _dp_comm(model, cl, gpus, ce, psi_e, {k: w * (1.0 - share) for k, w in times.items()})
-    mem = dict(_memory(local, cl, cg, psi_d, act))
+    dense = dp_comm(model, cl, gpus, cg, psi_d, {k: w * share for k, w in times.items()}, frameworks)
+    expert = dp_comm(model, cl, gpus, ce, psi_e, {k: w * (1.0 - share) for k, w in times.items()}, frameworks)
+    mem = dict(memory(local, cl, cg, psi_d, act, frameworks))
     for key, value in expert_states(psi_e, cg, ce["dp"]).items():
         mem[key] = mem[key] + value
     mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]

@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from tuning.sim_spec import SCHEDULES
+
 if TYPE_CHECKING:  # torch's pipelining costs ~4 s to import: only a walk needs it, not every simulate
-    from torch.distributed.pipelining.schedules import _Action
+    from engine.torch_compat import _Action
 
 
 def _action(name: str) -> _Action:
     """torch's action from its recorded string form ("0F1")."""
-    from torch.distributed.pipelining.schedules import _Action
+    from engine.torch_compat import _Action
 
     return _Action.from_str(name)
 
@@ -295,10 +297,8 @@ def _ready_time(action: _Action, done: dict, hop: Callable, stage_rank: dict[int
 
 
 def schedule_bubble(codes: Any, pp: Any, m: Any, virtual: Any, layers: int, skip_ratio: Any = 0.0) -> np.ndarray:
-    """`bubble_ratio` for arrays of configurations (schedule codes index tuning.simulator.SCHEDULES),
+    """`bubble_ratio` for arrays of configurations (schedule codes index tuning.sim_spec.SCHEDULES),
     walked once per distinct (schedule, pp, m, v, skip_ratio)."""
-    from tuning.simulator import SCHEDULES
-
     cols = np.broadcast_arrays(np.asarray(codes), np.asarray(pp), np.asarray(m), np.asarray(virtual),
                                np.asarray(skip_ratio, dtype=float))
     ints = [np.ravel(a).astype(np.int64) for a in cols[:4]]
@@ -402,7 +402,8 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
                        virtual: int = 1, layers: int | None = None, cores: float | None = None,
                        background: float = 0.0, rng: random.Random | None = None,
                        draw_host: bool = False, sends: bool = True, per_rank: bool = True,
-                       per_kind: bool = True, overlap: bool = True, draw_p2p: bool = True) -> Timeline:
+                       per_kind: bool = True, overlap: bool = True, draw_p2p: bool = True,
+                       priced_from: dict[int, dict[str, Any]] | None = None) -> Timeline:
     """The walk of the schedule's planned action list (SkipPipe: the step's recorded paths) priced
     with the costs `calibrate` reads off the recorded `step`; `cores` / `background` as in `Costs`;
     with `rng`, every action's work is one draw from the step's recorded ones of its (stage, kind),
@@ -414,7 +415,9 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
     action, and `overlap=False` (the form before 2026-11-24's last change, with `draw_p2p=False`)
     runs the host work before an action only once its inputs are in, at one mean p2p delay. The
     default (ours) runs it while the inputs are in flight (`Costs.host_overlaps_wait`), and with
-    `rng` each input's delay is one draw from the step's recorded ones (`draw_p2p`)."""
+    `rng` each input's delay is one draw from the step's recorded ones (`draw_p2p`). `priced_from`:
+    read the prices off this other recorded step instead (out of sample: calibrate on one run,
+    predict the next); SkipPipe's paths still come from `step` (they are drawn before it runs)."""
     from engine.parallel import schedules
     from engine.parallel.skippipe import skip_actions
 
@@ -428,8 +431,10 @@ def predicted_timeline(step: dict[int, dict[str, Any]], *, schedule: str, pp: in
         stage_rank = schedules.stage_to_rank(schedule, pp, pp * v)
     paths = paths if schedule == "skip" else None
     comms = schedules.with_comms(actions, stage_rank) if schedule != "skip" and sends else None
-    cal = calibrate(step, stage_rank=stage_rank, paths=paths, cores=cores, background=background, comms=comms,
-                    per_rank=per_rank, per_kind=per_kind, overlap=overlap)
+    priced = priced_from or step
+    priced_paths = next((row["paths"] for row in priced.values() if row["paths"]), None) if paths else None
+    cal = calibrate(priced, stage_rank=stage_rank, paths=priced_paths, cores=cores, background=background,
+                    comms=comms, per_rank=per_rank, per_kind=per_kind, overlap=overlap)
     return walk({i: actions[i] for i in sorted(actions)}, stage_rank=stage_rank, cost=lambda a: cal.cost(a, rng),
                 paths=paths, costs=cal.costs, rng=rng if draw_host else None, comms=comms,
                 draw_p2p=rng if draw_p2p else None)

@@ -10,6 +10,7 @@ params:
   comm.density: {low: 0.001, high: 0.1, log: true, when: {comm.compressor: [topk, randk]}}
   comm.rank: {low: 1, high: 8, when: {comm.compressor: [powersgd]}}
 fixed: {train.steps: 8}            # applied to every trial
+base: tiny.yaml                    # optional: the run config it modifies, next to this file (--base wins)
 ```
 Pipeline schedules are searchable like any key (`SCHEDULE_PARAMS` below is a ready-made set):
 `parallel.schedule`, `parallel.virtual` when the schedule takes virtual stages, and
@@ -105,25 +106,38 @@ class SearchSpace:
     fixed: dict[str, Any] = field(default_factory=dict)
     world_size: int | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    base: str | None = None  # the run config the space modifies (`base:`, relative to the space file); --base wins
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> SearchSpace:
         """From a YAML file path or YAML text."""
+        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and Path(source).is_dir()):
+            if Path(source).is_dir():
+                raise ConfigError("space", str(source), "is a folder; give a search space YAML file in it, "
+                                  "e.g. examples/space.yaml")
+            if not Path(source).is_file():
+                raise ConfigError("space", str(source), "file not found")
         text = Path(source).read_text() if isinstance(source, Path) or (
             isinstance(source, str) and "\n" not in source and Path(source).is_file()) else str(source)
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError("space", str(source)[:60], f"is not valid YAML: {exc}".replace("\n", " ")) from None
-        return cls.from_dict(data)
+        space = cls.from_dict(data)
+        if space.base is not None and isinstance(source, (str, Path)) and "\n" not in str(source):
+            space.base = str(Path(source).parent / space.base)  # next to the space file, wherever tune runs
+        return space
 
     @classmethod
     def from_dict(cls, data: Any) -> SearchSpace:
         if not isinstance(data, dict):
             raise ConfigError("space", data, "must be a mapping with 'params'")
-        unknown = set(data) - {"params", "fixed", "world_size"}
+        unknown = set(data) - {"params", "fixed", "world_size", "base"}
         if unknown:
-            raise ConfigError(f"space.{sorted(unknown)[0]}", "…", "unknown key; known: params, fixed, world_size")
+            raise ConfigError(f"space.{sorted(unknown)[0]}", "…", "unknown key; known: params, fixed, world_size, base")
+        base = data.get("base")
+        if base is not None and not isinstance(base, str):
+            raise ConfigError("space.base", base, "must be the path of a run config YAML (relative to the space file)")
         world = data.get("world_size")
         if world is not None and (not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD_SIZE):
             raise ConfigError("space.world_size", world, f"must be a positive integer <= {MAX_WORLD_SIZE}")
@@ -137,7 +151,7 @@ class SearchSpace:
         fixed = data.get("fixed") or {}
         if not isinstance(fixed, dict):
             raise ConfigError("space.fixed", fixed, "must be a mapping of config keys to values")
-        space = cls(params=params, fixed=dict(fixed), world_size=world, raw=data)
+        space = cls(params=params, fixed=dict(fixed), world_size=world, raw=data, base=base)
         space._check_keys()
         return space
 
@@ -207,7 +221,8 @@ class SearchSpace:
             values = p.choices if p.choices is not None else [p.low, p.high]
             for where, value in zip(_value_names(p), values):
                 error = _own_error(base, self.fixed, p.key, value)
-                if error is not None and _own_error(RunConfig(), {}, p.key, value) is not None:
+                if (error is not None and _own_error(RunConfig(), {}, p.key, value) is not None
+                        and self._wrong_wherever_it_applies(base, p, value)):
                     allowed = "" if p.choices is None else f" (choices were {', '.join(map(str, p.choices))})"
                     raise ConfigError(where, value, f"is not a valid {p.key}: {error.rule}{allowed}")
         tried, first = 0, None
@@ -224,6 +239,22 @@ class SearchSpace:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise ConfigError("space", point, f"no point of the space gives a valid config on the base config "
                               f"({tried} tried); this one breaks {errors[0]}{more}")
+
+    def _wrong_wherever_it_applies(self, base: RunConfig, p: Param, value: Any, limit: int = 64) -> bool:
+        """True when `p.key=value` earns an error naming p.key at every probed point where p applies
+        (its `when` holds): a conditional value is judged with the values it comes with."""
+        if not p.when:
+            return True
+        for point in _probe_points(self.params, limit):
+            if p.key not in point:
+                continue
+            try:
+                overrides = self.to_overrides({**point, p.key: value}, base)
+            except ConfigError:
+                continue
+            if _own_error(base, overrides, p.key, value) is None:
+                return False
+        return True
 
     def live_only(self) -> bool:
         return all(p.key in LIVE_KEYS for p in self.params)

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from engine.config import RunConfig
 from profilers.store import default_home
-from tuning.objective import PARETO, THROUGHPUT, Objective
+from tuning.objective import PARETO, THROUGHPUT, Objective, TrialOutcome
 from tuning.space import SearchSpace
 
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
@@ -206,8 +206,10 @@ def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
 
 
 def make_pruner(name: str, warmup_steps: int) -> optuna.pruners.BasePruner:
-    if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=warmup_steps + 1)
+    if name == "median":  # Optuna's rule, but only on differences beyond the trial's own step noise
+        from tuning.pruner import NoiseAwareMedianPruner
+
+        return NoiseAwareMedianPruner(n_startup_trials=2, n_warmup_steps=warmup_steps + 1)
     if name == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=warmup_steps + 1)
     return optuna.pruners.NopPruner()
@@ -279,11 +281,12 @@ class StudySummary:
     best_params: dict[str, Any] | None = None
     best_trial: int | None = None
     confirmed_best: int | None = None
+    skipped: int = 0  # draws not run: invalid points and repeats of an earlier trial's config
 
     def to_dict(self) -> dict[str, Any]:
         return {"study": self.study_name, "storage": self.storage, "counts": self.counts,
                 "best_value": self.best_value, "best_params": self.best_params, "best_trial": self.best_trial,
-                "confirmed_best": self.confirmed_best}
+                "confirmed_best": self.confirmed_best, "skipped": self.skipped}
 
 
 def enqueue_grid(study: optuna.Study, space: SearchSpace) -> int:
@@ -296,32 +299,82 @@ def enqueue_grid(study: optuna.Study, space: SearchSpace) -> int:
     return len(combos)
 
 
+@dataclass(slots=True)
+class Draws:
+    """What a worker's loop did: trials run, and draws skipped unrun (invalid points, repeated configs)."""
+
+    ran: int = 0
+    invalid: int = 0
+    repeats: int = 0
+    gave_up: bool = False  # MAX_SKIPS_IN_A_ROW draws in a row were skipped
+
+    @property
+    def skipped(self) -> int:
+        return self.invalid + self.repeats
+
+
+MAX_SKIPS_IN_A_ROW = 50  # a space with fewer valid, unrun configs than --trials ends here
+
+
+def _skip(study: optuna.Study, trial: optuna.trial.Trial, why: str, draws: Draws, emit: Event) -> None:
+    """Tell a draw that is not run: PRUNED, with why; the sampler learns to avoid its region."""
+    from tuning.objective import SKIPPED_ATTR
+
+    try:
+        trial.set_user_attr("reason", why)
+        trial.set_user_attr(SKIPPED_ATTR, True)
+    except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale by another worker meanwhile
+        pass
+    study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+    if why.startswith("repeat"):
+        draws.repeats += 1
+    else:
+        draws.invalid += 1
+    emit("trial_skipped", {"number": trial.number, "reason": why})
+
+
 def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, timeout_s: float | None = None,
                on_event: Event | None = None, stop_when: Callable[[], bool] | None = None,
-               before_trial: Callable[[], None] | None = None) -> None:
-    """This worker's share of the study: n_trials asked and told, one after another."""
+               before_trial: Callable[[], None] | None = None) -> Draws:
+    """This worker's share of the study: n_trials run, one after another. A draw that `objective.screen`
+    skips (an invalid point, or the config of an earlier trial) is told at once and not counted."""
     import time
 
     started = time.time()
     emit = on_event or (lambda *_: None)
-    for _ in range(n_trials):
+    screen = getattr(objective, "screen", None)
+    draws, in_a_row = Draws(), 0
+    while draws.ran < n_trials:
         if timeout_s is not None and time.time() - started > timeout_s:
             break
         if stop_when is not None and stop_when():
+            break
+        if in_a_row >= MAX_SKIPS_IN_A_ROW:
+            draws.gave_up = True
             break
         if before_trial is not None:
             before_trial()
         _name_stale_trials(study)
         optuna.storages.fail_stale_trials(study)
         trial = study.ask()
-        emit("trial_start", {"number": trial.number, "params": trial.params})
+        # heartbeats from the ask on: a worker killed while screening leaves a trial others can fail as stale
         with _Heartbeat(study, trial, study._storage.get_heartbeat_interval() or HEARTBEAT_S):
+            cfg, why = screen(trial) if screen is not None else (None, None)
+            if why is not None:
+                _skip(study, trial, why, draws, emit)
+                in_a_row += 1
+                continue
+            in_a_row = 0
+            draws.ran += 1
+            emit("trial_start", {"number": trial.number, "params": trial.params})
             try:
-                outcome = objective.evaluate(trial)
+                outcome = objective.evaluate(trial, cfg) if cfg is not None else objective.evaluate(trial)
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM of a cancelled worker job: the trial ends with why
                 trial.set_user_attr("reason", "interrupted: its tuner worker was stopped (Ctrl-C, SIGTERM or scancel)")
                 study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
                 raise
+            except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale meanwhile (see below)
+                outcome = TrialOutcome(TrialState.FAIL, None, "failed as stale by another worker while it ran")
         # skip_if_finished: a worker stalled past the heartbeat grace (a loaded machine) may find its
         # trial already failed as stale by another worker; it goes on to the next trial, not crash
         if outcome.state == TrialState.COMPLETE:
@@ -330,6 +383,7 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
             study.tell(trial, state=outcome.state, skip_if_finished=True)
         emit("trial_end", {"number": trial.number, "state": outcome.state.name, "values": outcome.values,
                            "reason": outcome.reason})
+    return draws
 
 
 def _name_stale_trials(study: optuna.Study, now: float | None = None) -> list[int]:
@@ -385,10 +439,18 @@ def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats:
 
 
 def summarize(study: optuna.Study, storage: str) -> StudySummary:
+    """Counts per state of the trials that ran (skipped draws counted apart) and the best."""
+    from tuning.objective import SKIPPED_ATTR
+
     counts: dict[str, int] = {}
+    skipped = 0
     for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get(SKIPPED_ATTR):
+            skipped += 1
+            continue
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
-    summary = StudySummary(study.study_name, storage, counts, confirmed_best=study.user_attrs.get("confirmed_best"))
+    summary = StudySummary(study.study_name, storage, counts, confirmed_best=study.user_attrs.get("confirmed_best"),
+                           skipped=skipped)
     if counts.get("COMPLETE"):
         if len(study.directions) == 1:
             best = study.best_trial

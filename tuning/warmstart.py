@@ -2,9 +2,12 @@
 
 `enqueue_simulated` puts the simulator's top-k configs for this machine at the front of a real
 study; `predicted_tokens_per_s` is recorded next to the measured value of every trial. As trials
-finish, `refit_correction` learns a measured/predicted factor per (strategy class, compressor),
-`prediction_trend` shows the prediction error falling over the study (each trial corrected with the
-trials before it) and `rerank_simulated` re-ranks the space with the correction.
+finish, `refit_correction` learns a measured/predicted factor per (strategy class, compressor) and,
+for the order within them, weights on the layout's knobs (micro-batch, accumulation, tp, pp, dp)
+fitted on the pairwise differences of finished trials (`fit_order`); `prediction_trend` shows the
+prediction error falling over the study (each trial corrected with the trials before it),
+`prediction_order` the predicted vs measured order of finished trials (raw and corrected, each trial
+corrected without its own measurement), and `rerank_simulated` re-ranks the space with the correction.
 """
 from __future__ import annotations
 
@@ -84,6 +87,9 @@ def enqueue_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, 
 # ---------------------------------------------------------------- learning from finished trials
 
 SHRINK_ROWS = 1.0  # each level's correction counts its parent's as this many trials (shrinkage)
+ORDER_FEATURES = ("micro", "accum", "tp", "pp", "dp")  # log2 of each: the knobs that order trials within a cell
+ORDER_RIDGE = 1.0  # ridge weight per trial on the order weights (shrinks them toward 0 with few trials)
+MIN_ORDER_TRIALS = 3  # finished trials before any order weight is learnt
 
 
 @dataclass(frozen=True)
@@ -91,11 +97,14 @@ class Correction:
     """Factors measured/predicted tokens/s learnt from finished trials, at three levels: per
     (strategy class, compressor) cell, per strategy class and overall. `factor` uses the most
     specific level that has trials (a cell never tried backs off to its class, a class never tried
-    to the overall factor; 1 before any trial)."""
+    to the overall factor; 1 before any trial), times exp(sum w_k (x_k - center_k)) over the order
+    features when they are given (`fit_order`)."""
 
     overall: float = 1.0
     classes: dict[str, float] = field(default_factory=dict)
     cells: dict[tuple[str, str], float] = field(default_factory=dict)
+    order: dict[str, float] = field(default_factory=dict)  # log factor per log2 unit of each feature
+    center: dict[str, float] = field(default_factory=dict)  # the features' mean over the trials fitted on
 
     def level(self, cls: str, compressor: str) -> str:
         """Which factor applies: "cell", "class", "overall" or "none" (no trial yet)."""
@@ -103,9 +112,13 @@ class Correction:
             return "cell"
         return "class" if cls in self.classes else ("overall" if self.classes else "none")
 
-    def factor(self, cls: str, compressor: str) -> float:
-        """The correction for a trial of this class and compressor (multiply predicted tokens/s)."""
-        return self.cells.get((cls, compressor), self.classes.get(cls, self.overall))
+    def factor(self, cls: str, compressor: str, features: dict[str, float] | None = None) -> float:
+        """The correction for a trial of this class and compressor (multiply predicted tokens/s); with its
+        order `features`, the within-cell order term too."""
+        base = self.cells.get((cls, compressor), self.classes.get(cls, self.overall))
+        if not features or not self.order:
+            return base
+        return base * math.exp(sum(w * (features[k] - self.center.get(k, 0.0)) for k, w in self.order.items()))
 
 
 def trial_class(cfg: dict[str, Any]) -> str:
@@ -122,16 +135,28 @@ def trial_compressor(cfg: dict[str, Any]) -> str:
     return str((cfg.get("comm") or {}).get("compressor", "none"))
 
 
-def _finished(study: optuna.Study) -> list[tuple[int, str, str, float, float]]:
-    """(trial number, class, compressor, measured, predicted tokens/s) of complete trials with a prediction."""
+def order_features(cfg: dict[str, Any]) -> dict[str, float]:
+    """log2 of the layout knobs that order trials within a (class, compressor) cell: micro-batch, gradient
+    accumulation steps, tp, pp and dp (the simulator misprices micro-batching on a loaded host, docs)."""
+    par, batch = cfg.get("parallel") or {}, cfg.get("batch") or {}
+    dp, micro = int(par.get("dp", 1)), int(batch.get("micro", 4))
+    accum = max(int(batch.get("global", 8)) // max(dp * micro, 1), 1)
+    values = {"micro": micro, "accum": accum, "tp": int(par.get("tp", 1)), "pp": int(par.get("pp", 1)), "dp": dp}
+    return {k: math.log2(max(v, 1)) for k, v in values.items()}
+
+
+def _finished(study: optuna.Study) -> list[tuple[int, str, str, float, float, dict[str, float]]]:
+    """(trial number, class, compressor, measured, predicted tokens/s, order features) of complete trials
+    with a prediction."""
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         predicted = t.user_attrs.get("predicted_tokens_per_s")
         measured = t.user_attrs.get("tokens_per_s", t.values[0] if t.values else None)
         cfg = t.user_attrs.get("config")
         if predicted and measured and cfg:
-            out.append((t.number, trial_class(cfg), trial_compressor(cfg), float(measured), float(predicted)))
-    return sorted(out)
+            out.append((t.number, trial_class(cfg), trial_compressor(cfg), float(measured), float(predicted),
+                        order_features(cfg)))
+    return sorted(out, key=lambda item: item[0])
 
 
 def _shrunk(logs: list[float], parent: float) -> float:
@@ -152,18 +177,45 @@ def fit_correction(samples: list[tuple[str, str, float, float]]) -> Correction:
     """
     if not samples:
         return Correction()
-    logs = [(cls, comp, math.log(measured / predicted)) for cls, comp, measured, predicted in samples]
+    logs = [(s[0], s[1], math.log(s[2] / s[3])) for s in samples]
     overall = _shrunk([x for _, _, x in logs], 0.0)
     classes = {cls: _shrunk([x for c, _, x in logs if c == cls], overall) for cls, _, _ in logs}
     cells = {(cls, comp): _shrunk([x for c, k, x in logs if (c, k) == (cls, comp)], classes[cls])
              for cls, comp, _ in logs}
-    return Correction(math.exp(overall), {c: math.exp(v) for c, v in classes.items()},
-                      {k: math.exp(v) for k, v in cells.items()})
+    levels = Correction(math.exp(overall), {c: math.exp(v) for c, v in classes.items()},
+                        {k: math.exp(v) for k, v in cells.items()})
+    features = [s[4] for s in samples if len(s) > 4]
+    if len(features) != len(samples):
+        return levels
+    order, center = fit_order(samples, levels)
+    return Correction(levels.overall, levels.classes, levels.cells, order, center)
+
+
+def fit_order(samples: list[tuple], levels: Correction) -> tuple[dict[str, float], dict[str, float]]:
+    """Order weights (ours): what the level factors leave, r = log(measured / predicted) - log(factor),
+    regressed on the order features over every pair of trials, r_i - r_j ~ w (x_i - x_j) (a pair's common
+    offset cancels, so only the order is learnt), ridge-shrunk toward 0 by ORDER_RIDGE per trial.
+    Features that no two trials differ in get no weight. Returns (weights, the features' mean)."""
+    import numpy as np
+
+    if len(samples) < MIN_ORDER_TRIALS:
+        return {}, {}
+    x = np.array([[s[4][k] for k in ORDER_FEATURES] for s in samples])
+    r = np.array([math.log(s[2] / s[3]) - math.log(levels.factor(s[0], s[1])) for s in samples])
+    i, j = np.triu_indices(len(samples), k=1)
+    d, y = x[i] - x[j], r[i] - r[j]
+    varied = np.ptp(x, axis=0) > 0
+    if not varied.any():
+        return {}, {}
+    dv = d[:, varied]
+    w = np.linalg.solve(dv.T @ dv + ORDER_RIDGE * len(samples) * np.eye(dv.shape[1]), dv.T @ y)
+    names = [k for k, v in zip(ORDER_FEATURES, varied) if v]
+    return ({k: float(v) for k, v in zip(names, w)}, {k: float(x[:, ORDER_FEATURES.index(k)].mean()) for k in names})
 
 
 def refit_correction(study: optuna.Study) -> Correction:
     """The correction learnt from every finished trial of `study`."""
-    return fit_correction([(cls, comp, m, p) for _, cls, comp, m, p in _finished(study)])
+    return fit_correction([(cls, comp, m, p, f) for _, cls, comp, m, p, f in _finished(study)])
 
 
 def record_prediction(trial: optuna.trial.Trial, cfg: RunConfig, cluster) -> None:
@@ -178,9 +230,9 @@ def record_prediction(trial: optuna.trial.Trial, cfg: RunConfig, cluster) -> Non
     except ValueError:
         return
     cls, comp = trial_class(cfg.to_dict()), trial_compressor(cfg.to_dict())
-    samples = [(c, k, m, p) for _, c, k, m, p in _finished(trial.study)]
+    samples = [(c, k, m, p, f) for _, c, k, m, p, f in _finished(trial.study)]
     correction = fit_correction(samples)
-    factor = correction.factor(cls, comp)
+    factor = correction.factor(cls, comp, order_features(cfg.to_dict()))
     step = float(result.iteration_time_s)
     for key, value in {"predicted_tokens_per_s": float(result.tokens_per_s), "predicted_step_time_s": step,
                        "strategy_class": cls, "compressor": comp, "correction_factor": factor,
@@ -211,14 +263,15 @@ def prediction_trend(study: optuna.Study) -> pd.DataFrame:
 
     attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
     rows, seen = [], []
-    for number, cls, comp, measured, predicted in _finished(study):
+    for number, cls, comp, measured, predicted, features in _finished(study):
         rec = attrs[number]
         if "correction_factor" in rec:
             factor, learnt = float(rec["correction_factor"]), int(rec.get("correction_trials", 0))
             level = rec.get("correction_level", "class" if learnt else "none")
         else:
             correction = fit_correction(seen)
-            factor, level, learnt = correction.factor(cls, comp), correction.level(cls, comp), len(seen)
+            factor = correction.factor(cls, comp, features)
+            level, learnt = correction.level(cls, comp), len(seen)
         corrected = predicted * factor
         step = rec.get("predicted_step_time_s")
         rows.append({"trial": number, "strategy_class": cls, "compressor": comp, "measured": measured,
@@ -228,7 +281,7 @@ def prediction_trend(study: optuna.Study) -> pd.DataFrame:
                      "measured_step_s": step * predicted / measured if step else None,
                      "predicted_step_s": step, "corrected_step_s": step / factor if step else None,
                      "correction_factor": factor, "correction_level": level, "correction_trials": learnt})
-        seen.append((cls, comp, measured, predicted))
+        seen.append((cls, comp, measured, predicted, features))
     df = pd.DataFrame(rows, columns=TREND_COLUMNS)
     df["trend_abs_error_pct"] = df["corrected_error_pct"].abs().expanding().median()
     return df
@@ -256,8 +309,42 @@ def rerank_simulated(study: optuna.Study, space: SearchSpace, base: RunConfig, *
     ranked = []
     for value, params in rank_space(space, base, cluster):
         cfg = replace(base, space.to_overrides(params, base)).to_dict()
-        ranked.append((value * correction.factor(trial_class(cfg), trial_compressor(cfg)), params))
+        ranked.append((value * correction.factor(trial_class(cfg), trial_compressor(cfg), order_features(cfg)), params))
     chosen = [p for _, p in sorted(ranked, key=lambda item: -item[0]) if p not in tried][:top]
     for params in chosen:
         study.enqueue_trial(params, skip_if_exists=True)
     return chosen
+
+
+def pairwise_agreement(predicted: Any, measured: Any) -> float:
+    """Share of pairs of trials the prediction orders as measured (ties in either count half); nan under two."""
+    import numpy as np
+
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    i, j = np.triu_indices(len(p), k=1)
+    if not len(i):
+        return float("nan")
+    agree = np.sign(p[i] - p[j]) * np.sign(m[i] - m[j])
+    return float(np.mean(np.where(agree == 0, 0.5, agree > 0)))
+
+
+def prediction_order(study: optuna.Study) -> pd.DataFrame:
+    """Predicted vs measured order of the finished trials (the Tune page's order table): per trial its
+    measured tokens/s and rank, the raw prediction and its rank, and the corrected prediction and its
+    rank, each trial corrected with a correction learnt from every *other* finished trial (its own
+    measurement never orders it). `df.attrs` holds the pairwise agreement of raw and corrected order."""
+    import pandas as pd
+
+    done = _finished(study)
+    rows = []
+    for number, cls, comp, measured, predicted, features in done:
+        others = [(c, k, m, p, f) for n, c, k, m, p, f in done if n != number]
+        factor = fit_correction(others).factor(cls, comp, features)
+        rows.append({"trial": number, "strategy_class": cls, "compressor": comp, "measured": measured,
+                     "predicted": predicted, "corrected": predicted * factor})
+    df = pd.DataFrame(rows, columns=["trial", "strategy_class", "compressor", "measured", "predicted", "corrected"])
+    for col in ("measured", "predicted", "corrected"):
+        df[f"{col}_rank"] = df[col].rank(ascending=False, method="min").astype("Int64")
+    df.attrs["raw_agreement"] = pairwise_agreement(df["predicted"], df["measured"])
+    df.attrs["corrected_agreement"] = pairwise_agreement(df["corrected"], df["measured"])
+    return df

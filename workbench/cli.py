@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -27,10 +28,23 @@ err = Console(stderr=True)
 HOME_HELP = "Workbench home (run store, studies); default $WORKBENCH_HOME or ./.workbench"
 
 
+RUNS_HELP = ("Shared run store: a postgresql:// URL that launchers on several nodes and the dashboard use "
+             "(default $WORKBENCH_RUNS, else runs.db under the home)")
+
+
 @app.callback()
-def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP)) -> None:
+def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP),
+          runs: Optional[str] = typer.Option(None, "--runs", help=RUNS_HELP)) -> None:
     if home is not None:
         os.environ["WORKBENCH_HOME"] = str(home)
+    if runs is not None:
+        from profilers.store import RUNS_ENV
+        from profilers.store_sql import is_url
+
+        if not is_url(runs):
+            fail(f"--runs={runs!r}: must be a postgresql:// URL (e.g. postgresql://USER@HOST:5432/DB); "
+                 "the SQLite run store is runs.db under --home")
+        os.environ[RUNS_ENV] = runs  # the ranks, tuner workers and the dashboard inherit it
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -75,8 +89,10 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         launcher: str = typer.Option("local", help="local (torchrun on this machine) | slurm (one Slurm job "
                                      "of cluster.nodes nodes; see the config's cluster: section)"),
         dry_run: bool = typer.Option(False, "--dry-run", help="With --launcher slurm: print the batch script "
-                                     "and srun line, submit nothing")) -> None:
-    """Train one config on dp*tp*pp ranks and record its telemetry."""
+                                     "and srun line, submit nothing"),
+        run_id: Optional[str] = typer.Option(None, "--run-id", help="The run's id; with --nnodes > 1 give every "
+                                             "node the same one, so all ranks land in one run")) -> None:
+    """Train one config on dp*tp*pp*cp ranks (experts over ep of them) and record its telemetry."""
     import signal
 
     from engine.launch import launch
@@ -85,6 +101,8 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         raise KeyboardInterrupt
 
     check_number("--timeout", timeout, 0, exclusive=True)
+    if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
+        fail(f"--run-id={run_id!r}: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     check_number("--nnodes", nnodes, 1)
     check_number("--node-rank", node_rank, 0, maximum=nnodes - 1)
     check_launcher(launcher, dry_run, multi_node=nnodes > 1 or rdzv_endpoint is not None)
@@ -105,9 +123,10 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     result = None
     try:
         if as_json:
-            result = launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, timeout_s=timeout)
+            result = launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
+                            run_id=run_id)
         else:
-            result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout)
+            result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout, run_id=run_id)
     except RankFailure as exc:
         fail(str(exc), code=1)
     except KeyboardInterrupt:
@@ -128,6 +147,18 @@ def check_launcher(launcher: str, dry_run: bool, *, multi_node: bool = False) ->
         fail("--dry-run: shows a Slurm job; add --launcher slurm")
     if multi_node and launcher == "slurm":
         fail("--nnodes/--rdzv-endpoint: Slurm starts every node itself; set cluster.nodes (--set cluster.nodes=2)")
+    if launcher == "slurm" and not dry_run:
+        check_sbatch()
+
+
+def check_sbatch() -> None:
+    """One line, before any run or study is registered, when Slurm's sbatch is missing."""
+    from engine.slurm import SlurmError, require_sbatch
+
+    try:
+        require_sbatch()
+    except SlurmError as exc:
+        fail(str(exc))
 
 
 def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -> None:
@@ -167,7 +198,7 @@ def _launch_slurm_quietly(cfg, timeout: Optional[float]):
 
 
 def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float],
-                       launcher: str = "local"):
+                       launcher: str = "local", run_id: Optional[str] = None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from engine.launch import launch
@@ -186,7 +217,7 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
         if launcher == "slurm":
             return launch(cfg, timeout_s=timeout, on_progress=on_progress, launcher="slurm", on_job=on_job)
         return launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, timeout_s=timeout,
-                      on_progress=on_progress)
+                      on_progress=on_progress, run_id=run_id)
 
 
 def _run_json(result) -> dict[str, Any]:
@@ -236,16 +267,17 @@ def runs(limit: int = typer.Option(20, help="How many runs, newest first"),
     if not rows:
         console.print("No runs yet: try `workbench run examples/tiny.yaml`.")
         return
-    from workbench.fmt import num
+    from workbench.fmt import layout, num
 
     t = Table(title="runs")
-    for col in ("run", "status", "ranks", "layout", "final loss", "tokens/s"):
+    t.add_column("run", no_wrap=True, min_width=max(len(r["run_id"]) for r in rows))  # ids are never cut
+    for col in ("status", "ranks", "layout", "final loss", "tokens/s"):
         t.add_column(col)
     for r in rows:
         summ = r.get("summary") or {}
         lay = r.get("layout") or {}
         t.add_row(r["run_id"], r["status"], str(r["world_size"]),
-                  f"dp{lay.get('dp', '?')} tp{lay.get('tp', '?')} pp{lay.get('pp', '?')}",
+                  layout(lay, r.get("config")),
                   num(summ.get("final_loss")), num(summ.get("tokens_per_s")))
     console.print(t)
 
@@ -304,9 +336,31 @@ def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.
     check_number("--port", port, 1, maximum=65535)
     entry = Path(__file__).resolve().parent.parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
-           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+           "--client.toolbarMode", "minimal"]  # a local tool: no "Deploy" button
     console.print(f"dashboard on http://{host}:{port}")
     raise typer.Exit(subprocess.call(cmd))
+
+
+@app.command()
+def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / arrow / txt file or folder"),
+             tokenizer: Path = typer.Option(..., help="tokenizer.json or a tokenizer folder"),
+             output: Path = typer.Option(..., "-o", "--output", help="The token file to write"),
+             text_field: str = typer.Option("text", help="The record field holding the text"),
+             eos_id: int = typer.Option(-1, help="Id written after each document; -1: none")) -> None:
+    """Write a token file (nanoGPT layout) that `data.source=tokens` reads."""
+    from engine.config import from_dict
+    from engine.data_sources import write_token_file
+    from engine.validate import check
+
+    probe = from_dict({"data": {"source": "hf", "path": str(src), "tokenizer": str(tokenizer)},
+                       "model": {"vocab": 1 << 32}})
+    for err in check(probe):  # the same one-line refusals as a run's (missing file, unknown format, ...)
+        raise err
+    n, dtype = write_token_file(str(src), str(tokenizer), str(output), text_field=text_field, eos_id=eos_id)
+    console.print(f"wrote {n} tokens ({dtype}) to {output}; run with data.source=tokens data.path={output} "
+                  f"data.dtype={dtype}" + (f" data.eos_id={eos_id}" if eos_id >= 0 else ""), highlight=False,
+                  soft_wrap=True)
 
 
 def _register() -> None:

@@ -53,7 +53,8 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
                                               help="Trials this command adds to the study (split over --jobs); default 10"),
          total_trials: Optional[int] = typer.Option(None, "--total-trials",
                                                     help="Run until the study holds this many trials in total"),
-         base: Optional[Path] = typer.Option(None, help="Base run config YAML the space modifies"),
+         base: Optional[Path] = typer.Option(None, help="Base run config YAML the space modifies (default: the "
+                                              "space's base:, else the defaults)"),
          set_: list[str] = typer.Option([], "--set", help="Override a base config key"),
          storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the home)"),
          study: Optional[str] = typer.Option(None, help="Study name (same name on every worker)"),
@@ -91,6 +92,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     _check_slurm_flags(launcher, workers, dry_run, live=live, jobs=jobs)
     try:
         sp = SearchSpace.from_yaml(space)
+        base = base or (Path(sp.base) if sp.base else None)  # --base wins over the space's base:
         cfg = _base_config(base, set_)
         sp.check_against(cfg)
     except ConfigError as exc:
@@ -108,6 +110,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     st = _storage_call(load_study, name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
                        warmup_steps=warmup)
     launcher = _study_launcher(st, launcher)
+    draws = None
     trials = _trials_to_run(st, trials, total_trials, as_json)
     st.set_user_attr("space", sp.raw)
     if sampler == "grid":
@@ -146,7 +149,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
             stop_on_sigterm()
         children = _spawn_jobs(sys.argv, trials, jobs)
         mine = trials // jobs + (1 if trials % jobs else 0)
-        _run_with_display(st, obj, mine, timeout, space, as_json)
+        draws = _run_with_display(st, obj, mine, timeout, space, as_json)
         for child in children:
             child.wait()
         if remeasure:
@@ -156,8 +159,10 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     if as_json:
         _print_json({**summary.to_dict(), **trend})
     else:
-        _print_study_table(st, summary)
+        _print_study_table(st, summary, storage)
         _print_prediction_trend(trend)
+        if draws is not None:
+            _print_draws(draws, mine)
     if not summary.counts.get("COMPLETE"):
         fail(f"study={st.study_name!r}: no trial completed ({_counts(summary.counts)}); each trial's reason "
              f"is in the study table (workbench tune ... without --json) and on the dashboard", code=1)
@@ -180,9 +185,14 @@ def _study_launcher(st, asked: Optional[str]) -> str:
     from tuning.study import study_launcher
 
     try:
-        return study_launcher(st, asked)
+        launcher = study_launcher(st, asked)
     except ValueError as exc:
         fail(str(exc))
+    if launcher == "slurm":  # a worker following the study's launcher: before its first trial
+        from workbench.cli import check_sbatch
+
+        check_sbatch()
+    return launcher
 def _prediction_trend(st) -> dict[str, Any]:
     """Simulator vs measured per trial and the error trend, for studies that recorded predictions."""
     from tuning.warmstart import prediction_trend, trend_summary
@@ -228,7 +238,9 @@ def _check_tune_numbers(**flags: Optional[float]) -> None:
 
 def _trials_to_run(st, trials: Optional[int], total_trials: Optional[int], quiet: bool) -> int:
     """This command's trial count; says which rule applies when the study already has trials."""
-    existing = len(st.get_trials(deepcopy=False))
+    from tuning.objective import SKIPPED_ATTR
+
+    existing = sum(not t.user_attrs.get(SKIPPED_ATTR) for t in st.get_trials(deepcopy=False))  # trials that ran
     quiet = quiet or os.environ.get("WORKBENCH_TUNE_JOB") == "1"  # a --jobs child: its parent said it
     say = (lambda _: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False, soft_wrap=True))
     if total_trials is not None:
@@ -267,7 +279,18 @@ def _spawn_jobs(argv: list[str], trials: int, jobs: int) -> list[subprocess.Pope
             for n in shares if n > 0]
 
 
-def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, quiet: bool) -> None:
+def _print_draws(draws, asked: int) -> None:
+    """This worker's trials and the draws it skipped without running them."""
+    from tuning.study import MAX_SKIPS_IN_A_ROW
+
+    console.print(f"ran {draws.ran} trials; skipped {draws.invalid} invalid draws and {draws.repeats} repeats of "
+                  "an earlier trial's config (not run, not counted in --trials)", highlight=False)
+    if draws.gave_up:
+        console.print(f"[yellow]stopped after {draws.ran} of {asked} trials:[/] {MAX_SKIPS_IN_A_ROW} draws in a row "
+                      "were invalid or repeats; the space holds few valid configs not yet run", highlight=False)
+
+
+def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, quiet: bool):
     from rich.live import Live
 
     from tuning.study import run_trials
@@ -283,7 +306,9 @@ def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, qu
         return t
 
     def on_event(kind: str, data: dict[str, Any]) -> None:
-        if kind == "trial_start":
+        if kind == "trial_skipped":
+            state["skipped"] = state.get("skipped", 0) + 1
+        elif kind == "trial_start":
             state["current"] = f"#{data['number']} " + ", ".join(f"{k}={v}" for k, v in data["params"].items())
         else:
             state["done"] += 1
@@ -303,25 +328,40 @@ def _run_with_display(st, obj, n: int, timeout: Optional[float], space: Path, qu
         reload()
 
     if live is None:
-        run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
-        return
+        return run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
     with live:
-        run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
+        draws = run_trials(st, obj, n, timeout_s=timeout, on_event=on_event, before_trial=before)
     if not console.is_terminal:  # piped, Live leaves its last frame without a line end
         console.line()
+    return draws
 
 
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {state.lower()}" for state, n in counts.items()) or "no trials"
 
 
-def _print_study_table(st, summary) -> None:
+def export_command(study: str, storage: Optional[str]) -> str:
+    """The export command for a study: with its --storage when not the default (password hidden)."""
+    import shlex
+
+    if not storage:
+        return f"workbench export {shlex.quote(study)}"
+    from tuning.study import _shown
+
+    return f"workbench export {shlex.quote(study)} --storage {shlex.quote(_shown(storage))}"
+
+
+def _print_study_table(st, summary, storage: Optional[str] = None) -> None:
+    from tuning.objective import SKIPPED_ATTR
     from workbench.fmt import nums
 
-    t = Table(title=f"study {st.study_name}: {_counts(summary.counts)}")
+    skipped = f"; {summary.skipped} draws skipped unrun" if summary.skipped else ""
+    t = Table(title=f"study {st.study_name}: {_counts(summary.counts)}{skipped}")
     for col in ("trial", "state", "tokens/s" if len(st.directions) == 1 else "values", "params", "reason"):
         t.add_column(col, min_width=len(col), overflow="fold")
     for tr in st.get_trials(deepcopy=False):
+        if tr.user_attrs.get(SKIPPED_ATTR):
+            continue
         params = ", ".join(f"{k}={v}" for k, v in tr.params.items())
         t.add_row(str(tr.number), tr.state.name, nums(tr.values), params, str(tr.user_attrs.get("reason", "")))
     console.print(t)
@@ -329,7 +369,7 @@ def _print_study_table(st, summary) -> None:
         from workbench.fmt import num
 
         console.print(f"best: trial {summary.best_trial} = {num(summary.best_value)} tokens/s; "
-                      f"export with `workbench export {st.study_name}`")
+                      f"export with `{export_command(st.study_name, storage)}`", highlight=False)
 
 
 def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL"),
@@ -356,7 +396,7 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
 
 
 def export(study: str = typer.Argument(..., help="Study name"),
-           fmt: str = typer.Option("yaml", "--format", help="yaml | torchrun | json | megatron | deepspeed"),
+           fmt: str = typer.Option("yaml", "--format", help="yaml | torchrun | json | megatron | deepspeed | torchtitan | accelerate"),
            trial: Optional[int] = typer.Option(None, help="Trial number (default: the best)"),
            pareto: bool = typer.Option(False, help="Every trial of the Pareto front"),
            storage: Optional[str] = typer.Option(None, help="Optuna storage URL"),

@@ -54,3 +54,50 @@ def ratio(value: Any) -> str:
 def gib(num_bytes: Any) -> str:
     """Bytes as GiB with about four significant digits."""
     return "n/a" if num_bytes is None else num(num_bytes / 2**30)
+
+
+def size(num_bytes: Any) -> str:
+    """Bytes in binary units: 2585806560 -> '2.408 GiB', 512 -> '512 B'."""
+    if num_bytes is None or (isinstance(num_bytes, float) and not math.isfinite(num_bytes)):
+        return "n/a"
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{num(round(value)) if unit == 'B' else num(value)} {unit}"
+
+
+def count(value: Any) -> str:
+    """A count (a mean over ranks may be fractional): rounded to a whole number, thousands separated."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{math.floor(value + 0.5):,}"
+
+
+def seconds(value: Any) -> str:
+    """A duration in the unit that reads best: 3e-07 -> '0.3 µs', 0.0042 -> '4.2 ms', 12.5 -> '12.5 s'."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    size_ = abs(value)
+    if size_ == 0 or size_ >= 1:
+        return f"{num(value)} s"
+    if size_ >= 1e-3:
+        return f"{num(value * 1e3, 3)} ms"
+    return f"{num(value * 1e6, 3)} µs"
+
+
+def layout(lay: dict[str, Any] | None, config: dict[str, Any] | None = None) -> str:
+    """A run's parallel layout, every axis: 'dp2 · tp1 · pp1 · cp1 · ep1', from its layout record
+    (dp, tp, pp; cp when > 1) and its config's parallel section (ep, and cp in older records)."""
+    axes = {"cp": 1, "ep": 1, **((config or {}).get("parallel") or {}), **(lay or {})}
+    return " · ".join(f"{axis}{axes.get(axis, '?')}" for axis in ("dp", "tp", "pp", "cp", "ep"))
+
+
+def frame(df: Any, columns: dict[str, Any]) -> Any:
+    """A copy of a DataFrame for display: each named column passed through its formatter (num, size, ...)."""
+    out = df.copy()
+    for column, formatter in columns.items():
+        if column in out:
+            out[column] = [formatter(v) for v in out[column]]
+    return out

@@ -6,6 +6,34 @@ from typing import Any
 from profilers.store import RunStore
 
 
+def model_line(config: dict[str, Any] | None) -> str | None:
+    """The run's model in one line: its family (a Hugging Face model_type and where its config came
+    from, or the built-in GPT) and shape (engine/shapes.py); None when the config names no model."""
+    from engine.errors import ConfigError
+    from engine.shapes import from_gpt, from_hf_config
+
+    mdl = (config or {}).get("model") or {}
+    try:
+        if mdl.get("hf"):
+            shape = from_hf_config(mdl["hf"])
+            src = mdl["hf"] if isinstance(mdl["hf"], str) else "inline config"
+            name = f"{shape.family} (Hugging Face, {src})"
+        elif mdl.get("entry"):
+            return f"user model {mdl['entry']}"
+        else:
+            shape = from_gpt(layers=int(mdl.get("layers", 2)), d_model=int(mdl.get("d_model", 64)),
+                             heads=int(mdl.get("heads", 4)), seq_len=int(mdl.get("seq_len", 64)),
+                             vocab=int(mdl.get("vocab", 256)), mlp_ratio=int(mdl.get("mlp_ratio", 4)),
+                             experts=int(mdl.get("experts", 0)), top_k=int(mdl.get("top_k", 2)))
+            name = "gpt (built-in)"
+    except (ConfigError, TypeError, ValueError):
+        return None
+    kv = f"/{shape.kv_heads} kv" if shape.kv_heads != shape.heads else ""
+    moe = f", {shape.experts} experts top-{shape.top_k}" if shape.experts else ""
+    return (f"{name}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads}{kv} heads, "
+            f"ffn {shape.ffn_hidden}{moe}, vocab {shape.vocab}, {shape.params / 1e6:.3g}M parameters")
+
+
 def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | None:
     """Status, config, layout, per-step breakdown per rank, collectives, memory of one run."""
     store = store or RunStore.open_home()
@@ -24,6 +52,7 @@ def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | N
         "error_rank": run.get("error_rank"), "world_size": run["world_size"], "layout": run.get("layout"),
         "emulated": bool(run.get("emulated")), "config": run.get("config"), "host": run.get("host"),
         "versions": run.get("versions"), "created": run.get("created"), "ended": run.get("ended"),
+        "model": model_line(run.get("config")),
         "summary": run.get("summary") or {}, "steps": store.latest_steps(run_id, n=100000),
         "breakdown": breakdown, "bubble_s": _per_rank_total(breakdown, "bubble"),
         "collectives": store.comm_totals(run_id), "wire": store.wire_totals(run_id),
@@ -86,7 +115,8 @@ def trace_dir(summary: dict[str, Any]) -> str | None:
     return str(Path(traces[0]).parent) if traces else None
 
 
-AXIS_MEANING = {"tp": "TP/SP", "dp": "DDP/FSDP/CO2", "pp": "pipeline", "": "other",
+AXIS_MEANING = {"tp": "TP/SP", "dp": "DDP/FSDP/CO2", "pp": "pipeline", "": "other", "cp": "context parallel",
+                "dp_cp": "dp x cp", "sp": "adaptive SP groups",
                 "ep": "MoE experts", "ep_intra": "MoE in node", "ep_inter": "MoE across nodes"}
 """What the collectives on each mesh axis are (the axis prefix of a collective's name)."""
 
@@ -154,14 +184,15 @@ def summary_rows(summ: dict[str, Any]) -> list[list[str]]:
 
 
 def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None:
-    from workbench.fmt import num
+    from workbench.fmt import count, layout, num, seconds, size
 
-    lay = report.get("layout") or {}
     head = f"[bold]{report['run_id']}[/] {report['status']}  ranks={report['world_size']}  " \
-           f"dp={lay.get('dp')} tp={lay.get('tp')} pp={lay.get('pp')}"
+           f"{layout(report.get('layout'), report.get('config'))}"
     if report["emulated"]:
         head += "  [yellow](emulated link)[/]"
     console.print(head)
+    if report.get("model"):
+        console.print(f"model: {report['model']}", markup=False, highlight=False)
     if report.get("schedule"):
         sched = report["schedule"]
         cells = "  ".join(f"rank {r}: {v['measured']:.1%}" + (f" (predicted {v['predicted']:.1%})"
@@ -187,10 +218,10 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
                           + ", ".join(f"rank {r} {g:+.1%}" for r, g in gaps.items()))
     if report["collectives"]:
         frame = collectives_frame(report["collectives"])
-        body = [[row.axis, row.traffic, row.op, num(row.count), num(row.bytes), num(row[5]), num(row[6])]
+        body = [[row.axis, row.traffic, row.op, count(row.count), size(row.bytes), seconds(row[5]), num(row[6])]
                 for row in frame.itertuples(index=False)]
         fit_table("collectives per mesh axis and type (per rank, whole run)",
-                  ["axis", "traffic", "op", "count", "bytes", "time (s)", "busbw (GB/s)"], body, console, wide=wide)
+                  ["axis", "traffic", "op", "count", "bytes", "time", "busbw (GB/s)"], body, console, wide=wide)
     moe = report.get("moe") or {}
     if moe:
         body = []
@@ -203,8 +234,11 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
                   "dropped"], body, console, wide=wide)
     if report["memory"]:
         names = sorted({n for m in report["memory"].values() for n in m})
-        body = [[str(rank), *(num(m.get(n, 0.0)) for n in names)] for rank, m in sorted(report["memory"].items())]
-        fit_table("memory per rank (GiB, peak)", ["rank", *names], body, console, wide=wide, transpose=True)
+        # records are in GiB (names end in "(GiB)"); shown in the unit that reads best: 0.0004449 GiB -> 466.5 KiB
+        shown = {n: (lambda v: size(v * 2**30)) if n.endswith("(GiB)") else num for n in names}
+        body = [[str(rank), *(shown[n](m.get(n, 0.0)) for n in names)] for rank, m in sorted(report["memory"].items())]
+        fit_table("memory per rank (peak)", ["rank", *(n.removesuffix("(GiB)") for n in names)], body, console,
+                  wide=wide, transpose=True)
 
 
 def collectives_frame(collectives: dict[str, dict[str, float]]):

@@ -91,7 +91,9 @@ def schedule_figure(report: dict[str, Any]):
                                                        else "") for r, v in report["per_rank"].items())
     fig.update_layout(barmode="overlay", height=120 + 40 * len(report["ranks"]), xaxis_title="seconds",
                       title=f"{report['schedule']} step {report['step']}: bubble {bubble}",
-                      yaxis={"autorange": "reversed"}, margin={"t": 40, "b": 30})
+                      yaxis={"autorange": "reversed"}, margin={"t": 40, "b": 30},
+                      # a label that does not fit its bar at 9 px is hidden (hover still names it), never squeezed
+                      uniformtext={"minsize": 9, "mode": "hide"})
     return fig
 
 

@@ -17,7 +17,7 @@ KEY_COLUMNS = {  # column of enumerate_configs: header in the main table (short:
     "layout": "layout", "micro": "micro", "zero": "ZeRO", "recompute": "recompute",
     "sequence_parallel": "seq. par.", "schedule": "schedule",
     "iteration_time_s": "iter. (s)", "vs_best": "vs best", "tflops_per_gpu": "TFLOP/s/GPU",
-    "mfu_pct": "MFU (%)", "memory_per_gpu_gb": "GB/GPU",
+    "mfu_pct": "MFU (%)", "memory_per_gpu_gb": "GB/GPU", "extrapolated": "extrapolated",
 }
 STYLE = f"""
 body {{ font-family: system-ui, sans-serif; max-width: {PAGE_WIDTH_PX}px; margin: 1.5em auto;
@@ -62,7 +62,7 @@ def key_table(best: pd.DataFrame) -> pd.DataFrame:
                       vs_best=[f"+{100 * (t / best['iteration_time_s'].iloc[0] - 1):.1f} %"
                                for t in best["iteration_time_s"]],
                       mfu_pct=100 * best["mfu"])
-    out = out[list(KEY_COLUMNS)].rename(columns=KEY_COLUMNS)
+    out = out[[c for c in KEY_COLUMNS if c in out]].rename(columns=KEY_COLUMNS)
     return out.round(2)
 
 
@@ -112,7 +112,9 @@ def sensitivity_figure(name: str, table: pd.DataFrame, overall_best_s: float | N
                       xaxis_title=" / ".join(k.replace("_", " ") for k in keys),
                       yaxis_title="iteration time (s)", height=340, showlegend=False,
                       margin={"l": 60, "r": 20, "t": 60, "b": 60},
-                      yaxis_range=[0, 1.18 * float(times.max())] if len(times) else None)
+                      yaxis_range=[0, 1.18 * float(times.max())] if len(times) else None,
+                      # many values: a label wider than its bar is hidden (hover keeps it), never overlapping
+                      uniformtext={"minsize": 9, "mode": "hide"})
     return fig
 
 
@@ -149,13 +151,29 @@ def _table_html(table: pd.DataFrame) -> str:
     return "<div class='scroll'>" + table.round(3).to_html(index=False, border=0) + "</div>"
 
 
+def domain_note(domain: dict | None, interval_s: list[float] | None = None) -> str:
+    """One paragraph on the top choice's domain of validity (tuning/sim_domain.py `prediction`)."""
+    if not domain:
+        return ""
+    near = "; ".join(f"{n['id']} ({n['error_pct']:+.1f}%)" for n in domain.get("nearest", []))
+    span = f" Measured time likely in {interval_s[0]:.3g} .. {interval_s[1]:.3g} s." if interval_s else ""
+    if domain.get("inside"):
+        return f"<p>Inside the validated domain ({html.escape(domain['cell'])}).{span} Nearest validated rows: {html.escape(near)}.</p>"
+    why = "; ".join(domain.get("reasons", []))
+    return (f"<p class='answer'><b>Extrapolated</b>: {html.escape(why)} (distance {domain['distance']:g}, "
+            f"interval widened).{span} Nearest validated rows: {html.escape(near)}.</p>")
+
+
 def write_report(path: Path, df: pd.DataFrame, best: pd.DataFrame, sens: dict[str, pd.DataFrame], *,
-                 title: str) -> Path:
-    """Write the report: headline answer, key table, figures, then every column folded away."""
+                 title: str, domain: dict | None = None, interval_s: list[float] | None = None) -> Path:
+    """Write the report: headline answer (and the top choice's domain of validity), key table, figures,
+    then every column folded away."""
     figs = sensitivity_figures(df, sens)
+    outside = int(df["extrapolated"].sum()) if "extrapolated" in df else 0
     parts = [f"<h1>{html.escape(title)}</h1>",
-             f"<p class='answer'>{headline(df, best)}</p>",
-             f"<p>{len(df):,} valid configurations searched, {int(df['fits'].sum()):,} fit in memory.</p>",
+             f"<p class='answer'>{headline(df, best)}</p>", domain_note(domain, interval_s),
+             f"<p>{len(df):,} valid configurations searched, {int(df['fits'].sum()):,} fit in memory, "
+             f"{outside:,} extrapolated (outside the published rows the simulator was checked on).</p>",
              "<h2>Best configurations</h2>", _table_html(key_table(best))]
     for i, fig in enumerate(figs):
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), default_width="100%",

@@ -186,6 +186,22 @@ class AdaptiveCompressor:
         self.levels = sorted(set(self.levels) | {level})
         self.density = {name: level for name in self.density}
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Residuals per parameter, the chosen densities, the levels and the step count: this rank's,
+        for engine/checkpoint.py."""
+        out = {f"residual.{name}": t for name, t in self.residuals.items()}
+        out["density"] = torch.tensor([self.density[n] for n in sorted(self.density)], dtype=torch.float64)
+        out["levels"] = torch.tensor([self.default_level, *self.levels], dtype=torch.float64)
+        out["counters"] = torch.tensor([self.step, self.solves], dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned."""
+        self.residuals = {k[len("residual."):]: v for k, v in state.items() if k.startswith("residual.")}
+        self.density = dict(zip(sorted(self.density), state["density"].tolist()))
+        self.default_level, *self.levels = state["levels"].tolist()
+        self.step, self.solves = state["counters"].tolist()
+
     @property
     def chosen_levels(self) -> dict[str, float]:
         """Current Top-k density per parameter name (telemetry)."""
@@ -206,7 +222,7 @@ class AdaptiveCompressor:
             values.append(v)
             indices.append(i + offset)
             offset += acc.numel()
-        fut = gather_sparse(torch.cat(values), torch.cat(indices), self.process_group, n)
+        fut = gather_sparse(torch.cat(values), torch.cat(indices), self.process_group, n, numel=buf.numel())
         self._record(buf, 2 * sum(v.numel() for v in values) * 4, n)
         if bucket.is_last():
             self.step += 1

@@ -55,11 +55,14 @@ def shard_size(numel: int, n: int) -> int:
     return max(1, math.ceil(numel / n))
 
 
-def shard_randk_indices(shard: int, k: int, seed: int, n: int) -> torch.Tensor:
-    """(n, k) int64: for each of n shards of `shard` entries, k distinct indices from a seed
-    every rank shares (so equal on every rank, different per shard)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(shard, generator=gen)[:k] for _ in range(n)])
+def shard_randk_indices(shard: int, k: int, seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n, k) int64 on `device`: for each of n shards of `shard` entries, k distinct indices from a
+    seed every rank shares (so equal on every rank, different per shard). Drawn on the device by
+    a generator of that device: the k smallest of n x shard uniform keys per row, one kernel for
+    every shard instead of n host permutations and a copy."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    keys = torch.rand(n, shard, generator=gen, device=device, dtype=torch.float64)  # 53 bits: no ties
+    return torch.topk(keys, k, dim=1, largest=False, sorted=False).indices
 
 
 def rowwise_error_feedback(acc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,6 +114,19 @@ class BidirectionalState(HookState):
         self.account(wire_int, dense)
         return wire_int
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The calls per bucket and both residual memories: this rank's, for engine/checkpoint.py."""
+        out = HookState.state_dict(self)  # slots dataclasses: no zero-argument super()
+        out.update({f"worker.{i}": t for i, t in self.worker_residuals.items()})
+        out.update({f"server.{i}": t for i, t in self.server_residuals.items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned."""
+        HookState.load_state_dict(self, state)
+        self.worker_residuals = {int(k[7:]): v for k, v in state.items() if k.startswith("worker.")}
+        self.server_residuals = {int(k[7:]): v for k, v in state.items() if k.startswith("server.")}
+
     def residual(self, store: dict[int, torch.Tensor], index: int, like: torch.Tensor) -> torch.Tensor:
         """The residual of bucket `index`, zeros when new or when DDP rebuilt its buckets."""
         res = store.get(index)
@@ -161,7 +177,7 @@ def _randk_reduce(state: BidirectionalState, rows: torch.Tensor, k: int, index: 
     """Reduce leg of Rand-k: (the mean's k values of my shard, the (n, k) shared indices, wire bytes)."""
     shard = rows.shape[1]
     seed = _mix_seed(state.seed, index, state.next_call(index))
-    indices = shard_randk_indices(shard, k, seed, n).to(rows.device)
+    indices = shard_randk_indices(shard, k, seed, n, rows.device)
     # unbiased: scaled by shard/k; pre-divided by n so the reduce-scatter's sum is the mean
     values = (rows.gather(1, indices) * (shard / k / n)).reshape(-1).contiguous()
     mean_values = torch.empty(k, dtype=torch.float32, device=rows.device)
@@ -185,10 +201,13 @@ def _randk_legs(state: BidirectionalState, rows: torch.Tensor, k: int, index: in
     return wire, work.get_future().then(decompress)
 
 
-def _pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """fp32 values then int32 indices bit-cast to fp32, per row: one message instead of two."""
-    if indices.numel() and int(indices.max()) >= 2**31:
-        raise ValueError("a shard of 2**31 or more entries cannot use int32 indices; lower bucket_cap_mb")
+def _pack(values: torch.Tensor, indices: torch.Tensor, shard: int) -> torch.Tensor:
+    """fp32 values then int32 indices (positions in a shard of `shard` entries) bit-cast to fp32,
+    per row: one message instead of two."""
+    # the bound is the shard's size, known on the host: no read of the indices from the device
+    if shard > 2**31:
+        raise ValueError(f"a shard of {shard} entries (more than 2**31) cannot use int32 indices; "
+                         "lower bucket_cap_mb")
     return torch.cat([values.float(), indices.to(torch.int32).view(torch.float32)], dim=-1).contiguous()
 
 
@@ -202,7 +221,7 @@ def _topk_reduce(state: BidirectionalState, rows: torch.Tensor, k: int, index: i
     shard = rows.shape[1]
     acc = rows + state.residual(state.worker_residuals, index, rows)
     values, indices, state.worker_residuals[index] = rowwise_error_feedback(acc, k)
-    message = _pack(values, indices)  # row r goes to the owner of shard r
+    message = _pack(values, indices, shard)  # row r goes to the owner of shard r
     received = torch.empty_like(message)  # row j: worker j's message for my shard
     dist.all_to_all_single(received, message, group=state.process_group)
     wire = state.record_leg("reduce", _sent_by_reduce_scatter(message.numel() * 4, n), rows.numel(), n)
@@ -216,7 +235,7 @@ def _topk_legs(state: BidirectionalState, rows: torch.Tensor, k: int, index: int
     mean, wire = _topk_reduce(state, rows, k, index, n)
     server_acc = mean + state.residual(state.server_residuals, index, mean)
     v, i, state.server_residuals[index] = rowwise_error_feedback(server_acc, k)
-    mine = _pack(v, i).reshape(-1)
+    mine = _pack(v, i, shard).reshape(-1)
     gathered = torch.empty(n * 2 * k, dtype=torch.float32, device=rows.device)
     work = all_gather_flat(gathered, mine, group=group, async_op=True)
     wire += state.record_leg("broadcast", _sent_by_all_gather(mine.numel() * 4, n), rows.numel(), n)

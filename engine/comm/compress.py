@@ -58,43 +58,49 @@ def densify(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Te
     return out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1))
 
 
-def randk_indices(numel: int, k: int, seed: int) -> torch.Tensor:
-    """k distinct indices drawn uniformly from range(numel); equal on every rank for equal seeds."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(numel, generator=gen)[:k]
+def randk_indices(numel: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """k distinct indices drawn uniformly from range(numel) on `device`, by a generator of that
+    device seeded with `seed`: equal on every rank for equal seeds (and device types), and no
+    host draw or host-to-device copy on the step path."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randperm(numel, generator=gen, device=device)[:k]
 
 
 def randk_compress(tensor: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Unbiased Rand-k: k random entries scaled by numel/k, so E[densify(...)] == tensor."""
     flat = tensor.reshape(-1)
-    indices = randk_indices(flat.numel(), k, seed).to(flat.device)
+    indices = randk_indices(flat.numel(), k, seed, flat.device)
     return flat[indices] * (flat.numel() / k), indices
 
 
-def int8_scale(absmax: float) -> float:
-    """Symmetric int8 scale so that [-absmax, absmax] maps onto [-127, 127]."""
+def int8_scale(absmax: float | torch.Tensor) -> float | torch.Tensor:
+    """Symmetric int8 scale so that [-absmax, absmax] maps onto [-127, 127] (1 for absmax 0); a
+    tensor absmax gives a tensor scale on its device, computed there without a host read."""
+    if isinstance(absmax, torch.Tensor):
+        return torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
     return absmax / INT8_MAX if absmax > 0 else 1.0
 
 
-def quantize_int8(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+def quantize_int8(tensor: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Round to nearest of tensor/scale, clamped to [-127, 127]; error <= scale/2 when |t| <= 127 scale."""
     return torch.clamp(torch.round(tensor / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
 
 
-def dequantize_int8(q: torch.Tensor, scale: float) -> torch.Tensor:
+def dequantize_int8(q: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Back to float32 (accepts int8 or the wider int32 sum of several ranks' int8 values)."""
     return q.to(torch.float32) * scale
 
 
 def int8_error_feedback(
     tensor: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, float, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int8 of tensor + residual with error feedback (Seide et al. 2014; Karimireddy et al. 2019):
-    (int8 values, scale, new residual). Round-to-nearest alone is biased (an entry below half
-    a step is always sent as 0); carrying the rounding error into the next round sends every
-    entry's sum up to one residual: dequantize(q, scale) + new_residual == tensor + residual."""
+    (int8 values, 0-d fp32 scale on the tensor's device, new residual). Round-to-nearest alone
+    is biased (an entry below half a step is always sent as 0); carrying the rounding error into
+    the next round sends every entry's sum up to one residual:
+    dequantize(q, scale) + new_residual == tensor + residual."""
     acc = tensor.reshape(-1).clone() if residual is None else tensor.reshape(-1) + residual
-    scale = int8_scale(float(acc.abs().max()))
+    scale = int8_scale(acc.abs().max().float())  # stays on the device: no host read per bucket
     q = quantize_int8(acc, scale)
     return q, scale, acc.sub_(dequantize_int8(q, scale))
 
@@ -235,6 +241,15 @@ class HookState:
         self.calls[bucket_index] = call + 1
         return call
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a resumed run needs back (engine/checkpoint.py): the calls per bucket (Rand-k's seeds)."""
+        return {"calls": torch.tensor(sorted(self.calls.items()), dtype=torch.int64)} if self.calls else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned."""
+        if "calls" in state:
+            self.calls = {int(i): int(c) for i, c in state["calls"].tolist()}
+
 
 @dataclass(kw_only=True, slots=True)
 class CompressionState(HookState):
@@ -260,6 +275,22 @@ class CompressionState(HookState):
                 self.powersgd.p_memory_dict.clear()
                 self.powersgd.q_memory_dict.clear()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The calls per bucket, the error-feedback residuals and PowerSGD's state (its Q and error
+        memories, step count and random stream): this rank's, for engine/checkpoint.py."""
+        out = HookState.state_dict(self)  # slots dataclasses: no zero-argument super()
+        out.update({f"residual.{i}": t for i, t in self.residuals.items()})
+        if self.powersgd is not None:
+            out.update(_powersgd_state(self.powersgd))
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned."""
+        HookState.load_state_dict(self, state)
+        self.residuals = {int(k.split(".")[1]): v for k, v in state.items() if k.startswith("residual.")}
+        if self.powersgd is not None:
+            _load_powersgd(self.powersgd, state)
+
     def record(self, bucket: dist.GradBucket, sent: Wire) -> None:
         """Account one bucket's wire bytes against its dense fp32 all_reduce cost."""
         n = self.group_size()
@@ -267,6 +298,32 @@ class CompressionState(HookState):
         wire_int, num_ops = int(round(sent.on_wire(n))), sent.num_ops
         self.last_cost[bucket.index()] = (wire_int, num_ops)
         self.account(wire_int, dense)
+
+
+_PSGD_MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def _powersgd_state(ps: PowerSGDState) -> dict[str, torch.Tensor]:
+    """torch's PowerSGDState as tensors: its memories per bucket, counters and numpy random stream."""
+    out = {f"powersgd.{name}.{i}": t for name in _PSGD_MEMORIES for i, t in getattr(ps, name).items()}
+    out["powersgd.counters"] = torch.tensor(
+        [ps.iter, ps.total_numel_before_compression, ps.total_numel_after_compression], dtype=torch.int64)
+    _, keys, pos, has_gauss, cached = ps.rng.get_state()
+    out["powersgd.rng_keys"] = torch.from_numpy(keys.astype("int64"))
+    out["powersgd.rng_pos"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
+    out["powersgd.rng_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    return out
+
+
+def _load_powersgd(ps: PowerSGDState, state: dict[str, torch.Tensor]) -> None:
+    for name in _PSGD_MEMORIES:
+        prefix = f"powersgd.{name}."
+        setattr(ps, name, {int(k[len(prefix):]): v for k, v in state.items() if k.startswith(prefix)})
+    if "powersgd.counters" in state:
+        ps.iter, ps.total_numel_before_compression, ps.total_numel_after_compression = state["powersgd.counters"].tolist()
+        pos, has_gauss = state["powersgd.rng_pos"].tolist()
+        keys = state["powersgd.rng_keys"].cpu().numpy().astype("uint32")
+        ps.rng.set_state(("MT19937", keys, pos, has_gauss, float(state["powersgd.rng_gauss"][0])))
 
 
 # ---- hooks -----------------------------------------------------------------------------------
@@ -325,8 +382,7 @@ def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
     if residual is not None and residual.numel() != numel:
         residual = None  # DDP rebuilt its buckets after the first step
     q, scale, state.residuals[index] = int8_error_feedback(buf, residual)
-    scale_bytes = torch.tensor([scale], dtype=torch.float32).view(torch.int8)
-    payload = torch.cat([q, scale_bytes.to(buf.device)])
+    payload = torch.cat([q, scale.reshape(1).view(torch.int8)])  # the fp32 scale's 4 bytes
     gathered = torch.empty(n * (numel + 4), dtype=torch.int8, device=buf.device)
     state.record(bucket, bucket_wire("int8", numel))
     work = all_gather_flat(gathered, payload, group=state.process_group, async_op=True)
@@ -350,7 +406,7 @@ def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
         residual = None  # DDP rebuilt its buckets after the first step
     k = k_for(numel, state.density)
     values, indices, state.residuals[index] = error_feedback(buf, residual, k)
-    fut = gather_sparse(values, indices, state.process_group, n)
+    fut = gather_sparse(values, indices, state.process_group, n, numel=numel)
     state.record(bucket, bucket_wire("topk", numel, density=state.density))
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
@@ -362,11 +418,14 @@ def topk_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures
 
 
 def gather_sparse(
-    values: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup | None, n: int
+    values: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup | None, n: int, *, numel: int
 ) -> torch.futures.Future:
-    """all_gather (values, indices) of equal length on every rank in one message."""
-    if indices.numel() and int(indices.max()) >= 2**31:
-        raise ValueError("a bucket of 2**31 or more entries cannot use int32 indices; lower bucket_cap_mb")
+    """all_gather (values, indices) of equal length on every rank in one message; `indices` are
+    positions in a flat tensor of `numel` entries."""
+    # the bound is the tensor's size, known on the host: no read of the indices from the device
+    if numel > 2**31:
+        raise ValueError(f"a bucket of {numel} entries (more than 2**31) cannot use int32 indices; "
+                         "lower bucket_cap_mb")
     k = values.numel()
     # int32 indices travel bit-cast inside the float32 message: one collective instead of two
     payload = torch.cat([values.to(torch.float32), indices.to(torch.int32).view(torch.float32)])

@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from engine.comm.bidirectional import BidirectionalState, compressed_reduce_scatter
+from engine.torch_compat import ReduceScatter
 from engine.validate import FSDP_COMPRESSORS
 
 

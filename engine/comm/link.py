@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.device import comm_device
+from engine.torch_compat import default_group, rank_not_in_group
 from profilers.collectives import bus_factor  # the one definition (nccl-tests); re-exported here
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
@@ -135,10 +136,9 @@ class Join:
     def __init__(self, start: float, group: Any = None) -> None:
         self.start = start
         self._work = None
-        c10d = dist.distributed_c10d
-        pg = group if group is not None else c10d._get_default_group()
+        pg = group if group is not None else default_group()
         self._stamp = torch.tensor([start], dtype=torch.float64, device=comm_device(pg))  # NCCL: CUDA only
-        if not c10d._rank_not_in_group(pg):
+        if not rank_not_in_group(pg):
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
             self._work = pg.allreduce([self._stamp], opts)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engine.comm.link import Join, LinkTopology
+from engine.torch_compat import c10d_functional_ops, default_group
 from profilers.collectives import WorkProxy, _nbytes, call_argument  # _nbytes: bytes of a tensor or list, defined once
 from profilers.functional import OPS, OpProxy, resolve_group
 
@@ -88,7 +89,7 @@ def emulate_topology(topology: LinkTopology | None) -> None:
 
 
 def _install_functional() -> None:
-    namespace = torch.ops._c10d_functional
+    namespace = c10d_functional_ops()
     for name in OPS:
         try:
             packet = getattr(namespace, name)
@@ -121,7 +122,7 @@ class _DelayedOp(OpProxy):
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
     """Global ranks of `group` (None: the world), cached by the group's name."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else default_group()
     key = pg.group_name
     if key not in _STATE.ranks:
         _STATE.ranks[key] = tuple(dist.get_process_group_ranks(pg))

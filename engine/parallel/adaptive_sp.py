@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,16 +39,19 @@ def group_layout(sizes: list[int]) -> list[list[int]]:
 class GroupCache:
     """The process groups of every size pattern used so far (created once, on every rank, in order)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, on_group: Callable[[dist.ProcessGroup], None] | None = None) -> None:
         import datetime
 
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.on_group = on_group  # hears each new group (the trainer labels its collectives "sp")
 
     def get(self, ranks: list[int]) -> dist.ProcessGroup | None:
         key = tuple(ranks)
         if key not in self.groups:  # every rank reaches here with the same plan, so calls match
             self.groups[key] = None if len(ranks) == 1 else dist.new_group(ranks, timeout=self.timeout)
+            if self.on_group is not None and len(ranks) > 1 and dist.get_rank() in ranks:  # a member's group
+                self.on_group(self.groups[key])
         return self.groups[key]
 
     def pattern(self, sizes: list[int]) -> list[tuple[list[int], dist.ProcessGroup | None]]:
@@ -98,11 +102,14 @@ def broadcast_plan(plan: Plan | None, group=None) -> Plan:
 
 def run_step(model: GPT, docs: list[torch.Tensor], plan: Plan, groups: GroupCache, *, rank: int,
              total_tokens: int, cost: CostModel, device: torch.device,
-             autocast=None) -> tuple[torch.Tensor, StepReport]:
+             autocast=None, phase: Callable[[str], Any] | None = None) -> tuple[torch.Tensor, StepReport]:
     """Forward and backward of this rank's share of the step under `plan`; returns the rank's
     loss share (its token-loss sum / the step's real tokens: the shares add up to the mean) and
-    the step report (measured times gathered from every rank)."""
+    the step report (measured times gathered from every rank). `phase(name)` (the trainer's
+    StepTimer.phase) times the forward and the backward apart."""
     import contextlib
+
+    phase = phase or (lambda name: contextlib.nullcontext())
 
     lengths = [d.numel() - 1 for d in docs]
     order = sorted(range(len(plan.sizes)), key=lambda j: -plan.sizes[j])  # as group_layout lays them
@@ -115,13 +122,14 @@ def run_step(model: GPT, docs: list[torch.Tensor], plan: Plan, groups: GroupCach
     me = ranks.index(rank)
     _set_core(model, group)
     t0 = time.perf_counter()
-    with autocast or contextlib.nullcontext():
+    with phase("forward"), autocast or contextlib.nullcontext():
         logits = model(shard_sequence(x, cp=g, cp_rank=me).to(device),
                        positions=shard_sequence(pos, cp=g, cp_rank=me).to(device), doc_ids=ids.to(device))
         target = shard_sequence(y, cp=g, cp_rank=me).to(device)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                                                  reduction="sum") / total_tokens
-    loss.backward()
+    with phase("backward"):
+        loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -175,10 +183,9 @@ def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, devic
 
     lengths = sorted({max(2, seq_len // 8), max(2, seq_len // 4), max(2, seq_len // 2), seq_len})
     full = torch.randint(0, model.cfg.vocab, (1, seq_len), device=device)
-    sizes = [g for g in powers_of_two(world)[1:] if seq_len % (2 * g) == 0 and model.cfg.heads % g == 0]
-    two = (seq_len // 2, seq_len)
+    sizes, two = calibration_lengths(world=world, seq_len=seq_len, heads=model.cfg.heads)
     single: dict[int, list[float]] = {s: [] for s in lengths}
-    grouped: dict[tuple[int, int], list[float]] = {(g, s): [] for g in sizes for s in two}
+    grouped: dict[tuple[int, int], list[float]] = {(g, s): [] for g in sizes for s in two[g]}
     docs = max(1, min(16, seq_len // 2))  # a packed row of short documents, as the steps run them
     ids_docs = (torch.arange(seq_len, device=device) * docs // seq_len)[None]
     pos_docs = torch.arange(seq_len, device=device) % (seq_len // docs)
@@ -191,7 +198,7 @@ def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, devic
             ranks, group = next((r, grp) for r, grp in groups.pattern([g] * (world // g)) if dist.get_rank() in r)
             _set_core(model, group)
             me = ranks.index(dist.get_rank())
-            for s in two:
+            for s in two[g]:
                 local = shard_sequence(full[:, :s], cp=g, cp_rank=me)
                 pos = shard_sequence(torch.arange(s, device=device), cp=g, cp_rank=me, dim=0)
                 grouped[g, s].append(_time(lambda: model(local, positions=pos).float().mean().backward(), repeats=1))
@@ -208,14 +215,29 @@ def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, devic
     per_seq = max(0.0, (float(np.median(packed)) - one) / docs)
     a2a, group_bias = {}, {}
     for g in sizes:
-        a2a[g], group_bias[g] = fit_group_overhead(base, g, {s: grouped[g, s] for s in two})
+        a2a[g], group_bias[g] = fit_group_overhead(base, g, {s: grouped[g, s] for s in two[g]})
     _set_core(model, None)
     model.zero_grad(set_to_none=True)
-    box = [CostModel(a1=base.a1, a2=base.a2, a2a=a2a, bias=base.bias, group_bias=group_bias, per_seq=per_seq)]
+    box = [CostModel(a1=base.a1, a2=base.a2, a2a=a2a, bias=base.bias, group_bias=group_bias, per_seq=per_seq,
+                     sizes=(1, *sizes))]
     from engine.device import host_group
 
     dist.broadcast_object_list(box, src=0, group=host_group())  # one cost model everywhere: plans must agree
     return box[0]
+
+
+def calibration_lengths(*, world: int, seq_len: int, heads: int) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """The group sizes > 1 that calibration measures and, per size g, its two sequence lengths: about
+    seq_len / 2 and seq_len rounded down to multiples of g (Ulysses splits a sequence into g equal
+    chunks). A size with fewer than two such lengths, or that does not divide `heads`, is left out,
+    and the cost model then refuses it (plans never use it) rather than price it as free."""
+    sizes, two = [], {}
+    for g in powers_of_two(world)[1:]:
+        short, full = seq_len // 2 // g * g, seq_len // g * g
+        if heads % g == 0 and 0 < short < full:
+            sizes.append(g)
+            two[g] = (short, full)
+    return sizes, two
 
 
 def fit_group_overhead(base: CostModel, g: int, measured: dict[int, float]) -> tuple[float, float]:

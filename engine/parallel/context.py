@@ -43,7 +43,7 @@ def chunk_positions(seq_len: int, *, cp: int, cp_rank: int, device: torch.device
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """all_to_all_single over dim 0 of a contiguous (cp, ...) tensor, differentiable."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from engine.torch_compat import all_to_all_single_autograd
 
     # the functional collective: differentiable and traceable (torch.distributed.nn's is deprecated)
     return all_to_all_single_autograd(x.contiguous(), None, None, group)
@@ -139,7 +139,6 @@ def _torch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     """torch's ring attention (CUDA): SDPA on DTensors sharded along the sequence dispatches to
     the ring flash-attention kernels. Contiguous chunks, as the rest of this file (no load balancing)."""
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.experimental import _attention as cp_attention
 
     if doc_ids is not None:
         raise ValueError("torch's ring attention has no packed-document masks; use parallel.cp_impl=ulysses")
@@ -158,12 +157,11 @@ def attention_core(cp_mesh, *, impl: str, device_type: str):
     if impl == "ulysses":
         return functools.partial(ulysses_attention, group=group)
     if device_type == "cuda":
-        from torch.distributed.tensor.experimental import _attention as cp_attention
+        from engine.torch_compat import enable_ring_attention_dispatch
 
         # SDPA on sequence-sharded DTensors becomes ring attention, forward and backward, from here
         # on (torch's context_parallel does the same inside its context); contiguous chunks here
-        cp_attention._cp_options.enable_load_balance = False
-        cp_attention._enable_context_parallel_dispatcher()
+        enable_ring_attention_dispatch(load_balance=False)
         return functools.partial(_torch_ring_attention, mesh=cp_mesh)
     return functools.partial(ring_attention_cpu, group=group)
 

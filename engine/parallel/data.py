@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.device import comm_device
+from engine.torch_compat import ddp_ignore_params, replicate_with_fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ def apply_data_parallel(model: nn.Module, *, process_group: dist.ProcessGroup | 
         process_group = dp_mesh.get_group()
     if ignored_params and not _has_dtensor_params(model):
         ids = {id(p) for p in ignored_params}
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [name for name, p in model.named_parameters() if id(p) in ids])
+        ddp_ignore_params(model, [name for name, p in model.named_parameters() if id(p) in ids])
     if not _has_dtensor_params(model):
         # torch 2.13 renamed broadcast_buffers (warns) to forward_sync_buffers; older torch lacks it
         renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -73,7 +73,7 @@ def apply_data_parallel(model: nn.Module, *, process_group: dist.ProcessGroup | 
     if dp_mesh is None:
         raise ValueError("apply_data_parallel: a tensor-parallel model needs dp_mesh (the 'dp' sub-mesh), "
                          "because DDP refuses DTensor parameters")
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+    replicate = replicate_with_fsdp()
 
     logger.warning("data parallel over tensor-parallel parameters uses FSDP2 replicate: bucket_cap_mb, "
                    "gradient_as_bucket_view, static_graph, find_unused_parameters, broadcast_buffers "
@@ -116,7 +116,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
                    pp_group: dist.ProcessGroup | None = None,
                    not_in_norm: Iterable[torch.Tensor] = (),
                    sharded: Iterable[torch.Tensor] = (), shard_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip gradients in place to a global 2-norm of `max_norm`; return the norm before clipping.
+    """Clip gradients in place to a global 2-norm of `max_norm`; return the norm before clipping
+    (a 0-d host tensor: the norm is read from the device once, for the coefficient).
 
     Works for plain tensors (replicated: counted once, as every rank holds the same gradient),
     DTensors of tensor parallelism, FSDP2 shards and 2-D FSDP+TP, mixed in one list:
@@ -150,8 +151,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
         total_sq = total_sq + shard_sq.to(total_sq.device)
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    coef = max_norm / (total.item() + 1e-6)  # the 1e-6 of torch.nn.utils.clip_grad_norm_
+    # the step's one host read of the norm: the coefficient is a Python float for every gradient kind
+    norm = total_sq.sqrt().item()
+    coef = max_norm / (norm + 1e-6)  # the 1e-6 of torch.nn.utils.clip_grad_norm_
     if 0 < max_norm and coef < 1.0 and math.isfinite(coef):
         for ps in groups.values():
             for p in ps:
@@ -159,4 +161,4 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *,
         for p in [*not_in_norm, *sharded]:
             if p.grad is not None:
                 p.grad.mul_(coef)
-    return total
+    return torch.tensor(norm)  # a host tensor of the value read above: reading it again costs no sync

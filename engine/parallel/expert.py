@@ -2,8 +2,9 @@
 `ep` ranks carved out of the data-parallel ranks; tokens travel to their expert's rank and back
 with `all_to_all_single` of variable splits.
 
-Layout: the dp ranks of one (pp, tp) coordinate are cut into dp/ep consecutive ep groups; ep rank
-j holds experts [j*E/ep, (j+1)*E/ep). Experts are replicated over tp (every tp rank sees the same
+Layout: the dp ranks of one (pp, tp) coordinate (the mesh's dp group, in mesh order, so a
+placement reorders them too) are cut into dp/ep consecutive ep groups; ep rank j holds experts
+[j*E/ep, (j+1)*E/ep), under their global ids. Experts are replicated over tp (every tp rank sees the same
 tokens and computes the same expert outputs; the TP plan leaves MoE blocks alone), so
 all_to_all never crosses tp. Gradients: dense parameters are averaged over dp by the dp wrapper
 (DDP / FSDP2 replicate), which ignores the experts; an expert's gradient is summed over its
@@ -36,16 +37,15 @@ from profilers.collectives import recorded
 
 # ---------------------------------------------------------------- pure layout logic
 
-def expert_group_ranks(*, dp: int, tp: int, pp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(ep groups, expert-replica groups) as global rank lists, for the (pp, dp, tp) mesh of
-    engine/mesh.py (rank = pp*dp*tp + d*tp + t) with d = block*ep + j."""
-    if ep < 1 or dp % ep:
+def expert_group_ranks(dp_groups: Sequence[Sequence[int]], ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, expert-replica groups) as global rank lists, cut out of the mesh's dp groups
+    (`engine.mesh.mesh_axis_groups(mesh, "dp")`, placement included): dp index d = block*ep + j
+    is ep rank j of ep group `block`; the replicas of ep rank j are its dp/ep blocks."""
+    dp = len(dp_groups[0]) if dp_groups else 0
+    if ep < 1 or not dp or dp % ep:
         raise ValueError(f"parallel.ep={ep} must divide parallel.dp={dp}")
-    rank = lambda s, d, t: s * dp * tp + d * tp + t  # noqa: E731
-    ep_groups = [[rank(s, b * ep + j, t) for j in range(ep)]
-                 for s in range(pp) for t in range(tp) for b in range(dp // ep)]
-    replicas = [[rank(s, b * ep + j, t) for b in range(dp // ep)]
-                for s in range(pp) for t in range(tp) for j in range(ep)]
+    ep_groups = [list(g[b * ep:(b + 1) * ep]) for g in dp_groups for b in range(dp // ep)]
+    replicas = [list(g[j::ep]) for g in dp_groups for j in range(ep)]
     return ep_groups, replicas
 
 
@@ -155,21 +155,29 @@ class ExpertExchange:
         with recorded("all_to_all", counts.numel() * counts.element_size(), self.group, axis="ep", tensor=counts):
             dist.all_to_all_single(recv, counts.contiguous(), group=self.group)
         recv = recv.view(ep, local)
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
+        sends = counts.view(ep, local).sum(1)
+        parts = [sends, recv.sum(1), recv.sum(0)]
         if self.nodes is not None:
-            matrix = self._count_matrix(counts.view(ep, local).sum(1))
+            parts.append(self._count_matrix(sends).reshape(-1))
+        # the layer's one host read: all_to_all_single and the experts' split take Python ints
+        host = torch.cat(parts).tolist()
+        send_splits, recv_splits, per_expert = host[:ep], host[ep:2 * ep], host[2 * ep:2 * ep + local]
+        if self.nodes is not None:
+            flat = host[2 * ep + local:]
+            matrix = [flat[i * ep:(i + 1) * ep] for i in range(ep)]
             arrived = self._hierarchical(tokens, matrix, forward=True)
         else:
             offnode = [self.node_of[p] != self.node_of[self.ep_rank] for p in range(ep)]
             arrived = all_to_all(tokens, recv_splits, send_splits, self.group, wire=self.wire, offnode=offnode)
         # rows arrive by source, then by local expert: group them by local expert for the experts
-        expert_of_row = torch.repeat_interleave(torch.arange(local, device=tokens.device).repeat(ep), recv.reshape(-1))
+        # (output_size given: repeat_interleave would otherwise read the total from the device)
+        expert_of_row = torch.repeat_interleave(torch.arange(local, device=tokens.device).repeat(ep), recv.reshape(-1),
+                                                output_size=sum(recv_splits))
         order = torch.argsort(expert_of_row, stable=True)
-        y = self.layer.run_experts(arrived[order], recv.sum(0))
+        y = self.layer.run_experts(arrived[order], per_expert)
         y = y[torch.argsort(order)]
         if self.nodes is not None:
-            return self._hierarchical(y, matrix.t().contiguous(), forward=False)
+            return self._hierarchical(y, [list(col) for col in zip(*matrix)], forward=False)
         return all_to_all(y, send_splits, recv_splits, self.group, wire=self.wire, offnode=offnode)
 
     def _count_matrix(self, sends: torch.Tensor) -> torch.Tensor:
@@ -179,24 +187,24 @@ class ExpertExchange:
             dist.all_gather_into_tensor(out, sends.contiguous(), group=self.group)
         return out.view(self.ep, self.ep)
 
-    def _hierarchical(self, x: torch.Tensor, c: torch.Tensor, *, forward: bool) -> torch.Tensor:
+    def _hierarchical(self, x: torch.Tensor, cm: list[list[int]], *, forward: bool) -> torch.Tensor:
         """Rows of `x` ordered by destination ep rank (C[src, dst] rows each) -> rows ordered by
         source ep rank, in two exchanges: to the local peer with the destination's local index,
         then across nodes. The combine direction passes C transposed (outputs go back)."""
         g_n, l_n = len(self.nodes), len(self.nodes[0])
         me = self.ep_rank
         g, l = divmod(me, l_n)
-        cm = c.tolist()
         rank = lambda gg, ll: gg * l_n + ll  # noqa: E731
         # step 1, inside the node: reorder my chunks from (g', l') to (l', g') and send l' its share
+        # (the row orders are built on the host from known sizes; non_blocking: no stream sync)
         mine = [[cm[me][rank(gg, ll)] for ll in range(l_n)] for gg in range(g_n)]
-        x = x.index_select(0, transpose_chunks(mine).to(x.device))
+        x = x.index_select(0, transpose_chunks(mine).to(x.device, non_blocking=True))
         in1 = [sum(cm[me][rank(gg, ll)] for gg in range(g_n)) for ll in range(l_n)]
         out1 = [sum(cm[rank(g, ls)][rank(gg, l)] for gg in range(g_n)) for ls in range(l_n)]
         x = all_to_all(x, out1, in1, self.intra, axis="ep_intra", wire=self.wire, offnode=[False] * l_n)
         # now ordered (local source ls, destination node g'): reorder to (g', ls) and cross nodes
         held = [[cm[rank(g, ls)][rank(gg, l)] for gg in range(g_n)] for ls in range(l_n)]
-        x = x.index_select(0, transpose_chunks(held).to(x.device))
+        x = x.index_select(0, transpose_chunks(held).to(x.device, non_blocking=True))
         in2 = [sum(cm[rank(g, ls)][rank(gg, l)] for ls in range(l_n)) for gg in range(g_n)]
         out2 = [sum(cm[rank(gs, ls)][me] for ls in range(l_n)) for gs in range(g_n)]
         offnode = [gg != g for gg in range(g_n)]
@@ -240,20 +248,25 @@ def _new_groups(lists: list[list[int]], rank: int, timeout):
     return mine
 
 
-def apply_expert_parallel(model: nn.Module, *, dp: int, tp: int, pp: int, ep: int, hierarchical: bool = False,
+def apply_expert_parallel(model: nn.Module, mesh, *, ep: int, hierarchical: bool = False,
                           ranks_per_node: int = 1, node_groups: Sequence[Sequence[int]] | None = None, link=None,
                           compression: str = "none", lsh_buckets: int = 16, lsh_hashes: int = 1, seed: int = 0,
                           timeout=None) -> ExpertParallel:
     """Keep this rank's experts of every MoE layer and route tokens to the others by all_to_all.
 
+    The ep groups are cut out of the dp groups of `mesh` (a DeviceMesh with a "dp" axis): which
+    rank sits where is the mesh's answer (placement included), never recomputed here.
     Nodes (hierarchical exchange, off-node traffic on the emulated link) are `node_groups` (the
     ranks of each `link.groups` entry) when given, else `ranks_per_node` consecutive ranks.
 
     Every rank must hold the full, identically initialised model (same seed); the experts this
     rank does not own are deleted. Call on every rank (it creates process groups).
     """
+    from engine.mesh import mesh_axis_groups
+
     rank = dist.get_rank()
-    ep_lists, replica_lists = expert_group_ranks(dp=dp, tp=tp, pp=pp, ep=ep)
+    dp = mesh["dp"].size()
+    ep_lists, replica_lists = expert_group_ranks(mesh_axis_groups(mesh, "dp"), ep)
     ep_group = _new_groups(ep_lists, rank, timeout)
     replica_group = _new_groups(replica_lists, rank, timeout)
     my_ep = next(g for g in ep_lists if rank in g)
@@ -271,7 +284,8 @@ def apply_expert_parallel(model: nn.Module, *, dp: int, tp: int, pp: int, ep: in
     for index, layer in enumerate(moe_layers(model)):
         per_rank = layer.num_experts // ep
         keep = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-        layer.experts = nn.ModuleList(layer.experts[i] for i in keep)
+        # kept under their global ids (engine/moe.py): checkpoints name expert e the same on every layout
+        layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in keep})
         expert_params += list(layer.experts.parameters())
         layer.exchange = ExpertExchange(layer, ep_group=ep_group, ep_rank=ep_rank, ep=ep, nodes=nodes,
                                         node_of=[node_of(r) for r in my_ep],

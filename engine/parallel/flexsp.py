@@ -54,12 +54,26 @@ class CostModel:
     bias: float = 0.0  # per-group constant per step (the paper's beta1)
     group_bias: dict[int, float] = field(default_factory=dict)  # group size -> extra constant (ours: collective latency)
     per_seq: float = 0.0  # ours: seconds per packed sequence that every rank of its group pays (not split over g)
+    sizes: tuple[int, ...] = ()
+    """The group sizes this model prices (calibrated ones); a plan uses no other, and pricing another
+    raises instead of counting its all-to-all as free. Empty: every size, as given (hand-made models)."""
+
+    def group_sizes(self, n: int) -> list[int]:
+        """The powers of two up to n that this model prices."""
+        return [g for g in powers_of_two(n) if not self.sizes or g in self.sizes]
+
+    def _check(self, g: int) -> None:
+        if self.sizes and g not in self.sizes:
+            raise ValueError(f"adaptive SP group size {g} was not calibrated (calibrated: "
+                             f"{', '.join(map(str, self.sizes))}); it is refused, not priced as free communication")
 
     def seq_time(self, s: float, g: int) -> float:
+        self._check(g)
         return (self.a1 * s * s + self.a2 * s + self.a2a.get(g, 0.0) * s) / g + self.per_seq
 
     def fixed(self, g: int) -> float:
         """A used group's constant seconds per step."""
+        self._check(g)
         return self.bias + self.group_bias.get(g, 0.0)
 
     def group_time(self, lengths: list[int], g: int) -> float:
@@ -90,12 +104,17 @@ def powers_of_two(n: int) -> list[int]:
     return [1 << i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
 
 
-def min_group_size(length: int, cap: int, n: int) -> int:
-    """The smallest power-of-two group whose per-rank share of `length` tokens fits `cap`."""
-    for g in powers_of_two(n):
+def min_group_size(length: int, cap: int, n: int, sizes: list[int] | None = None) -> int:
+    """The smallest power-of-two group (of `sizes`, default all up to n) whose per-rank share of
+    `length` tokens fits `cap`."""
+    sizes = powers_of_two(n) if sizes is None else sizes
+    for g in sizes:
         if length <= cap * g:
             return g
-    raise ValueError(f"a sequence of {length} tokens exceeds the memory of all {n} ranks ({cap} tokens each)")
+    if max(sizes, default=0) == n:
+        raise ValueError(f"a sequence of {length} tokens exceeds the memory of all {n} ranks ({cap} tokens each)")
+    raise ValueError(f"a sequence of {length} tokens exceeds the memory of the largest usable (calibrated) group "
+                     f"({max(sizes, default=0)} of {n} ranks, {cap} tokens each)")
 
 
 def _bucket_table(srt: np.ndarray, max_buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +182,7 @@ def balanced_plan(lengths: list[int], *, n: int, cap: int, cost: CostModel, buck
     (round robin) over the n/g groups; the best feasible one, or None. `bks`: the buckets, when known."""
     best: Plan | None = None
     bks = bks if bks is not None else buckets_for(lengths, buckets=buckets, n=n, cap=cap)
-    for g in powers_of_two(n):
+    for g in cost.group_sizes(n):
         members: list[list[int]] = [[] for _ in range(n // g)]
         turn = 0
         for _, idx in bks:
@@ -197,21 +216,21 @@ def uniform_plan(lengths: list[int], *, n: int, g: int, cap: int, cost: CostMode
 def greedy_plan(lengths: list[int], *, n: int, cap: int, cost: CostModel) -> Plan:
     """Fallback: the uniform plan of the smallest group size that fits memory; raises when not
     even one group of all n ranks holds the batch."""
-    for g in powers_of_two(n):
+    for g in cost.group_sizes(n):
         plan = uniform_plan(lengths, n=n, g=g, cap=cap, cost=cost)
         if plan is not None:
             return plan
     raise ValueError(f"the step's {sum(lengths)} tokens exceed the memory of all {n} ranks ({cap} tokens each)")
 
 
-def slot_sizes(min_sizes: list[int], n: int) -> list[int]:
+def slot_sizes(min_sizes: list[int], n: int, sizes: list[int] | None = None) -> list[int]:
     """The candidate groups (FlexSP's `get_sp_options_prune`): n/g slots of each size g, except that
     sizes below sp_max (the largest size a sequence needs) share only the ranks left by cnt_max
     groups of sp_max (cnt_max: how many sequences need sp_max)."""
     sp_max = max(min_sizes, default=1)
     cnt_max = min_sizes.count(sp_max)
     left = max(0, n - sp_max * cnt_max)
-    return [g for g in powers_of_two(n) for _ in range((left if g < sp_max else n) // g)]
+    return [g for g in (powers_of_two(n) if sizes is None else sizes) for _ in range((left if g < sp_max else n) // g)]
 
 
 @dataclass(slots=True)
@@ -237,7 +256,8 @@ def build_milp(bks: list[tuple[int, list[int]]], *, n: int, cap: int, cost: Cost
     """The constraints of the module docstring over buckets `bks`, plus the work cut (ours)."""
     from scipy.sparse import coo_matrix
 
-    slots = slot_sizes([min_group_size(b, cap, n) for b, _ in bks], n)
+    usable = cost.group_sizes(n)
+    slots = slot_sizes([min_group_size(b, cap, n, usable) for b, _ in bks], n, usable)
     K, P = len(bks), len(slots)
     nv, mi, Mi = K * P + P + 1, K * P, K * P + P  # A[k,p] (k-major), m[p], M
     total = sum(len(idx) for _, idx in bks)
@@ -314,7 +334,7 @@ def lower_bound(lengths: list[int], *, n: int, cap: int, cost: CostModel) -> flo
     """No plan's slowest group is faster than this: the longest sequence alone in its best feasible
     group, or the least device-seconds of all sequences (each in its cheapest feasible group size,
     plus every rank's share of a group constant) spread over the n devices."""
-    sizes = powers_of_two(n)
+    sizes = cost.group_sizes(n)
     feasible = [[g for g in sizes if s <= cap * g] for s in lengths]
     longest = max(min(cost.seq_time(s, g) + cost.fixed(g) for g in gs) for s, gs in zip(lengths, feasible))
     work = sum(min(g * cost.seq_time(s, g) for g in gs) for s, gs in zip(lengths, feasible)) / n
@@ -328,7 +348,7 @@ def solve(lengths: list[int], *, n: int, cap: int, cost: CostModel, buckets: int
     and the MILP is skipped when one of them is within `gap` of `lower_bound`."""
     t0, c0 = time.perf_counter(), time.thread_time()
     for s in lengths:
-        min_group_size(s, cap, n)  # raises with the reason when a sequence fits nowhere
+        min_group_size(s, cap, n, cost.group_sizes(n))  # raises with the reason when a sequence fits nowhere
     bks = buckets_for(lengths, buckets=buckets, n=n, cap=cap)
     start = balanced_plan(lengths, n=n, cap=cap, cost=cost, buckets=buckets, bks=bks)
     candidates = [start]

@@ -23,16 +23,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    ScheduleInterleaved1F1B,
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.device import host_group
+from engine.torch_compat import (
     _Action,
     _ComputationType,
     _format_pipeline_order,
     _PipelineScheduleRuntime,
+    prepare_schedule_with_comms,
+    rank_operations,
 )
-from torch.nn.parallel import DistributedDataParallel
-
-from engine.device import host_group
 from engine.model import GPT
 from engine.parallel.schedules import _single_stage_order, chunks_per_rank, schedule_actions, stage_to_rank
 from engine.validate import SCHEDULES
@@ -90,7 +92,7 @@ def describe_schedule(schedule: str, pp: int, n_microbatches: int, virtual: int 
         rounds = max(1, n_microbatches // pp)
         fake = SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=n_microbatches,
                                microbatches_per_round=n_microbatches // rounds)
-        orders = {r: [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r) if a]
+        orders = {r: [a for a in rank_operations(ScheduleInterleaved1F1B, fake, r) if a]
                   for r in range(pp)}
     else:
         orders = {r: _single_stage_order(schedule, r, pp, n_microbatches) for r in range(pp)}
@@ -331,6 +333,8 @@ class Pipeline:
         weights = []
         for module in self.modules:
             gpt = _unwrap(module)
+            if not getattr(gpt, "tied", True):  # an untied head (most Hugging Face models) syncs nothing
+                continue
             if gpt.tok_emb is not None:
                 weights.append(gpt.tok_emb.weight)
             if gpt.head is not None:
@@ -403,7 +407,7 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
     # torch's runtime executes any compute-only action list (it adds send/recv, unshard/reshard)
     runner = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=scaled_loss, scale_grads=False)
     runner.pipeline_order = dict(actions)
-    runner._prepare_schedule_with_comms(actions)
+    prepare_schedule_with_comms(runner, actions)
     return Pipeline(stages=stages, schedule=runner, n_microbatches=n_microbatches, clock=clock,
                     embedding_group=_embedding_group(group) if pp > 1 and placement[num_stages - 1] != 0 else None,
                     actions=actions, name=schedule)
@@ -471,7 +475,7 @@ def _embedding_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
 
 def _unwrap(module: nn.Module) -> GPT:
     """The GPT chunk inside a DDP wrapper (FSDP2 and TP modify the module in place)."""
-    return module.module if hasattr(module, "module") and isinstance(module.module, GPT) else module
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _check_schedule(schedule: str) -> None:

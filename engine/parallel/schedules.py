@@ -19,16 +19,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
     ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
+)
+
+from engine.torch_compat import (
     _Action,
     _add_send_recv,
     _ComputationType,
+    add_bubbles_to_actions,
+    generate_stage_to_rank_mapping,
+    rank_operations,
 )
 
 from engine.validate import SCHEDULES, V_SCHEDULES
@@ -74,7 +79,7 @@ def schedule_actions(*, schedule: str, pp: int, n_microbatches: int, virtual: in
         # torch pads ZB1P with bubbles from the other ranks' orders; keep only the actions
         fake = _fake(pp, n_microbatches, v)
         fake.pipeline_order = orders
-        orders = ScheduleInterleavedZeroBubble._add_bubbles_to_actions(fake, pp * v)
+        orders = add_bubbles_to_actions(fake, pp * v)
     return {rank: [a for a in order if a is not None] for rank, order in orders.items()}
 
 
@@ -83,14 +88,14 @@ def _rank_order(schedule: str, rank: int, pp: int, m: int, v: int) -> list[_Acti
         return _single_stage_order(schedule, rank, pp, m)
     fake = _fake(pp, m, v)
     if schedule in ("interleaved", "modular"):
-        return ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank)
+        return rank_operations(ScheduleInterleaved1F1B, fake, rank)
     if schedule == "looped_bfs":
-        return ScheduleLoopedBFS._calculate_single_rank_operations(fake, rank)
+        return rank_operations(ScheduleLoopedBFS, fake, rank)
     if schedule == "zero_bubble":
-        return ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, rank)
+        return rank_operations(ScheduleInterleavedZeroBubble, fake, rank)
     if schedule == "zbv":
-        return ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, rank)
-    return ScheduleDualPipeV._calculate_single_rank_operations(fake, rank)
+        return rank_operations(ScheduleZBVZeroBubble, fake, rank)
+    return rank_operations(ScheduleDualPipeV, fake, rank)
 
 
 def _fake(pp: int, m: int, v: int) -> SimpleNamespace:

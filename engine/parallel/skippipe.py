@@ -28,9 +28,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from engine.model import GPT
+from engine.torch_compat import _Action, _ComputationType
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
 

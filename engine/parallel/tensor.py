@@ -78,7 +78,11 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         raise ValueError(f"tp={tp} must divide model.heads={heads} and model.d_model={d_model}; try {fits}")
     if sequence_parallel and model.cfg.seq_len % tp:
         raise ValueError(f"sequence_parallel needs tp={tp} to divide model.seq_len={model.cfg.seq_len}")
+    own_plan = getattr(model, "tp_block_plan", None)  # a Hugging Face model brings its own (engine/hf.py)
     for block in model.layers.values():
+        if own_plan is not None:
+            parallelize_module(block, tp_mesh, own_plan(sequence_parallel))
+            continue
         plan = _block_plan(sequence_parallel)
         if not isinstance(block.mlp, MLP):  # an MoE block: experts stay replicated over tp (engine/parallel/expert.py)
             plan = {k: v for k, v in plan.items() if not k.startswith("mlp")}

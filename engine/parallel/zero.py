@@ -1,37 +1,48 @@
 """ZeRO (Rajbhandari et al. 2020) sharded data parallelism over the dp mesh axis.
 
-stage 1: optimizer states sharded. DDP + `ZeroRedundancyOptimizer(AdamW)`; with tensor
-         parallelism, FSDP2 `replicate` + `DTensorZeroOptimizer` (below).
-stage 2: + gradients sharded. FSDP2 `fully_shard(reshard_after_forward=False)` per block,
-         then on the root: the FSDP2 equivalent of ZeRO-2. Each block's gradients are
-         reduce-scattered (and their unsharded copies freed) as soon as that block's backward
-         ends, so at most one block's full gradients live next to the root's (embeddings,
-         final norm) and the shards. Unlike DeepSpeed's ZeRO-2, parameters are sharded at
-         rest (between steps): they are all-gathered once before forward and kept unsharded
-         until backward has used them, so there is no all-gather in backward (same traffic
-         as ZeRO-2: reduce-scatter of gradients + one all-gather of parameters per step).
-stage 3: + parameters sharded. The same per-block groups with `reshard_after_forward=True`:
-         each block is re-gathered in backward (1.5x traffic).
+What each stage does per optimizer step of `accum` micro-batches (G FSDP2 groups: one per block
+in `model.layers`, then the root with the embeddings, the tied head and the final norm):
+
+stage 1: optimizer states sharded. DDP (or, with tensor parallelism, FSDP2 `replicate`) with
+         no-sync accumulation: one gradient all-reduce per step, after the last micro-batch;
+         `ZeroRedundancyOptimizer(AdamW)` (`DTensorZeroOptimizer` for DTensor parameters,
+         below) steps each rank's share and broadcasts it.
+stage 2: + gradients sharded. FSDP2 `fully_shard(reshard_after_forward=False)` per group.
+         Every micro-batch's backward reduce-scatters each group's gradients as soon as that
+         group's backward ends (and frees the unsharded copy), as DeepSpeed's ZeRO-2 reduces
+         gradients every micro-batch; the sharded gradients accumulate. Parameters are
+         all-gathered once per step, before the first micro-batch's forward, and stay
+         unsharded through every micro-batch (`keep_gathered`: reshard-after-backward off on
+         all but the last) until the last backward: G all-gathers per step at any `accum`.
+         Ours, unlike DeepSpeed's ZeRO-2: parameters are sharded at rest (between steps), so
+         the step's one all-gather replaces DeepSpeed's parameter all-gather after the step;
+         the bytes per step are the same (one reduce-scatter per micro-batch, one all-gather).
+stage 3: + parameters sharded. The same groups with `reshard_after_forward=True`: each group is
+         all-gathered before its forward and again before its backward, in every micro-batch
+         (2 x G x accum all-gathers per step, plus the reduce-scatters). `reshard_after_forward=
+         False` keeps them gathered from forward to backward within a micro-batch (G x accum).
 
 Composes with tensor parallelism: FSDP2 shards the dp sub-mesh of a model already
-parallelized over the tp sub-mesh of the same (pp, dp, tp) mesh (2-D FSDP+TP).
+parallelized over the tp sub-mesh of the same (pp, dp, tp) mesh (2-D FSDP+TP). Under a
+pipeline, torch's schedule runs the micro-batches and does its own no-sync accumulation.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import AdamW, Optimizer
 
 from engine.parallel.data import apply_data_parallel
+from engine.torch_compat import _flatten_dense_tensors, _unflatten_dense_tensors, fused_kernel_devices
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +74,19 @@ def apply_zero(model: nn.Module, dp_mesh: DeviceMesh, *, stage: int, reshard_aft
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+@contextlib.contextmanager
+def keep_gathered(model: nn.Module) -> Iterator[None]:
+    """ZeRO-2's context for a micro-batch other than the step's last: its backward still
+    reduce-scatters the gradients, but the parameters stay unsharded afterwards, so the next
+    micro-batch's forward all-gathers nothing (FSDP2's `set_reshard_after_backward`, restored on
+    exit: the last micro-batch reshards, and parameters are sharded at rest)."""
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_backward(True)
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -117,9 +141,7 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
     """Whether AdamW's fused kernel takes `params`: floating point, on a device type torch has it
     for (CPU and CUDA). One kernel per step instead of a chain of foreach ops: on this 2-core host
     a 6.3M-parameter step took 6.5 ms fused against 40.3 ms with foreach (`bench/optimizer.py`)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    devices = set(_get_fused_kernels_supported_devices())
+    devices = set(fused_kernel_devices())
     return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from profilers.store import RunStore, default_home
-from workbench import plots, report
+from workbench import fmt, plots, report
 
 LIVE_TTL_S = 1.0
 BREAKDOWN_STEPS = 500  # steps drawn in the breakdown-over-the-run chart (evenly spaced, last kept)
@@ -46,7 +46,7 @@ def runs_table(home_path: str, limit: int = 200) -> pd.DataFrame:
         lay = r.get("layout") or {}
         out.append({"run_id": r["run_id"], "name": r["name"], "status": r["status"],
                     "ranks": r["world_size"],
-                    "layout": f"dp{lay.get('dp', '?')} tp{lay.get('tp', '?')} pp{lay.get('pp', '?')}",
+                    "layout": fmt.layout(lay, r.get("config")),
                     "emulated": bool(r.get("emulated")),
                     "created": pd.to_datetime(r.get("created") or 0, unit="s"),
                     "error": r.get("error") or ""})
@@ -89,14 +89,10 @@ def collectives_table(home_path: str, run_id: str, version: tuple[Any, ...]) -> 
 
 
 def shown(value: Any) -> str:
-    """A value as people read it: floats to 4 significant digits (thousands separated), the rest as is."""
-    if isinstance(value, bool) or value is None:
-        return "" if value is None else str(value)
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return ""
-        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
-    return str(value)
+    """A value as people read it (`workbench.fmt.num`); empty for a missing one."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    return fmt.num(value)
 
 
 def empty_runs_message() -> None:
@@ -116,11 +112,16 @@ def run_label(row: pd.Series) -> str:
 def run_header(run: dict[str, Any]) -> None:
     """Status, layout, emulated-link badge and the failure reason of one run."""
     lay = run.get("layout") or {}
-    cols = st.columns(4)
+    cols = st.columns([1, 1, 3, 1])  # the layout names five axes
     cols[0].metric("status", run["status"])
     cols[1].metric("ranks", run["world_size"])
-    cols[2].metric("layout", f"dp{lay.get('dp', '?')} · tp{lay.get('tp', '?')} · pp{lay.get('pp', '?')}")
+    cols[2].metric("layout", fmt.layout(lay, run.get("config")))
     cols[3].metric("link", "emulated" if run.get("emulated") else "real")
+    from workbench.report import model_line
+
+    model = model_line(run.get("config"))
+    if model:
+        st.caption(f"Model: {model}")
     if run.get("emulated"):
         st.warning("Emulated link: communication was slowed to the configured bandwidth and latency "
                    "(link.*); timings are not this machine's real network.", icon=":material/network_check:")
@@ -139,14 +140,14 @@ def headline(data: dict[str, Any]) -> None:
         return
     last = steps.iloc[-1]
 
-    def fmt(key: str, spec: str, scale: float = 1.0) -> str:
-        value = last.get(key)
-        return "n/a" if value is None or pd.isna(value) else format(value * scale, spec)
+    def value(key: str) -> float | None:
+        v = last.get(key)
+        return None if v is None or pd.isna(v) else float(v)
 
-    cols[0].metric("step", int(last["step"]))
-    cols[1].metric("loss", fmt("loss", ".4f"))
-    cols[2].metric("tokens/s", fmt("tokens_per_s", ",.0f"))
-    cols[3].metric("MFU", fmt("mfu", ".2f", 100.0) + (" %" if pd.notna(last.get("mfu", None)) else ""))
+    cols[0].metric("step", fmt.count(last["step"]))
+    cols[1].metric("loss", fmt.num(value("loss")))
+    cols[2].metric("tokens/s", fmt.num(value("tokens_per_s")))
+    cols[3].metric("MFU", fmt.pct(value("mfu")))
 
 
 UNIT_LABELS = {"%": "percent (%)", "GiB": "memory (GiB)", "B/s": "throughput (B/s)", "W": "power (W)",
@@ -166,6 +167,14 @@ def timeline_figures(samples: pd.DataFrame, what: str) -> list[Any]:
     return figs
 
 
+def _no_breakdown_reason(data: dict[str, Any]) -> str:
+    """Why a run has no breakdown yet: no step so far, or profiling is off in its config."""
+    profile = ((data["run"] or {}).get("config") or {}).get("profile") or {}
+    if profile.get("enabled", True) is False:
+        return "no breakdown: profile.enabled is false in this run's config"
+    return "waiting for the first step" if data["steps"].empty else "no breakdown records yet"
+
+
 def run_charts(data: dict[str, Any], key: str) -> None:
     """Every chart of one run, two per row; a chart without data says what it waits for."""
     steps, table, last = data["steps"], data["breakdown"], data["breakdown_ranks"]
@@ -177,8 +186,7 @@ def run_charts(data: dict[str, Any], key: str) -> None:
         charts += [plots.fig_breakdown_ranks(last, int(last["step"].max())),
                    plots.fig_breakdown_steps(table)]
     else:
-        charts.append(plots.empty_figure("Step-time breakdown", "no breakdown records yet "
-                                         "(profile.enabled must be true)"))
+        charts.append(plots.empty_figure("Step-time breakdown", _no_breakdown_reason(data)))
     charts.append(plots.fig_busbw(data["comm"]) if len(data["comm"]) else
                   plots.empty_figure("Collective bus bandwidth", "no collective records"))
     charts.append(plots.fig_memory(data["memory"]) if len(data["memory"]) else
@@ -193,7 +201,8 @@ def run_charts(data: dict[str, Any], key: str) -> None:
     for i in range(0, len(charts), 2):
         cols = st.columns(2)
         for col, fig in zip(cols, charts[i:i + 2]):
-            col.plotly_chart(fig, width="stretch", key=f"{key}-{i}-{fig.layout.title.text}")
+            # keyed by title alone: a chart keeps its element when charts before it come or go
+            col.plotly_chart(fig, width="stretch", key=f"{key}-{fig.layout.title.text}")
 
 
 # -- studies ---------------------------------------------------------------------------------
@@ -273,3 +282,9 @@ def trials_frame(home_path: str, name: str) -> pd.DataFrame:
         row["duration(s)"] = t.duration.total_seconds() if t.duration else None
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def collectives_shown(frame: pd.DataFrame) -> pd.DataFrame:
+    """`report.collectives_frame` for people: whole counts, bytes in KiB/MiB/GiB, durations in their unit."""
+    return fmt.frame(frame, {"count": fmt.count, "bytes": fmt.size, "time(s)": fmt.seconds,
+                             "busbw(GB/s)": fmt.num}).rename(columns={"time(s)": "time"})

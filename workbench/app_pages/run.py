@@ -154,7 +154,7 @@ def live_panel(run_id: str, shown_status: str) -> None:
         collectives = common.collectives_table(home, run_id, common.run_version(data))
         if len(collectives):
             st.caption("Collectives per mesh axis and type (per rank, whole run)")
-            st.dataframe(collectives, hide_index=True)
+            st.dataframe(common.collectives_shown(collectives), hide_index=True)
     with st.container():  # Mixture-of-Experts: expert load and dropped tokens (empty for dense runs)
         moe = report.moe_report(common.store(), run_id)
         if moe:
@@ -181,7 +181,12 @@ def flexsp_panel(run_id: str) -> None:
     """Adaptive SP (FlexSP): each step's groups (sizes, tokens) and predicted vs measured time."""
     from workbench.flexsp_view import flexsp_frames
 
-    steps, groups = flexsp_frames(common.store().metrics(run_id, as_frame=True))
+    import pandas as pd
+
+    # only the two plan kinds: the whole run's records took 0.5 s a render at 100k records
+    store = common.store()
+    plans = [store.metrics(run_id, kind=kind, as_frame=True) for kind in ("flexsp", "flexsp_group")]
+    steps, groups = flexsp_frames(pd.concat(plans, ignore_index=True))
     if steps.empty:
         return
     import plotly.express as px
@@ -191,8 +196,14 @@ def flexsp_panel(run_id: str) -> None:
     if not groups.empty:
         fig = px.bar(groups, x="step", y="size", color="tokens", hover_data=["first_rank", "sequences",
                      "predicted(s)", "measured(s)"], labels={"size": "ranks per group"})
+        fig.update_yaxes(dtick=1, tickformat="d")  # whole ranks
+        fig.update_xaxes(dtick=1, tickformat="d")  # whole steps
         st.plotly_chart(fig, key=f"flexsp-groups-{run_id}")
-    st.dataframe(steps, hide_index=True)
+    from workbench import fmt
+
+    seconds_columns = {c: fmt.seconds for c in steps.columns if c.endswith("(s)")}
+    counts = {c: fmt.count for c in ("step", "groups", "max_tokens_per_rank", "token_cap", "milp") if c in steps}
+    st.dataframe(fmt.frame(steps, {**seconds_columns, **counts}), hide_index=True)
 
 
 st.title("Run")
@@ -205,6 +216,8 @@ runs = common.runs_table(str(common.home()))
 follow_launched(list(runs["run_id"]))  # before the poller: once it is picked, polling stops
 with pending_slot:
     st.fragment(run_every=1.0 if launched_job() else None)(pending_panel)()
+if launched_job() is not None:  # "Starting…" alone: not the previous run's charts under it
+    st.stop()
 if runs.empty:
     common.empty_runs_message()
     st.stop()

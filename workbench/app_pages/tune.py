@@ -89,7 +89,7 @@ def controls(home: str, name: str, control: Any) -> list[int]:
     st.caption(f"workers running: {', '.join(map(str, pids)) if pids else 'none'} · "
                f"{'paused' if paused else 'active'}")
     c1, c2, c3 = st.columns(3)
-    if c1.button("Pause", disabled=paused, icon=":material/pause:"):
+    if c1.button("Pause", disabled=paused or not pids, icon=":material/pause:"):  # nothing to pause once it ended
         control.pause(name, storage)
         st.rerun()
     if c2.button("Resume", disabled=not paused, icon=":material/play_arrow:"):
@@ -182,16 +182,42 @@ def study_panel(home: str, name: str) -> None:
     for i in range(0, len(figs), 2):
         for col, fig in zip(st.columns(2), figs[i:i + 2]):
             col.plotly_chart(fig, width="stretch", key=f"study-{name}-{i}-{fig.layout.title.text}")
+    order_panel(home, name)
     st.subheader("Trials")
     shown = trials.sort_values("number", ascending=False).head(MAX_TABLE_ROWS)
+    if OBJECTIVE in shown:
+        shown = shown.assign(**{OBJECTIVE: pd.to_numeric(shown[OBJECTIVE], errors="coerce").round()})
     if len(trials) > MAX_TABLE_ROWS:
         st.caption(f"newest {MAX_TABLE_ROWS} of {len(trials)} trials")
     st.dataframe(shown, hide_index=True, width="stretch", column_config={
-        OBJECTIVE: st.column_config.NumberColumn(format="%.0f"),
+        OBJECTIVE: st.column_config.NumberColumn(format="localized"),  # 45,815: thousands separated
+        "run_id": st.column_config.TextColumn(width="large"),  # never cut to "tune-ui-"
         "val_loss": st.column_config.NumberColumn(format="%.4f"),
         "duration(s)": st.column_config.NumberColumn(format="%.1f"),
         "reason": st.column_config.TextColumn(width="large")})
     jobs_panel(home, name)
+
+
+def order_panel(home: str, name: str) -> None:
+    """Predicted vs measured order of the finished trials (tuning.warmstart.prediction_order): whether the
+    simulator, raw and corrected with the other trials, ranks them as they ran."""
+    from optuna.trial import TrialState
+
+    from tuning.warmstart import prediction_order
+    from workbench.app_pages.studies import in_memory
+
+    directions, trials = common.study_trials(home, name)
+    done = [t for t in trials if t.state == TrialState.COMPLETE and "predicted_tokens_per_s" in t.user_attrs]
+    if len(done) < 2 or len(directions) != 1:
+        return
+    order = prediction_order(in_memory(directions, done, name))
+    st.subheader("Predicted vs measured order")
+    st.caption(f"pairs of finished trials ordered as measured: raw {100 * order.attrs['raw_agreement']:.0f}%, "
+               f"corrected {100 * order.attrs['corrected_agreement']:.0f}% (each trial corrected without its own run)")
+    st.dataframe(order.sort_values("measured_rank")[["trial", "strategy_class", "compressor", "measured_rank",
+                                                      "predicted_rank", "corrected_rank", "measured"]],
+                 hide_index=True, width="stretch", column_config={"measured": st.column_config.NumberColumn(
+                     "measured tokens/s", format="%.0f")})
 
 
 def jobs_panel(home: str, name: str) -> None:

@@ -76,6 +76,18 @@ else:
     m[3].metric("MFU", f"{100 * result.mfu:.1f} %")
     m[4].metric("memory per GPU (GB)", f"{result.memory_per_gpu_gb:.1f}", "fits" if result.fits else "does not fit",
                 delta_color="normal" if result.fits else "inverse")
+    from tuning.sim_domain import prediction
+
+    where = prediction(result.iteration_time_s, hardware=spec.name, framework=par.framework, tp=tp, pp=pp,
+                       virtual=virtual, zero=zero, gpus=par.gpus, micro=micro, params=float(MODEL.params),
+                       seq=MODEL.seq)
+    near = "; ".join(f"{n['id']} ({n['error_pct']:+.1f}%)" for n in where["domain"]["nearest"])
+    lo, hi = where["interval_s"]
+    if where["domain"]["inside"]:
+        st.caption(f"Inside the validated domain: measured time likely {lo:.3g}-{hi:.3g} s; nearest published rows: {near}")
+    else:
+        st.warning(f"Extrapolated: {'; '.join(where['domain']['reasons'])}. Measured time likely {lo:.3g}-{hi:.3g} s "
+                   f"(interval widened); nearest published rows: {near}")
     left, right = st.columns(2)
     left.plotly_chart(plots.fig_sim_breakdown(result.breakdown), width="stretch")
     right.plotly_chart(plots.fig_sim_memory(result.memory_breakdown_gb, spec.memory_gb), width="stretch")

@@ -1,0 +1,133 @@
+"""Every private torch symbol the engine uses, named once (issue 36.5).
+
+torch's pipelining, context-parallel, FSDP2 and c10d internals the engine builds on are not public
+API: they move or change between releases. The engine imports them from here only, so a new torch
+breaks in one file with one clear line, and `tests/test_torch_compat.py` imports every symbol below
+and checks it does what the engine expects on the installed torch.
+
+Tested: torch 2.13.0 (TESTED_TORCH; pyproject.toml's [tool.workbench] tested-torch states the same range). Another version imports
+with a warning; a symbol missing there raises an ImportError naming it and the tested range.
+Lazily imported symbols (context parallel, replicate, the fused-kernel devices) are looked up on
+first use, as the engine did before. tuning/ takes `_Action` from here too; profilers/ imports
+nothing of ours, so its one private name, the `torch.ops._c10d_functional` namespace it times
+(profilers/functional.py), stays there.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+
+TESTED_TORCH = ((2, 13), (2, 14))  # [low, high): the releases this adapter was tested on
+TESTED_RANGE = "torch>=2.13,<2.14"
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of `version` (default: the installed torch), e.g. "2.13.0+cpu" -> (2, 13)."""
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """None inside the tested range; else one line naming the version and the range."""
+    got = torch_version(version)
+    low, high = TESTED_TORCH
+    if low <= got < high:
+        return None
+    return (f"torch {version or torch.__version__} is outside the range the engine's private-API adapter "
+            f"(engine/torch_compat.py) was tested on: {TESTED_RANGE}; run tests/test_torch_compat.py on it")
+
+
+def _private(module: str, name: str) -> Any:
+    """`module.name`, or an ImportError naming the symbol, the installed torch and the tested range."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"{module}.{name} is not in torch {torch.__version__} (engine/torch_compat.py, "
+                          f"tested on {TESTED_RANGE}): {exc}") from exc
+
+
+_problem = version_problem()
+if _problem:
+    warnings.warn(_problem, RuntimeWarning, stacklevel=2)
+
+# ---- pipelining: schedules as action lists, torch's runtime executes them
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_Action = _private(_SCHEDULES, "_Action")
+_ComputationType = _private(_SCHEDULES, "_ComputationType")
+_format_pipeline_order = _private(_SCHEDULES, "_format_pipeline_order")
+_PipelineScheduleRuntime = _private(_SCHEDULES, "_PipelineScheduleRuntime")
+_add_send_recv = _private(_SCHEDULES, "_add_send_recv")
+generate_stage_to_rank_mapping = _private("torch.distributed.pipelining._utils", "generate_stage_to_rank_mapping")
+
+# ---- ZeRO, FSDP2, functional collectives
+_flatten_dense_tensors = _private("torch._utils", "_flatten_dense_tensors")
+_unflatten_dense_tensors = _private("torch._utils", "_unflatten_dense_tensors")
+ReduceScatter = _private("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter")
+all_to_all_single_autograd = _private("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+
+
+def rank_operations(schedule_cls: type, fake: Any, rank: int) -> list:
+    """torch's own action list of one rank (`Schedule*._calculate_single_rank_operations`), run on
+    `fake`, a stand-in carrying the attributes it reads (n_local_stages, pp_group_size,
+    _n_microbatches, ...)."""
+    return schedule_cls._calculate_single_rank_operations(fake, rank)
+
+
+def add_bubbles_to_actions(fake: Any, num_stages: int) -> dict:
+    """ZB1P's orders padded with torch's bubbles (`ScheduleInterleavedZeroBubble._add_bubbles_to_actions`)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    return ScheduleInterleavedZeroBubble._add_bubbles_to_actions(fake, num_stages)
+
+
+def prepare_schedule_with_comms(runner: Any, actions: dict) -> None:
+    """Load compute-only `actions` into a `_PipelineScheduleRuntime` (it adds send/recv)."""
+    runner._prepare_schedule_with_comms(actions)
+
+
+# ---- c10d
+def default_group() -> Any:
+    """The default (world) process group."""
+    return torch.distributed.distributed_c10d._get_default_group()
+
+
+def rank_not_in_group(group: Any) -> bool:
+    """Whether this rank is outside `group`."""
+    return torch.distributed.distributed_c10d._rank_not_in_group(group)
+
+
+def c10d_functional_ops() -> Any:
+    """The `torch.ops._c10d_functional` namespace (DTensor's functional collectives)."""
+    return torch.ops._c10d_functional
+
+
+def ddp_ignore_params(model: torch.nn.Module, names: list[str]) -> None:
+    """Parameters DDP leaves alone (`DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`)."""
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def fused_kernel_devices() -> list[str]:
+    """Device types with fused optimizer kernels (`torch.utils._foreach_utils`)."""
+    return list(_private("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices")())
+
+
+def replicate_with_fsdp() -> Any:
+    """FSDP2's `replicate` (`torch.distributed._composable.replicate_with_fsdp`)."""
+    return _private("torch.distributed._composable.replicate_with_fsdp", "replicate")
+
+
+# ---- context parallel (CUDA ring attention)
+def cp_attention() -> ModuleType:
+    """torch's context-parallel attention module (`torch.distributed.tensor.experimental._attention`)."""
+    return _private("torch.distributed.tensor.experimental", "_attention")
+
+
+def enable_ring_attention_dispatch(*, load_balance: bool = False) -> None:
+    """From here on, SDPA on sequence-sharded DTensors runs torch's ring attention."""
+    module = cp_attention()
+    module._cp_options.enable_load_balance = load_balance
+    module._enable_context_parallel_dispatcher()

@@ -1,0 +1,256 @@
+"""Runs one cell of the compatibility matrix (engine/compat.py) on real gloo ranks.
+
+A cell's runs go through one `run_ranks` call (forkserver ranks, the engine's own Trainer on each),
+in this order: the cell's run (checkpoint at CHECKPOINT_STEP), the same-layout resume chain with
+dropout on where validate() allows it (a second run and its resume), then the resume in the other
+layout from the first run's checkpoint. Rank 0 appends each run's losses to a file as it ends, so
+a run that fails or hangs loses nothing before it. The parity reference runs in this process when
+it is one process, on its own ranks otherwise, and once per distinct reference.
+
+`PYTHONPATH=. python tests/matrix_runner.py CELL ...` runs cells and prints their results (nothing recorded;
+`make matrix CELLS=...` records them and regenerates docs/compatibility.md).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from engine import compat
+
+_REFERENCES: dict[str, list[float] | str] = {}  # reference key -> losses, or the error it raised
+
+
+def tiny_entry():
+    """model.entry of the matrix: the built-in GPT at BASE's shape and byte windows of the stdlib
+    corpus as a user's (input, target) dataset (engine/data.py MapDataset)."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.data import stdlib_corpus
+    from engine.model import build_model
+
+    b = compat.BASE
+    cfg = ModelConfig(layers=b["model.layers"], d_model=b["model.d_model"], heads=b["model.heads"],
+                      seq_len=b["model.seq_len"], vocab=b["model.vocab"])
+    tokens = torch.frombuffer(bytearray(stdlib_corpus()[:65536]), dtype=torch.uint8).to(torch.int64)
+    n, seq = 512, cfg.seq_len
+    windows = [tokens[i * seq:(i + 1) * seq + 1] for i in range(n)]
+    return build_model(cfg, seed=0), [(w[:-1], w[1:]) for w in windows]
+
+
+# ---------------------------------------------------------------- inside a rank
+
+def _config(flat: dict[str, Any]):
+    from engine.config import from_dict
+    from engine.validate import validate
+
+    return validate(from_dict(compat.nested(flat)))
+
+
+def acting_knobs(flat: dict[str, Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The live knobs of `offered` that can act in a run of these overrides (engine.live's rule)."""
+    from engine.errors import ConfigError
+    from engine.live import inert_knobs
+
+    cfg, out = _config(flat), {}
+    for key, value in offered.items():
+        try:
+            if not inert_knobs(cfg, {key: value}):
+                out[key] = value
+        except ConfigError:  # e.g. batch.micro that global batch / dp does not divide
+            pass
+    return out
+
+
+def _losses(flat: dict[str, Any], knobs: dict[str, Any]) -> list[float]:
+    """One Trainer run of these overrides; `knobs` applied at every step from step 1 (live tuning)."""
+    import torch
+
+    from engine.train import Trainer
+
+    def on_boundary(trainer, step: int) -> None:
+        if knobs and step >= 1:
+            trainer.apply_knobs(knobs)
+
+    trainer = Trainer(_config(flat), device=torch.device("cpu"))
+    return [m.loss for m in trainer.run(on_boundary)]
+
+
+def _error_line(exc: BaseException) -> str:
+    """The exception in one line; for a DCP CheckpointException, the first failing rank's own."""
+    failures = getattr(exc, "failures", None)
+    if failures:  # torch.distributed.checkpoint: {rank: (exception, stack)}
+        rank, (inner, _) = min(failures.items())
+        return f"{type(exc).__name__} on ranks {sorted(failures)}: (rank {rank}) {_error_line(inner)}"[:500]
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+def _rank_body(rank: int, world: int, runs: list[dict[str, Any]], out: str) -> None:
+    """Each run in order; rank 0 appends {name, losses} or {name, error} per run. Stops at an error."""
+    for run in runs:
+        flat = dict(run["config"])
+        if run.get("checkpoint"):
+            flat.update({"train.checkpoint_interval": compat.CHECKPOINT_STEP,
+                         "train.checkpoint_dir": str(Path(out) / run["name"])})
+        if run.get("resume"):
+            flat["train.resume_from"] = str(Path(out) / run["resume"] / f"step{compat.CHECKPOINT_STEP:06d}")
+        t0 = time.perf_counter()
+        try:
+            got: dict[str, Any] = {"losses": _losses(flat, run.get("knobs") or {})}
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - recorded (DCP's CheckpointException is a BaseException)
+            got = {"error": _error_line(exc)}
+        if rank == 0:
+            with open(Path(out) / "runs.jsonl", "a") as f:
+                f.write(json.dumps({"name": run["name"], "seconds": round(time.perf_counter() - t0, 2), **got}) + "\n")
+        if "error" in got:
+            return
+
+
+# ---------------------------------------------------------------- the parent
+
+def _run_on_ranks(world: int, runs: list[dict[str, Any]], timeout: float) -> dict[str, dict[str, Any]]:
+    """The runs on `world` ranks; {name: result}, with a failed harness (a hang, a crash) recorded
+    on the first run that has no result."""
+    from parallel_harness import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="matrix-") as tmp:
+        failure = None
+        try:
+            run_ranks(world, _rank_body, runs, tmp, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - RankFailure or a timeout: keep what finished
+            lines = str(exc).strip().splitlines()
+            failure = (lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else ""))[:500]
+        path = Path(tmp) / "runs.jsonl"
+        done = {r["name"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    missing = [r["name"] for r in runs if r["name"] not in done]
+    if missing and failure:
+        done[missing[0]] = {"name": missing[0], "error": failure}
+    return done
+
+
+def _reference(plan: compat.Plan, knobs: dict[str, Any]) -> list[float] | str:
+    """The reference's losses (computed once per distinct reference), or the error it raised."""
+    key = json.dumps([plan.reference, knobs], sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        world = compat.world_of(plan.reference)
+        if world == 1:
+            import torch
+
+            torch.set_num_threads(1)
+            try:
+                _REFERENCES[key] = _losses(plan.reference, knobs)
+            except Exception as exc:  # noqa: BLE001
+                _REFERENCES[key] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        else:
+            got = _run_on_ranks(world, [{"name": "reference", "config": plan.reference, "knobs": knobs}], 300)
+            r = got.get("reference", {"error": "no result"})
+            _REFERENCES[key] = r.get("losses") or r["error"]
+    return _REFERENCES[key]
+
+
+def _diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return float("inf")
+    return max((abs(x - y) for x, y in zip(a, b)), default=float("inf"))
+
+
+def _runs(plan: compat.Plan, knobs: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """The runs of a cell in order, and the run the same-layout resume continues."""
+    runs = [{"name": "cell", "config": plan.config, "checkpoint": True, "knobs": knobs}]
+    chain = "cell"
+    if plan.dropout_config != plan.config:  # dropout on: a chain of its own (RNG state restored)
+        runs.append({"name": "dropout", "config": plan.dropout_config, "checkpoint": True, "knobs": knobs})
+        chain = "dropout"
+    runs.append({"name": "resume_same", "config": plan.dropout_config, "resume": chain, "knobs": knobs})
+    if plan.other is not None:
+        other_knobs = {k: v for k, v in knobs.items() if k in acting_knobs(plan.other, knobs)}
+        runs.append({"name": "resume_other", "config": plan.other, "resume": "cell", "knobs": other_knobs})
+    return runs, chain
+
+
+def run_cell(cell_id: str, timeout: float = 400.0) -> dict[str, Any]:
+    """Run an accepted cell; its result (what docs/data/matrix.json records)."""
+    plan = compat.plan(compat.Cell.parse(cell_id))
+    t0 = time.perf_counter()
+    knobs = acting_knobs(plan.config, compat.LIVE_CANDIDATES) if plan.live else {}
+    runs, chain = _runs(plan, knobs)
+    got = _run_on_ranks(plan.world, runs, timeout)
+    full, chain_full = got.get("cell", {}), got.get(chain, {})
+    tail = slice(compat.CHECKPOINT_STEP, compat.STEPS)
+    result: dict[str, Any] = {"cell": plan.cell, "key": plan.key, "world": plan.world, "knobs": knobs,
+                              "test": f"tests/test_matrix.py::test_cell[{plan.cell}]"}
+    errors = {name: r["error"] for name, r in got.items() if "error" in r}
+    errors.update({r["name"]: "not run (an earlier run failed)" for r in runs if r["name"] not in got})
+    if plan.reference_kind == "itself":
+        result["parity"] = {"reference": "itself", "ok": "losses" in full}
+    else:
+        ref_knobs = {k: v for k, v in knobs.items() if k in acting_knobs(plan.reference, knobs)}
+        ref = _reference(plan, ref_knobs)
+        if isinstance(ref, str):
+            errors["reference"] = ref
+            result["parity"] = {"reference": plan.reference_kind, "ok": False}
+        else:
+            diff = _diff(full.get("losses", []), ref)
+            result["parity"] = {"reference": plan.reference_kind, "diff": diff, "tol": plan.tol, "ok": diff <= plan.tol,
+                                "losses": full.get("losses"), "reference_losses": ref}
+    same = _diff(got.get("resume_same", {}).get("losses", []), chain_full.get("losses", [])[tail])
+    result["resume_same"] = {"diff": same, "ok": same <= compat.RESUME_TOL,
+                             "dropout": 0.0 if plan.dropout_note else compat.DROPOUT, "note": plan.dropout_note}
+    if plan.other is None:
+        result["resume_other"] = {"na": plan.other_note, "ok": True}
+    else:
+        other = _diff(got.get("resume_other", {}).get("losses", []), full.get("losses", [])[tail])
+        result["resume_other"] = {"layout": plan.other_note, "diff": other, "tol": plan.other_tol,
+                                  "ok": other <= plan.other_tol}
+    result["errors"] = errors
+    result["ok"] = not errors and all(result[k]["ok"] for k in ("parity", "resume_same", "resume_other"))
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["run_seconds"] = {name: r.get("seconds") for name, r in got.items()}
+    return result
+
+
+def summary(result: dict[str, Any]) -> str:
+    """One line per result: the figures a failure message shows."""
+    p, s, o = result["parity"], result["resume_same"], result["resume_other"]
+    parts = [f"{result['cell']} ({result['world']} ranks, {result['seconds']} s):",
+             f"parity vs {p['reference']}" + (f" {p['diff']:.2e} (tol {p['tol']:.0e})" if "diff" in p else ""),
+             f"resume same {s['diff']:.2e}", f"other {o['diff']:.2e} [{o['layout']}]" if "diff" in o else "other n/a"]
+    if result["errors"]:
+        parts.append(f"errors {result['errors']}")
+    return " ".join(parts)
+
+
+def record(result: dict[str, Any], path: str | Path) -> None:
+    """Merge one result into the results file (locked: several processes may record)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:  # the file is its own lock
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        data = json.loads(text) if text.strip() else {}
+        data[result["cell"]] = result
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+
+
+def main(cells: list[str]) -> None:
+    for cell in cells:
+        print(summary(run_cell(cell)), flush=True)
+
+
+if __name__ == "__main__":  # through the importable module, so the ranks unpickle its functions
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import matrix_runner
+
+    matrix_runner.main(sys.argv[1:])

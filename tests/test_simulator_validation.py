@@ -1,0 +1,252 @@
+"""The simulator against published measurements (issue 38): every cited row priced or excluded, fits that
+read only calibration rows, ranking per table, memory facts, the domain of validity, and the shapes read
+from a Hugging Face config (issue 37). No timing is measured here: the published figures are data."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from tuning.hardware import PRESETS, load_cluster
+from tuning.published import DATA, calibration_rows, held_out_rows, memory_facts, sources, validation_table
+from tuning.simulator import ModelSpec, ParallelSpec, simulate
+
+# the published configs' shape fields (meta-llama/Meta-Llama-3-8B and -70B config.json)
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                 max_position_embeddings=8192)
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672)
+
+
+@pytest.fixture(scope="module")
+def table():
+    return validation_table()
+
+
+# ---------------------------------------------------------------- the data
+
+def test_every_row_of_every_cited_table_is_priced_or_excluded() -> None:
+    data = yaml.safe_load(DATA.read_text())
+    for key, src in data["sources"].items():
+        rows = sum(r["source"] == key for r in data["rows"])
+        excluded = sum(e["count"] for e in src["excluded"])
+        assert rows + excluded == src["rows_in_source"], key
+        assert all(e["reason"] for e in src["excluded"]), key
+    # the MosaicML README's tables, counted there (scripts/train/benchmarking/README.md): no row left out
+    counts = {k: data["sources"][k]["rows_in_source"] for k in data["sources"] if k.startswith("mosaicml")}
+    assert counts == {"mosaicml-a100-80": 61, "mosaicml-a100-40": 78, "mosaicml-h100-80": 52,
+                      "mosaicml-h100-large": 18, "mosaicml-h100-fp8": 7}
+    oom = [r for r in data["rows"] if r.get("oom")]
+    assert len(oom) == 3 and all("value" not in r for r in oom)
+
+
+def test_fits_never_read_a_held_out_row(tmp_path) -> None:
+    from tuning.sim_fit import fit_cluster, fit_frameworks
+
+    data = yaml.safe_load(DATA.read_text())
+    for row in data["rows"]:
+        if not row["fitted"] and "value" in row:
+            row["value"] = row["value"] * 3.0  # garbage in every held-out row
+            row["layers"] = 1  # and an unpriceable shape for most
+    garbled = tmp_path / "published.yaml"
+    garbled.write_text(yaml.safe_dump(data))
+    assert {r.id for r in calibration_rows(garbled)} == {r.id for r in calibration_rows()}
+    assert not any(r.fitted for r in held_out_rows(garbled))
+    assert fit_cluster("dgx-a100-80gb", garbled, zooms=2) == fit_cluster("dgx-a100-80gb", zooms=2)
+    costs = fit_frameworks(zooms=2)
+    assert fit_frameworks(garbled, zooms=2) == costs
+    # issue 38's terms among them: DeepSpeed's ZeRO-0/1/2 bandwidth share and its overlap interference
+    assert {"deepspeed.dp_bw_efficiency", "deepspeed.overlap_interference"} <= set(costs)
+    with pytest.raises(ValueError, match="no calibration row"):
+        fit_cluster("frontier")
+
+
+def test_presets_and_framework_costs_are_the_published_fit() -> None:
+    from tuning.sim_fit import fit_cluster, fit_frameworks
+    from tuning.sim_framework import FRAMEWORKS
+
+    a100 = fit_cluster("dgx-a100-80gb")
+    h100 = fit_cluster("dgx-h100", fixed={"hbm_efficiency": a100["hbm_efficiency"]})
+    for preset, fit in (("dgx-a100-80gb", a100), ("dgx-h100", h100)):
+        for name, value in fit.items():
+            assert getattr(PRESETS[preset], name) == pytest.approx(value, rel=0.01), (preset, name)
+    for name, value in fit_frameworks().items():
+        flavour, field = name.split(".")
+        assert getattr(FRAMEWORKS[flavour], field) == pytest.approx(value, rel=0.01, abs=1e-6), name
+
+
+# ---------------------------------------------------------------- ranking and errors
+
+def test_ranking_metrics_by_hand() -> None:
+    from tuning.validation import spearman, top1_regret
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # the simulator picks the row measured at 100 where the best measured 125: 25% more GPU time per sample
+    assert top1_regret(published=[125, 100, 90], simulated=[1.0, 2.0, 0.5]) == pytest.approx(0.25)
+    assert top1_regret(published=[125, 100, 90], simulated=[3.0, 2.0, 0.5]) == 0.0
+
+
+def test_ranking_per_table_and_held_out_errors(table) -> None:
+    from tuning.validation import ranking
+
+    ranked = ranking(table, sources()).set_index("source")
+    bloom = ranked.loc["bloom-0225"]
+    assert bloom["rows"] == 21 and bloom["calibration_rows"] == 0 and bloom["search_table"]
+    # issue 38's targets on this search table (rho 0.68 before DeepSpeed's ZeRO-1/2 bandwidth share was
+    # fitted on the 02-21 calibration rows; 0.80 after, regret 1.1%)
+    assert bloom["spearman"] >= 0.8 and bloom["top1_regret"] <= 0.05 and bloom["meets_targets"]
+    held = table[~table["fitted"]]
+    assert len(held) == 253 and held["error_pct"].abs().median() <= 5.0
+    assert set(held["source"]) >= {"narayanan2021-t2", "bloom-0225", "smith2022-mtnlg", "mosaicml-h100-large"}
+
+
+def test_zero3_rows_fall_with_gpu_count_as_measured(table) -> None:
+    zero3 = table[table["id"].str.startswith("nar-t2-zero3")]
+    for size in ("175b", "530b"):
+        part = zero3[zero3["id"].str.contains(size)].sort_values("gpus")
+        assert list(part["published"]) == sorted(part["published"], reverse=True)
+        assert list(part["simulated"]) == sorted(part["simulated"], reverse=True)  # falls as measured
+    # issue 38: each within 25%. 530B at 640 GPUs was +25.9% before DeepSpeed's overlap interference was
+    # fitted on the 175B rows at 384 and 768 GPUs (calibration); the 530B rows are held out
+    assert (zero3["error_pct"].abs() <= 25.0).all(), zero3[["id", "error_pct"]]
+    assert (zero3.loc[~zero3["fitted"], "error_pct"].abs() <= 10.0).all(), zero3[["id", "error_pct"]]
+
+
+def test_memory_facts_trained_layouts_fit(table) -> None:
+    from tuning.validation import memory_check
+
+    assert table["fits"].all()  # every published row trained, so each must fit
+    facts = memory_check(memory_facts())
+    trained, oom = facts[~facts["oom"]], facts[facts["oom"]]
+    assert trained["fits"].all() and len(oom) == 3 and (~oom["fits"]).sum() >= 2
+    assert (trained["ratio"].dropna() < 1.0).all()  # nvidia-smi's peak includes the allocator cache
+
+
+# ---------------------------------------------------------------- domain of validity
+
+def test_prediction_outside_the_validated_domain_is_flagged_and_wider() -> None:
+    from tuning.sim_domain import prediction
+
+    mpt7b = ModelSpec(layers=32, hidden=4096, heads=32, seq=2048, vocab=50368, biases=False, learned_positions=False)
+    common = dict(hardware="dgx-a100-80gb", framework="fsdp", tp=1, pp=1, virtual=1, zero=3, micro=6,
+                  params=float(mpt7b.params), seq=2048)
+    inside = prediction(1.0, gpus=8, **common)
+    far = prediction(1.0, gpus=4096, **common)  # the FSDP rows on A100 ran on 8-128 GPUs
+    assert inside["domain"]["inside"] and not far["domain"]["inside"]
+    assert any("GPUs 4,096 outside" in r for r in far["domain"]["reasons"]) and far["domain"]["nearest"]
+    width = lambda p: p["interval_s"][1] - p["interval_s"][0]  # noqa: E731
+    assert width(far) > width(inside) and "extrapolation" in far["interval_basis"]
+    frontier = prediction(1.0, gpus=8, **{**common, "hardware": "frontier"})
+    assert not frontier["domain"]["inside"] and "hardware frontier has no validated row" in frontier["domain"]["reasons"]
+    assert width(frontier) > width(inside)
+
+
+def test_every_frontier_prediction_is_extrapolated() -> None:
+    from tuning.search import add_uncertainty, enumerate_configs
+
+    df = add_uncertainty(enumerate_configs(ModelSpec(layers=48, hidden=6144, heads=64, seq=2048, vocab=51200),
+                                           load_cluster("frontier"), 64, 256), hardware="frontier")
+    assert len(df) and df["extrapolated"].all()
+
+
+# ---------------------------------------------------------------- shapes and attention
+
+def test_fused_causal_attention_and_grouped_query_heads() -> None:
+    a100 = load_cluster("dgx-a100-80gb")
+    mha = ModelSpec(layers=4, hidden=4096, heads=32, seq=16384, vocab=32000, biases=False, learned_positions=False)
+    gqa = ModelSpec(layers=4, hidden=4096, heads=32, kv_heads=4, seq=16384, vocab=32000, biases=False,
+                    learned_positions=False)
+    par = ParallelSpec(dp=8, zero=3, micro=1, global_batch=8, recompute="none", flash_attention=True)
+    unfused = simulate(mha, a100, ParallelSpec(dp=8, zero=3, micro=1, global_batch=8, flash_attention=False))
+    fused = simulate(mha, a100, par)
+    # same reported FLOPs (the full s^2 convention), less compute time (masked blocks skipped)
+    assert fused.model_flops_per_iteration == unfused.model_flops_per_iteration
+    assert fused.breakdown["compute"] < unfused.breakdown["compute"]
+    # grouped-query attention: smaller K/V activations, fewer parameters and FLOPs, less ring traffic
+    assert simulate(gqa, a100, par).memory_breakdown_gb["activations"] < fused.memory_breakdown_gb["activations"]
+    assert gqa.params < mha.params and gqa.layer_matmul_params < mha.layer_matmul_params
+    slow = dataclasses.replace(a100, intra_bw_gb_s=1.0)  # a slow link: the ring's sends show
+    ring = ParallelSpec(cp=4, cp_impl="ring", micro=1, global_batch=4, flash_attention=True)
+    assert simulate(gqa, slow, ring).breakdown["cp_comm"] < simulate(mha, slow, ring).breakdown["cp_comm"]
+
+
+def test_llama3_long_context_row_is_slower_per_gpu_as_published() -> None:
+    """Llama 3 Table 4 at 16,384 H100: 8,192 tokens (tp8 pp16 dp128) 400 TFLOP/s, 131,072 tokens (tp8 cp16
+    pp16 dp8) 380: ratio 0.95. Excluded from the error figures (schedule unpublished: 126 layers, priced at
+    128 here, interleaved v4 and micro-batch 1 assumed); the simulator gets the direction and reports 0.66
+    (docs/simulator.md: its attention rate was fitted on MosaicML's kernel)."""
+    h100 = load_cluster("dgx-h100")
+    tflops = []
+    for seq, cp, dp in ((8192, 1, 128), (131072, 16, 8)):
+        model = ModelSpec(layers=128, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, gated_mlp=True,
+                          seq=seq, vocab=128256, biases=False, learned_positions=False)
+        par = ParallelSpec(tp=8, pp=16, virtual=4, schedule="interleaved", cp=cp, cp_impl="ring", dp=dp, micro=1,
+                           global_batch=16 * dp, zero=1, flash_attention=True, sequence_parallel=True)
+        sim = simulate(model, h100, par)
+        tflops.append(sim.model_flops_per_iteration / sim.iteration_time_s / par.gpus / 1e12)
+    ratio = tflops[1] / tflops[0]
+    assert 0.6 < ratio < 380 / 400  # slower per GPU at 128K, as measured; by more than measured (documented gap)
+
+
+@pytest.mark.parametrize("config, published", [(LLAMA3_8B, 8.03e9), (LLAMA3_70B, 70.6e9)])
+def test_simulate_a_hugging_face_config_json(tmp_path, config, published) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--model", str(path), "--gpus", "64",
+                          "--config", "dp=8,tp=8,zero=1,micro=1,global_batch=64,recompute=full,flash_attention=true",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert abs(data["model_params"] / published - 1) < 0.01
+    assert "(8 kv)" in data["model"] and "SwiGLU" in data["model"] and "untied" in data["model"]
+    assert 1.0 < data["memory_per_gpu_gb"] < 80.0 and set(data["memory_breakdown_gb"]) >= {"params", "activations"}
+    text = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--model", str(path), "--gpus", "64",
+                           "--config", "dp=8,tp=8,zero=1,micro=1,global_batch=64"], capture_output=True, text=True,
+                          timeout=300)
+    assert f"{data['model_params']:,} parameters" in text.stdout and "memory_per_gpu_gb" in text.stdout
+
+
+def test_a_model_that_is_not_key_value_lists_the_presets_and_config_json() -> None:
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--model", "7b", "--gpus", "8",
+                          "--config", "dp=8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "22b, 175b, 1t" in out.stderr and "config.json" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_validate_json_reports_spearman_and_regret_per_table() -> None:
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--validate", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    tables = {t["source"]: t for t in data["tables"] if t["search_table"]}
+    assert "bloom-0225" in tables and all(np.isfinite(t["spearman"]) and t["top1_regret"] >= 0 for t in tables.values())
+    cited = {c["source"]: c for c in data["cited_tables"]}
+    assert cited["mosaicml-a100-40"]["priced"] == 78 and cited["llama3-t4"]["excluded"] == 3
+    assert data["calibration_rows"] and data["memory"]
+    text = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--validate"], capture_output=True,
+                          text=True, timeout=600).stdout
+    for needle in ("Ranking per table", "Calibration rows", "Held-out rows", "nar-t2-zero3-175b-1536",
+                   "chronicles-prequel.md", "excluded 18", "Memory facts"):
+        assert needle in text, needle
+
+
+def test_the_json_export_carries_the_model_shape() -> None:
+    """Issue 37 item 2: the export carries the shape the simulator and the engine priced."""
+    import optuna
+
+    from engine.config import load_config
+    from engine.model import count_parameters
+    from tuning.export import export_trial
+
+    cfg = load_config(None, ["model.layers=3", "model.d_model=64", "model.heads=4", "model.seq_len=32"])
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"config": cfg.to_dict()}))
+    shape = json.loads(export_trial(study, fmt="json"))["model_shape"]
+    assert shape["family"] == "gpt" and shape["layers"] == 3 and shape["kv_heads"] == 4 and shape["seq"] == 32
+    assert shape["params"] == count_parameters(cfg.model)["total"]

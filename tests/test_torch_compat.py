@@ -1,0 +1,126 @@
+"""engine/torch_compat.py on the installed torch: every private symbol imports and does what the
+engine expects of it (run this file on each torch the range in pyproject.toml claims)."""
+from __future__ import annotations
+
+import ast
+import datetime
+import os
+import re
+import socket
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import torch_compat as tc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_installed_torch_is_in_the_tested_range_and_pyproject_states_it() -> None:
+    assert tc.version_problem() is None, tc.version_problem()
+    stated = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["workbench"]["tested-torch"]
+    assert tc.TESTED_RANGE == stated  # one range, stated in both places
+    low, high = tc.TESTED_TORCH
+    assert tc.TESTED_RANGE == f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+
+
+def test_a_version_outside_the_range_is_named_with_the_range() -> None:
+    assert tc.torch_version("2.13.0+cpu") == (2, 13) and tc.torch_version("2.14.0a0+git") == (2, 14)
+    assert tc.version_problem("2.13.1") is None
+    line = tc.version_problem("2.12.0")
+    assert line and "torch 2.12.0" in line and "torch>=2.13,<2.14" in line and "engine/torch_compat.py" in line
+    assert tc.version_problem("2.14.0")
+
+
+def test_a_missing_symbol_raises_one_line_naming_it() -> None:
+    with pytest.raises(ImportError, match=r"torch\.distributed\.pipelining\.schedules\._Gone is not in torch .*"
+                                          r"tested on torch>=2.13,<2.14"):
+        tc._private("torch.distributed.pipelining.schedules", "_Gone")
+
+
+def test_no_private_torch_import_outside_the_adapter() -> None:
+    """engine/ reaches torch's private names only through engine/torch_compat.py."""
+    private = re.compile(r"(^|\.)_[a-z]")
+    found = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        if path.name == "torch_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                if private.search(node.module) or any(a.name.startswith("_") for a in node.names):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = ast.unparse(node.value)
+                if base.startswith(("torch", "dist", "c10d", "Schedule", "DistributedDataParallel", "runner", "cp_attention")):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {base}.{node.attr}")
+    assert found == []
+
+
+def test_pipelining_actions_and_lowering() -> None:
+    F, B = tc._ComputationType.FORWARD, tc._ComputationType.FULL_BACKWARD
+    for name in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "OVERLAP_F_B", "SEND_F", "RECV_F"):
+        assert hasattr(tc._ComputationType, name)
+    action = tc._Action(1, F, 0)
+    assert str(action) == "1F0" and action.stage_index == 1 and action.microbatch_index == 0
+    assert action.computation_type == F and F.value == "F" and B.value == "B"
+    lowered = tc._add_send_recv({0: [tc._Action(0, F, 0)], 1: [tc._Action(1, F, 0)]},
+                                stage_to_rank=lambda s: s, num_stages=2)
+    assert [str(a) for a in lowered[0]] == ["0F0", "0SEND_F0"] and [str(a) for a in lowered[1]] == ["1RECV_F0", "1F0"]
+    assert tc.generate_stage_to_rank_mapping(2, 4, style="loop") == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert tc.generate_stage_to_rank_mapping(2, 4, style="v") == {0: 0, 1: 1, 2: 1, 3: 0}
+    grid = tc._format_pipeline_order({0: [tc._Action(0, F, 0), None], 1: [None, tc._Action(1, F, 0)]})
+    assert "0F0" in grid and "1F0" in grid
+    assert hasattr(tc._PipelineScheduleRuntime, "_prepare_schedule_with_comms")
+
+
+def test_torch_computes_the_interleaved_and_zero_bubble_orders() -> None:
+    """The schedules' private order functions, run on the stand-in the engine passes them."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+    fake = SimpleNamespace(n_local_stages=2, pp_group_size=2, _n_microbatches=2, microbatches_per_round=2,
+                           stage_index_to_group_rank={0: 0, 1: 1, 2: 0, 3: 1})
+    order = [str(a) for a in tc.rank_operations(ScheduleInterleaved1F1B, fake, 0) if a is not None]
+    assert sorted(order) == ["0B0", "0B1", "0F0", "0F1", "2B0", "2B1", "2F0", "2F1"]
+    assert order[:2] == ["0F0", "0F1"]
+    zb = {r: tc.rank_operations(ScheduleInterleavedZeroBubble, fake, r) for r in range(2)}
+    fake.pipeline_order = zb
+    padded = tc.add_bubbles_to_actions(fake, 4)
+    kinds = {a.computation_type.value for a in padded[0] if a is not None}
+    assert kinds == {"F", "I", "W"}  # zero bubble splits the backward
+
+
+def test_flatten_fused_devices_fsdp_and_functional() -> None:
+    a, b = torch.arange(3.0), torch.ones(2, 2)
+    flat = tc._flatten_dense_tensors([a, b])
+    assert flat.tolist() == [0.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    back = tc._unflatten_dense_tensors(flat, [a, b])
+    assert torch.equal(back[0], a) and torch.equal(back[1], b)
+    assert "cpu" in tc.fused_kernel_devices()
+    assert isinstance(tc.ReduceScatter, type) and hasattr(tc.ReduceScatter, "__call__")
+    assert callable(tc.all_to_all_single_autograd) and callable(tc.replicate_with_fsdp())
+    ops = tc.c10d_functional_ops()
+    assert hasattr(ops, "all_reduce") and hasattr(ops, "wait_tensor")
+    cp = tc.cp_attention()
+    assert hasattr(cp._cp_options, "enable_load_balance") and callable(cp._enable_context_parallel_dispatcher)
+
+
+def test_c10d_groups_and_ddp_ignore_on_one_rank() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        group = tc.default_group()
+        assert group is dist.group.WORLD and not tc.rank_not_in_group(group)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        tc.ddp_ignore_params(model, ["1.weight"])
+        assert model._ddp_params_and_buffers_to_ignore == ["1.weight"]
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        assert "1.weight" in ddp.parameters_to_ignore
+    finally:
+        dist.destroy_process_group()

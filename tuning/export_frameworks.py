@@ -1,0 +1,291 @@
+"""Exports for torchtitan (a job config TOML) and Hugging Face accelerate (a config YAML with FSDP2 and
+a ParallelismConfig), each with the knobs it cannot map listed beside it.
+
+Checked by the tools themselves (tests/test_export_frameworks.py): torchtitan's `ConfigManager`
+parses the TOML into its `JobConfig`; accelerate's `load_config_from_file` and its launcher's own
+checks read the YAML, and `ParallelismConfig` / `FullyShardedDataParallelPlugin` build from the
+environment its launcher prepares.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.config import RunConfig
+
+# engine schedule -> torch.distributed.pipelining class name, which torchtitan takes verbatim
+TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
+                   "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+# Hugging Face model_type -> torchtitan model.name (torchtitan builds the shape from model.flavor)
+TITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}
+
+
+def _num(x: float) -> float:
+    return float(f"{x:.12g}")
+
+
+def _hf(cfg: RunConfig) -> tuple[str | None, str | None]:
+    """(model_type, folder of config.json) of model.hf, or (None, None) for the built-in GPT."""
+    spec = getattr(cfg.model, "hf", None)
+    if spec is None:
+        return None, None
+    if isinstance(spec, dict):
+        return spec.get("model_type"), None
+    return json.loads(Path(spec).read_text()).get("model_type"), str(Path(spec).parent)
+
+
+def engine_only(cfg: RunConfig, target: str) -> list[str]:
+    """Knobs that exist only in this engine (compression, CO2, emulated links, FlexSP, Holmes, live tuning)."""
+    p, out = cfg.parallel, []
+    if cfg.comm.compressor != "none":
+        out.append(f"comm.compressor={cfg.comm.compressor} (no gradient compression hook in {target})")
+    if cfg.co2.enabled:
+        out.append(f"co2.enabled (no CO2 local-update overlap in {target})")
+    if cfg.link.gbps > 0 or cfg.link.groups:
+        out.append("link.* (an emulated link only exists in the workbench)")
+    if p.adaptive_sp:
+        out.append(f"parallel.adaptive_sp (FlexSP's per-step sequence groups have no {target} equivalent)")
+    if p.placement != "naive":
+        out.append(f"parallel.placement={p.placement} ({target} places ranks in mesh order)")
+    if cfg.live.every:
+        out.append("live.every (live in-job tuning is the workbench's)")
+    if cfg.comm.moe_compression != "none" or cfg.comm.moe_hierarchical:
+        out.append(f"comm.moe_* (MoE all_to_all variants of the workbench, not {target}'s)")
+    return out
+
+
+def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
+    d = cfg.data
+    out = []
+    if d.source != "hf":
+        out.append(f"data.source={d.source} ({target} reads Hugging Face datasets; convert {d.path or 'the data'} "
+                   "or register a dataset)")
+    elif target == "torchtitan":
+        out.append(f"data.source=hf ({d.path}): torchtitan loads the datasets it registers (c4, c4_test, ...); "
+                   "training.dataset_path is set, register a loader for these files and its tokenizer")
+    if d.pack and target != "torchtitan":
+        out.append(f"data.pack (document masks: set the model's attention mask type in {target})")
+    return out
+
+
+# ---------------------------------------------------------------- torchtitan
+
+def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """A torchtitan JobConfig as nested sections, and the knobs it does not carry."""
+    m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.batch
+    shard = p.zero >= 2
+    unmapped: list[str] = []
+    model, note = _titan_model(cfg)
+    unmapped += note
+    parallelism: dict[str, Any] = {
+        "data_parallel_replicate_degree": 1 if shard else p.dp, "data_parallel_shard_degree": p.dp if shard else 1,
+        "fsdp_reshard_after_forward": "always" if p.zero == 3 and p.reshard_after_forward else "never",
+        "tensor_parallel_degree": p.tp, "pipeline_parallel_degree": p.pp, "context_parallel_degree": p.cp,
+        "expert_parallel_degree": p.ep}
+    # one pipeline step takes the dp rank's whole batch in micro-batches; without pp torchtitan
+    # accumulates global / (local * dp) local batches
+    local = b.global_ // p.dp if p.pp > 1 else b.micro
+    training = {"local_batch_size": local, "global_batch_size": b.global_, "seq_len": m.seq_len,
+                "steps": t.steps, "max_norm": _num(t.grad_clip),
+                "mixed_precision_param": "bfloat16" if cfg.precision == "bf16" else "float32"}
+    if cfg.data.source == "hf" and cfg.data.path:
+        training["dataset_path"] = cfg.data.path
+    unmapped += _titan_parallel(cfg, parallelism)
+    if p.zero == 1:
+        unmapped.append("parallel.zero=1 (torchtitan shards parameters too, FSDP; optimizer-only sharding is "
+                        "not offered: exported as plain data parallel)")
+    if cfg.precision == "bf16" and not shard:
+        unmapped.append("precision=bf16 (torchtitan's mixed precision acts under FSDP only; dp replicas stay fp32)")
+    decay = {"cosine": ("cosine", None), "linear": ("linear", None), "constant": ("linear", 0.0)}[t.schedule]
+    lr_scheduler: dict[str, Any] = {"warmup_steps": t.warmup_steps, "decay_type": decay[0],
+                                    "min_lr_factor": _num(t.min_lr_ratio)}
+    if decay[1] is not None:
+        lr_scheduler["decay_ratio"] = decay[1]
+    job = {"description": cfg.name, "dump_folder": f"./outputs/{cfg.name}"}
+    out: dict[str, dict[str, Any]] = {
+        "job": job, "model": model,
+        "optimizer": {"name": "AdamW", "lr": _num(t.lr), "beta1": _num(t.beta1), "beta2": _num(t.beta2),
+                      "weight_decay": _num(t.weight_decay)},
+        "lr_scheduler": lr_scheduler, "training": training, "parallelism": parallelism,
+        "activation_checkpoint": {"mode": "full" if t.activation_checkpointing else "none"},
+        "checkpoint": {"enable": t.checkpoint_interval > 0, "interval": max(1, t.checkpoint_interval)},
+        "comm": {"train_timeout_seconds": int(t.timeout_s)},
+        "debug": {"seed": t.seed},
+    }
+    if m.dropout > 0:
+        unmapped.append(f"model.dropout={m.dropout} (torchtitan's models have no dropout)")
+    return out, unmapped + _data_unmapped(cfg, "torchtitan") + engine_only(cfg, "torchtitan")
+
+
+def _titan_model(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
+    """torchtitan's model.name / flavor: the registered flavor of the same shape where one exists
+    (block-causal attention with data.pack), else its debug flavor and a note with the shape."""
+    from engine.shapes import from_gpt, from_hf_config
+
+    m = cfg.model
+    model_type, assets = _hf(cfg)
+    shape = from_hf_config(m.hf) if model_type else from_gpt(layers=m.layers, d_model=m.d_model, heads=m.heads,
+                                                             seq_len=m.seq_len, vocab=m.vocab, mlp_ratio=m.mlp_ratio)
+    name = TITAN_MODELS.get(model_type or "", "llama3")
+    model: dict[str, Any] = {"name": name, "flavor": "debugmodel"}
+    if cfg.data.tokenizer or assets:
+        tok = Path(cfg.data.tokenizer or "")
+        model["hf_assets_path"] = str(tok if tok.is_dir() else tok.parent) if cfg.data.tokenizer else assets
+    found = _titan_flavor(name, shape, block_causal=cfg.data.pack) if model_type in TITAN_MODELS else None
+    if found:
+        model["flavor"] = found
+        return model, []
+    what = f"model_type={model_type}" if model_type else "the workbench GPT (GELU MLP, learned positions)"
+    return model, [f"model shape (layers={shape.layers}, hidden={shape.hidden}, heads={shape.heads}, kv_heads="
+                   f"{shape.kv_heads}, vocab={shape.vocab}, {what}): no torchtitan flavor of this shape"
+                   + (" with block-causal attention (data.pack)" if cfg.data.pack else "")
+                   + f"; register one under model.name={name}"]
+
+
+def _titan_flavor(name: str, shape: Any, *, block_causal: bool) -> str | None:
+    """The first flavor of torchtitan's `name` with this layer count, width and heads (None: none, or
+    torchtitan not installed)."""
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+    except ImportError:
+        return None
+    for flavor, args in get_train_spec(name).model_args.items():
+        kv = getattr(args, "n_kv_heads", None) or args.n_heads
+        masked = getattr(args, "attn_mask_type", "causal") == "block_causal"
+        if (args.dim, args.n_layers, args.n_heads, kv) == (shape.hidden, shape.layers, shape.heads, shape.kv_heads) \
+                and masked == block_causal:
+            return flavor
+    return None
+
+
+def _titan_parallel(cfg: RunConfig, parallelism: dict[str, Any]) -> list[str]:
+    """Pipeline schedule, stage split and CP flavour; what does not map."""
+    p, m = cfg.parallel, cfg.model
+    out = []
+    if p.pp > 1:
+        if p.schedule in TITAN_SCHEDULES:
+            parallelism["pipeline_parallel_schedule"] = TITAN_SCHEDULES[p.schedule]
+        else:
+            out.append(f"parallel.schedule={p.schedule} (not a torch.distributed.pipelining schedule; "
+                       "torchtitan runs its default 1F1B)")
+        parallelism["pipeline_parallel_microbatch_size"] = cfg.batch.micro
+        # the engine splits transformer blocks evenly; torchtitan counts the embedding and the head as
+        # layers unless told the first and last stages hold none fewer
+        parallelism.update(pipeline_parallel_layers_per_stage=m.layers // (p.pp * p.virtual),
+                           pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
+        if p.layer_split is not None:
+            out.append(f"parallel.layer_split={p.layer_split} (torchtitan splits evenly, or by "
+                       "module_fqns_per_model_part)")
+        if p.schedule == "skip":
+            out.append(f"parallel.skip_ratio={p.skip_ratio} (SkipPipe is the workbench's)")
+    if p.cp > 1:
+        parallelism["context_parallel_rotate_method"] = "alltoall" if p.cp_impl == "ulysses" else "allgather"
+        if p.cp_impl == "ulysses":
+            out.append("parallel.cp_impl=ulysses (torchtitan's context parallel is ring attention; its "
+                       "rotate method alltoall is set)")
+    if p.tp > 1 and not p.sequence_parallel:
+        out.append("parallel.sequence_parallel=false (torchtitan's tensor parallel always shards the norms)")
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string escapes like JSON
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML form for {v!r}")
+
+
+def to_toml(sections: dict[str, dict[str, Any]], notes: list[str] = ()) -> str:
+    """Sections of scalars and lists as TOML (the standard library reads TOML, it does not write it)."""
+    lines = [f"# not mapped: {n}" for n in notes]
+    for name, values in sections.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def torchtitan_toml(cfg: RunConfig) -> str:
+    """The TOML that `torchtitan.train --job.config_file` takes, unmapped knobs as comments."""
+    sections, notes = to_torchtitan(cfg)
+    return to_toml(sections, notes)
+
+
+# ---------------------------------------------------------------- accelerate
+
+def to_accelerate(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
+    """An accelerate config (what `accelerate config` writes) and the knobs it does not carry.
+
+    ZeRO-2/3, tp and cp run on FSDP2 with a ParallelismConfig; plain data parallel is MULTI_GPU (DDP).
+    """
+    p, m, b = cfg.parallel, cfg.model, cfg.batch
+    fsdp = p.zero >= 2 or p.tp > 1 or p.cp > 1
+    # accelerate composes tp / cp with FSDP only ("cannot be used with pure data parallelism")
+    shard = fsdp and p.dp > 1
+    model_type, _ = _hf(cfg)
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False,
+        "distributed_type": "FSDP" if fsdp else ("MULTI_GPU" if cfg.world_size > 1 else "NO"),
+        "mixed_precision": "bf16" if cfg.precision == "bf16" else "no", "use_cpu": False,
+        "num_machines": cfg.cluster.nodes, "num_processes": cfg.world_size, "machine_rank": 0,
+        "main_training_function": "main", "rdzv_backend": "static", "same_network": True,
+        "gpu_ids": "all"}
+    if fsdp:
+        layer = _decoder_layer(model_type)
+        out["fsdp_config"] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_transformer_layer_cls_to_wrap": layer,
+                              "fsdp_reshard_after_forward": p.zero == 3 and p.reshard_after_forward,
+                              "fsdp_activation_checkpointing": cfg.train.activation_checkpointing,
+                              "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
+                              "fsdp_cpu_ram_efficient_loading": False}
+        out["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 1 if shard else p.dp,
+            "parallelism_config_dp_shard_size": p.dp if shard else 1,
+            "parallelism_config_tp_size": p.tp, "parallelism_config_cp_size": p.cp}
+        if p.cp > 1:
+            out["parallelism_config"]["parallelism_config_cp_backend"] = "torch"
+    unmapped = [f"batch.micro={b.micro}, batch.global={b.global_}: accelerate's config has no batch sizes; "
+                f"the script's DataLoader batch_size={b.micro} and Accelerator(gradient_accumulation_steps="
+                f"{cfg.grad_accum}) (or accelerate launch --gradient_accumulation_steps {cfg.grad_accum})",
+                f"model: the script builds it ({model_type or 'the workbench GPT'}, layers={m.layers}, "
+                f"d_model={m.d_model})"]
+    if p.zero == 1:
+        unmapped.append("parallel.zero=1 (optimizer-state sharding needs accelerate's DeepSpeed plugin; "
+                        + ("exported as FSDP2 without resharding, ZeRO-2)" if fsdp else "exported as DDP)"))
+    elif p.zero == 0 and shard:
+        unmapped.append(f"parallel.zero=0 with tp/cp (accelerate composes them with FSDP only: dp={p.dp} exported "
+                        "as dp_shard_size, without resharding after forward, ZeRO-2)")
+    if p.pp > 1:
+        unmapped.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM "
+                        "plugins)")
+    if p.ep > 1:
+        unmapped.append(f"parallel.ep={p.ep} (no expert parallelism in accelerate's ParallelismConfig)")
+    if p.cp > 1 and p.cp_impl == "ulysses":
+        unmapped.append("parallel.cp_impl=ulysses (accelerate's cp_backend torch is ring attention; Ulysses "
+                        "is its sp_backend deepspeed)")
+    if p.tp > 1 and not p.sequence_parallel:
+        unmapped.append("parallel.sequence_parallel=false (accelerate's tp plan decides the norms' sharding)")
+    return out, unmapped + _data_unmapped(cfg, "accelerate") + engine_only(cfg, "accelerate")
+
+
+def _decoder_layer(model_type: str | None) -> str:
+    """The class FSDP wraps one of per layer: transformers' own `_no_split_modules` of the family's
+    causal LM (LlamaDecoderLayer, Qwen3MoeDecoderLayer, ...); the workbench GPT's is Block."""
+    if model_type is None:
+        return "Block"
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._no_split_modules[0]
+
+
+def accelerate_yaml(cfg: RunConfig) -> str:
+    """The accelerate config file (`accelerate launch --config_file`), unmapped knobs as comments."""
+    import yaml
+
+    config, notes = to_accelerate(cfg)
+    return "".join(f"# not mapped: {n}\n" for n in notes) + yaml.safe_dump(config, sort_keys=False)

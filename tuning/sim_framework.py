@@ -1,0 +1,83 @@
+"""The training framework as an input of the simulator: what differs between Megatron-LM, DeepSpeed,
+PyTorch FSDP and the workbench's own engine at the same layout, and the costs that flip choices.
+
+Two kinds of difference:
+- **Structural** (read from the framework's code, not fitted): DeepSpeed ZeRO stage 3 gathers
+  parameters tensor by tensor (one collective per parameter, each with its own latency); FSDP
+  gathers one flat buffer per wrapped block. Both pipelines send each tensor-parallel rank's 1/t
+  slice of an activation (Megatron-LM's scatter/gather, Narayanan et al. 2021 sec. 4.1; DeepSpeed's
+  `PipelineEngine` partitions it the same way by default, `pipeline.pipe_partitioned: True` in
+  deepspeed/runtime/config.py).
+- **Fixed costs** (fitted on calibration rows only, `tuning.sim_fit.fit_frameworks`): host and
+  launch work per layer and micro-batch and per micro-batch that GPU kernels do not hide (the
+  Python instruction loop of DeepSpeed's pipeline engine, its activation-checkpointing
+  bookkeeping, kernel launches of small blocks), and the share of the link's bandwidth that
+  ZeRO-3's gathers achieve. The presets' GEMM curves were fitted with Megatron-LM rows, so
+  Megatron-LM's own fixed costs are in its GEMM rates (zero here by construction).
+
+The engine's CPU profiles carry their host costs in the cluster (`overhead_*` fields measured by
+`tuning.calibration`), so the `engine` flavour adds nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Framework:
+    """One framework flavour: structure (read) and fixed costs (fitted on calibration rows)."""
+
+    name: str
+    description: str
+    zero3_per_parameter: bool = False  # ZeRO-3 gathers every parameter tensor on its own (DeepSpeed stage 3)
+    # FSDP-style ZeRO-2 keeps the gathered parameters across the step's micro-batches: one all-gather
+    # per block and step (the engine's `keep_gathered`), not one per block and micro-batch
+    zero2_gather_once: bool = False
+    layer_microbatch_s: float = 0.0  # fitted: fixed s per layer and micro-batch (forward + backward)
+    microbatch_s: float = 0.0  # fitted: fixed s per micro-batch on a pipeline stage
+    zero3_bw_efficiency: float = 1.0  # fitted: share of the link's bus bandwidth ZeRO-3's collectives reach
+    # fitted: share of a hidden block collective's time that the compute under it loses (NCCL kernels
+    # take SMs and HBM bandwidth from the GEMMs they overlap)
+    overlap_interference: float = 0.0
+    dp_bw_efficiency: float = 1.0  # fitted: share of the link's bus bandwidth the ZeRO-0/1/2 gradient and parameter collectives reach
+    fitted_on: tuple[str, ...] = ()  # the calibration rows (tuning/data/published.yaml ids) fitted on
+
+
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
+    Framework(name="megatron", description="Megatron-LM (PTD-P): scatter/gather pipeline sends, fused kernels; "
+              "the GPU presets' GEMM curves are fitted on its rows"),
+    # fitted by tuning.sim_fit.fit_frameworks: the fixed costs and the ZeRO-1/2 collectives' bandwidth
+    # share on the 12 BLOOM 02-21 calibration rows (Jean Zay: pp 6/12 at dp 8/4 move 2x apart in dp
+    # traffic per GPU), ZeRO-3's bandwidth share and overlap interference on Narayanan et al. 2021 Table 2's
+    # 175B ZeRO-3 rows at 384 (micro-batch 4: compute under the gathers) and 768 GPUs (2: gather-bound)
+    Framework(name="deepspeed", description="Megatron-DeepSpeed with DeepSpeed's PipelineEngine and ZeRO "
+              "(stage 3 gathers per parameter)", zero3_per_parameter=True,
+              layer_microbatch_s=0.009012, microbatch_s=0.0, dp_bw_efficiency=0.3316, zero3_bw_efficiency=0.1051,
+              overlap_interference=0.3765, fitted_on=("bloom-0221", "nar-t2-zero3-175b-384", "nar-t2-zero3-175b-768")),
+    # Composer (llm-foundry) enters no_sync only for a DDP-wrapped model, so FSDP1's SHARD_GRAD_OP
+    # syncs every micro-batch and then frees the unsharded parameters after backward: ZeRO-2 re-gathers
+    # in each micro-batch's forward (composer/trainer/dist_strategy.py ddp_sync_context; FSDP1
+    # _should_free_in_backward)
+    Framework(name="fsdp", description="PyTorch FSDP (MosaicML llm-foundry, torchtitan): one flat gather per block"),
+    Framework(name="engine", description="the workbench engine on a calibrated host (host costs in the profile)",
+              zero2_gather_once=True),
+)}
+FRAMEWORK_NAMES = tuple(FRAMEWORKS)
+
+
+def framework_code(name: str) -> int:
+    """The column code of a flavour (its index in FRAMEWORK_NAMES); ValueError names the choices."""
+    if name not in FRAMEWORKS:
+        raise ValueError(f"framework={name!r} must be one of {', '.join(FRAMEWORK_NAMES)}")
+    return FRAMEWORK_NAMES.index(name)
+
+
+def per_row(codes: np.ndarray, field: str, frameworks: dict[str, Framework] | None = None) -> np.ndarray:
+    """The value of `field` for each row's framework code (vectorised lookup; a field holding an array,
+    as a fit's grid does, broadcasts against the rows)."""
+    table = frameworks or FRAMEWORKS
+    codes = np.asarray(codes)
+    choices = [np.asarray(getattr(table[name], field), dtype=float) for name in FRAMEWORK_NAMES]
+    return np.select([codes == i for i in range(len(FRAMEWORK_NAMES))], choices, 0.0)
