@@ -234,7 +234,8 @@ def install_link_groups(cfg: RunConfig, world: int) -> tuple[int, ...] | None:
 
     emulate_topology(topology_of(cfg.link.groups, inter_gbps=cfg.link.inter_gbps,
                                  inter_latency_us=cfg.link.inter_latency_us))
-    return tuple(rank_order(world, placement=cfg.parallel.placement, groups=[g.ranks for g in cfg.link.groups]))
+    return tuple(rank_order(world, placement=cfg.parallel.placement, groups=[g.ranks for g in cfg.link.groups],
+                            pp=cfg.parallel.pp, tp=cfg.parallel.tp))
 
 
 

@@ -497,6 +497,23 @@ def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                 yield ConfigError(f"link.groups[{i}].ranks", g.ranks,
                                   f"holmes placement keeps each tp group of parallel.tp={p.tp} ranks in one link "
                                   f"group: the group size {len(g.ranks)} must be a multiple of {p.tp}")
+        yield from _holmes_pipelines(cfg)
+
+
+def _holmes_pipelines(cfg: RunConfig) -> Iterator[ConfigError]:
+    """Holmes' pipelines must visit their ranks in increasing order (engine/placement.py: torch
+    numbers a group's ranks sorted, and stage i runs on the rank numbered i)."""
+    from engine.placement import pipeline_out_of_order, rank_order
+
+    p, groups = cfg.parallel, [list(g.ranks) for g in cfg.link.groups]
+    if sorted(r for g in groups for r in g) != list(range(cfg.world_size)) or cfg.world_size % (p.pp * p.tp):
+        return  # the rules above name these
+    order = rank_order(cfg.world_size, placement="holmes", groups=groups, pp=p.pp, tp=p.tp)
+    chain = pipeline_out_of_order(order, pp=p.pp, dp=cfg.world_size // (p.pp * p.tp), tp=p.tp)
+    if chain:
+        yield ConfigError("link.groups", groups, f"holmes placement would run a pipeline's stages on ranks {chain}, "
+                          "not in increasing order (torch numbers a group's ranks sorted, so stages would land on "
+                          "the wrong ranks): list the link groups in increasing rank order")
 
 
 HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py builds and trains these

@@ -45,7 +45,7 @@ def test_send_pays_one_hop() -> None:
 
 def test_placement_orders() -> None:
     assert rank_order(4, placement="naive", groups=[[0, 2], [1, 3]]) == [0, 1, 2, 3]
-    assert rank_order(4, placement="holmes", groups=[[0, 2], [1, 3]]) == [0, 2, 1, 3]
+    assert rank_order(4, placement="holmes", groups=[[0, 2], [1, 3]], pp=2) == [0, 2, 1, 3]
     # naive pp=2 x dp=2: dp pairs (0,1), (2,3); pipelines 0->2, 1->3
     assert mesh_groups([0, 1, 2, 3], pp=2, dp=2, tp=1) == {
         "pp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]], "tp": [[0], [1], [2], [3]]}
@@ -53,6 +53,27 @@ def test_placement_orders() -> None:
     assert mesh_groups([0, 2, 1, 3], pp=2, dp=2, tp=1) == {
         "pp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "tp": [[0], [2], [1], [3]]}
     assert mesh_groups(list(range(8)), pp=2, dp=2, tp=2)["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_holmes_pipelines_visit_their_ranks_in_increasing_order() -> None:
+    """pp=3 x dp=2 over groups {0,2,4} {1,3,5}: taken group by group, stage 1 got ranks (4, 1) and
+    the pipelines ran 0 -> 4 -> 3 and 2 -> 1 -> 5; torch numbers a pp group's ranks sorted, so rank 3
+    ran stage 1 while the dp group of stage 1 was {4, 1} (the matrix cell pp-skip+holmes died in
+    gloo: "op.preamble.length <= op.nbytes. 33536 vs 24832")."""
+    groups = [[0, 2, 4], [1, 3, 5]]
+    order = rank_order(6, placement="holmes", groups=groups, pp=3, tp=1)
+    sets = mesh_groups(order, pp=3, dp=2, tp=1)
+    assert sets["pp"] == [[0, 1, 3], [2, 4, 5]]
+    assert sorted(map(sorted, sets["dp"])) == [[0, 2], [1, 4], [3, 5]]  # each stage keeps its ranks
+    # tp groups stay whole and inside their link group: pp=2 x dp=2 x tp=2 over {0..3} {4..7} listed odd first
+    order = rank_order(8, placement="holmes", groups=[[3, 2, 1, 0], [7, 6, 5, 4]], pp=2, tp=2)
+    assert mesh_groups(order, pp=2, dp=2, tp=2)["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_holmes_refuses_pipelines_that_cannot_increase() -> None:
+    groups = "link.groups=[{name: a, ranks: [2, 3], gbps: 1}, {name: b, ranks: [0, 1], gbps: 1}]"
+    with pytest.raises(ConfigError, match=r"^link.groups=.*stages on ranks \[2, 0\], not in increasing order"):
+        load_config(None, BASE + [groups, "link.inter_gbps=1", "parallel.placement=holmes"])
 
 
 def test_proportional_split() -> None:

@@ -47,7 +47,7 @@ def placement_links(topology: Any, *, pp: int, dp: int, tp: int, placement: str,
     """
     from engine.placement import mesh_groups, rank_order
 
-    order = rank_order(pp * dp * tp, placement=placement, groups=[g.ranks for g in topology.groups])
+    order = rank_order(pp * dp * tp, placement=placement, groups=[g.ranks for g in topology.groups], pp=pp, tp=tp)
     sets = mesh_groups(order, pp=pp, dp=dp, tp=tp)
     edges = [(chain[i], chain[i + 1]) for chain in sets["pp"] for i in range(len(chain) - 1)]
     return {
