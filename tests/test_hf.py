@@ -52,9 +52,15 @@ LAYOUTS = {
                                         "model.hf.num_hidden_layers=4"]),
     "llama-cp2-ulysses": ("llama", ["parallel.cp=2", "parallel.cp_impl=ulysses"]),
     "llama-cp2-ring": ("llama", ["parallel.cp=2", "parallel.cp_impl=ring"]),
+    "mixtral-dp2": ("mixtral", ["parallel.dp=2"]),
+    "mixtral-zero3-dp2": ("mixtral", ["parallel.dp=2", "parallel.zero=3"]),
     "mixtral-ep2": ("mixtral", ["parallel.dp=2", "parallel.ep=2"]),
     "mixtral-tp2-sp": ("mixtral", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "mixtral-dp2-tp2": ("mixtral", ["parallel.dp=2", "parallel.tp=2"]),
     "mixtral-pp2-1f1b": ("mixtral", ["parallel.pp=2"]),
+    "mixtral-pp2-gpipe": ("mixtral", ["parallel.pp=2", "parallel.schedule=gpipe"]),
+    "mixtral-cp2-ulysses": ("mixtral", ["parallel.cp=2", "parallel.cp_impl=ulysses"]),
+    "mixtral-cp2-ring": ("mixtral", ["parallel.cp=2", "parallel.cp_impl=ring"]),
     "qwen3-tp2": ("qwen3", ["parallel.tp=2"]),
 }
 _REFERENCES: dict[tuple[str, ...], tuple[list[float], float | None]] = {}

@@ -247,3 +247,29 @@ def test_full_disk_during_a_real_run_fails_it_with_the_reason(tmp_path, monkeypa
     assert len({r.step for r in steps}) < cfg.train.steps  # stopped early, not after 200 silent steps
     assert wall < 90
     print(f"\nfull disk: run failed after {wall:.1f} s with: {run['error'][:160]}")
+
+
+def test_processes_opening_a_new_store_at_once_all_open_it(tmp_path):
+    """Two nodes' launchers (or tuner workers) open a new runs.db at the same moment: SQLite answered
+    "database is locked" at once to some of them (switching a new file to WAL does not wait on the
+    busy timeout): 14 of 40 tries of 4 processes failed before `<store>.lock` serialized the open."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    failed = []
+    for trial in range(6):
+        path = tmp_path / f"t{trial}" / "runs.db"
+        with ctx.Pool(4) as pool:
+            start = time.time() + 1.0
+            failed += [r for r in pool.starmap(_open_at, [(str(path), start)] * 4) if r != "ok"]
+    assert failed == []
+
+
+def _open_at(path: str, start: float) -> str:
+    while time.time() < start:
+        pass
+    try:
+        RunStore(path).schema_version()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the test reports what each process saw
+        return f"{type(exc).__name__}: {exc}"
