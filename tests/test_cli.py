@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -35,6 +36,13 @@ def test_commbench_prints_a_busbw_table(tmp_path):
     assert float(rows[3][-1]) > 0 and float(rows[7][-1]) > 0  # the 64 KB rows print a nonzero busbw
     bad = cli("commbench", "--ops", "allreduce", home=tmp_path)
     assert bad.returncode == 2 and "unknown allreduce" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_commbench_refuses_a_sweep_larger_than_memory_in_one_line(tmp_path):
+    """Before: `commbench --max-mb 10240` had no bound and ran 240 s until killed (issue 40)."""
+    out = cli("commbench", "--max-mb", "1048576", home=tmp_path, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert re.search(r"--max-mb=1048576: .* GiB on this machine .* GiB is available; lower --max-mb", out.stderr)
 
 
 def test_simulate_one_config_json():

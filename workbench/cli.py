@@ -319,11 +319,25 @@ def commbench(world: int = typer.Option(2, help="Ranks"),
     unknown = [op for op in ops.split(",") if op not in SWEEP_OPS]
     if unknown:
         fail(f"--ops={ops!r}: unknown {', '.join(unknown)}; choose from {', '.join(SWEEP_OPS)}")
+    _check_commbench_memory(world, max_mb)
     rows = spawn_commbench(world, ops.split(","), sweep_sizes(max_bytes=int(max_mb * 2**20)), iters)
     if as_json:
         _print_json(rows)
     else:
         console.print(format_busbw_table(rows), highlight=False, markup=False)
+
+
+def _check_commbench_memory(world: int, max_mb: float) -> None:
+    """The largest message's buffers must fit in this machine's available memory: each rank holds
+    its input and, for all_gather, `world` outputs of that size."""
+    import psutil
+
+    need = world * (world + 1) * max_mb * 2**20
+    have = psutil.virtual_memory().available
+    if need > 0.8 * have:
+        fail(f"--max-mb={max_mb:.10g}: the sweep's largest message needs about {need / 2**30:,.1f} GiB on this machine "
+             f"({world} ranks x {world + 1} buffers of {max_mb:.10g} MB) and {have / 2**30:,.1f} GiB is available; "
+             "lower --max-mb")
 
 
 # ------------------------------------------------------------------ app
