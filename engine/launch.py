@@ -91,6 +91,26 @@ def _kill_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    _wait_session_gone(proc.pid)
+
+
+def _wait_session_gone(pgid: int, timeout_s: float = 15.0) -> None:
+    """Until no live process of the session is left: a SIGKILLed rank takes a while to exit on a busy
+    machine (a 2-node test saw all 4 ranks still listed when the launcher had returned)."""
+    import psutil
+
+    def alive() -> bool:
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        return False
+
+    deadline = time.time() + timeout_s
+    while alive() and time.time() < deadline:
+        time.sleep(0.1)
 
 
 def _die_with_parent() -> None:
