@@ -311,12 +311,14 @@ class Trainer:
         return (share * self.dims.world_size).double().reshape(1)
 
     def _record_plan(self, step: int, report, cap: int) -> None:
+        from engine.parallel.flexsp import SOLVERS
+
         e, plan = self.emit, report.plan
         for name, value in (("solve(s)", plan.solve_s), ("solve_exposed(s)", plan.exposed_s),
                             ("milp_vars", plan.milp_size[0]), ("predicted(s)", max(report.predicted_group_s)),
                             ("measured(s)", max(report.measured_group_s)), ("groups", len(report.group_ranks)),
                             ("max_tokens_per_rank", report.max_tokens_per_rank), ("token_cap", cap),
-                            ("milp", float(plan.solver == "milp"))):
+                            ("solver", SOLVERS.index(plan.solver))):
             e(step, "flexsp", name, float(value))
         order = sorted(range(len(plan.sizes)), key=lambda j: -plan.sizes[j])
         for j, (ranks, pred, meas) in enumerate(zip(report.group_ranks, report.predicted_group_s,

@@ -157,11 +157,17 @@ def test_run_page_tables_of_the_recorded_plans():
     from workbench.flexsp_view import flexsp_frames
 
     rows = [(0, "flexsp", "predicted(s)", 0.5), (0, "flexsp", "measured(s)", 0.6), (0, "flexsp", "groups", 2),
+            (0, "flexsp", "solver", 1), (0, "flexsp", "milp_vars", 0),
+            (1, "flexsp", "predicted(s)", 0.5), (1, "flexsp", "measured(s)", 1.0), (1, "flexsp", "solver", 0),
+            (1, "flexsp", "milp_vars", 24),
             (0, "flexsp_group", "g0_size", 2), (0, "flexsp_group", "g0_tokens", 900),
             (0, "flexsp_group", "g1_size", 1), (0, "flexsp_group", "g1_tokens", 300), (0, "step", "loss", 5.0)]
     metrics = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
     steps, groups = flexsp_frames(metrics)
     assert steps.loc[0, "predicted(s)"] == 0.5 and steps.loc[0, "measured(s)"] == 0.6
+    # issue 40: a 0/1 "milp" column read as a failed MILP; the plan's solver is named, and whether HiGHS ran
+    assert steps["plan"].tolist() == ["balanced", "milp"] and steps["MILP"].tolist() == ["skipped", "ran"]
+    assert steps["measured/predicted"].round(2).tolist() == [1.2, 2.0]
     assert groups[["group", "size", "tokens"]].values.tolist() == [[0, 2, 900], [1, 1, 300]]
     empty, _ = flexsp_frames(metrics[metrics["kind"] == "step"])
     assert empty.empty

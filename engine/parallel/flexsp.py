@@ -80,6 +80,10 @@ class CostModel:
         return sum(self.seq_time(s, g) for s in lengths) + self.fixed(g) if lengths else 0.0
 
 
+# who made a step's plan; records store the index (engine/train.py), the Run page shows the name
+SOLVERS = ("milp", "balanced", "greedy")
+
+
 @dataclass(slots=True)
 class Plan:
     """Groups of the step: their sizes and the indices of their sequences (plans are data)."""
@@ -87,7 +91,7 @@ class Plan:
     sizes: list[int]
     members: list[list[int]]  # sequence indices per group
     predicted_s: float  # the slowest group's modelled time
-    solver: str  # milp | balanced | greedy
+    solver: str  # one of SOLVERS
     solve_s: float = 0.0
     status: str = ""
     milp_size: tuple[int, int] = (0, 0)  # (variables, constraints) of the step's MILP
