@@ -41,6 +41,7 @@ import json
 import logging
 import pickle
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,7 @@ from engine.errors import ConfigError
 
 if TYPE_CHECKING:
     from engine.config import RunConfig
-    from engine.train import Trainer
+    from engine.parallelize import Parallelized
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,28 @@ logger = logging.getLogger(__name__)
 _TIED = {"head.weight": "tok_emb.weight"}
 _OPTIM_SECTIONS = ("state", "param_groups")
 _TORCH_SAVE_MAGIC = b"PK\x03\x04"  # DCP writes each item with torch.save: a zip archive
+
+
+@dataclass(slots=True)
+class RankState:
+    """What one rank's checkpoint saves and loads back into: its model parts and optimizer (`par`),
+    the degrees that decide what it holds (`layout`: dp, tp, pp, cp, ep) and its place in them
+    (`coords`), and the per-rank extras: the gradient compressor's memory (`comm`, a CommMonitor),
+    CO2's state, a data source's position (`stream`). Loading fills these objects in place."""
+
+    par: Parallelized
+    layout: dict[str, int]
+    coords: dict[str, int]
+    rank: int
+    device: torch.device
+    seed: int
+    dropout: float
+    data_source: str
+    compressor: str
+    zero: int
+    comm: Any = None
+    co2: Any = None
+    stream: Any = None
 
 
 def checkpoint_folder(cfg: Any, run_dir: Path | None) -> Path:
@@ -71,24 +94,24 @@ def checkpoint_path(folder: Path, step: int) -> Path:
     return Path(folder) / f"step{step:06d}"
 
 
-def save(trainer: Trainer, step: int, folder: Path) -> Path:
+def save(parts: RankState, step: int, folder: Path) -> Path:
     """Write the checkpoint of `step` (every rank calls this); returns its folder."""
     import torch.distributed.checkpoint as dcp
 
     path = checkpoint_path(folder, step)
-    state, _ = _train_state(trainer, co2=trainer.co2 is not None)
-    comm = _comm_state(trainer)
+    state, _ = _train_state(parts, co2=parts.co2 is not None)
+    comm = _comm_state(parts)
     if comm is not None:
-        state["comm"] = {f"rank{trainer.rank}": comm[1]}
-    meta = json.dumps({"step": step, **_layout(trainer), "co2": trainer.co2 is not None,
-                       "seed": trainer.cfg.train.seed, "layer_split": trainer.par.layer_split,
+        state["comm"] = {f"rank{parts.rank}": comm[1]}
+    meta = json.dumps({"step": step, **_layout(parts), "co2": parts.co2 is not None,
+                       "seed": parts.seed, "layer_split": parts.par.layer_split,
                        "comm": comm[0] if comm else None})
     state["meta"] = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)  # a tensor: read without pickle
-    state["rng"] = {f"rank{trainer.rank}": _rng_state(trainer.device)}
-    if trainer.stream is not None:
+    state["rng"] = {f"rank{parts.rank}": _rng_state(parts.device)}
+    if parts.stream is not None:
         from engine.data_sources import encode_state
 
-        state["data"] = encode_state(trainer.stream.state_dict())
+        state["data"] = encode_state(parts.stream.state_dict())
     dcp.save(state, checkpoint_id=str(path))  # .metadata is written last: a half-written folder does not load
     return path
 
@@ -112,7 +135,7 @@ def saved_layer_split(path: str | Path, *, layers: int, pp: int) -> list[int] | 
     return None
 
 
-def load(trainer: Trainer, path: str | Path) -> int:
+def load(parts: RankState, path: str | Path) -> int:
     """Restore the state saved in `path` into this rank's layout; returns the step to continue from."""
     import torch.distributed.checkpoint as dcp
 
@@ -121,36 +144,36 @@ def load(trainer: Trainer, path: str | Path) -> int:
     got = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
     dcp.load(got, storage_reader=_reader(path))
     meta = json.loads(bytes(got["meta"].tolist()).decode())
-    _check_co2_layout(trainer, meta)
-    if meta["seed"] != trainer.cfg.train.seed:
+    _check_co2_layout(parts, meta)
+    if meta["seed"] != parts.seed:
         logger.warning("train.seed=%s differs from the checkpoint's %s: batches after step %s follow the new seed",
-                       trainer.cfg.train.seed, meta["seed"], meta["step"])
-    state, apply = _train_state(trainer, co2=meta["co2"])
+                       parts.seed, meta["seed"], meta["step"])
+    state, apply = _train_state(parts, co2=meta["co2"])
     # only tensors are read back (DCP unpickles anything else without restriction); so the
     # config's hyperparameters (param_groups) win over the saved ones
     to_read = {k: v for k, v in _flat(state).items() if isinstance(v, torch.Tensor) and not _is_param_group(k)}
-    rng_key = f"rng.rank{trainer.rank}"
+    rng_key = f"rng.rank{parts.rank}"
     # checkpoints written before cp and ep were recorded had both at 1 (ep > 1 did not resume then)
-    same_layout = all(meta.get(axis, 1) == value for axis, value in _layout(trainer).items())
+    same_layout = all(meta.get(axis, 1) == value for axis, value in _layout(parts).items())
     if same_layout and any(k.startswith(rng_key + ".") for k in saved):
-        to_read.update({f"{rng_key}.{name}": t for name, t in _rng_state(trainer.device).items()})
-    elif trainer.cfg.model.dropout > 0:
+        to_read.update({f"{rng_key}.{name}": t for name, t in _rng_state(parts.device).items()})
+    elif parts.dropout > 0:
         logger.warning("resume in another layout than %s: dropout masks are drawn afresh", meta)
-    comm_key = f"comm.rank{trainer.rank}."
-    if _comm_resumes(trainer, meta):
-        to_read.update({k: torch.empty(md.size, dtype=md.properties.dtype, device=trainer.device)
+    comm_key = f"comm.rank{parts.rank}."
+    if _comm_resumes(parts, meta):
+        to_read.update({k: torch.empty(md.size, dtype=md.properties.dtype, device=parts.device)
                         for k, md in saved.items() if k.startswith(comm_key)})
     dcp.load(to_read, storage_reader=_reader(path))
-    _load_comm_state(trainer, {k[len(comm_key):]: v for k, v in to_read.items() if k.startswith(comm_key)})
+    _load_comm_state(parts, {k[len(comm_key):]: v for k, v in to_read.items() if k.startswith(comm_key)})
     _set_rng_state({k[len(rng_key) + 1:]: v for k, v in to_read.items() if k.startswith(rng_key + ".")})
     apply({k: to_read.get(k, v) for k, v in _flat(state).items()})
-    _load_data_position(trainer, path, saved)
+    _load_data_position(parts, path, saved)
     return int(meta["step"])
 
 
-def _load_data_position(trainer: Trainer, path: Path, saved: dict[str, Any]) -> None:
+def _load_data_position(parts: RankState, path: Path, saved: dict[str, Any]) -> None:
     """Move a real data source's stream to the saved position (engine/data_sources.py)."""
-    if trainer.stream is None:
+    if parts.stream is None:
         return
     import torch.distributed.checkpoint as dcp
 
@@ -158,10 +181,10 @@ def _load_data_position(trainer: Trainer, path: Path, saved: dict[str, Any]) -> 
 
     if "data" not in saved:
         raise ValueError(f"train.resume_from={path}: the checkpoint has no data position (saved with "
-                         f"data.source other than {trainer.cfg.data.source}); resume with its own data.source")
+                         f"data.source other than {parts.data_source}); resume with its own data.source")
     got = {"data": torch.empty(saved["data"].size, dtype=torch.uint8)}
     dcp.load(got, storage_reader=_reader(path))
-    trainer.stream.load_state_dict(decode_state(got["data"]))
+    parts.stream.load_state_dict(decode_state(got["data"]))
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -230,7 +253,7 @@ def _check_model_shapes(cfg: RunConfig, path: Path, saved: dict[str, Any]) -> No
 
 # ---------------------------------------------------------------- model + optimizer
 
-def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+def _train_state(parts: RankState, *, co2: bool) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     """The live state dict of this rank under global names, and a function that loads one back.
 
     With `co2` the model and optimizer live under `dp<d>.` (each dp rank's replica) and CO2's
@@ -238,7 +261,7 @@ def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callab
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    par = trainer.par
+    par = parts.par
     module, strip = _as_one_module(par.modules)
     optimizer = getattr(par.optimizer, "optim", par.optimizer)  # ZeRO-1 wrappers step an inner optimizer
     options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -247,13 +270,13 @@ def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callab
     # an untied head (most Hugging Face models, engine/hf.py) is its own parameter, never the embedding
     tied = all(getattr(getattr(m, "module", m), "tied", True) for m in par.modules)
     param_names = _optimizer_names(optim_sd, strip, tied=tied)
-    prefix = f"dp{trainer.coords['dp']}." if co2 else ""
+    prefix = f"dp{parts.coords['dp']}." if co2 else ""
     state: dict[str, Any] = {
         f"{prefix}model": {model_names[k]: v for k, v in model_sd.items()},
         f"{prefix}optim": {_rename_optim_key(k, param_names): v for k, v in optim_sd.items()},
     }
-    if co2 and trainer.co2 is not None:
-        state["co2"] = {f"tp{trainer.coords['tp']}": trainer.co2.state_dict()}
+    if co2 and parts.co2 is not None:
+        state["co2"] = {f"tp{parts.coords['tp']}": parts.co2.state_dict()}
 
     def apply(flat: dict[str, Any]) -> None:
         back_model = {v: k for k, v in model_names.items()}
@@ -262,13 +285,13 @@ def _train_state(trainer: Trainer, *, co2: bool) -> tuple[dict[str, Any], Callab
         new_optim = {back_optim[k[len(prefix) + 6:]]: v for k, v in flat.items() if k.startswith(f"{prefix}optim.")}
         with _without_empty_groups(optimizer):
             set_state_dict(module, optimizer, model_state_dict=new_model, optim_state_dict=new_optim, options=options)
-        if trainer.co2 is not None:
-            co2_key = f"co2.tp{trainer.coords['tp']}."
+        if parts.co2 is not None:
+            co2_key = f"co2.tp{parts.coords['tp']}."
             own = {k[len(co2_key):]: v for k, v in flat.items() if k.startswith(co2_key)}
             if own:
-                trainer.co2.load_state_dict(own)
+                parts.co2.load_state_dict(own)
             else:  # a plain checkpoint: the loaded weights are the first round's start point
-                trainer.co2.reset_anchor()
+                parts.co2.reset_anchor()
 
     return state, apply
 
@@ -347,61 +370,59 @@ def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # ---------------------------------------------------------------- layout, rng, metadata
 
-def _layout(trainer: Trainer) -> dict[str, int]:
+def _layout(parts: RankState) -> dict[str, int]:
     """The degrees that decide what each rank holds and draws: dp, tp, pp, cp and ep."""
-    d = trainer.dims
-    return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": trainer.cfg.parallel.ep}
+    return {axis: parts.layout.get(axis, 1) for axis in ("dp", "tp", "pp", "cp", "ep")}
 
 
-def _check_co2_layout(trainer: Trainer, meta: dict[str, Any]) -> None:
+def _check_co2_layout(parts: RankState, meta: dict[str, Any]) -> None:
     if not meta["co2"]:
         return
-    here = _layout(trainer)
-    if trainer.co2 is None or meta["dp"] != here["dp"] or meta["tp"] != here["tp"]:
+    here = _layout(parts)
+    if parts.co2 is None or meta["dp"] != here["dp"] or meta["tp"] != here["tp"]:
         raise ValueError(f"train.resume_from: a CO2 checkpoint (dp={meta['dp']}, tp={meta['tp']}) holds one "
                          f"replica per dp rank and resumes only as a CO2 run with the same dp and tp; "
-                         f"this run has co2.enabled={trainer.co2 is not None}, dp={here['dp']}, tp={here['tp']}")
+                         f"this run has co2.enabled={parts.co2 is not None}, dp={here['dp']}, tp={here['tp']}")
 
 
 # ---------------------------------------------------------------- compressor state
 
-def _comm_state(trainer: Trainer) -> tuple[str, dict[str, torch.Tensor]] | None:
+def _comm_state(parts: RankState) -> tuple[str, dict[str, torch.Tensor]] | None:
     """(kind, tensors) of this rank's gradient compressor memory, or None when it keeps none.
 
     Residuals, Rand-k's call counters, PowerSGD's memories and L-GreCo's levels are per rank (each
     dp rank's error differs) and tied to its buckets, so they are saved per global rank with the
     DDP bucket order they were made in (engine/comm/bucket_order.py).
     """
-    monitor = trainer.comm
+    monitor = parts.comm
     state = getattr(monitor, "compressor_state", None)
     tensors = state.state_dict() if hasattr(state, "state_dict") else {}
     if not tensors:  # fp16/bf16, or nothing sent yet
         return None
     order = monitor.bucket_order.state() if monitor.bucket_order is not None else {}
     tensors["bucket_order"] = torch.frombuffer(bytearray(json.dumps(order).encode()), dtype=torch.uint8)
-    return _comm_kind(trainer, state), tensors
+    return _comm_kind(parts, state), tensors
 
 
-def _comm_kind(trainer: Trainer, state: Any) -> str:
+def _comm_kind(parts: RankState, state: Any) -> str:
     """Which memory a compressor state is: its class, compressor, and DDP buckets or FSDP2 groups."""
-    c = trainer.cfg
-    return f"{type(state).__name__}:{c.comm.compressor}:{'fsdp' if c.parallel.zero >= 2 else 'ddp'}"
+    return f"{type(state).__name__}:{parts.compressor}:{'fsdp' if parts.zero >= 2 else 'ddp'}"
 
 
-def _comm_resumes(trainer: Trainer, meta: dict[str, Any]) -> bool:
+def _comm_resumes(parts: RankState, meta: dict[str, Any]) -> bool:
     """Whether this run takes the checkpoint's compressor state: the same kind of compressor in the
     same degrees; a compressor state into other degrees is refused (it has no exact mapping)."""
     saved = meta.get("comm")
     if not saved:
         return False
-    monitor = trainer.comm
+    monitor = parts.comm
     state = getattr(monitor, "compressor_state", None)
-    here = _comm_kind(trainer, state)
+    here = _comm_kind(parts, state)
     if not hasattr(state, "load_state_dict") or here != saved:
         logger.warning("train.resume_from: the checkpoint's compressor state (%s) does not apply to this run's "
                        "compressor (%s): it starts with empty memories", saved, here if state is not None else "none")
         return False
-    layout = _layout(trainer)
+    layout = _layout(parts)
     if any(meta.get(axis, 1) != value for axis, value in layout.items()):
         saved_layout = ", ".join(f"{axis}={meta.get(axis, 1)}" for axis in layout)
         raise ValueError(f"train.resume_from: the checkpoint's gradient compressor state ({saved}) is per rank "
@@ -410,10 +431,10 @@ def _comm_resumes(trainer: Trainer, meta: dict[str, Any]) -> bool:
     return True
 
 
-def _load_comm_state(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> None:
+def _load_comm_state(parts: RankState, tensors: dict[str, torch.Tensor]) -> None:
     if not tensors:
         return
-    monitor = trainer.comm
+    monitor = parts.comm
     order = tensors.pop("bucket_order", None)
     if order is not None and monitor.bucket_order is not None:
         monitor.bucket_order.load(json.loads(bytes(order.tolist()).decode()))

@@ -1,5 +1,7 @@
 """Wires communication into a run: the DDP comm hook chain (compression -> link emulation ->
-recording), CO2, the optimizer of each layout, and knobs changed live at step boundaries.
+recording), CO2, the optimizer of each layout, and knobs changed live at step boundaries. Each
+function takes the pieces it wires (a DDP module, a group, the config, a clock) and returns what it
+made; engine/compose.py calls them in order.
 
 Hook order, innermost first: the compressor decides what goes on the wire; the emulated link
 delays that wire traffic; the recorder times what the training thread actually waits for.
@@ -18,7 +20,7 @@ from engine.config import LIVE_KNOBS, RunConfig
 
 if TYPE_CHECKING:
     from engine.parallelize import Parallelized
-    from engine.train import Trainer
+    from profilers.collectives import CollectiveProfiler
 
 Emit = Callable[[int, str, str, float], None]
 
@@ -92,11 +94,13 @@ class CommMonitor:
             self._legs_seen[leg] = [wire, dense]
 
 
-def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any]:
-    """Register compression + link emulation + bucket tracking (+ recording) as one DDP comm hook."""
-    cfg: RunConfig = trainer.cfg
+def install_comm(ddp: torch.nn.Module, group, *, cfg: RunConfig, mark: Callable[[], Any],
+                 collectives: CollectiveProfiler) -> CommMonitor | None:
+    """Register compression + link emulation + bucket tracking (+ recording) as one DDP comm hook;
+    returns its CommMonitor, or None when DDP keeps its own all-reduce (nothing to compress,
+    emulate or record). `mark` reads the step timer's clock."""
     n = dist.get_world_size(group)
-    monitor = CommMonitor(n, mark=trainer.timer.mark)
+    monitor = CommMonitor(n, mark=mark)
     state, hook = _compression_hook(cfg, ddp, group, monitor)
     if cfg.comm.compressor != "none":  # a resumed run compresses its first buckets in the checkpoint's order
         from engine.comm.bucket_order import BucketOrder
@@ -110,11 +114,11 @@ def install_comm(trainer: Trainer, ddp: torch.nn.Module, group) -> dict[str, Any
                                       group=group if group is not None else dist.group.WORLD)
     if cfg.profile.enabled or cfg.comm.compressor != "none" or cfg.link.gbps > 0 or cfg.link.groups:
         hook = monitor.track(hook)
-        if trainer.collectives.enabled:
-            hook = trainer.collectives.wrap_comm_hook(hook)
+        if collectives.enabled:
+            hook = collectives.wrap_comm_hook(hook)
         ddp.register_comm_hook(state, hook)
-        trainer.comm = monitor
-    return {"monitor": monitor, "compressor": state}
+        return monitor
+    return None
 
 
 def _link_cost(monitor: CommMonitor, n: int) -> Callable[[Any, dist.GradBucket], float]:
@@ -160,22 +164,23 @@ def _compression_hook(cfg: RunConfig, ddp: torch.nn.Module, group, monitor: Comm
     return state, hook
 
 
-def install_fsdp_comm(trainer: Trainer, par: Parallelized) -> None:
+def install_fsdp_comm(par: Parallelized, *, cfg: RunConfig, dp: int, dp_group,
+                      mark: Callable[[], Any]) -> CommMonitor | None:
     """ZeRO-2/3 (FSDP2) with randk/topk: a compressed custom reduce-scatter on every fully_shard
-    group (engine/comm/fsdp_compress.py); its gradient bytes go to a CommMonitor like DDP's."""
-    cfg = trainer.cfg
-    if cfg.parallel.zero < 2 or cfg.comm.compressor == "none" or trainer.dims.dp == 1 or cfg.co2.enabled:
-        return
+    group (engine/comm/fsdp_compress.py); its gradient bytes go to the CommMonitor it returns
+    (None when the layout has no such reduce-scatter)."""
+    if cfg.parallel.zero < 2 or cfg.comm.compressor == "none" or dp == 1 or cfg.co2.enabled:
+        return None
     from torch.distributed.fsdp import FSDPModule
 
     from engine.comm.fsdp_compress import apply_fsdp_compression
 
-    monitor = CommMonitor(trainer.dims.dp, mark=trainer.timer.mark)
+    monitor = CommMonitor(dp, mark=mark)
     groups = [m for root in par.modules for m in root.modules() if isinstance(m, FSDPModule)]
     monitor.compressor_state = apply_fsdp_compression(
-        groups, cfg.comm.compressor, process_group=trainer.mesh["dp"].get_group(), density=cfg.comm.density,
+        groups, cfg.comm.compressor, process_group=dp_group, density=cfg.comm.density,
         seed=cfg.train.seed, on_bytes=monitor.on_bytes)
-    trainer.comm = monitor
+    return monitor
 
 
 def build_optimizer(par: Parallelized, cfg: RunConfig, mesh) -> torch.optim.Optimizer:
@@ -190,19 +195,19 @@ def build_optimizer(par: Parallelized, cfg: RunConfig, mesh) -> torch.optim.Opti
                           weight_decay=t.weight_decay, process_group=group)
 
 
-def install_co2(trainer: Trainer, par: Parallelized) -> None:
-    cfg = trainer.cfg
-    if not cfg.co2.enabled or trainer.dims.dp == 1:
-        return
+def install_co2(par: Parallelized, *, cfg: RunConfig, dp: int, dp_group) -> tuple[Any, CommMonitor] | None:
+    """CO2's outer rounds over the dp group, and the CommMonitor counting its wire bytes (there is
+    no backward communication under CO2); None without co2.enabled or at dp=1."""
+    if not cfg.co2.enabled or dp == 1:
+        return None
     from engine.comm.co2 import CO2
 
     o = cfg.co2
-    monitor = CommMonitor(trainer.dims.dp)
-    trainer.comm = monitor  # no backward communication under CO2: only its wire bytes are counted
-    trainer.co2 = CO2(par.modules[0], par.optimizer, process_group=trainer.mesh["dp"].get_group(), tau=o.tau,
-                      outer_lr=o.outer_lr, outer_momentum=o.outer_momentum, clip=o.clip, penalty=o.penalty,
-                      gap_penalty=o.gap_penalty, on_bytes=monitor.on_bytes,
-                      link=_link_of(cfg, trainer.mesh["dp"].get_group()))
+    monitor = CommMonitor(dp)
+    co2 = CO2(par.modules[0], par.optimizer, process_group=dp_group, tau=o.tau, outer_lr=o.outer_lr,
+              outer_momentum=o.outer_momentum, clip=o.clip, penalty=o.penalty, gap_penalty=o.gap_penalty,
+              on_bytes=monitor.on_bytes, link=_link_of(cfg, dp_group))
+    return co2, monitor
 
 
 def _link_of(cfg: RunConfig, group=None):
@@ -240,8 +245,11 @@ def install_link_groups(cfg: RunConfig, world: int) -> tuple[int, ...] | None:
 
 
 
-def apply_live_knobs(trainer: Trainer, knobs: dict[str, Any]) -> None:
-    """Apply knobs that need no restart; the same dict must reach every rank at the same step.
+def apply_live_knobs(knobs: dict[str, Any], *, start: RunConfig, now: RunConfig, comm: CommMonitor | None,
+                     co2: Any = None) -> RunConfig:
+    """Apply knobs that need no restart to the run's compressor, link and CO2; returns the config
+    with them. `start` is the config the run was built with, `now` the current one. The same dict
+    must reach every rank at the same step.
 
     Refuses (ValueError) a knob that cannot act in this run (engine.live.inert_knobs), so no
     measurement is ever attributed to a knob that did nothing.
@@ -252,16 +260,14 @@ def apply_live_knobs(trainer: Trainer, knobs: dict[str, Any]) -> None:
     unknown = set(knobs) - set(LIVE_KNOBS)
     if unknown:
         raise ValueError(f"knobs {sorted(unknown)} need a restart; live knobs are {', '.join(LIVE_KNOBS)}")
-    start = trainer.__dict__.setdefault("live_start_cfg", trainer.cfg)  # what was built at start
     inert = inert_knobs(start, knobs)
     if inert:
         raise ValueError("; ".join(f"{k}={knobs[k]!r} cannot act: {why}" for k, why in inert.items()))
-    trainer.cfg = replace(trainer.cfg, knobs)
-    _apply_comm_knobs(trainer.comm, trainer.cfg, knobs)
-    if trainer.co2 is not None:
-        trainer.co2.set_knobs(tau=trainer.cfg.co2.tau, outer_lr=trainer.cfg.co2.outer_lr)
-    for name, value in knobs.items():
-        trainer.emit(getattr(trainer, "current_step", -1), "knob", name, float(value))
+    cfg = replace(now, knobs)
+    _apply_comm_knobs(comm, cfg, knobs)
+    if co2 is not None:
+        co2.set_knobs(tau=cfg.co2.tau, outer_lr=cfg.co2.outer_lr)
+    return cfg
 
 
 def _apply_comm_knobs(monitor: CommMonitor | None, cfg: RunConfig, knobs: dict[str, Any]) -> None:

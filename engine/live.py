@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -18,7 +18,6 @@ from engine.device import host_group
 
 if TYPE_CHECKING:
     from engine.config import RunConfig
-    from engine.train import Trainer
 
 # knobs that change what the model learns, not how fast: only a loss-aware objective can score them
 LR_LIKE = ("train.lr", "co2.outer_lr")
@@ -80,6 +79,14 @@ class StopRun(Exception):
     """The tuner asked the run to end at this boundary."""
 
 
+class KnobTarget(Protocol):
+    """What the channel drives at a boundary (engine/train.py's Trainer is one)."""
+
+    rank: int
+
+    def apply_knobs(self, knobs: dict[str, Any], step: int = -1) -> None: ...
+
+
 class KnobChannel:
     def __init__(self, run_dir: Path, every: int, wait_s: float) -> None:
         self.run_dir, self.every, self.wait_s = run_dir, every, wait_s
@@ -95,7 +102,7 @@ class KnobChannel:
             time.sleep(0.02)
         return json.loads(answer.read_text())
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
+    def __call__(self, trainer: KnobTarget, step: int) -> None:
         if step % self.every:
             return
         index = step // self.every
@@ -105,5 +112,4 @@ class KnobChannel:
         answer = msg[0]
         if answer.get("stop"):
             raise StopRun(step)
-        trainer.current_step = step
-        trainer.apply_knobs(answer.get("knobs", {}))
+        trainer.apply_knobs(answer.get("knobs", {}), step)

@@ -114,16 +114,18 @@ def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh, device_type: s
 
 
 def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
-                comm_hook_factory: Callable[[nn.Module, Any], dict[str, Any]] | None = None) -> Parallelized:
+                comm_hook_factory: Callable[[nn.Module, Any], Any] | None = None,
+                saved_split: list[int] | None = None) -> Parallelized:
     """Apply TP, activation checkpointing, then PP and ZeRO/DP, in that order.
 
     `comm_hook_factory(ddp_module, dp_group)` registers the comm hook (compression, link emulation,
-    recording) on a DDP module and returns its states; the train loop owns it.
+    recording) on a DDP module (engine/compose.py keeps what it returns). `saved_split`: the
+    layers per stage a resumed layer_split=auto run's checkpoint used (timings vary: it is kept).
     """
     p = cfg.parallel
     model.to(device)
     if p.pp > 1:
-        return _pipeline(model, cfg, dims, mesh, device=device)
+        return _pipeline(model, cfg, dims, mesh, device=device, saved_split=saved_split)
     if p.adaptive_sp and dims.world_size > 1:
         # FlexSP: every rank holds the whole model; each step's groups are set by the trainer
         from engine.parallel.adaptive_sp import sum_gradients
@@ -157,7 +159,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks)
 
 
-def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device) -> Parallelized:
+def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
+              saved_split: list[int] | None = None) -> Parallelized:
     """Stages first, then per chunk: TP, checkpointing, ZeRO-2/3 over dp (torchtitan applies its
     parallelize function per model part); plain dp averages gradients after the schedule."""
     from engine.parallel.pipeline import allreduce_grads, build_pipeline
@@ -181,7 +184,7 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
         skip_dp = mesh["dp"].get_group() if dims.dp > 1 else None
         return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe,
                             after_backward=lambda: allreduce_grads(pipe.modules, skip_dp))
-    layer_split = _auto_split(model, cfg, dims, mesh) if p.layer_split == "auto" else p.layer_split
+    layer_split = (saved_split or _auto_split(model, cfg, dims, mesh)) if p.layer_split == "auto" else p.layer_split
     pipe = build_pipeline(model, mesh["pp"], schedule=p.schedule, virtual=p.virtual, layer_split=layer_split,
                           n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device, parallelize=per_chunk)
     dp_group = mesh["dp"].get_group() if dims.dp > 1 and p.zero == 0 else None
@@ -200,12 +203,6 @@ def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh) -> list[in
     from engine.parallel.layer_split import auto_layer_split, layer_seconds
 
     m = cfg.model
-    if cfg.train.resume_from:  # a resumed run keeps the split its checkpoint ran with (timings vary)
-        from engine.checkpoint import saved_layer_split
-
-        saved = saved_layer_split(cfg.train.resume_from, layers=m.layers, pp=dims.pp)
-        if saved is not None:
-            return saved
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
     block = model.layers["0"]
     with torch.random.fork_rng(devices=[]):  # the probe's dropout leaves the run's random stream alone

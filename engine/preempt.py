@@ -64,11 +64,12 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def checkpoint_and_leave(trainer, step: int, folder: Path, run_dir: Path, rank: int) -> None:
-    """Write the checkpoint of the `step` steps done, leave the requeue marker (rank 0), raise Preempted."""
+def checkpoint_and_leave(state, step: int, folder: Path, run_dir: Path, rank: int) -> None:
+    """Write the checkpoint of the `step` steps done (`state`: engine.checkpoint.RankState), leave the
+    requeue marker (rank 0), raise Preempted."""
     from engine import checkpoint as ckpt
 
-    path = ckpt.save(trainer, step, folder)
+    path = ckpt.save(state, step, folder)
     if rank == 0:
         (run_dir / MARKER).write_text(f"{step}\n")
     raise Preempted(step, path)

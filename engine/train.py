@@ -17,12 +17,14 @@ import torch
 import torch.distributed as dist
 
 from engine import checkpoint as ckpt
+from engine.comm_setup import apply_live_knobs, install_link_groups
+from engine.compose import compose
 from engine.config import RunConfig
 from engine.data import Splits, build_splits, local_batch, val_batches
 from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims
-from engine.model import build_model, flops_per_token, loss_fn
-from engine.parallelize import Parallelized, parallelize
+from engine.model import flops_per_token, loss_fn
+from engine.parallelize import Parallelized
 from engine.validate_data import STREAM_SOURCES
 from profilers.collectives import CollectiveProfiler
 from profilers.steps import StepTimer
@@ -66,8 +68,6 @@ class Trainer:
         # called after each step's records: a killed rank loses no completed step
         self.flush: Callable[[], object] = flush or (lambda: None)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        from engine.comm_setup import install_link_groups
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         # before the CollectiveProfiler wraps torch.distributed: its records include the emulated links
         order = install_link_groups(cfg, world)
@@ -79,7 +79,6 @@ class Trainer:
             init_host_group(timeout_s=cfg.train.timeout_s)  # no-op when the world already has one
         self.start_step = 0
         self.timer = StepTimer(device, enabled=cfg.profile.enabled)
-        self.comm = None  # set by the comm hook factory
         # records every torch.distributed collective (and DDP buckets) once enabled
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
         self._step_events: list[dict[str, Any]] = []
@@ -88,9 +87,13 @@ class Trainer:
                                           if getattr(self.dims, axis) > 1})
             if self.dims.dp > 1 and self.dims.cp > 1:  # the gradient average over dp x cp (engine/mesh.py)
                 self.collectives.name_groups({"dp_cp": self.mesh["dp_cp"].get_group()})
-        self.user_dataset = None
         self.stream = self.val_stream = None  # a real data source read in order (engine/data_sources.py)
-        self.par: Parallelized = self._build()
+        parts = compose(cfg, dims=self.dims, mesh=self.mesh if self.mesh is not None else _NoMesh(), device=device,
+                        mark=self.timer.mark, collectives=self.collectives)
+        self.par: Parallelized = parts.par
+        self.comm, self.co2 = parts.comm, parts.co2  # gradient traffic's CommMonitor, CO2's rounds
+        self.user_dataset, self.user_step = parts.user_dataset, parts.user_step
+        self.live_start_cfg = cfg  # live knobs are judged against what was built
         if self.user_dataset is not None:
             # a user's model trains on its own dataset (validated on it too: it brings no split)
             self.splits = Splits(self.user_dataset, self.user_dataset)
@@ -112,40 +115,16 @@ class Trainer:
         if cfg.parallel.adaptive_sp and self.dims.world_size > 1:
             self._calibrate_flexsp()
         if cfg.train.resume_from:
-            self.start_step = ckpt.load(self, cfg.train.resume_from)
+            self.start_step = ckpt.load(self.rank_state(), cfg.train.resume_from)
 
-    # ------------------------------------------------------------------ build
-    def _build(self) -> Parallelized:
-        from engine.comm_setup import install_comm, build_optimizer
-
-        if self.cfg.model.entry:  # imported only because the config names it
-            from engine.data import MapDataset, load_entry
-
-            torch.manual_seed(self.cfg.train.seed)  # the same initial weights on every rank
-            model, dataset, *step_fn = load_entry(self.cfg.model.entry)
-            self.user_dataset = MapDataset(dataset)
-            # optional third item: step_fn(model, inputs, targets, lr) -> loss runs a whole
-            # optimizer step itself (e.g. extragradient: two gradient evaluations per step)
-            self.user_step = step_fn[0] if step_fn else None
-        elif self.cfg.model.hf is not None:  # a Hugging Face causal LM (engine/hf.py)
-            from engine.hf import build_hf_model
-
-            model = build_hf_model(self.cfg.model, seed=self.cfg.train.seed)
-        else:
-            model = build_model(self.cfg.model, seed=self.cfg.train.seed)
-        factory = None
-        if self.dims.world_size > 1:
-            factory = lambda ddp, group: install_comm(self, ddp, group)  # noqa: E731
-        par = parallelize(model, self.cfg, self.dims, self.mesh, device=self.device, comm_hook_factory=factory) \
-            if self.mesh is not None else parallelize(model, self.cfg, self.dims, _NoMesh(), device=self.device)
-        par.optimizer = build_optimizer(par, self.cfg, self.mesh)
-        from engine.comm_setup import install_fsdp_comm
-
-        install_fsdp_comm(self, par)  # ZeRO-2/3 + randk/topk: FSDP2's custom reduce-scatter
-        from engine.comm_setup import install_co2
-
-        install_co2(self, par)
-        return par
+    def rank_state(self) -> ckpt.RankState:
+        """What this rank's checkpoints save and load into (live objects: a load fills them)."""
+        c, d = self.cfg, self.dims
+        return ckpt.RankState(par=self.par, layout={"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp,
+                                                    "ep": c.parallel.ep},
+                              coords=self.coords, rank=self.rank, device=self.device, seed=c.train.seed,
+                              dropout=c.model.dropout, data_source=c.data.source, compressor=c.comm.compressor,
+                              zero=c.parallel.zero, comm=self.comm, co2=self.co2, stream=self.stream)
 
     # ------------------------------------------------------------------ steps
     def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -516,7 +495,7 @@ class Trainer:
             self._record(m)
             self.flush()
             if c.train.checkpoint_interval and (step + 1) % c.train.checkpoint_interval == 0:
-                ckpt.save(self, step + 1, self._checkpoint_dir())
+                ckpt.save(self.rank_state(), step + 1, self._checkpoint_dir())
             yield m
 
     def _checkpoint_dir(self) -> Path:
@@ -561,15 +540,14 @@ class Trainer:
             for name, value in peak_memory(self.device).items():
                 e(s, "memory", name, value)
 
-    co2 = None
-    user_step = None  # model.entry's optional step function
     _docs_ahead: tuple[int, list[torch.Tensor]] | None = None  # FlexSP: (step, documents) drawn a step early
 
-    def apply_knobs(self, knobs: dict[str, Any]) -> None:
-        """Change knobs that need no restart, at a step boundary, on every rank alike."""
-        from engine.comm_setup import apply_live_knobs
-
-        apply_live_knobs(self, knobs)
+    def apply_knobs(self, knobs: dict[str, Any], step: int = -1) -> None:
+        """Change knobs that need no restart, at the boundary before `step`, on every rank alike
+        (engine/live.py's KnobChannel calls this); each knob is recorded at `step`."""
+        self.cfg = apply_live_knobs(knobs, start=self.live_start_cfg, now=self.cfg, comm=self.comm, co2=self.co2)
+        for name, value in knobs.items():
+            self.emit(step, "knob", name, float(value))
 
 
 def _moe_aux_loss(modules) -> torch.Tensor | float:

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 channel(t, step)
             if preemption is not None and step > t.start_step and preemption[0].agreed():
                 client.emit(step, "event", "preempted", 1.0)
-                checkpoint_and_leave(t, step, ckpt.checkpoint_folder(cfg, run_dir), run_dir, rank)
+                checkpoint_and_leave(t.rank_state(), step, ckpt.checkpoint_folder(cfg, run_dir), run_dir, rank)
 
         try:
             for _ in trainer.run(on_boundary=boundary):

@@ -11,6 +11,7 @@ their steps to end, then stops the daemons by PID. Every client call needs `clus
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -161,6 +162,26 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait(timeout=5)
         self.procs.clear()
+        self._kill_job_processes()
+
+    def _kill_job_processes(self) -> None:
+        """Kill and wait for what this cluster's jobs left: on a loaded machine a job's process (a
+        `sleep 300` in CI) outlived scancel, squeue and slurmd. A process is this cluster's when its
+        SLURM_CONF is this conf and it is a job's (SLURM_JOB_ID) or a slurmstepd."""
+        import psutil
+
+        left = []
+        for proc in psutil.process_iter(["name"]):
+            try:
+                env = proc.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get("SLURM_CONF") == str(self.conf) and ("SLURM_JOB_ID" in env or proc.info["name"] == "slurmstepd"):
+                left.append(proc)
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(left, timeout=10)
 
 
 class _Stop(Exception):

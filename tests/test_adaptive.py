@@ -155,12 +155,11 @@ def _live_density_run(rank: int) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
     comp = apply_adaptive(ddp, levels=(0.001, 0.01, 0.05), default_level=0.05, interval=2, bins=500)
     cfg = load_config(None, ["parallel.dp=2", "comm.compressor=topk", "comm.adaptive=true", "comm.density=0.05"])
-    trainer = SimpleNamespace(cfg=cfg, comm=SimpleNamespace(compressor_state=comp, link=None), co2=None,
-                              emit=lambda *a: None)
+    monitor = SimpleNamespace(compressor_state=comp, link=None)
     history = []
     for step in range(5):
         if step == 1:
-            apply_live_knobs(trainer, {"comm.density": 0.02})
+            apply_live_knobs({"comm.density": 0.02}, start=cfg, now=cfg, comm=monitor)
         history.append(comp.chosen_levels)
         gen = torch.Generator().manual_seed(10 * step + rank)
         ddp.zero_grad()

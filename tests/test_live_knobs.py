@@ -4,7 +4,6 @@ loss-aware objective."""
 from __future__ import annotations
 
 import uuid
-from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -69,8 +68,8 @@ def test_live_tuner_prunes_a_segment_whose_combination_makes_a_knob_inert(tmp_pa
 def test_engine_refuses_a_live_knob_that_cannot_act():
     from engine.comm_setup import apply_live_knobs
 
-    trainer = SimpleNamespace(cfg=load_config(None, BASE), comm=None, co2=None, emit=lambda *a: None)
+    cfg = load_config(None, BASE)
     with pytest.raises(ValueError, match=r"comm\.density=0\.05 cannot act: comm\.compressor=none has no density"):
-        apply_live_knobs(trainer, {"comm.density": 0.05})
-    apply_live_knobs(trainer, {"train.lr": 0.002})  # a knob that acts is applied
-    assert trainer.cfg.train.lr == 0.002
+        apply_live_knobs({"comm.density": 0.05}, start=cfg, now=cfg, comm=None)
+    now = apply_live_knobs({"train.lr": 0.002}, start=cfg, now=cfg, comm=None)  # a knob that acts is applied
+    assert now.train.lr == 0.002

@@ -214,3 +214,26 @@ def test_a_worker_whose_trial_another_worker_failed_goes_on(tmp_path):
     study = optuna.create_study(direction="maximize", storage=f"sqlite:///{tmp_path}/s.db")
     run_trials(study, FailedMeanwhile(), 2)
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.COMPLETE]
+
+
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_by_the_next_worker(tmp_path):
+    """Optuna's fail_stale_trials passes over a RUNNING trial with no heartbeat at all: a worker killed
+    between ask() and its first heartbeat (CI under load) left it RUNNING for good. The next worker fails
+    it once it is older than the grace period, and names why."""
+    from tuning.objective import TrialOutcome
+
+    class Quick:
+        def evaluate(self, trial):
+            return TrialOutcome(TrialState.COMPLETE, [1.0])
+
+    storage = make_storage(f"sqlite:///{tmp_path}/s.db", tmp_path, heartbeat_s=1, grace_s=1)
+    study = optuna.create_study(study_name="never-beat", direction="maximize", storage=storage)
+    orphan = study.ask()  # its worker dies here: no heartbeat was ever recorded
+    young = study.ask()
+    young.set_user_attr("live", True)  # a live in-job trial beats through its run: left alone
+    time.sleep(2.5)
+    run_trials(study, Quick(), 1)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[orphan.number] == TrialState.FAIL and states[young.number] == TrialState.RUNNING, states
+    assert study.get_trials()[orphan.number].user_attrs["reason"].startswith("worker died before its first heartbeat")
+    assert list(states.values()).count(TrialState.COMPLETE) == 1

@@ -75,15 +75,17 @@ def test_compressor_state_into_other_degrees_is_refused():
     """A compressor's memory is per rank: resuming it in other degrees is one clear error."""
     from types import SimpleNamespace
 
-    from engine.checkpoint import _comm_resumes
+    import torch
+
+    from engine.checkpoint import RankState, _comm_resumes
     from engine.comm.compress import CompressionState
 
-    cfg = load_config(None, TINY + ["parallel.dp=4", "batch.micro=2", "comm.compressor=topk"])
     state = CompressionState(compressor="topk")
-    trainer = SimpleNamespace(cfg=cfg, comm=SimpleNamespace(compressor_state=state),
-                              dims=SimpleNamespace(dp=4, tp=1, pp=1, cp=1))
+    parts = RankState(par=None, layout={"dp": 4, "tp": 1, "pp": 1, "cp": 1, "ep": 1}, coords={"dp": 0, "tp": 0},
+                      rank=0, device=torch.device("cpu"), seed=0, dropout=0.0, data_source="text",
+                      compressor="topk", zero=0, comm=SimpleNamespace(compressor_state=state))
     meta = {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "comm": "CompressionState:topk:ddp"}
     with pytest.raises(ValueError, match=r"compressor state .* resumes only in its own degrees \(dp=2"):
-        _comm_resumes(trainer, meta)
-    assert _comm_resumes(trainer, {**meta, "dp": 4})
-    assert not _comm_resumes(trainer, {**meta, "dp": 4, "comm": "CompressionState:randk:ddp"})
+        _comm_resumes(parts, meta)
+    assert _comm_resumes(parts, {**meta, "dp": 4})
+    assert not _comm_resumes(parts, {**meta, "dp": 4, "comm": "CompressionState:randk:ddp"})

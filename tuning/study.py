@@ -356,6 +356,7 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
             before_trial()
         _name_stale_trials(study)
         optuna.storages.fail_stale_trials(study)
+        _fail_trials_that_never_beat(study)
         trial = study.ask()
         # heartbeats from the ask on: a worker killed while screening leaves a trial others can fail as stale
         with _Heartbeat(study, trial, study._storage.get_heartbeat_interval() or HEARTBEAT_S):
@@ -408,6 +409,35 @@ def _name_stale_trials(study: optuna.Study, now: float | None = None) -> list[in
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # another worker failed it first
     return named
+
+
+def _fail_trials_that_never_beat(study: optuna.Study, now: float | None = None) -> list[int]:
+    """Fail, with why, each running trial that never sent a heartbeat and started longer than the grace
+    period ago: its worker died between `ask()` and the first heartbeat, and Optuna's fail_stale_trials
+    passes over trials without one, so such a trial stayed RUNNING for good (a CI run under load).
+    Live in-job trials (user attr "live") beat through their run instead; they are left alone."""
+    import datetime
+
+    backend = getattr(study._storage, "_backend", study._storage)
+    interval = getattr(backend, "heartbeat_interval", None)
+    if interval is None:  # no heartbeats in this storage: nothing tells a dead worker from a slow one
+        return []
+    grace = getattr(backend, "grace_period", None) or 2 * interval
+    now_dt = datetime.datetime.fromtimestamp(time.time() if now is None else now)
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if HEARTBEAT_ATTR in t.system_attrs or t.user_attrs.get("live") or t.datetime_start is None:
+            continue
+        if (now_dt - t.datetime_start).total_seconds() <= grace:
+            continue
+        try:
+            study._storage.set_trial_user_attr(t._trial_id, "reason", "worker died before its first heartbeat "
+                                               f"(started {t.datetime_start:%Y-%m-%d %H:%M:%S}, grace {grace} s)")
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            failed.append(t.number)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # its worker, or another one, finished it meanwhile
+    return failed
 
 
 def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats: int = 1) -> int | None:
