@@ -247,7 +247,7 @@ class Trainer:
                           rank=self.rank)
         self.flexsp = (groups, cost, ahead)
         for name, value in (("a1(s/token^2)", cost.a1), ("a2(s/token)", cost.a2), ("bias(s)", cost.bias),
-                            ("per_seq(s)", cost.per_seq),
+                            ("per_seq(s)", cost.per_seq), ("pack_a2(s/token)", cost.pack_a2),
                             *((f"a2a_g{g}(s/token)", v) for g, v in cost.a2a.items()),
                             *((f"bias_g{g}(s)", v) for g, v in cost.group_bias.items())):
             self.emit(self.start_step, "flexsp_cost", name, value)

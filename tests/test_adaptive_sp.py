@@ -194,3 +194,21 @@ def test_adaptive_sp_trains_through_the_real_launcher(tmp_path):
     # forward and backward timed apart (old code: the whole share ran under "forward", backward read 0)
     table = RunStore.open_home(tmp_path).breakdown_table(result.run_id)
     assert (table["backward"] > 0).all() and (table["forward"] > 0).all(), table
+
+
+def test_packing_costs_are_recovered_from_two_packed_rows():
+    """Calibration fits what packing documents into one row adds (document masks run attention one
+    document at a time here): per document and per token. On rows made from known coefficients the
+    fit gives them back; the model then prices a step's packed row with both (issue 40: the Run page
+    showed the steps 1.3-2.3x slower than predicted; the per-token part of packing was not priced)."""
+    from engine.parallel.adaptive_sp import fit_packing
+    from engine.parallel.flexsp import CostModel
+
+    base = CostModel(a1=2e-8, a2=8e-6, bias=1.4e-3)
+    per_seq, pack_a2 = 1.2e-4, 3e-6
+    rows = {(n, 16): base.group_time([n // 16] * 16, 1) + 16 * per_seq + n * pack_a2 for n in (256, 512)}
+    got_a2, got_seq = fit_packing(base, rows)
+    assert got_a2 == pytest.approx(pack_a2) and got_seq == pytest.approx(per_seq)
+    model = CostModel(a1=base.a1, a2=base.a2, bias=base.bias, per_seq=got_seq, pack_a2=got_a2)
+    lengths = [151, 83, 59, 43, 36, 25]
+    assert model.group_time(lengths, 1) == pytest.approx(base.group_time(lengths, 1) + 6 * per_seq + 397 * pack_a2)

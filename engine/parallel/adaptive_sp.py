@@ -126,8 +126,7 @@ def run_step(model: GPT, docs: list[torch.Tensor], plan: Plan, groups: GroupCach
         logits = model(shard_sequence(x, cp=g, cp_rank=me).to(device),
                        positions=shard_sequence(pos, cp=g, cp_rank=me).to(device), doc_ids=ids.to(device))
         target = shard_sequence(y, cp=g, cp_rank=me).to(device)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                                 reduction="sum") / total_tokens
+        loss = _cross_entropy(logits, target) / total_tokens
     with phase("backward"):
         loss.backward()
     if device.type == "cuda":
@@ -172,8 +171,10 @@ def _time(fn, repeats: int = 3) -> float:
 def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, device: torch.device,
               rounds: int = 5) -> CostModel:
     """Fit (a1 s^2 + a2 s + bias) to one rank's forward+backward of one sequence at four lengths
-    (non-negative least squares), the per-sequence constant from the same seq_len tokens as 16 packed
-    documents, then each group size g's sequence-parallel overhead: the same
+    (non-negative least squares), then what packing adds (`fit_packing`): a per-sequence constant and a
+    per-token cost, from two packed rows of 16 documents, seq_len and 2 seq_len tokens (the steps pack
+    rows of up to the token cap, about twice the mean tokens per rank), then each group size g's
+    sequence-parallel overhead: the same
     forward+backward of a sequence sharded over every group of g ranks at once (Ulysses) at two
     lengths, minus 1/g of the single-rank model, split into a per-token all-to-all cost and a
     constant per group (`fit_group_overhead`). That overhead is the all-to-all as it really costs
@@ -182,43 +183,44 @@ def calibrate(model: GPT, *, world: int, groups: GroupCache, seq_len: int, devic
     from scipy.optimize import nnls
 
     lengths = sorted({max(2, seq_len // 8), max(2, seq_len // 4), max(2, seq_len // 2), seq_len})
-    full = torch.randint(0, model.cfg.vocab, (1, seq_len), device=device)
+    full = torch.randint(0, model.cfg.vocab, (1, seq_len + 1), device=device)  # + the last target
     sizes, two = calibration_lengths(world=world, seq_len=seq_len, heads=model.cfg.heads)
     single: dict[int, list[float]] = {s: [] for s in lengths}
     grouped: dict[tuple[int, int], list[float]] = {(g, s): [] for g in sizes for s in two[g]}
-    docs = max(1, min(16, seq_len // 2))  # a packed row of short documents, as the steps run them
-    ids_docs = (torch.arange(seq_len, device=device) * docs // seq_len)[None]
-    pos_docs = torch.arange(seq_len, device=device) % (seq_len // docs)
-    packed: list[float] = []
+    docs = max(2, min(16, seq_len // 2))  # packed rows of short documents, as the steps run them
+    rows = {tokens: _packed_row(tokens, docs, model.cfg.vocab, device) for tokens in (seq_len, 2 * seq_len)}
+    packed: dict[int, list[float]] = {tokens: [] for tokens in rows}
     for _ in range(rounds):  # rounds interleave every measurement: a load change on a shared machine hits all alike
         _set_core(model, None)
         for s in lengths:
-            single[s].append(_time(lambda: model(full[:, :s]).float().mean().backward(), repeats=1))
+            single[s].append(_time(lambda: _loss(model, full[:, :s + 1]).backward(), repeats=1))
         for g in sizes:
             ranks, group = next((r, grp) for r, grp in groups.pattern([g] * (world // g)) if dist.get_rank() in r)
             _set_core(model, group)
             me = ranks.index(dist.get_rank())
             for s in two[g]:
                 local = shard_sequence(full[:, :s], cp=g, cp_rank=me)
+                target = shard_sequence(full[:, 1:s + 1], cp=g, cp_rank=me)
                 pos = shard_sequence(torch.arange(s, device=device), cp=g, cp_rank=me, dim=0)
-                grouped[g, s].append(_time(lambda: model(local, positions=pos).float().mean().backward(), repeats=1))
-        _set_core(model, None)  # the same tokens as `docs` documents packed in one row: the per-document cost
-        packed.append(_time(lambda: model(full, positions=pos_docs, doc_ids=ids_docs).float().mean().backward(),
-                            repeats=1))
+                grouped[g, s].append(_time(lambda: _cross_entropy(model(local, positions=pos), target).backward(),
+                                           repeats=1))
+        _set_core(model, None)  # documents packed in one row: what packing adds per document and per token
+        for tokens, (row, pos, ids) in rows.items():
+            packed[tokens].append(_time(lambda: _loss(model, row, positions=pos, doc_ids=ids).backward(), repeats=1))
     # the median, not the least: on a shared machine the steps pay the load too, and the least of a
     # few samples is mostly luck
     single = {s: float(np.median(v)) for s, v in single.items()}
     grouped = {k: float(np.median(v)) for k, v in grouped.items()}
     (a1, a2, bias), _ = nnls(np.array([[s * s, s, 1.0] for s in lengths]), np.array([single[s] for s in lengths]))
     base = CostModel(a1=float(a1), a2=float(a2), bias=float(bias))  # one unpacked sequence: no per_seq
-    one = base.group_time([seq_len // docs] * docs, 1)  # the packed row as the model without per_seq prices it
-    per_seq = max(0.0, (float(np.median(packed)) - one) / docs)
+    pack_a2, per_seq = fit_packing(base, {(tokens, docs): float(np.median(v)) for tokens, v in packed.items()})
     a2a, group_bias = {}, {}
     for g in sizes:
         a2a[g], group_bias[g] = fit_group_overhead(base, g, {s: grouped[g, s] for s in two[g]})
     _set_core(model, None)
     model.zero_grad(set_to_none=True)
     box = [CostModel(a1=base.a1, a2=base.a2, a2a=a2a, bias=base.bias, group_bias=group_bias, per_seq=per_seq,
+                     pack_a2=pack_a2,
                      sizes=(1, *sizes))]
     from engine.device import host_group
 
@@ -238,6 +240,36 @@ def calibration_lengths(*, world: int, seq_len: int, heads: int) -> tuple[list[i
             sizes.append(g)
             two[g] = (short, full)
     return sizes, two
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The steps' loss (run_step): summed token cross-entropy."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                             reduction="sum")
+
+
+def _loss(model: GPT, tokens: torch.Tensor, **kw) -> torch.Tensor:
+    """The steps' loss of tokens[:, :-1] predicting tokens[:, 1:]."""
+    return _cross_entropy(model(tokens[:, :-1], **kw), tokens[:, 1:])
+
+
+def _packed_row(tokens: int, docs: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A row of `tokens` (+1 for the targets) cut into `docs` equal documents: ids, positions, doc ids."""
+    length = tokens // docs
+    ids = (torch.arange(tokens, device=device) // length).clamp(max=docs - 1)
+    pos = torch.arange(tokens, device=device) - ids * length
+    return torch.randint(0, vocab, (1, tokens + 1), device=device), pos[None], ids[None]
+
+
+def fit_packing(base: CostModel, measured: dict[tuple[int, int], float]) -> tuple[float, float]:
+    """(seconds per token, seconds per document) that packing documents into one row adds to the
+    lone-sequence model `base`, from two packed rows {(tokens, documents): seconds} of equal document
+    counts: the excess over `base` is documents * per_seq + tokens * pack_a2; both clamped at 0."""
+    (row1, t1), (row2, t2) = sorted(measured.items())
+    (n1, d1), (n2, d2) = row1, row2
+    e1, e2 = (t - base.group_time([n // d] * d, 1) for (n, d), t in ((row1, t1), (row2, t2)))
+    pack_a2 = max(0.0, (e2 - e1) / (n2 - n1))
+    return pack_a2, max(0.0, (e1 - n1 * pack_a2) / d1)
 
 
 def fit_group_overhead(base: CostModel, g: int, measured: dict[int, float]) -> tuple[float, float]:

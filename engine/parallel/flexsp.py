@@ -26,7 +26,8 @@ ordered (m[p] >= m[p+1]) to cut symmetric branches, and group size 1 is allowed 
 More of ours: a per-size constant `group_bias[g]` (Ulysses runs a fixed number of all-to-alls
 per layer whatever the tokens; their a2a term is per token only), a per-sequence constant `per_seq`
 that is not split over the group (packed documents run attention one document at a time here, on
-every rank of the group, where their GPUs run one varlen kernel), and the valid cut
+every rank of the group, where their GPUs run one varlen kernel) with a per-token cost of packing
+`pack_a2` (a 512-token packed row cost 12 us/token against 9 us for a lone sequence), and the valid cut
 sum_p g_p T_p <= N M (the device-seconds of the plan fit N devices for M seconds) that gives the LP
 relaxation the work bound, so HiGHS proves (near-)optimality in far fewer nodes; HiGHS stops at
 a relative gap `gap` (default 5%: below the error of bucket boundaries, and it ends most
@@ -45,8 +46,8 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds of one sequence of s tokens in a group of g ranks: (a1 s^2 + a2 s)/g + a2a[g] s/g + per_seq;
-    a used group adds bias + group_bias[g]."""
+    """Seconds of one sequence of s tokens in a group of g ranks: (a1 s^2 + (a2 + pack_a2) s)/g + a2a[g] s/g
+    + per_seq; a used group adds bias + group_bias[g]."""
 
     a1: float  # attention: seconds per token^2
     a2: float  # everything linear in tokens: seconds per token
@@ -54,6 +55,7 @@ class CostModel:
     bias: float = 0.0  # per-group constant per step (the paper's beta1)
     group_bias: dict[int, float] = field(default_factory=dict)  # group size -> extra constant (ours: collective latency)
     per_seq: float = 0.0  # ours: seconds per packed sequence that every rank of its group pays (not split over g)
+    pack_a2: float = 0.0  # ours: seconds per token of a packed row beyond a lone sequence's a2 (document masks)
     sizes: tuple[int, ...] = ()
     """The group sizes this model prices (calibrated ones); a plan uses no other, and pricing another
     raises instead of counting its all-to-all as free. Empty: every size, as given (hand-made models)."""
@@ -69,7 +71,7 @@ class CostModel:
 
     def seq_time(self, s: float, g: int) -> float:
         self._check(g)
-        return (self.a1 * s * s + self.a2 * s + self.a2a.get(g, 0.0) * s) / g + self.per_seq
+        return (self.a1 * s * s + (self.a2 + self.pack_a2 + self.a2a.get(g, 0.0)) * s) / g + self.per_seq
 
     def fixed(self, g: int) -> float:
         """A used group's constant seconds per step."""
