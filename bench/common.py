@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -17,16 +16,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from profilers.rendezvous import hosted_store  # noqa: E402
 
 
-def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _rank_main(rank: int, world: int, store_env: dict[str, str], fn: Callable[..., Any], args: tuple, out: str) -> None:
+    os.environ.update(store_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     result = fn(rank, world, *args)
@@ -39,9 +33,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
 
 def run_world(fn: Callable[..., Any], world: int, *args: Any) -> Any:
     """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; returns rank 0's JSON result."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, hosted_store(world, timeout_s=600) as store_env:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank_main, args=(world, _free_port(), fn, args, out), nprocs=world,
+        mp.start_processes(_rank_main, args=(world, store_env, fn, args, out), nprocs=world,
                            start_method="spawn")
         return json.loads(Path(out).read_text())
 

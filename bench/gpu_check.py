@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -31,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from profilers.rendezvous import hosted_store  # noqa: E402
 
 TINY = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.seq_len=32", "model.vocab=256",
         "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2", "train.grad_clip=1.0",
@@ -225,10 +226,9 @@ def two_ranks(rank: int, world: int, device: torch.device, steps: int, refs: dic
 
 
 # ------------------------------------------------------------------ processes and the table
-def _rank_main(rank: int, world: int, port: int, backend: str, device_type: str, section: str,
+def _rank_main(rank: int, world: int, store_env: dict[str, str], backend: str, device_type: str, section: str,
                args: tuple, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    os.environ.update(store_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from engine.device import init_distributed
 
@@ -247,17 +247,11 @@ def _rank_main(rank: int, world: int, port: int, backend: str, device_type: str,
     os._exit(0)  # ranks sometimes abort at interpreter exit (shared/reference/platform.md)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_section(world: int, backend: str, device_type: str, section: str, *args) -> list[Row]:
     """Rank 0's rows of `section` on `world` spawned ranks."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, hosted_store(world, timeout_s=600) as store_env:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank_main, args=(world, _free_port(), backend, device_type, section, args, out),
+        mp.start_processes(_rank_main, args=(world, store_env, backend, device_type, section, args, out),
                            nprocs=world, start_method="spawn")
         return [tuple(r) for r in json.loads(Path(out).read_text())]
 

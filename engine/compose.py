@@ -55,9 +55,7 @@ def compose(cfg: RunConfig, *, dims: ParallelDims, mesh, device: torch.device, m
                       comm_hook_factory=ddp_hooks if dims.world_size > 1 else None, saved_split=_saved_split(cfg))
     par.optimizer = build_optimizer(par, cfg, mesh)
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
-    comm = ddp_monitor[0]
-    fsdp_monitor = install_fsdp_comm(par, cfg=cfg, dp=dims.dp, dp_group=dp_group, mark=mark)
-    comm = fsdp_monitor or comm
+    comm = install_fsdp_comm(par, cfg=cfg, dp=dims.dp, dp_group=dp_group, mark=mark) or ddp_monitor[0]
     co2 = install_co2(par, cfg=cfg, dp=dims.dp, dp_group=dp_group)
     if co2 is not None:
         co2, comm = co2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from profilers.rendezvous import hosted_store
 
 SWEEP_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                               "all_to_all", "sendrecv")
@@ -173,12 +174,6 @@ def format_busbw_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def spawn_commbench(world: int, ops: Sequence[str] = SWEEP_OPS,
                     sizes: Sequence[int] | None = None, iters: int = 5, *,
                     backend: str = "gloo", timeout: float = 600.0, work_s: float = 0.0) -> list[dict[str, Any]]:
@@ -186,14 +181,12 @@ def spawn_commbench(world: int, ops: Sequence[str] = SWEEP_OPS,
     return rank 0's rows."""
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
-    port = _free_port()
     root = str(Path(__file__).resolve().parent.parent)
-    with tempfile.TemporaryDirectory(prefix="commbench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="commbench-") as tmp, hosted_store(world, timeout_s=timeout) as store_env:
         out = Path(tmp) / "rows.json"
         spec = json.dumps({"ops": list(ops), "sizes": list(sizes) if sizes else None,
                            "iters": iters, "backend": backend, "out": str(out), "work_s": work_s})
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, **store_env, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
         procs = [subprocess.Popen([sys.executable, "-m", "profilers.commbench", spec],
                                   env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},

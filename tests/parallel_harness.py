@@ -20,7 +20,6 @@ import contextlib
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -30,6 +29,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from engine.errors import RankFailure
+from profilers.rendezvous import hosted_store
 
 # forkserver with torch preloaded: each rank forks from a clean server that already imported
 # torch (~0.1 s) instead of re-importing it (~2 s per rank on this machine, spawn).
@@ -39,17 +39,10 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.te
 _GRACE_S = 5.0  # after one rank fails, how long the others get before they are killed
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float,
+def _rank_main(rank: int, world_size: int, store_env: dict[str, str], out_dir: str, timeout_s: float,
                fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(store_env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
@@ -113,10 +106,9 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     timeout is `timeout` too, so a hung collective fails inside the rank before the parent
     kills it.
     """
-    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp, hosted_store(world_size, timeout_s=timeout) as env:
         out_dir = Path(tmp)
-        port = free_port()
-        procs = [_CTX.Process(target=_rank_main, args=(r, world_size, port, tmp, timeout, fn, args),
+        procs = [_CTX.Process(target=_rank_main, args=(r, world_size, env, tmp, timeout, fn, args),
                               daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()

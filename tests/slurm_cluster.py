@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.ports import server_port
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 CPUS = 8  # more than the 2 real cores (config_overrides): worker jobs and trial jobs fit side by side
 
@@ -27,14 +29,8 @@ class ClusterUnavailable(RuntimeError):
     """Slurm cannot run here; the message says why (tests skip with it)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_conf(base: Path, host: str, munge_socket: Path) -> str:
-    ctld, slurmd = _free_port(), _free_port()
+    ctld, slurmd = server_port(), server_port()
     return f"""ClusterName=workbench
 SlurmctldHost={host}
 SlurmUser=root

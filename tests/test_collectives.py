@@ -6,7 +6,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from profilers.collectives import (aggregate, algbw, bus_factor, busbw, format_busbw_table,
                                    spawn_commbench, sweep_sizes, union_time)
+from profilers.rendezvous import hosted_store
 
 WORLD = 2
 
@@ -119,16 +119,10 @@ def test_format_busbw_table() -> None:
 
 
 # -- multi-rank ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(fn: Callable[[int, int], Any], rank: int, port: int, out: str) -> None:
+def _entry(fn: Callable[[int, int], Any], rank: int, store_env: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(store_env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
@@ -140,19 +134,20 @@ def _entry(fn: Callable[[int, int], Any], rank: int, port: int, out: str) -> Non
 
 
 def _spawn(fn: Callable[[int, int], Any], tmp_path: Path) -> list[Any]:
-    port, ctx = _free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + 60
-    while time.time() < deadline and any(p.exitcode is None for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):
-            break  # one rank failed: the others would wait for their timeout
-        time.sleep(0.05)
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+    ctx = mp.get_context("spawn")
+    with hosted_store(WORLD, timeout_s=60) as env:
+        procs = [ctx.Process(target=_entry, args=(fn, r, env, str(tmp_path))) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        deadline = time.time() + 60
+        while time.time() < deadline and any(p.exitcode is None for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # one rank failed: the others would wait for their timeout
+            time.sleep(0.05)
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
     assert [p.exitcode for p in procs] == [0] * WORLD
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 

@@ -387,14 +387,23 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
     return draws
 
 
+def _heartbeat_grace(study: optuna.Study, default_interval: float | None = None) -> float | None:
+    """Seconds without a heartbeat after which a running trial's worker counts as dead: the storage's
+    grace period, else twice its heartbeat interval (Optuna's own default); None when the storage
+    sends no heartbeats and no `default_interval` stands in."""
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
+    interval = getattr(backend, "heartbeat_interval", None) or default_interval
+    if interval is None:
+        return None
+    return getattr(backend, "grace_period", None) or 2 * interval
+
+
 def _name_stale_trials(study: optuna.Study, now: float | None = None) -> list[int]:
     """Write why on each running trial whose worker stopped sending heartbeats, just before Optuna
     fails it (a finished trial takes no more attributes); returns their numbers."""
     import datetime
 
-    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
-    interval = getattr(backend, "heartbeat_interval", None) or HEARTBEAT_S
-    grace = getattr(backend, "grace_period", None) or 2 * interval  # Optuna's own default
+    grace = _heartbeat_grace(study, default_interval=HEARTBEAT_S)
     now = time.time() if now is None else now
     named = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -418,11 +427,9 @@ def _fail_trials_that_never_beat(study: optuna.Study, now: float | None = None) 
     Live in-job trials (user attr "live") beat through their run instead; they are left alone."""
     import datetime
 
-    backend = getattr(study._storage, "_backend", study._storage)
-    interval = getattr(backend, "heartbeat_interval", None)
-    if interval is None:  # no heartbeats in this storage: nothing tells a dead worker from a slow one
+    grace = _heartbeat_grace(study)
+    if grace is None:  # no heartbeats in this storage: nothing tells a dead worker from a slow one
         return []
-    grace = getattr(backend, "grace_period", None) or 2 * interval
     now_dt = datetime.datetime.fromtimestamp(time.time() if now is None else now)
     failed = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):

@@ -8,7 +8,8 @@ def flexsp_frames(metrics) -> tuple[Any, Any]:
     """(steps, groups) DataFrames from a run's metrics frame (RunStore.metrics(as_frame=True)):
     steps has solve(s), predicted(s), measured(s), measured/predicted, groups, max_tokens_per_rank,
     token_cap, plan (the solver whose plan ran: milp, balanced or greedy) and MILP (ran, or skipped when
-    the balanced or greedy plan was already within the gap of the lower bound) per step; groups has step, group, size, first_rank, sequences, tokens, predicted(s), measured(s).
+    the balanced or greedy plan was already within the gap of the lower bound) per step; groups has
+    step, group, size, first_rank, sequences, tokens, predicted(s), measured(s).
     Both empty when the run did not use adaptive_sp."""
     import pandas as pd
 

@@ -203,9 +203,9 @@ def flexsp_panel(run_id: str) -> None:
 
     seconds_columns = {c: fmt.seconds for c in steps.columns if c.endswith("(s)")}
     counts = {c: fmt.count for c in ("step", "groups", "max_tokens_per_rank", "token_cap") if c in steps}
-    ratio = {"measured/predicted": lambda v: f"{v:.2f}x"} if "measured/predicted" in steps else {}
+    ratio = {"measured/predicted": fmt.ratio} if "measured/predicted" in steps else {}
     if ratio:
-        st.caption(f"Measured over predicted, median of the steps: {steps['measured/predicted'].median():.2f}x "
+        st.caption(f"Measured over predicted, median of the steps: {fmt.ratio(steps['measured/predicted'].median())} "
                    "(the cost model is fitted once, when the run starts)")
     st.dataframe(fmt.frame(steps, {**seconds_columns, **counts, **ratio}), hide_index=True)
 
