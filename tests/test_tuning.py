@@ -17,7 +17,7 @@ from engine.config import from_dict, load_config
 from engine.launch import launch
 from profilers.store import RunStore
 from tuning.export import export_trial
-from tuning.objective import Objective, median_ci
+from tuning.objective import SKIPPED_ATTR, Objective, median_ci
 from tuning.space import SearchSpace, layouts
 from tuning.study import load_study, run_trials
 
@@ -181,9 +181,13 @@ def test_two_workers_share_one_study(tmp_path, backend):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
-    trials = optuna.load_study(study_name=study, storage=storage).get_trials()
-    assert sorted(t.number for t in trials) == [0, 1]  # one trial each, no duplicate, none lost
-    assert all(t.state == TrialState.COMPLETE for t in trials)
+    every = optuna.load_study(study_name=study, storage=storage).get_trials()
+    assert sorted(t.number for t in every) == list(range(len(every)))  # no duplicate number, none lost
+    # a worker that draws the config the other one already runs skips it unrun (a repeat) and draws again
+    skipped = [t for t in every if t.user_attrs.get(SKIPPED_ATTR)]
+    assert all(t.user_attrs["reason"].startswith("repeat") for t in skipped), [t.user_attrs for t in skipped]
+    trials = [t for t in every if not t.user_attrs.get(SKIPPED_ATTR)]
+    assert len(trials) == 2 and all(t.state == TrialState.COMPLETE for t in trials)  # one trial each
     run_ids = [t.user_attrs["run_id"] for t in trials]
     assert len(set(run_ids)) == 2
     summary = json.loads(outs[0][0])
