@@ -156,7 +156,8 @@ def _files(tmp_path):
 
 
 def _env(tmp_path):
-    return {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_HEARTBEAT_S": "1", "WORKBENCH_GRACE_S": "3"}
+    # no worker dies here: a grace far above the beat interval, so a loaded machine's stalls fail no live trial
+    return {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_HEARTBEAT_S": "1", "WORKBENCH_GRACE_S": "30"}
 
 
 def _pg_available() -> str | None:
@@ -194,6 +195,46 @@ def test_two_workers_share_one_study(tmp_path, backend):
     assert summary["study"] == study and "COMPLETE" in summary["counts"]
     if backend == "postgresql":
         optuna.delete_study(study_name=study, storage=storage)
+
+
+FIRST_BEAT = """
+import sys
+
+import optuna
+
+from engine.config import load_config
+from tuning import study as s
+from tuning.objective import Objective
+from tuning.space import SearchSpace
+
+
+class FirstBeat(Exception):
+    pass
+
+
+def first_beat(self):
+    print("torch loaded at the first heartbeat:", "torch" in sys.modules)
+    raise FirstBeat
+
+
+s._Heartbeat.__enter__ = first_beat
+home, base, space = sys.argv[1:]
+study = optuna.create_study(storage=s.make_storage(f"sqlite:///{home}/studies.db"), study_name="beat")
+try:
+    s.run_trials(study, Objective(load_config(base, []), SearchSpace.from_yaml(space), home=home), 1)
+except FirstBeat:
+    pass
+"""
+
+
+def test_the_engine_is_loaded_before_the_first_trial_beats(tmp_path):
+    """Loading torch holds the GIL for seconds on a loaded machine: a worker that loaded it under its
+    first trial's heartbeat stalled the beats past the grace period, and the other worker failed the
+    live trial as stale (busy CI: 'worker died: no heartbeat since ... (5 s, grace 3 s)')."""
+    space_path, base_path = _files(tmp_path)
+    out = subprocess.run([sys.executable, "-c", FIRST_BEAT, str(tmp_path), str(base_path), str(space_path)],
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert "torch loaded at the first heartbeat: True" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
 def test_exported_yaml_reproduces_the_trial_loss(tmp_path):

@@ -73,6 +73,19 @@ class Objective:
         self.cluster = cluster  # a calibrated hardware profile: predictions are recorded per trial
         self.launcher = launcher  # local (torchrun here) | slurm (a job per trial, cfg.cluster sizes it)
 
+    def prepare(self) -> None:
+        """Load what a trial's checks import (torch and the engine: seconds, far more on a loaded node)
+        before the first trial: loading an extension module holds the GIL, so done under a trial's
+        heartbeat it stalled the beats past the grace period and another worker failed the live trial
+        as stale (two workers on a busy CI machine: 'worker died: no heartbeat since ... (5 s, grace 3 s)')."""
+        import contextlib
+
+        from engine.memory import check_fits
+
+        if self.launcher == "local":
+            with contextlib.suppress(Exception):  # only a warm-up: a trial reports its own config's errors
+                check_fits(self.base)
+
     def config_for(self, trial: optuna.trial.BaseTrial) -> RunConfig:
         """The validated config of a trial (raises ConfigError)."""
         overrides = self.space.to_overrides(self.space.suggest(trial), self.base)

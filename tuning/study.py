@@ -340,6 +340,8 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
     skips (an invalid point, or the config of an earlier trial) is told at once and not counted."""
     import time
 
+    if hasattr(objective, "prepare"):  # before any heartbeat: see Objective.prepare
+        objective.prepare()
     started = time.time()
     emit = on_event or (lambda *_: None)
     screen = getattr(objective, "screen", None)
