@@ -512,7 +512,7 @@ def _cluster_processes(base_prefix: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_the_local_cluster_command_prints_how_to_use_it_and_stops_clean(sig):
     import signal as signal_mod
