@@ -461,3 +461,25 @@ def test_run_page_names_a_hugging_face_model(tmp_path, monkeypatch):
     assert not at.exception
     assert any("mixtral (Hugging Face, inline config): 2 layers, hidden 32, 4/2 kv heads" in c.value
                for c in at.caption), [c.value for c in at.caption]
+
+
+@pytest.mark.parametrize("opener", ["reader", "handle"])
+def test_the_dashboard_opens_a_study_database_under_the_tuners_schema_lock(tmp_path, opener):
+    """A dashboard reading a new studies.db while a worker created its tables crashed that worker
+    ("UNIQUE constraint failed: alembic_version.version_num", busy CI): it waits for the workers' lock."""
+    import threading
+
+    import optuna
+
+    from tuning.study import _schema_lock
+    from workbench.app_pages import common
+    from workbench.app_pages.studies import StudyReader
+
+    url = f"sqlite:///{tmp_path}/studies.db"
+    open_storage = StudyReader if opener == "reader" else common._optuna_storage.__wrapped__
+    optuna.storages.RDBStorage(url)  # the tables exist: opening takes well under a second, lock aside
+    opened = threading.Event()
+    with _schema_lock(url):  # what a worker holds while Optuna creates the tables
+        threading.Thread(target=lambda: (open_storage(url), opened.set()), daemon=True).start()
+        assert not opened.wait(5), "the dashboard opened the database while a worker held the schema lock"
+    assert opened.wait(60)

@@ -121,6 +121,14 @@ def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s
         raise _storage_error(given, exc) from exc
 
 
+def reader_storage(url: str) -> optuna.storages.RDBStorage:
+    """A storage without heartbeats, for readers (the dashboard): opened under the same schema lock as the
+    tuner's workers, or a reader opening a new studies.db while a worker creates its tables crashes that
+    worker (busy CI: "UNIQUE constraint failed: alembic_version.version_num", the study never started)."""
+    with _schema_lock(with_driver(url)):
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+
+
 @contextlib.contextmanager
 def _schema_lock(url: str) -> Iterator[None]:
     """Serialize opening one study database across processes: Optuna creates its tables and version

@@ -219,9 +219,9 @@ def _has_studies(home_path: str) -> bool:
 
 @st.cache_resource
 def _optuna_storage(url: str) -> Any:
-    import optuna
+    from tuning.study import reader_storage
 
-    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+    return reader_storage(url)
 
 
 @st.cache_resource

@@ -45,7 +45,9 @@ class StudyReader:
     """Read-only view of the studies in one Optuna storage, refreshed incrementally."""
 
     def __init__(self, url: str) -> None:
-        self.storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        from tuning.study import reader_storage
+
+        self.storage = reader_storage(url)
         self._cache: dict[str, _Cached] = {}
         self._lock = threading.Lock()
 
