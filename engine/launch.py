@@ -113,14 +113,19 @@ def _wait_session_gone(pgid: int, timeout_s: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies, so a killed tuner leaves no ranks behind."""
+def die_with_parent() -> None:
+    """In a child: get SIGTERM when its parent dies. The launcher sets it on torchrun (a killed tuner
+    leaves no ranks behind) and every rank sets it on itself: a SIGKILLed torchrun cannot stop its ranks,
+    which trained on as orphans until the other node's launcher timed out (2 nodes, 240 s)."""
+    parent = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 _EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
@@ -227,7 +232,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     log_path = run_dir / ("launcher.log" if nnodes == 1 else f"launcher-node{node_rank}.log")  # one per node
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         try:
             status = _wait(proc, store, run_id, started, timeout_s, on_progress, server)
         except BaseException as exc:  # Ctrl-C, or the caller stopped the run (a pruned trial)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from engine.config import from_dict, load_yaml, validate
 from engine.device import init_distributed, pick_backend, pick_device
 from engine.errors import ConfigError
+from engine.launch import die_with_parent
 from engine.mesh import world_product
 
 
@@ -124,8 +125,10 @@ def _preemption(cfg, run_dir: Path):
     return handler, (None if cfg.train.resume_from else preempt.resume_point(checkpoint_folder(cfg, run_dir)))
 
 
-class Terminated(Exception):
-    """The launcher stopped this rank (SIGTERM), usually because another rank failed."""
+class Terminated(BaseException):
+    """The launcher stopped this rank (SIGTERM), usually because another rank failed. A BaseException, as
+    KeyboardInterrupt is: code that must never raise into training (`except Exception` in the telemetry
+    client and the collective profiler) would otherwise swallow it and the rank would train on."""
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     signal.signal(signal.SIGTERM, _on_sigterm)  # unwind through `finally`: telemetry is flushed
+    die_with_parent()  # a killed torchrun takes its ranks with it
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     external = not os.environ.get("WORKBENCH_TELEMETRY")
     run_id = _run_id()

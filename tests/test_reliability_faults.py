@@ -135,3 +135,54 @@ def test_launcher_timeout_stops_a_hung_run(tmp_path):
     if reached:  # step 0 finished before the hang: it is kept whole
         _kept_steps(store, result.run_id, 1, 1)
     print(f"\nlauncher timeout: wall {wall:.1f} s, steps kept {reached}")
+
+
+def test_a_sigterm_is_not_swallowed_by_code_that_must_not_raise_into_training():
+    """The rank's SIGTERM handler raises where the rank happens to be; in the telemetry client's
+    `except Exception` it was caught there and the rank trained on (an orphaned node's ranks, 2 nodes)."""
+    import os
+    import signal
+
+    from engine.worker import Terminated, _on_sigterm
+
+    before = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with pytest.raises(Terminated):
+            try:  # as profilers.telemetry.TelemetryClient.emit
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs here
+            except Exception:  # noqa: BLE001
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "from engine.launch import die_with_parent; import time; "
+                          "die_with_parent(); print('ready', flush=True); time.sleep(120)"],
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_process_that_asked_to_die_with_its_parent_does_when_the_parent_is_killed():
+    """Every rank asks for it: a SIGKILLed torchrun cannot stop its ranks (they run in their own sessions)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=repo,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    try:
+        child.wait(timeout=60)  # not our child: no exit status, psutil.TimeoutExpired while it lives on
+    finally:
+        if child.is_running():
+            child.kill()
