@@ -215,7 +215,8 @@ def test_few_token_weight_streaming_is_measured_and_shared_like_compute() -> Non
     from tuning.calibration import HostProfile, _profile, measure_weight_stream
 
     rate = measure_weight_stream(hiddens=(512,), rows=(4,), blocks=1, micro=2, repeats=3)
-    assert 0.5 < rate < 200.0, rate
+    # a rate, not a speed bound: 5-9 GB/s here alone, 0.21 beside three other suites (load 16-30)
+    assert 0.0 < rate < 200.0, rate
     host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=4.0, cpus=2,
                        overheads={}, load1=0.0, weight_gb_s=6.0)
     assert _profile(host, world=2, allreduce=(1e-3, 1.0), share=0.5).weight_stream_gb_s == 3.0
