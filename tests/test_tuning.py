@@ -85,6 +85,46 @@ def test_invalid_combination_never_launches(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_of_two_trials_drawing_one_config_at_once_only_the_first_screened_runs(tmp_path):
+    """Two workers ask() at once and draw one config; the later-numbered trial may screen first. It ran,
+    and so did the earlier one: comparing with earlier trials only, it saw no key (busy CI: trials 7 and
+    8 of the four-worker study both ran config b421c15c)."""
+    space = SearchSpace.from_dict({"params": {"batch.micro": {"choices": [4]}}})
+    study = _study(tmp_path, sampler="random")
+    objective = Objective(_base(), space, home=tmp_path)
+    first, second = study.ask(), study.ask()
+    assert objective.screen(second)[1] is None  # screened first: it runs
+    cfg, why = objective.screen(first)
+    assert cfg is None and why == f"repeat: the config of trial {second.number}"
+
+
+def test_workers_screen_their_draws_under_the_studys_lock(tmp_path):
+    """The screen and the skip happen under the study database's lock, so screens never interleave."""
+    import fcntl
+
+    from tuning.objective import TrialOutcome
+
+    held = []
+
+    class Probe(Objective):
+        def screen(self, trial):
+            with open(tmp_path / "studies.db.lock", "a") as other:  # another worker's try
+                try:
+                    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held.append(False)
+                    fcntl.flock(other, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    held.append(True)
+            return super().screen(trial)
+
+        def evaluate(self, trial, cfg=None):
+            return TrialOutcome(TrialState.COMPLETE, [1.0])
+
+    study = _study(tmp_path, sampler="random")
+    run_trials(study, Probe(_base(), SearchSpace.from_dict(SPACE), home=tmp_path), 2)
+    assert held and all(held), held
+
+
 def test_invalid_draws_and_repeats_are_skipped_not_run_and_counted(tmp_path):
     """--trials N means N trials that ran: an invalid draw (micro 3) or the config of an earlier trial
     is told PRUNED at once, marked skipped and counted; when no valid, unrun config is left, the loop

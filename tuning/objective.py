@@ -96,15 +96,18 @@ class Objective:
 
     def screen(self, trial: optuna.trial.Trial) -> tuple[RunConfig | None, str | None]:
         """The trial's config, or why the draw is skipped before anything runs: its point is invalid,
-        or its config is the one an earlier trial of the study ran (or runs) and did not fail."""
+        or its config is the one another trial of the study ran (or runs) and did not fail. Any other
+        trial, not only earlier ones: workers screen one at a time (run_trials holds the study's lock),
+        so of two drawing one config at once the first screened runs it and the second sees its key.
+        Comparing with earlier trials only let both run: the earlier one, screened second, saw none."""
         try:
             cfg = self.config_for(trial)
         except ConfigError as exc:
             return None, f"invalid: {exc}"
         key = config_key(cfg)
-        trial.set_user_attr(KEY_ATTR, key)  # first: of two workers drawing one config at once, the earlier trial runs
+        trial.set_user_attr(KEY_ATTR, key)
         for t in trial.study.get_trials(deepcopy=False):  # a failed trial may be retried: crashes can be transient
-            if (t.number < trial.number and t.state != optuna.trial.TrialState.FAIL
+            if (t.number != trial.number and t.state != optuna.trial.TrialState.FAIL
                     and not t.user_attrs.get(SKIPPED_ATTR) and t.user_attrs.get(KEY_ATTR) == key):
                 return None, f"repeat: the config of trial {t.number}"
         return cfg, None

@@ -157,6 +157,14 @@ def _schema_lock(url: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _study_lock(study: optuna.Study) -> contextlib.AbstractContextManager[None]:
+    """The lock of the study's database (the schema lock: held for moments), across processes and threads;
+    none for a storage without a URL (in memory: one process)."""
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
+    url = getattr(backend, "url", None)
+    return _schema_lock(url) if isinstance(url, str) else contextlib.nullcontext()
+
+
 SCHEMA_LOCK_KEY = 0x776F726B62656E63  # "workbenc": the advisory lock every workbench worker takes to open a study database
 
 
@@ -370,9 +378,11 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
         trial = study.ask()
         # heartbeats from the ask on: a worker killed while screening leaves a trial others can fail as stale
         with _Heartbeat(study, trial, study._storage.get_heartbeat_interval() or HEARTBEAT_S):
-            cfg, why = screen(trial) if screen is not None else (None, None)
+            with _study_lock(study):  # one screen at a time: of two workers drawing one config, one runs it
+                cfg, why = screen(trial) if screen is not None else (None, None)
+                if why is not None:
+                    _skip(study, trial, why, draws, emit)
             if why is not None:
-                _skip(study, trial, why, draws, emit)
                 in_a_row += 1
                 continue
             in_a_row = 0
