@@ -131,10 +131,10 @@ def reader_storage(url: str) -> optuna.storages.RDBStorage:
 
 @contextlib.contextmanager
 def _schema_lock(url: str) -> Iterator[None]:
-    """Serialize opening one study database across processes: Optuna creates its tables and version
-    row without a lock, and workers started together fail, on SQLite with "table ... already
-    exists", on PostgreSQL with UniqueViolation "pg_type_typname_nsp_index" (its CREATE TABLE IF NOT
-    EXISTS is not atomic). SQLite: a lock file; PostgreSQL: a session advisory lock."""
+    """Serialize opening one study database (and screening a draw: `_study_lock`) across processes: Optuna
+    creates its tables and version row without a lock, and workers started together fail, on SQLite with
+    "table ... already exists", on PostgreSQL with UniqueViolation "pg_type_typname_nsp_index" (its CREATE
+    TABLE IF NOT EXISTS is not atomic). SQLite: a lock file; PostgreSQL: a session advisory lock."""
     if url.startswith("postgresql"):
         with _advisory_lock(url):
             yield
@@ -157,11 +157,15 @@ def _schema_lock(url: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _backend(study: optuna.Study) -> Any:
+    """The study's own storage: Optuna wraps an RDBStorage in a cache."""
+    return getattr(study._storage, "_backend", study._storage)
+
+
 def _study_lock(study: optuna.Study) -> contextlib.AbstractContextManager[None]:
     """The lock of the study's database (the schema lock: held for moments), across processes and threads;
     none for a storage without a URL (in memory: one process)."""
-    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
-    url = getattr(backend, "url", None)
+    url = getattr(_backend(study), "url", None)
     return _schema_lock(url) if isinstance(url, str) else contextlib.nullcontext()
 
 
@@ -353,7 +357,7 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
                on_event: Event | None = None, stop_when: Callable[[], bool] | None = None,
                before_trial: Callable[[], None] | None = None) -> Draws:
     """This worker's share of the study: n_trials run, one after another. A draw that `objective.screen`
-    skips (an invalid point, or the config of an earlier trial) is told at once and not counted."""
+    skips (an invalid point, or the config another trial ran or runs) is told at once and not counted."""
     import time
 
     if hasattr(objective, "prepare"):  # before any heartbeat: see Objective.prepare
@@ -411,7 +415,7 @@ def _heartbeat_grace(study: optuna.Study, default_interval: float | None = None)
     """Seconds without a heartbeat after which a running trial's worker counts as dead: the storage's
     grace period, else twice its heartbeat interval (Optuna's own default); None when the storage
     sends no heartbeats and no `default_interval` stands in."""
-    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
+    backend = _backend(study)
     interval = getattr(backend, "heartbeat_interval", None) or default_interval
     if interval is None:
         return None
