@@ -125,6 +125,44 @@ def test_workers_screen_their_draws_under_the_studys_lock(tmp_path):
     assert held and all(held), held
 
 
+def test_on_postgresql_screens_hold_the_advisory_lock_on_the_storages_own_pool(tmp_path, monkeypatch):
+    """On PostgreSQL the screen runs under the advisory lock, taken on a connection of the study storage's
+    pool: no new engine (and new server connection) per draw, as there was one before."""
+    if reason := _pg_available():
+        pytest.skip(reason)
+    import sqlalchemy
+
+    from tuning.objective import TrialOutcome
+    from tuning.study import SCHEMA_LOCK_KEY, with_driver
+
+    other = sqlalchemy.create_engine(with_driver(PG_URL)).connect()  # another worker's session
+    held, engines = [], []
+
+    class Probe(Objective):
+        def screen(self, trial):
+            got = other.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:k)"), {"k": SCHEMA_LOCK_KEY}).scalar()
+            if got:
+                other.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": SCHEMA_LOCK_KEY})
+            held.append(not got)
+            return super().screen(trial)
+
+        def evaluate(self, trial, cfg=None):
+            return TrialOutcome(TrialState.COMPLETE, [1.0])
+
+    name = f"pg-lock-{uuid.uuid4().hex[:8]}"
+    study = load_study(name, PG_URL, seed=0, sampler="random")
+    create_engine = sqlalchemy.create_engine
+    monkeypatch.setattr(sqlalchemy, "create_engine", lambda *a, **k: engines.append(a) or create_engine(*a, **k))
+    try:
+        run_trials(study, Probe(_base(), SearchSpace.from_dict(SPACE), home=tmp_path), 3)
+    finally:
+        monkeypatch.undo()
+        other.close()
+        optuna.delete_study(study_name=name, storage=PG_URL)
+    assert len(held) >= 3 and all(held), held
+    assert engines == [], engines
+
+
 def test_invalid_draws_and_repeats_are_skipped_not_run_and_counted(tmp_path):
     """--trials N means N trials that ran: an invalid draw (micro 3) or the config of an earlier trial
     is told PRUNED at once, marked skipped and counted; when no valid, unrun config is left, the loop

@@ -164,21 +164,30 @@ def _backend(study: optuna.Study) -> Any:
 
 def _study_lock(study: optuna.Study) -> contextlib.AbstractContextManager[None]:
     """The lock of the study's database (the schema lock: held for moments), across processes and threads;
-    none for a storage without a URL (in memory: one process)."""
-    url = getattr(_backend(study), "url", None)
-    return _schema_lock(url) if isinstance(url, str) else contextlib.nullcontext()
+    none for a storage without a URL (in memory: one process). On PostgreSQL it is taken on a connection
+    of the storage's own pool, not a new engine and connection per draw."""
+    backend = _backend(study)
+    url = getattr(backend, "url", None)
+    if not isinstance(url, str):
+        return contextlib.nullcontext()
+    if url.startswith("postgresql"):
+        return _advisory_lock(url, engine=backend.engine)
+    return _schema_lock(url)
 
 
 SCHEMA_LOCK_KEY = 0x776F726B62656E63  # "workbenc": the advisory lock every workbench worker takes to open a study database
 
 
 @contextlib.contextmanager
-def _advisory_lock(url: str) -> Iterator[None]:
-    """Hold PostgreSQL's session advisory lock SCHEMA_LOCK_KEY (released with the connection)."""
+def _advisory_lock(url: str, *, engine: Any = None) -> Iterator[None]:
+    """Hold PostgreSQL's session advisory lock SCHEMA_LOCK_KEY on a connection of `engine`, or, before a
+    storage exists (opening the database), of a one-connection engine made for it."""
     import sqlalchemy
     from sqlalchemy.pool import NullPool
 
-    engine = sqlalchemy.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 10})
+    own = engine is None
+    if own:
+        engine = sqlalchemy.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 10})
     try:
         with engine.connect() as conn:
             conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
@@ -187,7 +196,8 @@ def _advisory_lock(url: str) -> Iterator[None]:
             finally:
                 conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
     finally:
-        engine.dispose()
+        if own:
+            engine.dispose()
 
 
 def _interrupt_run(home: str | Path | None) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
@@ -386,9 +396,8 @@ def run_trials(study: optuna.Study, objective: Objective, n_trials: int, *, time
                 cfg, why = screen(trial) if screen is not None else (None, None)
                 if why is not None:
                     _skip(study, trial, why, draws, emit)
-            if why is not None:
-                in_a_row += 1
-                continue
+                    in_a_row += 1
+                    continue
             in_a_row = 0
             draws.ran += 1
             emit("trial_start", {"number": trial.number, "params": trial.params})
