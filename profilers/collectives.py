@@ -208,6 +208,7 @@ class CollectiveProfiler:
         self._pending: deque[_Pending] = deque()
         self._wire = [0.0, 0.0]
         self._lock = threading.Lock()
+        self._in_flight: dict[int, torch.futures.Future] = {}  # async collectives not yet recorded
         self._axes: dict[str, str] = {}
         self._scope = ""
         self._want = enabled
@@ -321,9 +322,17 @@ class CollectiveProfiler:
             self.end(call, start, pending)
 
         try:
-            result.get_future().add_done_callback(_on_done)
+            future = result.get_future()
         except RuntimeError:  # gloo point-to-point works have no future: end at wait()
             return _TimedWork(result, _on_done)
+        key = id(future)
+        self._in_flight[key] = future
+
+        def _on_future_done(_: Any = None) -> None:
+            _on_done()
+            self._in_flight.pop(key, None)
+
+        future.add_done_callback(_on_future_done)
         return result
 
     def _describe(self, name: str, names: list[str], args: tuple[Any, ...],
@@ -392,6 +401,15 @@ class CollectiveProfiler:
         return _annotated(wrapped)
 
     # -- reading -----------------------------------------------------------------------------
+    def _await_completed_callbacks(self, limit_s: float = 1.0) -> None:
+        """Wait until every async collective whose future is complete has been recorded: the thread
+        that completes a future marks it done before it runs the callbacks, so a caller chained to it
+        (DDP's fp16 hook: `.then(decompress)`) may finish its step and drain while that thread is
+        still before our record (a solo CI run: one fp16 bucket's all-reduce fell in the next step)."""
+        deadline = time.monotonic() + limit_s
+        while any(f.done() for f in list(self._in_flight.values())) and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
     def drain(self) -> list[dict[str, Any]]:
         """Every collective completed since the last drain, oldest first.
 
@@ -399,6 +417,7 @@ class CollectiveProfiler:
         busbw}`` (Unix seconds, seconds, GB/s). CUDA-timed ones are resolved here (one event
         synchronise).
         """
+        self._await_completed_callbacks()
         with self._lock:
             while self._pending and self._pending[0].end_event is not None:
                 p = self._pending.popleft()

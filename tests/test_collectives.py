@@ -81,6 +81,36 @@ def test_axis_keys_and_blocking_time() -> None:
     assert set(aggregate(events)) == {"tp:all_reduce", "dp:all_reduce", "all_reduce"}
 
 
+def test_drain_waits_for_the_record_of_an_async_collective_whose_future_is_complete(monkeypatch) -> None:
+    """The thread completing a collective's future marks it done, then runs its callbacks; a caller
+    chained to it (DDP's fp16 hook) may end its step and drain before our record runs. A solo CI run
+    saw one fp16 bucket's all-reduce missing from its step (38918 wire bytes, not 117436 // 2)."""
+    import threading
+    import time
+
+    from profilers import collectives
+    from profilers.collectives import CollectiveProfiler
+
+    monkeypatch.setattr(collectives.dist, "get_world_size", lambda group=None: 2)
+    future = torch.futures.Future()
+    future.add_done_callback(lambda _: time.sleep(0.3))  # the completing thread, descheduled before our record
+
+    class Work:
+        def get_future(self):
+            return future
+
+    prof = CollectiveProfiler(enabled=False)
+    tensor = torch.zeros(10)
+    work = prof._record_call("all_reduce", lambda *a, **k: Work(), ["tensor", "op", "group", "async_op"],
+                             (tensor,), {"async_op": True})
+    completing = threading.Thread(target=future.set_result, args=([tensor],))
+    completing.start()
+    work.get_future().wait()  # done: what DDP's hook chain sees
+    events = prof.drain()
+    completing.join()
+    assert [(e["op"], e["bytes"]) for e in events] == [("all_reduce", 40)]
+
+
 def test_step_metrics_wire_bytes_and_patching() -> None:
     import torch.distributed as dist
 
