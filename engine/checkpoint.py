@@ -199,6 +199,10 @@ def check_resume(cfg: RunConfig) -> None:
     path = Path(cfg.train.resume_from)
     try:
         metadata = _reader(path).read_metadata()
+    except RefusedCheckpoint as exc:
+        raise ConfigError("train.resume_from", str(path), f"its .metadata refers to {exc.refused}, which a DCP "
+                          "checkpoint of this engine never holds (a pickle naming it could run code); refused, "
+                          "nothing in it was run: resume from a checkpoint this engine wrote") from None
     except Exception as exc:  # a truncated or overwritten pickle fails in many ways (ValueError, EOFError, ...)
         raise ConfigError("train.resume_from", str(path), f"its .metadata cannot be read ({type(exc).__name__}: "
                           f"{exc}); the checkpoint is damaged: resume from another stepNNNNNN folder") from None
@@ -454,7 +458,7 @@ def _reader(path: Path):
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             with open(path / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                metadata = _MetadataUnpickler(f, path / ".metadata").load()
             metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -465,19 +469,40 @@ def _reader(path: Path):
     return SafeReader(str(path))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: its own dataclasses, torch sizes, dtypes and layouts, paths."""
+class RefusedCheckpoint(pickle.UnpicklingError):
+    """A checkpoint's `.metadata` names a class outside the allow-list: refused before anything in it runs."""
 
-    _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                ("collections", "OrderedDict")}
+    def __init__(self, path: Path, refused: str) -> None:
+        self.path, self.refused = path, refused
+        super().__init__(f"{path}: refers to {refused}, which a DCP checkpoint of this engine never holds (a "
+                         "pickle naming it could run code); refused, nothing in it was run or loaded")
+
+
+# every global a DCP checkpoint's .metadata names (torch 2.13: recorded from DDP, FSDP2/ZeRO, pipeline,
+# TP, CO2, compressor and data-source checkpoints); exact (module, name) pairs: a pickle of protocol 4
+# looks a dotted name up attribute by attribute, so a module-wide allowance also reaches the module's
+# imports (torch.distributed.checkpoint.metadata imports os: "os.system" ran)
+_DCP = "torch.distributed.checkpoint.metadata"
+_ALLOWED = frozenset({(_DCP, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                               "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                               "_MEM_FORMAT_ENCODING")}
+                     | {(module, name) for module in ("pathlib", "pathlib._local")  # 3.13 moved the classes
+                        for name in ("PosixPath", "PurePosixPath")}
+                     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+                     | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: its own dataclasses, torch sizes, dtypes and layouts, paths; nothing else."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata" \
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
-                                         "checkpoint of this engine never holds; refusing to load it")
+        if (module, name) not in _ALLOWED:
+            raise RefusedCheckpoint(self.path, f"{module}.{name}")
         return super().find_class(module, name)
 
 
