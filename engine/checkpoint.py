@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 _TIED = {"head.weight": "tok_emb.weight"}
 _OPTIM_SECTIONS = ("state", "param_groups")
 _TORCH_SAVE_MAGIC = b"PK\x03\x04"  # DCP writes each item with torch.save: a zip archive
+_STEP_NAME = re.compile(r"step([0-9]+)")  # checkpoint_path's names
 
 
 @dataclass(slots=True)
@@ -92,6 +94,22 @@ def checkpoint_folder(cfg: Any, run_dir: Path | None) -> Path:
 def checkpoint_path(folder: Path, step: int) -> Path:
     """The folder DCP writes the checkpoint of `step` into."""
     return Path(folder) / f"step{step:06d}"
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step a checkpoint folder's name gives (`step000042` -> 42, `step1000000` -> 1000000), else None."""
+    found = _STEP_NAME.fullmatch(Path(path).name)
+    return int(found.group(1)) if found else None
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete checkpoint of the highest step in `folder` (DCP writes `.metadata` last), or None.
+
+    By number, not by name: the names grow a digit past step999999, so as strings step999000 sorts last."""
+    folder = Path(folder)
+    done = [(step, p) for p in (folder.iterdir() if folder.is_dir() else ())
+            if (step := step_of(p)) is not None and (p / ".metadata").is_file()]
+    return max(done)[1] if done else None
 
 
 def save(parts: RankState, step: int, folder: Path) -> Path:

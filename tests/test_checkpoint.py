@@ -157,3 +157,20 @@ def test_a_missing_checkpoint_names_the_field(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="train.resume_from=.*not a checkpoint folder"):
         checkpoint.load(None, tmp_path / "step000009")
+
+
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    """A Slurm requeue resumes from the newest complete checkpoint. Old code sorted the folder names as
+    strings: step999000 came after step1000000 (the 6-digit format grows a digit past 999999)."""
+    from engine import checkpoint, preempt
+
+    for step in (999000, 1000000, 2):
+        (checkpoint.checkpoint_path(tmp_path, step) / ".metadata").parent.mkdir()
+        (checkpoint.checkpoint_path(tmp_path, step) / ".metadata").write_bytes(b"")
+    assert preempt.resume_point(tmp_path) == tmp_path / "step1000000"
+    (tmp_path / "step2000000").mkdir()  # no .metadata: DCP writes it last, so this one is incomplete
+    for name in ("step3000000.tmp", "step-4000000", "stepx", "step0x10"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    assert preempt.resume_point(tmp_path) == checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step1000000"
+    assert checkpoint.latest_checkpoint(tmp_path / "none") is None
