@@ -1,0 +1,76 @@
+"""The ways in (docs/reliability.md, "Trust boundaries"): every place outside data enters names the test
+that checks it, and the checks no other file holds: study names, run names."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+BAD_NAMES = ["../x", "a/b", "", "x" * 65, "..", ".", "-x", "a b", "x\ny"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_a_study_name_that_is_not_a_run_name_is_refused_before_it_becomes_a_path(tmp_path, name):
+    """A study's name becomes its folder (<home>/studies/<name>) and part of each trial's run id. Old
+    code: `../x` created the study, and the dashboard's workers wrote <home>/x/space.yaml."""
+    from tuning import control
+    from tuning.study import load_study
+
+    with pytest.raises(ConfigError) as raised:
+        load_study(name, home=tmp_path)
+    assert str(raised.value).startswith("study=") and "\n" not in str(raised.value).replace(repr(name), "")
+    assert "must be 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit" in str(raised.value)
+    with pytest.raises(ConfigError):
+        control.study_dir(name, home=tmp_path / "home")
+    assert list(tmp_path.iterdir()) == []  # no study database, no folder
+
+
+def test_a_good_study_name_still_makes_its_folder_and_study(tmp_path):
+    from tuning import control
+    from tuning.study import load_study
+
+    name = "a" * 63 + "b"
+    assert load_study(name, home=tmp_path).study_name == name
+    assert control.study_dir("study-1.x_y", home=tmp_path) == tmp_path / "studies" / "study-1.x_y"
+
+
+@pytest.mark.parametrize("name", ["../x", "x" * 65])
+def test_tune_refuses_a_bad_study_name_in_one_line_before_any_study_exists(tmp_path, name):
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  batch.micro: {choices: [2, 4]}\n")
+    env = {**os.environ, "WORKBENCH_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "tune", str(space), "--study", name, "--trials", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stderr.strip().splitlines() == [f"error: --study={name!r}: must be 1-64 letters, digits, '_', '.' "
+                                               "or '-', starting with a letter or digit"]
+    assert not (tmp_path / "home").exists() and not (tmp_path / "x").exists()
+
+
+def test_the_tune_page_refuses_a_bad_study_name_and_starts_nothing(tmp_path, monkeypatch):
+    from tests.test_app import render
+
+    at = render(tmp_path, "tune", monkeypatch)
+    at.text_input(key="new_study_name").set_value("../x").run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["study='../x': must be 1-64 letters, digits, '_', '.' or '-', starting "
+                                           "with a letter or digit"]
+    start = next(b for b in at.button if b.label == "Start / continue study")
+    assert start.disabled
+    assert not (tmp_path / "studies").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["-x", "..", ".hidden"])
+def test_a_run_name_starts_with_a_letter_or_digit(name):
+    """The rule study names share: a run named "-x" reads as an option on a command line."""
+    from engine.config import load_config
+    from engine.validate import validate
+
+    with pytest.raises(ConfigError, match=r"^name='.*': must be 1-64 letters, digits, '_', '.' or '-', starting"):
+        validate(load_config(None, [f"name={name}"]))
