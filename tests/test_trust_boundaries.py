@@ -74,3 +74,87 @@ def test_a_run_name_starts_with_a_letter_or_digit(name):
 
     with pytest.raises(ConfigError, match=r"^name='.*': must be 1-64 letters, digits, '_', '.' or '-', starting"):
         validate(load_config(None, [f"name={name}"]))
+
+
+# ---------------------------------------------------------------- checkpoint items
+
+TINY_CKPT = ["model.layers=1", "model.d_model=16", "model.heads=2", "model.seq_len=8", "model.vocab=256",
+             "batch.global=2", "batch.micro=2", "profile.enabled=false"]
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory) -> Path:
+    """A one-process checkpoint of a tiny GPT at step 1."""
+    import torch
+
+    from engine.config import load_config
+    from engine.train import Trainer
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    cfg = load_config(None, [*TINY_CKPT, "train.steps=1", "train.checkpoint_interval=1", f"train.checkpoint_dir={folder}"])
+    list(Trainer(cfg, device=torch.device("cpu")).run())
+    return folder / "step000001"
+
+
+def _stored_as_pickled_bytes(ckpt: Path, folder: Path, key: str, marker: Path) -> Path:
+    """A copy of `ckpt` whose .metadata says `key` is a pickled object (BytesStorageMetadata, only allowed
+    classes), stored as torch.save of an object whose unpickling runs `touch marker`."""
+    import io
+    import pickle
+    import shutil
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from engine.checkpoint import _reader
+
+    copy = Path(shutil.copytree(ckpt, folder / ckpt.name))
+    metadata = _reader(copy).read_metadata()
+    index = next(i for i in metadata.storage_data if i.fqn == key)
+    info = metadata.storage_data.pop(index)
+    blob = io.BytesIO()
+    torch.save(_Exploit(marker), blob)
+    shard = copy / info.relative_path
+    info.offset, info.length = shard.stat().st_size, len(blob.getvalue())
+    with open(shard, "ab") as f:
+        f.write(blob.getvalue())
+    metadata.storage_data[MetadataIndex(key)] = info
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_meta = None
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    return copy
+
+
+@pytest.mark.parametrize("key", ["model.tok_emb.weight", "rng.rank0.cpu"])
+def test_a_checkpoint_item_stored_as_pickled_bytes_runs_nothing(tmp_path, small_checkpoint, key):
+    """DCP reads an item its .metadata calls bytes with torch.load(weights_only=False): a crafted .metadata
+    of allowed classes only ran code when a rank resumed (old code: `touch` ran, and training went on).
+    The engine's reader refuses every pickled-bytes item: it never saves one that it reads back."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from engine.checkpoint import _reader, check_resume
+    from engine.config import load_config
+    from engine.train import Trainer
+
+    marker = tmp_path / "pwned"
+    copy = _stored_as_pickled_bytes(small_checkpoint, tmp_path, key, marker)
+    cfg = load_config(None, [*TINY_CKPT, "train.steps=2", f"train.resume_from={copy}"])
+    with pytest.raises(Exception) as raised:  # noqa: PT011 (the old code raised nothing: it ran the command)
+        list(Trainer(cfg, device=torch.device("cpu")).run())
+    assert not marker.exists(), f"the crafted item ran `touch` ({raised.value!r})"
+    assert f"{copy / '.metadata'}: stores {key} as pickled bytes" in str(raised.value)
+    with pytest.raises(ConfigError) as raised:  # the launcher's check, before any rank starts
+        check_resume(cfg)
+    assert str(raised.value).startswith(f"train.resume_from={str(copy)!r}: its .metadata stores {key} as pickled "
+                                        "bytes") and "\n" not in str(raised.value)
+    with pytest.raises(BaseException, match=f"stores {key} as pickled bytes"):  # DCP's CheckpointException
+        dcp.load({key: torch.empty(0)}, storage_reader=_reader(copy), no_dist=True)  # the reader's own guard
+    assert not marker.exists()
