@@ -3,6 +3,7 @@ that checks it, and the checks no other file holds: study names, run names."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,50 @@ from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD_NAMES = ["../x", "a/b", "", "x" * 65, "..", ".", "-x", "a b", "x\ny"]
+# the ways in the table must cover (issue 48): a word of each row's first cell
+WAYS_IN = ["config file", "model.entry", "checkpoint", "token file", "tokenizer", "dataset", "model.hf",
+           "study database", "run store", "telemetry port", "dashboard"]
+
+
+def _boundary_rows() -> list[list[str]]:
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    section = text.split("\n## Trust boundaries\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # past the header and |---|
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in rows]
+
+
+def _defined(node_id: str) -> bool:
+    """Whether `tests/x.py::name` (or `::Class::name`) names a test function defined in that file."""
+    import ast
+
+    path, *names = node_id.split("::")
+    if not (ROOT / path).is_file() or not names:
+        return False
+    scope: list[ast.stmt] = ast.parse((ROOT / path).read_text()).body
+    for name in names:
+        found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name]
+        if not found:
+            return False
+        scope = found[0].body
+    return names[-1].startswith("test_")
+
+
+def test_the_trust_boundary_table_covers_every_way_in_and_names_tests_that_exist():
+    rows = _boundary_rows()
+    assert all(len(row) == 4 and all(row) for row in rows), rows
+    ways = [row[0] for row in rows]
+    assert [w for w in WAYS_IN if not any(w in way for way in ways)] == []
+    for way, _, _, tests in rows:
+        named = re.findall(r"`(tests/[^`]+)`", tests)
+        assert named, f"{way}: names no test"
+        assert [n for n in named if not _defined(n)] == [], way
+
+
+def test_the_table_check_would_catch_a_missing_test():
+    assert _defined("tests/test_trust_boundaries.py::test_the_dashboard_renders_no_raw_html")
+    assert not _defined("tests/test_trust_boundaries.py::test_that_does_not_exist")
+    assert not _defined("tests/no_such_file.py::test_x")
+    assert not _defined("tests/test_trust_boundaries.py::_defined")  # a helper, not a test
 
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
@@ -158,3 +203,63 @@ def test_a_checkpoint_item_stored_as_pickled_bytes_runs_nothing(tmp_path, small_
     with pytest.raises(BaseException, match=f"stores {key} as pickled bytes"):  # DCP's CheckpointException
         dcp.load({key: torch.empty(0)}, storage_reader=_reader(copy), no_dist=True)  # the reader's own guard
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- data, weights, dashboard
+
+def test_a_token_id_beyond_the_vocabulary_is_named_not_looked_up(tmp_path):
+    """A token file is data: memory-mapped read-only (never unpickled); an id the model has no row for
+    stops the read with the rule, instead of an index error (or a wrong row on a device)."""
+    import numpy as np
+
+    from engine.config import load_config
+    from engine.data_sources import build_streams
+
+    ids = np.arange(4000) % 256
+    ids[1234] = 300
+    path = tmp_path / "train.bin"
+    ids.astype(np.uint16).tofile(path)
+    cfg = load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab=256", "model.seq_len=16"])
+    train, _ = build_streams(cfg.data, cfg.model)
+    with pytest.raises(ValueError, match=r"^data.path: token id 300 >= model.vocab=256; raise model.vocab or "
+                                         r"re-tokenize$"):
+        for _ in range(200):
+            train.next_rows(4)
+
+
+def test_a_weights_folder_that_would_run_code_runs_nothing(tmp_path):
+    """model.hf / model.hf_weights: config.json is JSON, its model_type one of the trained families; an
+    `auto_map` naming a module beside it is not imported (no trust_remote_code), and a pickled
+    pytorch_model.bin goes through torch.load(weights_only=True): refused, nothing ran."""
+    import json
+
+    import torch
+
+    from engine.config import load_config
+    from engine.hf import build_hf_model
+
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**llama, "auto_map": {"AutoModelForCausalLM": "evil.Model"}}))
+    (tmp_path / "evil.py").write_text(f"import os\nos.system('touch {tmp_path / 'ran-py'}')\nclass Model: pass\n")
+    torch.save({"model.embed_tokens.weight": _Exploit(tmp_path / "ran-bin")}, tmp_path / "pytorch_model.bin")
+    cfg = load_config(None, [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"]).model
+    with pytest.raises(Exception, match="Weights only load failed"):  # noqa: PT011 (torch's own UnpicklingError)
+        build_hf_model(cfg, seed=0)
+    assert not (tmp_path / "ran-py").exists() and not (tmp_path / "ran-bin").exists()
+
+
+def test_the_dashboard_renders_no_raw_html():
+    """Names and values from runs and studies reach the page only through Streamlit's escaping elements."""
+    import ast
+
+    raw = []
+    for path in [ROOT / "app.py", *sorted((ROOT / "workbench").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "unsafe_allow_html" and not (
+                    isinstance(node.value, ast.Constant) and node.value.value is False):
+                raw.append(f"{path.name}:{node.lineno} unsafe_allow_html")
+            if isinstance(node, ast.Attribute) and node.attr in ("html", "iframe") and \
+                    isinstance(node.value, (ast.Name, ast.Attribute)):
+                raw.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert raw == []
