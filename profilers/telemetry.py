@@ -6,8 +6,8 @@ server answers ``{"auth": "ok"}`` or closes it, counted in ``connections_refused
 any record. Then the client sends one line per batch,
 ``{"seq": 7, "records": [[run_id, rank, step, kind, name, value, time], ...]}``, and the
 server answers ``{"ack": 7}`` once that batch is committed. A server serves one run: records naming
-another run id are dropped and counted in ``records_refused`` (the token proves the client is one of
-this run's ranks, not that what it sends is about this run; on a shared store it could be any run). ``TelemetryClient.flush()`` waits
+another run id are dropped and counted in ``records_refused`` (the token proves the client is one
+of this run's ranks, not that what it sends is about this run; on a shared store it could be any). ``TelemetryClient.flush()`` waits
 for the ack, so whatever a flush returned for is durable even if the rank is then killed.
 
 Training never waits on telemetry: `TelemetryClient.emit` appends a tuple to a deque (well

@@ -143,7 +143,8 @@ def small_checkpoint(tmp_path_factory) -> Path:
     from engine.train import Trainer
 
     folder = tmp_path_factory.mktemp("ckpt")
-    cfg = load_config(None, [*TINY_CKPT, "train.steps=1", "train.checkpoint_interval=1", f"train.checkpoint_dir={folder}"])
+    cfg = load_config(None, [*TINY_CKPT, "train.steps=1", "train.checkpoint_interval=1",
+                             f"train.checkpoint_dir={folder}"])
     list(Trainer(cfg, device=torch.device("cpu")).run())
     return folder / "step000001"
 
