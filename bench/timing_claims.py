@@ -138,8 +138,8 @@ def telemetry() -> list[Row]:
 
     with tempfile.TemporaryDirectory() as tmp:
         store = RunStore(Path(tmp) / "runs.db")
-        with TelemetryServer(store) as server:
-            client = TelemetryClient(server.address, "run", 0)
+        with TelemetryServer(store, run_id="run") as server:
+            client = TelemetryClient(server.address, "run", 0, token=server.token)
             lags = []
             for step in range(3):
                 emitted = time.time()

@@ -40,7 +40,8 @@ import contextlib
 import json
 import logging
 import pickle
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 _TIED = {"head.weight": "tok_emb.weight"}
 _OPTIM_SECTIONS = ("state", "param_groups")
 _TORCH_SAVE_MAGIC = b"PK\x03\x04"  # DCP writes each item with torch.save: a zip archive
+_STEP_NAME = re.compile(r"step([0-9]+)")  # checkpoint_path's names
 
 
 @dataclass(slots=True)
@@ -94,6 +96,22 @@ def checkpoint_path(folder: Path, step: int) -> Path:
     return Path(folder) / f"step{step:06d}"
 
 
+def step_of(path: str | Path) -> int | None:
+    """The step a checkpoint folder's name gives (`step000042` -> 42, `step1000000` -> 1000000), else None."""
+    found = _STEP_NAME.fullmatch(Path(path).name)
+    return int(found.group(1)) if found else None
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete checkpoint of the highest step in `folder` (DCP writes `.metadata` last), or None.
+
+    By number, not by name: the names grow a digit past step999999, so as strings step999000 sorts last."""
+    folder = Path(folder)
+    done = [(step, p) for p in (folder.iterdir() if folder.is_dir() else ())
+            if (step := step_of(p)) is not None and (p / ".metadata").is_file()]
+    return max(done)[1] if done else None
+
+
 def save(parts: RankState, step: int, folder: Path) -> Path:
     """Write the checkpoint of `step` (every rank calls this); returns its folder."""
     import torch.distributed.checkpoint as dcp
@@ -122,6 +140,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
     path = Path(path)
     saved = _reader(path).read_metadata().state_dict_metadata
+    _tensors_only(path, saved, ["meta"])
     got = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
     dcp.load(got, storage_reader=_reader(path), no_dist=True)
     return json.loads(bytes(got["meta"].tolist()).decode())
@@ -141,6 +160,7 @@ def load(parts: RankState, path: str | Path) -> int:
 
     path = Path(path)
     saved = _reader(path).read_metadata().state_dict_metadata
+    _tensors_only(path, saved, ["meta"])
     got = {"meta": torch.empty(saved["meta"].size, dtype=torch.uint8)}
     dcp.load(got, storage_reader=_reader(path))
     meta = json.loads(bytes(got["meta"].tolist()).decode())
@@ -163,6 +183,7 @@ def load(parts: RankState, path: str | Path) -> int:
     if _comm_resumes(parts, meta):
         to_read.update({k: torch.empty(md.size, dtype=md.properties.dtype, device=parts.device)
                         for k, md in saved.items() if k.startswith(comm_key)})
+    _tensors_only(path, saved, to_read)
     dcp.load(to_read, storage_reader=_reader(path))
     _load_comm_state(parts, {k[len(comm_key):]: v for k, v in to_read.items() if k.startswith(comm_key)})
     _set_rng_state({k[len(rng_key) + 1:]: v for k, v in to_read.items() if k.startswith(rng_key + ".")})
@@ -182,6 +203,7 @@ def _load_data_position(parts: RankState, path: Path, saved: dict[str, Any]) -> 
     if "data" not in saved:
         raise ValueError(f"train.resume_from={path}: the checkpoint has no data position (saved with "
                          f"data.source other than {parts.data_source}); resume with its own data.source")
+    _tensors_only(path, saved, ["data"])
     got = {"data": torch.empty(saved["data"].size, dtype=torch.uint8)}
     dcp.load(got, storage_reader=_reader(path))
     parts.stream.load_state_dict(decode_state(got["data"]))
@@ -192,13 +214,19 @@ def check_resume(cfg: RunConfig) -> None:
 
     Reads the checkpoint's `.metadata` (the saved tensors' names and full shapes) and compares them
     with the model the config builds on the meta device (no memory, no weights); checks that each
-    saved item lies inside its shard file and starts as torch.save writes it. Raises a ConfigError
-    naming the first mismatched tensor and both shapes, or the unreadable file."""
+    saved item lies inside its shard file and starts as torch.save writes it, and that nothing but
+    param_groups is stored as pickled bytes. Raises a ConfigError naming the first mismatched tensor
+    and both shapes, or the unreadable file or item."""
     if not cfg.train.resume_from:
         return
     path = Path(cfg.train.resume_from)
     try:
         metadata = _reader(path).read_metadata()
+        saved = metadata.state_dict_metadata  # param_groups are stored pickled, and never read back
+        _tensors_only(path, saved, [key for key in saved if not _is_param_group(key)])
+    except RefusedCheckpoint as exc:
+        raise ConfigError("train.resume_from", str(path), f"its .metadata {exc.what}; refused, nothing in it was "
+                          "run: resume from a checkpoint this engine wrote") from None
     except Exception as exc:  # a truncated or overwritten pickle fails in many ways (ValueError, EOFError, ...)
         raise ConfigError("train.resume_from", str(path), f"its .metadata cannot be read ({type(exc).__name__}: "
                           f"{exc}); the checkpoint is damaged: resume from another stepNNNNNN folder") from None
@@ -442,22 +470,32 @@ def _load_comm_state(parts: RankState, tensors: dict[str, torch.Tensor]) -> None
 
 
 def _reader(path: Path):
-    """DCP's file reader, reading `.metadata` with an allow-list instead of a plain pickle.load.
+    """DCP's file reader, reading `.metadata` with an allow-list instead of a plain pickle.load, and
+    refusing every item stored as pickled bytes.
 
-    DCP pickles its metadata and unpickles it with no restriction (torch 2.13); tensors it
-    already loads with weights_only=True, and this checkpoint stores nothing else, so a
-    checkpoint file can hold data only, never code.
+    DCP pickles its metadata and unpickles it with no restriction (torch 2.13); tensors it loads
+    with weights_only=True, but an item the metadata calls bytes (BytesStorageMetadata) with
+    torch.load(weights_only=False), whatever the state dict asked for. The engine reads tensors
+    only (param_groups, saved as bytes, are never read back), so a checkpoint file can hold data
+    only, never code.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             with open(path / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                metadata = _MetadataUnpickler(f, path / ".metadata").load()
             metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    raise RefusedCheckpoint(path / ".metadata", _pickled(item.storage_index.fqn))
+            return super().read_data(plan, planner)
 
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"train.resume_from={path}: not a checkpoint folder (no .metadata); "
@@ -465,19 +503,55 @@ def _reader(path: Path):
     return SafeReader(str(path))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: its own dataclasses, torch sizes, dtypes and layouts, paths."""
+def _tensors_only(path: Path, saved: dict[str, Any], keys: Iterable[str]) -> None:
+    """Refuse before DCP reads them: items of `keys` the metadata says are pickled bytes (see _reader)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                ("collections", "OrderedDict")}
+    for key in keys:
+        if isinstance(saved.get(key), BytesStorageMetadata):
+            raise RefusedCheckpoint(path / ".metadata", _pickled(key))
+
+
+def _pickled(key: str) -> str:
+    return f"stores {key} as pickled bytes, which this engine never reads back (DCP would unpickle them " \
+        "without restriction)"
+
+
+class RefusedCheckpoint(pickle.UnpicklingError):
+    """A checkpoint's `.metadata` names a class outside the allow-list, or an item stored as pickled bytes:
+    refused before anything in it runs."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+        super().__init__(f"{path}: {what}; refused, nothing in it was run or loaded")
+
+
+# every global a DCP checkpoint's .metadata names (torch 2.13: recorded from DDP, FSDP2/ZeRO, pipeline,
+# TP, CO2, compressor and data-source checkpoints); exact (module, name) pairs: a pickle of protocol 4
+# looks a dotted name up attribute by attribute, so a module-wide allowance also reaches the module's
+# imports (torch.distributed.checkpoint.metadata imports os: "os.system" ran)
+_DCP = "torch.distributed.checkpoint.metadata"
+_ALLOWED = frozenset({(_DCP, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                               "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                               "_MEM_FORMAT_ENCODING")}
+                     | {(module, name) for module in ("pathlib", "pathlib._local")  # 3.13 moved the classes
+                        for name in ("PosixPath", "PurePosixPath")}
+                     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+                     | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: its own dataclasses, torch sizes, dtypes and layouts, paths; nothing else."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata" \
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
-                                         "checkpoint of this engine never holds; refusing to load it")
+        if (module, name) not in _ALLOWED:
+            raise RefusedCheckpoint(self.path, f"refers to {module}.{name}, which a DCP checkpoint of this engine "
+                                    "never holds (a pickle naming it could run code)")
         return super().find_class(module, name)
 
 

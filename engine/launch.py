@@ -221,7 +221,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     check_ranks_fit_gpus(cfg.backend, cfg.world_size // nnodes)
     store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent, join=nnodes > 1)
     home = run_dir.parent.parent
-    server = TelemetryServer(store)
+    server = TelemetryServer(store, run_id=run_id)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            "WORKBENCH_TELEMETRY": server.start(), "WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home),
            "WORKBENCH_NODE_RANK": str(node_rank), **(extra_env or {}), TOKEN_ENV: server.token}
@@ -278,8 +278,9 @@ def node_failure(store, run_id: str, failure: RankFailure, *, node_rank: int, nn
 
 
 def telemetry_summary(server) -> dict[str, Any]:
-    """What the run's summary says about its telemetry server: connections refused for a bad token."""
-    return {"telemetry_refused": server.connections_refused}
+    """What the run's summary says about its telemetry server: connections refused for a bad token,
+    records refused for naming another run."""
+    return {"telemetry_refused": server.connections_refused, "telemetry_records_refused": server.records_refused}
 
 
 def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, parent: str | None,

@@ -76,9 +76,10 @@ def checkpoint_and_leave(state, step: int, folder: Path, run_dir: Path, rank: in
 
 
 def resume_point(folder: Path) -> Path | None:
-    """The newest complete checkpoint in `folder` (DCP writes `.metadata` last), or None."""
-    done = sorted(p for p in Path(folder).glob("step*") if (p / ".metadata").exists())
-    return done[-1] if done else None
+    """The newest complete checkpoint in `folder` (the highest step; DCP writes `.metadata` last), or None."""
+    from engine.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(folder)
 
 
 def requeue_lines(run_dir: Path) -> list[str]:

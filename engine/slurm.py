@@ -327,7 +327,7 @@ def launch_slurm(cfg: RunConfig, *, home: str | Path | None = None, run_id: str 
     require_sbatch()
     store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent)
     home = run_dir.parent.parent
-    server = TelemetryServer(store, host=telemetry_host(cfg))
+    server = TelemetryServer(store, run_id=run_id, host=telemetry_host(cfg))
     srun = job_srun(cfg, cfg_path, run_dir)
     env = rank_env(cfg, run_id=run_id, home=home, telemetry=server.start(), extra=extra_env)
     script = run_dir / "job.sbatch"

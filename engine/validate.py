@@ -273,11 +273,22 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("ddp.static_graph", True, f"cannot be combined with gradient accumulation ({cfg.grad_accum} micro-batches)")
 
 
+# a run's or a study's name: it becomes part of run ids, folder names and command lines ("..", "-x" would not do)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def name_error(field: str, value: object) -> ConfigError | None:
+    """The ConfigError for a run or study name that breaks NAME's rule, else None."""
+    if isinstance(value, str) and NAME.fullmatch(value):
+        return None
+    return ConfigError(field, value, "must be 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
+
+
 def _run_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _choice("precision", cfg.precision, ("fp32", "bf16"))
     yield from _choice("backend", cfg.backend, ("auto", "gloo", "nccl"))
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", cfg.name):
-        yield ConfigError("name", cfg.name, "must be 1-64 letters, digits, '_', '.' or '-'")
+    if (error := name_error("name", cfg.name)) is not None:
+        yield error
     yield from _positive("live.every", cfg.live.every, allow_zero=True)
     yield from _positive("live.wait_s", cfg.live.wait_s)
     pr = cfg.profile

@@ -5,7 +5,9 @@ secret (``$WORKBENCH_TELEMETRY_TOKEN``, made by the launcher and handed only to 
 server answers ``{"auth": "ok"}`` or closes it, counted in ``connections_refused``, before reading
 any record. Then the client sends one line per batch,
 ``{"seq": 7, "records": [[run_id, rank, step, kind, name, value, time], ...]}``, and the
-server answers ``{"ack": 7}`` once that batch is committed. ``TelemetryClient.flush()`` waits
+server answers ``{"ack": 7}`` once that batch is committed. A server serves one run: records naming
+another run id are dropped and counted in ``records_refused`` (the token proves the client is one
+of this run's ranks, not that what it sends is about this run; on a shared store it could be any). ``TelemetryClient.flush()`` waits
 for the ack, so whatever a flush returned for is durable even if the rank is then killed.
 
 Training never waits on telemetry: `TelemetryClient.emit` appends a tuple to a deque (well
@@ -75,14 +77,16 @@ def new_token() -> str:
 class TelemetryServer:
     """The one writer: accepts rank connections and commits each received batch to the store."""
 
-    def __init__(self, store: RunStore, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, store: RunStore, *, run_id: str, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None) -> None:
         self.store = store
+        self.run_id = run_id  # the one run whose records this server takes
         self.host = bind_address(host)
         self.port = port
         self.token = token or new_token()  # hand it to the ranks as $WORKBENCH_TELEMETRY_TOKEN
         self.connections_refused = 0  # connections that did not open with this run's token
         self._count_lock = threading.Lock()
+        self.records_refused = 0  # records naming another run id: dropped
         self.records_written = 0
         self.batches_written = 0
         self.records_failed = 0
@@ -113,9 +117,10 @@ class TelemetryServer:
         return self.address
 
     def submit(self, records: Sequence[Record]) -> None:
-        """Queue records from this process (e.g. the launcher's) for the writer thread."""
+        """Queue records of this server's run from this process (e.g. the launcher's) for the writer thread."""
+        records = self._own(records)
         if records:
-            self._queue.put((list(records), None, None))
+            self._queue.put((records, None, None))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop accepting, drain every byte already received, commit it, and join the threads."""
@@ -228,12 +233,25 @@ class TelemetryServer:
                 continue
             try:
                 message = json.loads(line)
-                records = [Record.from_row(r) for r in message["records"]]
+                records = self._own([Record.from_row(r) for r in message["records"]])
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("telemetry: skipping a malformed batch: %s", exc)
                 continue
-            self._queue.put((records, conn, (send_lock, message.get("seq"))))
+            self._queue.put((records, conn, (send_lock, message.get("seq"))))  # acked even if all were refused
         return b"" if final else rest
+
+    def _own(self, records: Sequence[Record]) -> list[Record]:
+        """The records of this server's run; the others are counted in `records_refused`."""
+        own = [r for r in records if r.run_id == self.run_id]
+        if len(own) < len(records):
+            with self._count_lock:
+                first = self.records_refused == 0
+                self.records_refused += len(records) - len(own)
+            if first:
+                other = next(r.run_id for r in records if r.run_id != self.run_id)
+                log.warning("telemetry: refused records for run %r: this server takes run %r's only",
+                            other, self.run_id)
+        return own
 
     def _write_loop(self) -> None:
         while True:

@@ -2,6 +2,7 @@
 checkpoint saved in one layout resumes in another with the loss continuing (real gloo ranks)."""
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -99,18 +100,56 @@ class _Exploit:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_metadata_that_would_run_code_is_refused(tmp_path):
-    """DCP pickles its .metadata; ours is read through an allow-list, so a crafted one runs nothing."""
-    import pickle
+def _call_pickle(module: str, name: str, arg: str | bytes) -> bytes:
+    """A protocol-4 pickle calling `module`.`name`(arg), written opcode by opcode: protocol 4 looks
+    a dotted name up attribute by attribute, so `name` may walk through the module's imports."""
+    def text(s: str) -> bytes:
+        return b"X" + len(s.encode()).to_bytes(4, "little") + s.encode()  # BINUNICODE
 
+    given = b"B" + len(arg).to_bytes(4, "little") + arg if isinstance(arg, bytes) else text(arg)  # BINBYTES
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + given + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+_METADATA = "torch.distributed.checkpoint.metadata"  # it imports os (and torch, which imports pickle)
+
+
+def _probes(marker: Path) -> dict[str, bytes]:
+    touch = f"touch {marker}"
+    return {"posix.system": pickle.dumps(_Exploit(marker)),
+            "metadata.os.system": _call_pickle(_METADATA, "os.system", touch),
+            "metadata.torch.serialization.pickle.loads": _call_pickle(
+                _METADATA, "torch.serialization.pickle.loads", pickle.dumps(_Exploit(marker))),
+            "filesystem.os.system": _call_pickle("torch.distributed.checkpoint.filesystem", "os.system", touch),
+            "torch.os.system": _call_pickle("torch", "os.system", touch)}
+
+
+@pytest.mark.parametrize("probe", ["posix.system", "metadata.os.system", "metadata.torch.serialization.pickle.loads",
+                                   "filesystem.os.system", "torch.os.system"])
+def test_metadata_that_would_run_code_is_refused_in_one_line_naming_the_file_and_class(tmp_path, probe):
+    """DCP pickles its .metadata; ours is read through an allow-list of classes, so a crafted one
+    runs nothing, in a rank (checkpoint.load) or in the launcher's check before any rank starts.
+    Old code: the names reached through torch.distributed.checkpoint.metadata ran `touch` (the
+    module-wide allowance), and the launcher said only "the checkpoint is damaged"."""
     from engine import checkpoint
+    from engine.config import load_config
+    from engine.errors import ConfigError
 
     marker, folder = tmp_path / "pwned", tmp_path / "step000001"
     folder.mkdir()
-    (folder / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
-    with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
+    (folder / ".metadata").write_bytes(_probes(marker)[probe])
+    refused = probe.replace("metadata.", _METADATA + ".", 1).replace("filesystem.", "torch.distributed."
+                                                                    "checkpoint.filesystem.", 1)
+    with pytest.raises(Exception) as raised:  # noqa: PT011 (the old code failed on the command's return value)
         checkpoint.load(None, folder)
+    assert not marker.exists(), f"the crafted .metadata ran `touch` ({raised.value!r})"
+    assert raised.type is checkpoint.RefusedCheckpoint and "\n" not in str(raised.value)
+    assert f"{folder / '.metadata'}: refers to {refused}, which" in str(raised.value)
+    cfg = load_config(None, ["train.steps=2", f"train.resume_from={folder}", "profile.enabled=false"])
+    with pytest.raises(ConfigError) as raised:
+        checkpoint.check_resume(cfg)
     assert not marker.exists()
+    assert "\n" not in str(raised.value) and "damaged" not in str(raised.value)
+    assert str(raised.value).startswith(f"train.resume_from={str(folder)!r}: its .metadata refers to {refused}, which")
 
 
 def test_a_missing_checkpoint_names_the_field(tmp_path):
@@ -118,3 +157,20 @@ def test_a_missing_checkpoint_names_the_field(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="train.resume_from=.*not a checkpoint folder"):
         checkpoint.load(None, tmp_path / "step000009")
+
+
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    """A Slurm requeue resumes from the newest complete checkpoint. Old code sorted the folder names as
+    strings: step999000 came after step1000000 (the 6-digit format grows a digit past 999999)."""
+    from engine import checkpoint, preempt
+
+    for step in (999000, 1000000, 2):
+        (checkpoint.checkpoint_path(tmp_path, step) / ".metadata").parent.mkdir()
+        (checkpoint.checkpoint_path(tmp_path, step) / ".metadata").write_bytes(b"")
+    assert preempt.resume_point(tmp_path) == tmp_path / "step1000000"
+    (tmp_path / "step2000000").mkdir()  # no .metadata: DCP writes it last, so this one is incomplete
+    for name in ("step3000000.tmp", "step-4000000", "stepx", "step0x10"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    assert preempt.resume_point(tmp_path) == checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step1000000"
+    assert checkpoint.latest_checkpoint(tmp_path / "none") is None

@@ -43,7 +43,7 @@ def _poll(store: RunStore, until: int, timeout: float = 20.0) -> list[int]:
 
 def test_two_ranks_all_records_arrive_and_rows_grow_live(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "runs.db")
-    server = TelemetryServer(store)
+    server = TelemetryServer(store, run_id="run")
     address = server.start()
     go = tmp_path / "go"
     ctx = mp.get_context("spawn")
@@ -75,7 +75,7 @@ def test_finished_step_becomes_visible(tmp_path: Path) -> None:
     """Each step's record reaches the store while the client is open (5 s: a hang guard); the
     lag against the 1 s target is a timing claim: bench/timing_claims.py telemetry."""
     store = RunStore(tmp_path / "runs.db")
-    with TelemetryServer(store) as server:
+    with TelemetryServer(store, run_id="run") as server:
         client = TelemetryClient(server.address, "run", 0, token=server.token)  # default flush_interval
         lags = []
         for step in range(3):
@@ -104,7 +104,7 @@ def _killed_rank(address: str, token: str, progress_path: str) -> None:
 
 def test_sigkilled_client_keeps_flushed_batches(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "runs.db")
-    server = TelemetryServer(store)
+    server = TelemetryServer(store, run_id="run")
     address = server.start()
     progress = tmp_path / "delivered"
     proc = mp.get_context("spawn").Process(target=_killed_rank, args=(address, server.token, str(progress)))
@@ -127,7 +127,7 @@ def test_sigkilled_client_keeps_flushed_batches(tmp_path: Path) -> None:
 
 def test_server_stop_drains_unacknowledged_batches(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "runs.db")
-    server = TelemetryServer(store)
+    server = TelemetryServer(store, run_id="run")
     host, port = server.start().split(":")
     sock = socket.create_connection((host, int(port)))
     sock.sendall(json.dumps({"token": server.token}).encode() + b"\n")
@@ -196,7 +196,7 @@ def _try_to_write(address: str, opening: bytes) -> bytes:
 
 def test_a_connection_without_the_runs_token_is_refused_counted_and_never_stored(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "runs.db")
-    server = TelemetryServer(store)
+    server = TelemetryServer(store, run_id="run")
     address = server.start()
     answers = [_try_to_write(address, b""),  # no token line: the first batch is taken as the opening
                _try_to_write(address, json.dumps({"token": "guess"}).encode() + b"\n"),
@@ -216,7 +216,7 @@ def test_a_connection_without_the_runs_token_is_refused_counted_and_never_stored
 
 def test_a_client_with_the_wrong_token_keeps_its_records_and_never_raises(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "runs.db")
-    with TelemetryServer(store) as server:
+    with TelemetryServer(store, run_id="run") as server:
         client = TelemetryClient(server.address, "run", 0, flush_interval=0.05, token="wrong")
         client.emit(0, "step", "loss", 1.0)
         assert client.flush() is False
@@ -230,8 +230,8 @@ def test_the_server_binds_one_address_and_refuses_a_wildcard(tmp_path: Path) -> 
     store = RunStore(tmp_path / "runs.db")
     for wildcard in ("0.0.0.0", "::"):
         with pytest.raises(ValueError, match="is a wildcard; name the one address"):
-            TelemetryServer(store, host=wildcard)
-    with TelemetryServer(store, host="localhost") as server:
+            TelemetryServer(store, run_id="run", host=wildcard)
+    with TelemetryServer(store, run_id="run", host="localhost") as server:
         assert server._listener is not None
         assert server._listener.getsockname()[0] == "127.0.0.1"
         assert server.address.startswith("127.0.0.1:")
@@ -242,3 +242,69 @@ def test_two_runs_tokens_differ() -> None:
 
     tokens = {new_token() for _ in range(100)}
     assert len(tokens) == 100 and min(len(t) for t in tokens) >= 40
+
+
+INTRUDER_MODULE = '''
+import os
+
+import torch
+
+from profilers.telemetry import TOKEN_ENV, TelemetryClient
+
+
+def build():
+    """A rank of run A: with A's telemetry address and token, it writes a loss into run B first."""
+    client = TelemetryClient(os.environ["WORKBENCH_TELEMETRY"], os.environ["WB_OTHER_RUN"], 0,
+                             token=os.environ[TOKEN_ENV])
+    client.emit(0, "step", "loss", 999.0)
+    client.emit(1, "step", "loss", 998.0)
+    client.close()
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 16, 5))
+    x = torch.randint(0, 100, (16, 16), generator=torch.Generator().manual_seed(7))
+    return model, torch.utils.data.TensorDataset(x, x.sum(dim=1) % 5)
+'''
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_rank_of_one_run_cannot_write_into_another_run_on_a_shared_store(tmp_path, monkeypatch, backend):
+    """A rank holds its run's telemetry token; the server takes records of its own run only and counts
+    the others in the summary (telemetry_records_refused). Old code stored the rank's 999.0 in run B."""
+    from contextlib import nullcontext
+
+    from engine.config import load_config
+    from engine.launch import launch
+    from profilers.store import RUNS_ENV
+    from tests.pg_schema import pg_schema
+
+    (tmp_path / "wb_intruder.py").write_text(INTRUDER_MODULE)
+    with pg_schema() if backend == "postgresql" else nullcontext(None) as url:
+        if url:
+            monkeypatch.setenv(RUNS_ENV, url)
+        store = RunStore.open_home(tmp_path)
+        store.create_run("other-run", name="other", config={}, world_size=1)
+        store.write([Record("other-run", 0, 0, "step", "loss", 1.0, time.time())])
+        cfg = load_config(None, ["model.entry=wb_intruder:build", "train.steps=2", "batch.global=4", "batch.micro=4",
+                                 "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0"])
+        path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+        result = launch(cfg, home=tmp_path, extra_env={"PYTHONPATH": path, "WB_OTHER_RUN": "other-run"},
+                        timeout_s=240)
+        assert [(r.step, r.value) for r in store.metrics("other-run")] == [(0, 1.0)]
+        assert result.status == "completed" and [s["step"] for s in result.steps] == [0, 1]
+        assert result.summary["telemetry_records_refused"] == 2
+        assert store.run(result.run_id)["summary"]["telemetry_records_refused"] == 2
+        store.close()
+
+
+def test_a_batch_mixing_runs_keeps_only_the_servers_run(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "runs.db")
+    with TelemetryServer(store, run_id="run") as server:
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            reader = sock.makefile("rb")
+            sock.sendall(json.dumps({"token": server.token}).encode() + b"\n")
+            assert json.loads(reader.readline()) == {"auth": "ok"}
+            rows = [["run", 0, 0, "step", "loss", 1.0, 0.0], ["other", 0, 0, "step", "loss", 9.0, 0.0]]
+            sock.sendall(json.dumps({"seq": 1, "records": rows}).encode() + b"\n")
+            assert json.loads(reader.readline()) == {"ack": 1}  # acked: the client need not resend
+    assert [r.value for r in store.metrics("run")] == [1.0] and store.metrics("other") == []
+    assert server.records_refused == 1 and server.records_written == 1

@@ -19,7 +19,7 @@ from typing import Any
 import optuna
 
 from profilers.store import default_home
-from tuning.study import default_storage, make_storage
+from tuning.study import check_study_name, default_storage, make_storage
 
 
 def _home(home: str | Path | None) -> Path:
@@ -46,7 +46,7 @@ def _write(home: str | Path | None, data: dict[str, list[dict[str, Any]]]) -> No
 
 
 def study_dir(study_name: str, home: str | Path | None = None) -> Path:
-    path = _home(home) / "studies" / study_name
+    path = _home(home) / "studies" / check_study_name(study_name)  # a ConfigError before any file is written
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.config import RunConfig
+from engine.validate import name_error
 from profilers.store import default_home
 from tuning.objective import PARETO, THROUGHPUT, Objective, TrialOutcome
 from tuning.space import SearchSpace
@@ -245,10 +246,20 @@ def make_pruner(name: str, warmup_steps: int) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
+def check_study_name(name: object, field: str = "study") -> str:
+    """`name` if it may name a study, else a ConfigError: the run-name rule (engine/validate.py), since a
+    study's name becomes part of its trials' run ids and its own folder (<home>/studies/<name>)."""
+    error = name_error(field, name)
+    if error is not None:
+        raise error
+    return str(name)
+
+
 def load_study(name: str, storage: str | None = None, *, sampler: str = "tpe", seed: int | None = None,
                objective: str = THROUGHPUT, pruner: str = "median", warmup_steps: int = 1,
                create: bool = True, home: str | Path | None = None) -> optuna.Study:
-    """Create the study or resume it; directions follow the objective."""
+    """Create the study or resume it; directions follow the objective. A bad name is a ConfigError first."""
+    check_study_name(name)
     directions = ["maximize", "minimize"] if objective == PARETO else ["maximize"]
     store = make_storage(storage, home)
     if not create:

@@ -82,7 +82,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     """Search the engine's knobs with real runs (Optuna)."""
     from tuning.objective import Objective
     from tuning.space import SearchSpace
-    from tuning.study import SAMPLERS, enqueue_grid, load_study, remeasure_best, summarize
+    from tuning.study import SAMPLERS, check_study_name, enqueue_grid, load_study, remeasure_best, summarize
 
     if sampler not in SAMPLERS:
         fail(f"--sampler={sampler!r}: must be one of {', '.join(SAMPLERS)}")
@@ -90,7 +90,9 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
                         memory_limit_gb=memory_limit_gb, trial_timeout=trial_timeout, remeasure=remeasure,
                         segment_steps=segment_steps, warm_start=simulate_warm_start)
     _check_slurm_flags(launcher, workers, dry_run, live=live, jobs=jobs)
+    name = study or f"study-{space.stem}"
     try:
+        check_study_name(name, "--study" if study else f"--study (not given: from {space.name})")
         sp = SearchSpace.from_yaml(space)
         base = base or (Path(sp.base) if sp.base else None)  # --base wins over the space's base:
         cfg = _base_config(base, set_)
@@ -106,7 +108,6 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         tune_dry_run(cfg, sp, objective=objective, warmup=warmup, sampler=sampler, seed=seed, workers=workers,
                      trials=trials or total_trials or 10, argv=sys.argv[1:])
         return
-    name = study or f"study-{space.stem}"
     st = _storage_call(load_study, name, storage, sampler=sampler, seed=seed, objective=objective, pruner=pruner,
                        warmup_steps=warmup)
     launcher = _study_launcher(st, launcher)

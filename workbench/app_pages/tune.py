@@ -10,6 +10,7 @@ import streamlit as st
 import yaml
 
 from engine.errors import ConfigError
+from engine.validate import name_error
 from workbench import plots, ui_state
 from workbench.app_pages import common
 
@@ -69,7 +70,10 @@ def start_form(home: str, name: str, control: Any) -> None:
     jobs = c2.number_input("Worker processes", 1, 8, 1, key="n_jobs")
     c3.caption("Starting again on an existing study continues it with the space above: edit the "
                "space between trials to tune live.")
-    ok = not errors and not cfg_errors and control is not None and bool(name.strip())
+    bad_name = name_error("study", name.strip())  # it becomes a folder and part of every trial's run id
+    if bad_name is not None:
+        st.error(str(bad_name))
+    ok = not errors and not cfg_errors and control is not None and bad_name is None
     if st.button("Start / continue study", type="primary", disabled=not ok, icon=":material/play_arrow:"):
         pids = control.start_workers(name.strip(), space_text, base_text,
                                      storage=common.storage_url(home), n_trials=int(n_trials),
