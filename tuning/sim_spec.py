@@ -229,6 +229,17 @@ class ParallelSpec:
     attn_density: float = 1.0  # computed share of the s x s attention (packed long-tail batches)
     adaptive_sp: bool = False  # FlexSP per-step groups (engine); priced as the static cp (not modelled)
     skip_ratio: float = 0.0  # schedule=skip: fraction of middle stages a micro-batch skips (SkipPipe)
+    # the embedding and the loss each take a layer's place in the pipeline split: the first and the last
+    # stage hold one layer fewer (Megatron-core --account-for-{embedding,loss}-in-pipeline-split; Llama 3)
+    account_for_embedding_and_loss: bool = False
+    # gradients accumulated in an fp32 buffer: -1 the framework's default (Megatron-LM: yes with bf16,
+    # --accumulate-allreduce-grads-in-fp32; DeepSpeed fp16: no; FSDP under torch's pipelining: unsharded
+    # until the last micro-batch), 0 no (NeMo's grad_reduce_in_fp32=False; FSDP reduce-scattering every
+    # micro-batch), 1 yes (DeepSpeed's BF16_Optimizer: an fp32 buffer beside the 16-bit grads); tuning/sim_memory.py
+    grad_accum_fp32: int = -1
+    # a gated MLP's activation function fused (-1 the framework's default: Megatron-core's bias-SwiGLU keeps
+    # fc1's output and fc2's input, 6 f/h; eager PyTorch also keeps silu(gate) and up apart, 8 f/h), 0 no, 1 yes
+    fused_swiglu: int = -1
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -252,7 +263,7 @@ class SimResult:
     tflops_per_gpu: float  # executed FLOPs (recomputation included, as Megatron reports) / s / GPU
     mfu: float  # model FLOPs (no recomputation) / (time * gpus * peak)
     memory_per_gpu_gb: float  # the most loaded pipeline stage
-    memory_breakdown_gb: dict[str, float]  # params, grads, optimizer, activations
+    memory_breakdown_gb: dict[str, float]  # params, grads, optimizer, activations, temp (tuning/sim_memory.py)
     fits: bool  # memory_per_gpu_gb <= usable device memory
     flops_per_iteration: float  # executed FLOPs of one iteration, all GPUs
     model_flops_per_iteration: float  # without recomputation
