@@ -186,23 +186,11 @@ def model_shape(cfg: ModelConfig):
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward, no recomputation).
-
-    6 * (matmul parameters of the blocks + the vocab projection) + 12 * l * h * s for attention
-    scores, as in Chowdhery et al. 2022 (PaLM) appendix B; equals the per-token form of
-    Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h)) for mlp_ratio=4.
-    MoE blocks count the router and the top_k experts a token passes through (active
-    parameters, Fedus et al. 2021), with no dropped tokens.
-    """
-    from engine.moe import moe_parameter_counts
-
-    if cfg.hf is not None:
-        return model_shape(cfg).flops_per_token(cfg.seq_len)
-    h, l, s = cfg.d_model, cfg.layers, cfg.seq_len
-    matmul_params = l * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab * h
-    moe = moe_parameter_counts(cfg)
-    matmul_params += moe["router"] + moe["experts_active"] - moe["moe_layers"] * 2 * cfg.mlp_ratio * h * h
-    return 6.0 * matmul_params + 12.0 * l * h * s
+    """Training FLOPs per token (forward + backward, no recomputation): the model's shape's count
+    (`engine.shapes.ModelShape.flops_per_token`, the one definition: 6 x matmul parameters + 12 l h s,
+    Chowdhery et al. 2022 appendix B; Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h)) per
+    token at mlp_ratio=4; MoE blocks count the router and the top_k experts a token passes through)."""
+    return model_shape(cfg).flops_per_token(cfg.seq_len)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

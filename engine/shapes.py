@@ -18,6 +18,12 @@ from typing import Any
 from engine.errors import ConfigError
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# transformers' config-class defaults (transformers 5) for keys a config.json may omit, where they differ
+# from the rule used otherwise (head_dim = hidden / heads, key/value heads = heads)
+FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
+    "qwen3": {"head_dim": 128}, "mistral": {"num_key_value_heads": 8}, "mixtral": {"num_key_value_heads": 8},
+    "qwen3_moe": {"num_key_value_heads": 4},
+}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HF_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
@@ -49,6 +55,13 @@ class ModelShape:
     moe_layers: tuple[int, ...] = field(default_factory=tuple)  # indices of the MoE layers
 
     # ------------------------------------------------------------ parameters
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights a token multiplies by in one dense block: q, k, v, o and the MLP's matrices (no norms,
+        no biases: they do no matmul)."""
+        attention = (2 * self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
+        return attention + (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+
     @property
     def attention_params(self) -> int:
         q = self.hidden * self.heads * self.head_dim
@@ -108,12 +121,12 @@ class ModelShape:
         """Weights each token multiplies by: the blocks' matrices (active experts, router, shared
         expert and its gate) and the vocabulary projection; no norms or biases (no matmul), no
         embedding lookup."""
-        attention = (2 * self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
         mlp = (3 if self.gated_mlp else 2) * self.hidden
+        attention = self.layer_matmul_params - mlp * self.ffn_hidden
         per_moe = self.router_params + mlp * (self.top_k * self.moe_ffn_hidden + self.shared_ffn_hidden)
         per_moe += self.hidden if self.shared_ffn_hidden else 0
         moe = len(self.moe_layers)
-        blocks = self.layers * attention + (self.layers - moe) * mlp * self.ffn_hidden + moe * per_moe
+        blocks = (self.layers - moe) * self.layer_matmul_params + moe * (attention + per_moe)
         return blocks + self.vocab * self.hidden
 
     def flops_per_token(self, seq: int, *, causal: bool = False) -> float:
@@ -162,10 +175,21 @@ def _positive_int(data: Mapping[str, Any], key: str, default: Any = None) -> int
     return value
 
 
+def _bias_flags(family: str, data: Mapping[str, Any]) -> dict[str, bool]:
+    """Which linear layers carry a bias, as each transformers family builds them (transformers 5):
+    Qwen2 always on q/k/v (never on o), qwen2_moe on q/k/v unless `qkv_bias` is false, `attention_bias`
+    on q/k/v/o of llama, qwen3 and qwen3_moe (mistral and mixtral ignore it), `mlp_bias` on llama only."""
+    attention = family in ("llama", "qwen3", "qwen3_moe") and bool(data.get("attention_bias", False))
+    qkv = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True)))
+    return {"qkv_bias": qkv or attention, "o_bias": attention,
+            "mlp_bias": family == "llama" and bool(data.get("mlp_bias", False))}
+
+
 def from_hf_config(source: str | Path | Mapping[str, Any]) -> ModelShape:
     """The shape of a Hugging Face causal LM config (see `read_hf_config` for `source`)."""
     data = read_hf_config(source)
     family = data["model_type"]
+    data = {**FAMILY_DEFAULTS.get(family, {}), **{k: v for k, v in data.items() if v is not None}}
     hidden = _positive_int(data, "hidden_size")
     heads = _positive_int(data, "num_attention_heads")
     layers = _positive_int(data, "num_hidden_layers")
@@ -175,9 +199,7 @@ def from_hf_config(source: str | Path | Mapping[str, Any]) -> ModelShape:
         family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=int(head_dim),
         ffn_hidden=_positive_int(data, "intermediate_size"), gated_mlp=True,
         vocab=_positive_int(data, "vocab_size"), tied_embeddings=bool(data.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or family == "qwen2_moe" or bool(data.get("attention_bias", False)),
-        o_bias=family in ("llama", "mistral") and bool(data.get("attention_bias", False)),
-        mlp_bias=bool(data.get("mlp_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"))
+        **_bias_flags(family, data), qk_norm=family in ("qwen3", "qwen3_moe"))
     if family == "mixtral":
         experts = _positive_int(data, "num_local_experts", 8)
         return ModelShape(**common, experts=experts, top_k=_positive_int(data, "num_experts_per_tok", 2),

@@ -78,7 +78,7 @@ def test_1t_space_on_3072_gpus() -> None:
     assert best["iteration_time_s"].iloc[0] == df.loc[df.fits, "iteration_time_s"].min()
     # tp across nodes never wins on IB (it can rank lower in the top 5: 8 rails per node carry it)
     assert best["tp"].iloc[0] <= A100.gpus_per_node
-    assert (best["tp"].iloc[:4] <= A100.gpus_per_node).all()
+    assert (best["tp"] <= A100.gpus_per_node).sum() >= 4  # tp16 fits where tp8 layouts do not (issue 49's memory)
 
 
 def test_sensitivities_are_best_per_knob(df_13b) -> None:

@@ -125,7 +125,8 @@ def test_memory_facts_trained_layouts_fit(table) -> None:
     facts = memory_check(memory_facts())
     trained, oom = facts[~facts["oom"]], facts[facts["oom"]]
     assert trained["fits"].all() and len(oom) == 3 and (~oom["fits"]).sum() >= 2
-    assert (trained["ratio"].dropna() < 1.0).all()  # nvidia-smi's peak includes the allocator cache
+    # nvidia-smi's peak includes the allocator cache and reads MiB: the chronicles' "GB" are GiB (1.074 GB)
+    assert (trained["ratio"].dropna() < 2**30 / 1e9).all()
 
 
 # ---------------------------------------------------------------- domain of validity

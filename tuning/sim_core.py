@@ -27,7 +27,7 @@ import numpy as np
 from tuning import sim_context, sim_moe
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_compute import activation_bytes, compute_times, flops, stage_params
-from tuning.sim_memory import memory
+from tuning.sim_memory import CATEGORIES, TERMS, memory
 from tuning.sim_pipeline import bubble, pp_comm_time
 from tuning.sim_spec import ModelSpec
 from tuning.sim_tensor import tp_comm_time
@@ -36,6 +36,7 @@ from tuning.sim_zero import dp_comm
 # Adam step traffic per parameter: fp32 master, momentum, variance read + written (24 B),
 # the gradient read and the 16-bit weight written (4 B). The step is memory-bound.
 OPTIMIZER_BYTES_PER_PARAM = 28.0
+MEMORY_KEYS = CATEGORIES + tuple(name for names in TERMS.values() for name in names)
 
 
 def _cp_degree(c: dict[str, np.ndarray]) -> int | None:
@@ -145,8 +146,9 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
         "tflops_per_gpu": executed / (iteration * total_gpus) / 1e12,
         "mfu": model_flops / (iteration * total_gpus * cluster.peak_flops),
         "memory_per_gpu_gb": mem["total"] / GB, "fits": mem["fits"],
-        "mem_params_gb": mem["params"] / GB, "mem_grads_gb": mem["grads"] / GB,
-        "mem_optimizer_gb": mem["optimizer"] / GB, "mem_activations_gb": mem["activations"] / GB,
+        # the categories; the terms for one configuration (simulate's breakdown; a search skips them for speed)
+        **{f"mem_{k}_gb": mem[k] / GB for k in (MEMORY_KEYS if np.size(mem["total"]) == 1 else CATEGORIES)},
+        "memory_stage": mem["stage"],
         "num_microbatches": nmb,
         "bubble_fraction": bub,
         "dp_comm_total_s": dp["total"], "flops_per_iteration": executed,

@@ -1,28 +1,262 @@
-"""Memory per GPU in the simulator, on the most loaded pipeline stage: model states (tuning/sim_zero.py)
-plus the activations of the micro-batches in flight (tuning/sim_pipeline.py), the fp32 logits of
-the loss and, under full recomputation, one layer's full set while it is replayed."""
+"""Memory per GPU in the simulator: what the framework keeps on each pipeline stage, by term, and the
+most loaded stage (a pure, vectorised function of the model, the cluster and the layout columns).
+
+Terms, grouped in the categories torch's trackers use (torch.distributed._tools MemTracker:
+Parameter, Gradient, Optstate, Activation, Temp; FSDPMemTracker also splits sharded / unsharded
+parameters and gradients), so a dry run of the engine can be compared category by category:
+
+| category | term | what |
+|---|---|---|
+| params | `params_weights` | the trained weights (sharded over dp x cp at ZeRO-3, and at ZeRO-2 in FSDP) |
+| params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding |
+| grads | `grads_main` | the gradient buffer (Megatron: fp32 main grads) |
+| grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard |
+| grads | `grads_gathered` | one unit's unsharded gradients before its reduce-scatter |
+| optimizer | `optimizer` | fp32 master weights (where the framework keeps them apart) + Adam moments |
+| activations | `act_layers` | the stored activations of the micro-batches in flight on the stage |
+| activations | `act_logits` | the 16-bit logits and fp32 softmax the loss keeps for its backward (last stage) |
+| activations | `act_recompute` | one layer's full set replayed in backward under full recomputation |
+| temp | `temp_buckets` | DeepSpeed ZeRO-1/2's gradient reduce bucket |
+
+Sources:
+- Model states by framework: Rajbhandari et al. 2020 (ZeRO, sec. 3: 2 + 2 + K=12 bytes per parameter,
+  stage 1/2/3 sharding); Megatron-LM's distributed optimizer (docs/source/api-guide/dist_optimizer.md:
+  bf16 weights with fp32 main grads keep 18 bytes per parameter, 6 + 12/d with the distributed
+  optimizer); DeepSpeed stage_1_and_2.py (fp32 gradient of the partition, reduce_bucket_size 5e8);
+  PyTorch FSDP mixed precision (fp32 sharded flat parameters and gradients, 16-bit unsharded copies).
+- Activations per layer: Korthikanti et al. 2022, eqs. 1-3 and sec. 4.2.3 (`tuning.sim_compute`), with
+  Megatron-core's fused SwiGLU keeping the fc1 output and the fc2 input (6 f/h) instead of eager's four
+  tensors (8 f/h).
+- In flight on pipeline rank r of p: 1F1B min(p - r, m) micro-batches (Narayanan et al. 2021, sec. 2.2);
+  GPipe (and looped BFS) all m; interleaved min(2 (p - 1 - r) + (v - 1) p + 1, v m) chunk forwards of
+  L_r / v layers each (Megatron-core's interleaved warm-up; on rank 0 this is Korthikanti et al.'s
+  L/p * p (1 + (p - 1)/(p v))); zero-bubble and V schedules as 1F1B (Qi et al. 2023: ZB-H1 and ZB-V
+  keep 1F1B's peak).
+- Embedding on the first stage, the output layer (or the tied embedding's copy) on the last; with
+  `account_for_embedding_and_loss` each of them takes a layer's place in the split (Megatron-core's
+  --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split; Llama 3's "one
+  layer fewer on the first and the last stage").
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
-from tuning.sim_pipeline import in_flight
-from tuning.sim_spec import ModelSpec
-from tuning.sim_zero import state_bytes
+from tuning.sim_framework import FRAMEWORK_NAMES
+from tuning.sim_spec import SCHEDULES, ModelSpec
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temp")
+TERMS = {
+    "params": ("params_weights", "params_gathered"),
+    "grads": ("grads_main", "grads_partition", "grads_gathered"),
+    "optimizer": ("optimizer",),
+    "activations": ("act_layers", "act_logits", "act_recompute"),
+    "temp": ("temp_buckets",),
+}
+LOGIT_BYTES_KEPT = 4.0  # + the 16-bit logits: the loss keeps an fp32 softmax per logit for its backward
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Keeps:
+    """Bytes per parameter one framework keeps in 16-bit mixed precision (fp32 training: 4 + 4 + 8)."""
+
+    weight: float  # the trained weights
+    grad: float  # the gradient buffer
+    optimizer: float  # optimizer states (fp32 master where apart from the weights, Adam's two moments)
+    grad_partition: float = 0.0  # fp32 gradient of the rank's optimizer shard (DeepSpeed ZeRO-1/2)
+    bucket_elems: float = 0.0  # gradient reduce bucket, elements (DeepSpeed reduce_bucket_size)
+    fsdp: bool = False  # ZeRO-2/3 as FSDP: fp32 weights sharded, 16-bit unsharded copies gathered
+    swiglu_bytes: float = 8.0  # bytes per f/h x sbh a gated MLP keeps (eager: gate, up, silu(gate), product)
+
+
+KEEPS: dict[str, Keeps] = {
+    # Megatron-LM: bf16 weights, fp32 main grads, fp32 master + Adam (distributed optimizer at ZeRO-1);
+    # fused bias-SwiGLU keeps fc1's output (2f) and fc2's input (f)
+    "megatron": Keeps(weight=2, grad=4, optimizer=12, swiglu_bytes=6.0),
+    # DeepSpeed ZeRO (Rajbhandari et al. 2020: 2 + 2 + 12) + the fp32 partition gradient and reduce bucket
+    "deepspeed": Keeps(weight=2, grad=2, optimizer=12, grad_partition=4, bucket_elems=5e8),
+    # PyTorch FSDP mixed precision: fp32 flat parameters and gradients are the master; Adam's moments
+    "fsdp": Keeps(weight=4, grad=4, optimizer=8, fsdp=True),
+    # the engine: fp32 parameters under autocast (DDP, ZeroRedundancyOptimizer, FSDP2)
+    "engine": Keeps(weight=4, grad=4, optimizer=8, fsdp=True),
+}
+FP32 = Keeps(weight=4, grad=4, optimizer=8)
+_FIELDS = ("weight", "grad", "optimizer", "grad_partition", "bucket_elems", "fsdp", "swiglu_bytes")
+_TABLE = {f: np.asarray([float(getattr(KEEPS[n], f)) for n in FRAMEWORK_NAMES]) for f in _FIELDS}
+
+
+def keeps(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each row's `Keeps` fields as arrays (fp32 rows: 4 + 4 + 8 bytes, nothing apart)."""
+    fw = np.asarray(c.get("framework", 0))
+    fp32 = np.asarray(c["dtype_bytes"]) == 4
+    out = {f: _TABLE[f][fw] for f in _FIELDS}
+    accum = np.asarray(c.get("grad_accum_fp32", -1))  # -1: the framework's default
+    megatron, deepspeed = fw == FRAMEWORK_NAMES.index("megatron"), fw == FRAMEWORK_NAMES.index("deepspeed")
+    out["grad"] = np.where(megatron & (accum == 0), 2.0, np.where(deepspeed & (accum == 1), 6.0, out["grad"]))
+    # FSDP under torch's pipelining syncs gradients only in the last micro-batch's backward: until then
+    # each block keeps its unsharded gradient, accumulated in the reduce dtype (fp32), and its gathered
+    # weights (torch/distributed/pipelining/stage.py backward_maybe_with_nosync: set_requires_gradient_sync
+    # and set_reshard_after_backward False; FSDPParam.to_accumulated_grad_if_needed)
+    out["accumulate_unsharded"] = (out["fsdp"] > 0) & (np.asarray(c.get("pp", 1)) > 1) & (accum != 0)
+    fused = np.asarray(c.get("fused_swiglu", -1))
+    out["swiglu_bytes"] = np.where(fused == 1, 6.0, np.where(fused == 0, 8.0, out["swiglu_bytes"]))
+    for f in ("weight", "grad", "optimizer", "grad_partition"):
+        out[f] = np.where(fp32, float(getattr(FP32, f)), out[f])
+    return out
+
+
+def _stage_layers(m: ModelSpec, c: dict[str, np.ndarray], r: Any) -> Any:
+    """Transformer layers on pipeline rank r: L/p, one fewer on the first and the last rank when the
+    embedding and the loss take a layer's place each."""
+    p = c["pp"]
+    flag = c.get("account_for_embedding_and_loss", False)
+    if not np.any(flag):
+        return m.layers / p
+    account = np.asarray(flag) & (p > 1)
+    slots = (m.layers + 2.0 * account) / p
+    return np.where(account & ((r == 0) | (r == p - 1)), slots - 1.0, slots)
+
+
+def in_flight_layers(m: ModelSpec, c: dict[str, np.ndarray], r: Any) -> np.ndarray:
+    """Layer x micro-batch activation sets pipeline rank r holds at its peak (see the module docstring)."""
+    p, v, nmb, sched = c["pp"], c["virtual"], c["num_mb"], c["schedule"]
+    all_m = ((sched == SCHEDULES.index("gpipe")) | (sched == SCHEDULES.index("looped_bfs"))) & (p > 1)
+    held = np.minimum(p - r, nmb)  # 1F1B (and one micro-batch without a pipeline)
+    if np.any(v > 1):
+        held = np.where(v > 1, np.minimum(2 * (p - 1 - r) + (v - 1) * p + 1, v * nmb) / v, held)
+    return _stage_layers(m, c, r) * np.where(all_m, nmb, held)
+
+
+def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any, unit: Any) -> dict[str, Any]:
+    """Each model-state term as (bytes per parameter, fixed bytes): every term is linear in the stage's
+    parameters but the reduce bucket (min(bucket, psi))."""
+    z, db = c["zero"], c["dtype_bytes"]
+    reshard = np.asarray(c.get("reshard_after_forward", True))
+    accumulate = k.get("accumulate_unsharded", False)
+    shard_w = (z >= 3) | ((k["fsdp"] > 0) & (z >= 2))
+    sharded = shard_w & (group > 1)
+    # every block's 16-bit copy from forward to backward (ZeRO-2 as FSDP, no resharding, pipelined FSDP)
+    held_all = sharded & ((z == 2) | ~reshard | accumulate)
+    by_opt = np.where(z >= 1, group, 1)
+    return {
+        "params_weights": (k["weight"] / np.where(shard_w, group, 1), 0.0),
+        "params_gathered": (np.where(held_all, db, 0.0), np.where(sharded & ~held_all, 2.0 * unit, 0.0)),
+        "grads_main": (k["grad"] / np.where(z >= 2, group, 1), 0.0),
+        "grads_partition": (k["grad_partition"] / by_opt, 0.0),
+        "grads_gathered": (np.where(accumulate & sharded, 4.0, 0.0), np.where(sharded & ~accumulate, unit, 0.0)),
+        "optimizer": (k["optimizer"] / by_opt, 0.0),
+    }
+
+
+def state_terms(psi: Any, c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any, unit: Any = 0.0
+                ) -> dict[str, Any]:
+    """Model-state terms of `psi` parameters per GPU whose ZeRO group is `group` ranks (dense: dp x cp;
+    experts: dp x cp / ep); `unit` is the bytes of one gathered unit (a block, or DeepSpeed's largest
+    tensor) that ZeRO-3 holds twice (current and prefetched) and whose gradient it holds once."""
+    out = {name: psi * rate + fixed for name, (rate, fixed) in _state_rates(c, k, group, unit).items()}
+    out["temp_buckets"] = _bucket(psi, c, k)
+    return out
+
+
+def _bucket(psi: Any, c: dict[str, np.ndarray], k: dict[str, np.ndarray]) -> Any:
+    if not np.any(k["bucket_elems"]):
+        return 0.0
+    z = c["zero"]
+    return np.where((z == 1) | (z == 2), np.minimum(k["bucket_elems"], psi) * c["dtype_bytes"], 0.0)
+
+
+def _unit(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
+    """Bytes of one ZeRO-3 gather: a block (FSDP's flat buffer) or the largest tensor (DeepSpeed stage 3)."""
+    from tuning.sim_framework import per_row
+
+    largest = max(m.hidden * (m.q_dim + 2 * m.kv_dim), m.hidden * m.ffn * (2 if m.gated_mlp else 1))
+    per_param = per_row(c.get("framework", np.asarray(0)), "zero3_per_parameter") > 0
+    return np.where(per_param, largest, m.dense_layer_params) / c["tp"] * c["dtype_bytes"]
+
+
+def _rank(m: ModelSpec, c: dict[str, np.ndarray], r: Any, per_layer: Any) -> tuple[Any, Any, Any]:
+    """(parameters, layer x micro-batch activation sets in flight, is-last) of pipeline rank r."""
+    p, t = c["pp"], c["tp"]
+    table = m.vocab * m.hidden / t
+    head = np.where(p == 1, 0.0 if m.tied_embeddings else table, table)  # the output layer, or the tied copy
+    positions = m.seq * m.hidden if m.learned_positions else 0.0
+    last = r == p - 1
+    psi = (per_layer * _stage_layers(m, c, r) + np.where(r == 0, table + positions, 0.0)
+           + np.where(last, head + m.norm_params * m.hidden, 0.0))
+    return psi, in_flight_layers(m, c, r), last
+
+
+def _activations(m: ModelSpec, c: dict[str, np.ndarray], act: dict[str, np.ndarray],
+                 k: dict[str, np.ndarray]) -> tuple[Any, Any, Any]:
+    """(bytes per stored layer x micro-batch, the last rank's logits, the recomputed layer)."""
+    t, p = c["tp"], c["pp"]
+    stored = act["stored"]
+    if m.gated_mlp:  # the framework's SwiGLU (activation_bytes counts eager's 8 f/h inside the tp region)
+        sbh = m.seq * c["micro"] * m.hidden * c["dtype_bytes"] / 2.0
+        stored = stored - np.where(c["recompute"] == 2, 0.0, (8.0 - k["swiglu_bytes"]) * m.ffn / m.hidden * sbh / t)
+    all_m = (c["schedule"] == SCHEDULES.index("gpipe")) | (c["schedule"] == SCHEDULES.index("looped_bfs"))
+    logits = (c["dtype_bytes"] + LOGIT_BYTES_KEPT) * c["micro"] * m.seq * m.vocab / t
+    logits = logits * np.where(all_m & (p > 1), c["num_mb"], 1)  # GPipe keeps every micro-batch's until backward
+    return stored, logits, np.where(c["recompute"] == 2, act["full"], 0.0)
 
 
 def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndarray,
            act: dict[str, np.ndarray], frameworks: Any = None) -> dict[str, np.ndarray]:
-    """Bytes per GPU: params, grads, optimizer, activations, total, and whether it fits."""
-    states = state_bytes(m, c, psi, frameworks)
-    logits = 4.0 * c["micro"] * m.seq * m.vocab / c["tp"]  # fp32 logits for the loss
-    per_stage = m.layers / c["pp"]
-    first = per_stage * in_flight(c) * act["stored"] + np.where(c["pp"] == 1, logits, 0.0)
-    last = per_stage * act["stored"] + logits
-    working = np.where(c["recompute"] == 2, act["full"], 0.0)  # one layer replayed in backward
-    activations = np.maximum(first, last) + working
-    total = states["params"] + states["grads"] + states["optimizer"] + activations
-    return {**states, "activations": activations, "total": total,
-            "fits": total <= cl.memory_gb * cl.usable_memory_fraction * GB}
+    """Bytes per GPU on the most loaded pipeline rank (the first, the last, or with the embedding and
+    loss in the split the second, which then holds a full rank of layers and more in flight): every term of
+    TERMS, the CATEGORIES, total, `stage` (the rank) and whether it fits. `psi` is the parameters
+    of the most loaded stage as `tuning.sim_compute.stage_params` counts them (MoE: with its dense
+    changes, `tuning.sim_moe`); `c["dp"]` the ZeRO group (dp x cp)."""
+    p = c["pp"]
+    k = keeps(c)
+    per_layer = psi / (m.layers / p) - _embedding_share(m, c)  # one block (MoE: with its changes, averaged)
+    rates = _state_rates(c, k, c["dp"], _unit(m, c))
+    per_param = sum(rate for rate, _ in rates.values())
+    fixed = sum(f for _, f in rates.values())
+    stored, logits, recompute = _activations(m, c, act, k)
+    ranks = [np.zeros_like(p), p - 1]
+    if np.any(c.get("account_for_embedding_and_loss", False)):  # else rank 0 holds rank 1's layers and more in flight
+        ranks.append(np.minimum(1, p - 1))
+    best = None
+    for r in ranks:  # the rank with the largest total (its parameters, activations in flight, logits)
+        s_psi, held, last = _rank(m, c, r, per_layer)
+        total = s_psi * per_param + fixed + _bucket(s_psi, c, k) + held * stored + np.where(last, logits, 0.0)
+        if best is None:
+            best = (total, r, s_psi, held, last)
+        else:
+            more = total > best[0]
+            best = tuple(np.where(more, new, old) for new, old in zip((total, r, s_psi, held, last), best))
+    _, r, s_psi, held, last = best
+    out = {name: s_psi * rate + f for name, (rate, f) in rates.items()}
+    out.update(temp_buckets=_bucket(s_psi, c, k), act_layers=held * stored,
+               act_logits=np.where(last, logits, 0.0), act_recompute=recompute, stage=r)
+    return finish(out, cl)
+
+
+def _embedding_share(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
+    """The embedding, head, positions and final norm `tuning.sim_compute.stage_params` adds to a
+    stage's blocks, spread over its L/p layers (psi / (L/p) less this is one block)."""
+    p, t = c["pp"], c["tp"]
+    table = m.vocab * m.hidden / t * np.where((p == 1) & (not m.tied_embeddings), 2.0, 1.0)
+    positions = m.seq * m.hidden if m.learned_positions else 0.0
+    return (table + positions + m.norm_params * m.hidden) / (m.layers / p)
+
+
+def finish(terms: dict[str, Any], cl: ClusterSpec) -> dict[str, Any]:
+    """The categories and total of `terms` (after a caller added to them, e.g. MoE expert states) and
+    whether the total fits the cluster's usable memory."""
+    out = dict(terms)
+    for category, names in TERMS.items():
+        out[category] = sum(out[name] for name in names)
+    out["total"] = sum(out[category] for category in CATEGORIES)
+    out["fits"] = out["total"] <= cl.memory_gb * cl.usable_memory_fraction * GB
+    return out
+
+
+def dominant(terms: dict[str, float]) -> str:
+    """The largest term of one configuration's breakdown (scalars)."""
+    names = [name for names in TERMS.values() for name in names]
+    return max(names, key=lambda name: float(terms.get(name, 0.0)))

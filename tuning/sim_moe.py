@@ -25,7 +25,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_comm import all_to_all_time
-from tuning.sim_memory import memory
+from tuning.sim_memory import finish, memory
 from tuning.sim_zero import dp_comm
 
 A2A_PER_LAYER = 4  # dispatch + combine in forward, their gradients in backward (GShard, DeepSpeed-MoE)
@@ -140,14 +140,12 @@ def stage_params(m: Any, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarr
 
 
 def expert_states(psi_e: np.ndarray, c: dict[str, np.ndarray], group: np.ndarray) -> dict[str, np.ndarray]:
-    """Bytes of the expert weights, gradients and optimizer states per GPU; ZeRO shards them over
-    the `group` ranks that hold the same experts (dp x cp / ep), as Rajbhandari et al. 2020."""
-    zero, db = c["zero"], c["dtype_bytes"]
-    opt_bytes = np.where(db == 4, 8.0, 12.0)  # the simulator's rule for dense states (sim_zero.state_bytes)
-    reshard = np.asarray(c.get("reshard_after_forward", True))
-    return {"params": psi_e * db / np.where((zero >= 3) & reshard, group, 1),
-            "grads": psi_e * db / np.where(zero >= 2, group, 1),
-            "optimizer": psi_e * opt_bytes / np.where(zero >= 1, group, 1)}
+    """Bytes of the expert weights, gradients and optimizer states per GPU, kept as the framework keeps
+    dense ones (`tuning.sim_memory.state_terms`); ZeRO shards them over the `group` ranks that hold the
+    same experts (dp x cp / ep), as Rajbhandari et al. 2020."""
+    from tuning.sim_memory import keeps, state_terms
+
+    return state_terms(psi_e, c, keeps(c), group)
 
 
 def flops_delta(m: Any, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -218,8 +216,7 @@ def dp_and_memory(model: Any, local: Any, cl: ClusterSpec, gpus: int, cg: dict[s
     mem = dict(memory(local, cl, cg, psi_d, act, frameworks))
     for key, value in expert_states(psi_e, cg, ce["dp"]).items():
         mem[key] = mem[key] + value
-    mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-    mem["fits"] = mem["total"] <= cl.memory_gb * cl.usable_memory_fraction * GB
+    mem = finish(mem, cl)
     zero = cg["zero"] >= 1
     psi_opt = psi_d / np.where(zero, cg["dp"], 1) + psi_e / np.where(zero, ce["dp"], 1)
     dp = {"total": dense["total"] + expert["total"], "exposed": dense["exposed"] + expert["exposed"],

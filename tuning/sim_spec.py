@@ -53,6 +53,11 @@ class ModelSpec:
     moe_ffn_hidden: int = 0  # width of one routed expert; 0 = ffn_hidden
     shared_ffn_hidden: int = 0  # width of an always-active shared expert (qwen2_moe); 0 = none
     family: str = "gpt"  # "gpt" or a Hugging Face model_type
+    # per-layer biases where they differ from `biases` (None = `biases`): Qwen2's q/k/v only, ...
+    qkv_bias: bool | None = None  # biases on q, k and v
+    o_bias: bool | None = None  # bias on the attention output projection
+    mlp_bias: bool | None = None  # biases on the MLP's matrices
+    qk_norm: bool = False  # a norm of head width on q and on k (Qwen3)
 
     # ------------------------------------------------------------ derived widths
     @property
@@ -99,9 +104,12 @@ class ModelSpec:
             family=self.family, layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv,
             head_dim=self.hd, ffn_hidden=self.ffn, gated_mlp=self.gated_mlp, vocab=self.vocab,
             tied_embeddings=self.tied_embeddings, learned_positions=self.seq if self.learned_positions else 0,
-            norm_params=self.norm_params, qkv_bias=self.biases, o_bias=self.biases, mlp_bias=self.biases,
-            experts=self.experts, top_k=min(self.top_k, self.experts) if self.experts else 0,
+            norm_params=self.norm_params, qkv_bias=self._bias(self.qkv_bias), o_bias=self._bias(self.o_bias),
+            mlp_bias=self._bias(self.mlp_bias), qk_norm=self.qk_norm, experts=self.experts, top_k=min(self.top_k, self.experts) if self.experts else 0,
             moe_ffn_hidden=self.expert_ffn, shared_ffn_hidden=self.shared_ffn_hidden, moe_layers=moe)
+
+    def _bias(self, flag: bool | None) -> bool:
+        return self.biases if flag is None else flag
 
     @property
     def params(self) -> int:
@@ -121,15 +129,16 @@ class ModelSpec:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights a token multiplies by in one dense block: q, k, v, o and the MLP matrices."""
-        return (2 * self.q_dim + 2 * self.kv_dim) * self.hidden + self.mlp_mats * self.hidden * self.ffn
+        """Weights a token multiplies by in one dense block: q, k, v, o and the MLP matrices (engine/shapes.py)."""
+        return self.shape.layer_matmul_params
 
     @property
     def param_tensors_per_layer(self) -> int:
         """Parameter tensors of one dense block (what a per-parameter ZeRO-3 gathers one by one):
         q/k/v (fused in Megatron), o, the MLP matrices, two norms, and their biases."""
         weights = 2 + self.mlp_mats + 2  # qkv, o, mlp matrices, 2 norm weights
-        return weights + (2 + self.mlp_mats if self.biases else 0) + (2 if self.norm_params == 2 else 0)
+        biases = self._bias(self.qkv_bias) + self._bias(self.o_bias) + self.mlp_mats * self._bias(self.mlp_bias)
+        return weights + biases + (2 if self.norm_params == 2 else 0) + (2 if self.qk_norm else 0)
 
     # ------------------------------------------------------------ readers
     @classmethod
@@ -141,7 +150,8 @@ class ModelSpec:
                    capacity_factor=capacity_factor, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                    ffn_hidden=shape.ffn_hidden, gated_mlp=shape.gated_mlp, tied_embeddings=shape.tied_embeddings,
                    learned_positions=shape.learned_positions > 0,
-                   biases=shape.qkv_bias and shape.mlp_bias, norm_params=shape.norm_params,
+                   biases=shape.qkv_bias and shape.o_bias and shape.mlp_bias, qkv_bias=shape.qkv_bias,
+                   o_bias=shape.o_bias, mlp_bias=shape.mlp_bias, qk_norm=shape.qk_norm, norm_params=shape.norm_params,
                    moe_ffn_hidden=shape.moe_ffn_hidden, shared_ffn_hidden=shape.shared_ffn_hidden,
                    family=shape.family, dropout=shape.family == "gpt")
 
@@ -219,6 +229,17 @@ class ParallelSpec:
     attn_density: float = 1.0  # computed share of the s x s attention (packed long-tail batches)
     adaptive_sp: bool = False  # FlexSP per-step groups (engine); priced as the static cp (not modelled)
     skip_ratio: float = 0.0  # schedule=skip: fraction of middle stages a micro-batch skips (SkipPipe)
+    # the embedding and the loss each take a layer's place in the pipeline split: the first and the last
+    # stage hold one layer fewer (Megatron-core --account-for-{embedding,loss}-in-pipeline-split; Llama 3)
+    account_for_embedding_and_loss: bool = False
+    # gradients accumulated in an fp32 buffer: -1 the framework's default (Megatron-LM: yes with bf16,
+    # --accumulate-allreduce-grads-in-fp32; DeepSpeed fp16: no; FSDP under torch's pipelining: unsharded
+    # until the last micro-batch), 0 no (NeMo's grad_reduce_in_fp32=False; FSDP reduce-scattering every
+    # micro-batch), 1 yes (DeepSpeed's BF16_Optimizer: an fp32 buffer beside the 16-bit grads); tuning/sim_memory.py
+    grad_accum_fp32: int = -1
+    # a gated MLP's activation function fused (-1 the framework's default: Megatron-core's bias-SwiGLU keeps
+    # fc1's output and fc2's input, 6 f/h; eager PyTorch also keeps silu(gate) and up apart, 8 f/h), 0 no, 1 yes
+    fused_swiglu: int = -1
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -242,7 +263,7 @@ class SimResult:
     tflops_per_gpu: float  # executed FLOPs (recomputation included, as Megatron reports) / s / GPU
     mfu: float  # model FLOPs (no recomputation) / (time * gpus * peak)
     memory_per_gpu_gb: float  # the most loaded pipeline stage
-    memory_breakdown_gb: dict[str, float]  # params, grads, optimizer, activations
+    memory_breakdown_gb: dict[str, float]  # params, grads, optimizer, activations, temp (tuning/sim_memory.py)
     fits: bool  # memory_per_gpu_gb <= usable device memory
     flops_per_iteration: float  # executed FLOPs of one iteration, all GPUs
     model_flops_per_iteration: float  # without recomputation

@@ -28,6 +28,8 @@ from tuning.hardware import ClusterSpec
 from tuning.sim_compute import NONGEMM_BWD_FACTOR
 from tuning.sim_core import OPTIMIZER_BYTES_PER_PARAM, evaluate_arrays
 from tuning.sim_framework import FRAMEWORK_NAMES
+from tuning.sim_memory import CATEGORIES, dominant
+from tuning.sim_memory import TERMS as MEMORY_TERMS
 from tuning.sim_spec import RECOMPUTE, SCHEDULES, ModelSpec, ParallelSpec, SimResult, columns, format_count
 
 _arrays = columns  # the name published.py and sim_network.py have used
@@ -72,9 +74,10 @@ def validate_parallel(
     if not model.head_dim and model.hidden % model.heads:
         reasons.append(f"model.heads={model.heads} must divide model.d_model={model.hidden}")
     chunks = par.pp * par.virtual
-    if model.layers % chunks:
-        reasons.append(f"model.layers={model.layers} must be divisible by parallel.pp * "
-                       f"parallel.virtual = {par.pp} * {par.virtual} = {chunks}")
+    split = model.layers + (2 if par.account_for_embedding_and_loss and par.pp > 1 else 0)  # + embedding, loss
+    if split % chunks:
+        reasons.append(f"model.layers={model.layers}{' + 2' if split != model.layers else ''} must be divisible by "
+                       f"parallel.pp * parallel.virtual = {par.pp} * {par.virtual} = {chunks}")
     if par.global_batch % (par.dp * par.micro):
         reasons.append(f"batch.global={par.global_batch} must be divisible by parallel.dp * "
                        f"batch.micro = {par.dp} * {par.micro} = {par.dp * par.micro}")
@@ -117,7 +120,7 @@ def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
 
 
 _BREAKDOWN = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
-_MEMORY = ("params", "grads", "optimizer", "activations")
+_MEMORY = CATEGORIES  # params, grads, optimizer, activations, temp (torch MemTracker's categories)
 
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
@@ -137,7 +140,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
         model_flops_per_iteration=r["model_flops_per_iteration"],
         num_microbatches=int(r["num_microbatches"]), bubble_fraction=r["bubble_fraction"],
         dp_comm_total_s=r["dp_comm_total_s"],
-        extra={"params_per_gpu": r["params_per_gpu"], "params_total": model.params},
+        extra={"params_per_gpu": r["params_per_gpu"], "params_total": model.params,
+               **_memory_extra(r)},
     )
     if model.experts:  # issue 18: the MoE all_to_all as its own entry, active vs total parameters
         result.breakdown["all_to_all"] = r["all_to_all_s"]
@@ -145,6 +149,12 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
     if par.cp > 1:  # issue 19: context-parallel communication (exposed)
         result.breakdown["cp_comm"] = r["cp_comm_s"]
     return result
+
+
+def _memory_extra(r: dict[str, Any]) -> dict[str, Any]:
+    """The memory model's per-term breakdown (GB), its largest term and the pipeline rank it prices."""
+    terms = {name: r[f"mem_{name}_gb"] for names in MEMORY_TERMS.values() for name in names}
+    return {"memory_terms_gb": terms, "memory_dominant": dominant(terms), "memory_stage": int(r["memory_stage"])}
 
 
 # ---------------------------------------------------------------- run config mapping

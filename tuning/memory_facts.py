@@ -1,0 +1,124 @@
+"""Memory facts: every published layout that ran, or ran out of memory, priced by the memory model.
+
+Two files hold them: tuning/data/published.yaml (throughput rows, each of which ran, and its rows with a
+measured `memory_gb` or `oom: true`; read through `tuning.published`) and tuning/data/memory_facts.yaml
+(layouts whose throughput is not priced: Llama 3's Table 4, NeMo's H100 recipes, torchtitan's memory
+tables, BLOOM's 02-28 layout search). `walk()` prices all of them with `tuning.simulator.simulate` and
+says, for each, whether the model predicts it fits, the predicted GB, its largest term and the measured
+GB where the source gives one. Nothing is fitted on them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from tuning.hardware import ClusterSpec, load_cluster
+from tuning.sim_spec import ModelSpec, ParallelSpec
+
+DATA = Path(__file__).with_name("data") / "memory_facts.yaml"
+GIB = 2**30 / 1e9  # GB per GiB
+_MODEL_KEYS = ("model", "heads", "seq")
+_FACT_KEYS = ("id", "row", "outcome", "memory_gb", "memory_unit", "cluster", "cluster_memory_gb")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryFact:
+    """One layout from a cited source that ran (`outcome` "ran") or ran out of memory ("oom")."""
+
+    id: str
+    source: str
+    row: str
+    model: ModelSpec
+    parallel: ParallelSpec
+    cluster: ClusterSpec
+    outcome: str
+    memory_gb: float | None = None  # measured peak per GPU in GB (1e9 B), converted from the source's unit
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=2)
+def _raw(path: str) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text())
+    ids = [r["id"] for block in data["facts"] for r in block["rows"]]
+    if len(ids) != len(set(ids)):
+        raise ValueError(f"{path}: duplicate fact ids")
+    return data
+
+
+def sources(path: str | Path = DATA) -> dict[str, dict[str, Any]]:
+    """The `sources` block of the memory-facts file."""
+    return _raw(str(path))["sources"]
+
+
+def _model(models: dict[str, Any], name: str, seq: int, heads: int | None) -> ModelSpec:
+    entry = models[name]
+    spec = ModelSpec.from_hf(entry["hf"], seq=seq) if "hf" in entry else ModelSpec(**entry["spec"], seq=seq)
+    return dataclasses.replace(spec, heads=heads) if heads else spec
+
+
+def _cluster(name: str, memory_gb: float | None) -> ClusterSpec:
+    cluster = load_cluster(name)
+    return dataclasses.replace(cluster, memory_gb=memory_gb) if memory_gb else cluster
+
+
+def facts(path: str | Path = DATA) -> list[MemoryFact]:
+    """Every fact of the file, its model, layout and cluster built (ValueError names a bad row)."""
+    data = _raw(str(path))
+    out = []
+    for block in data["facts"]:
+        if block["source"] not in data["sources"]:
+            raise ValueError(f"{path}: source={block['source']!r} is not in sources")
+        for row in block["rows"]:
+            r = {**block.get("defaults", {}), **row}
+            if r.get("outcome") not in ("ran", "oom") or (r["outcome"] == "oom" and r.get("memory_gb") is not None):
+                raise ValueError(f"{path}: fact {r['id']}: outcome must be ran or oom (an oom has no memory_gb)")
+            layout = {k: v for k, v in r.items() if k not in _MODEL_KEYS + _FACT_KEYS}
+            par = ParallelSpec(**layout)
+            unit = GIB if r.get("memory_unit") == "GiB" else 1.0
+            measured = float(r["memory_gb"]) * unit if r.get("memory_gb") is not None else None
+            out.append(MemoryFact(id=r["id"], source=block["source"], row=r["row"],
+                                  model=_model(data["models"], r["model"], int(r["seq"]), r.get("heads")),
+                                  parallel=par, cluster=_cluster(r["cluster"], r.get("cluster_memory_gb")),
+                                  outcome=r["outcome"], memory_gb=measured))
+    return out
+
+
+def published_facts() -> list[MemoryFact]:
+    """tuning/data/published.yaml's rows as memory facts: every throughput row ran; its `oom` rows did not."""
+    from tuning import published
+
+    seen: set[str] = set()
+    out = []
+    for r in published.calibration_rows() + published.held_out_rows() + published.memory_facts():
+        if r.id in seen:
+            continue
+        seen.add(r.id)
+        out.append(MemoryFact(id=r.id, source=r.source, row=r.row, model=r.model(), parallel=r.parallel(),
+                              cluster=load_cluster(r.cluster), outcome="oom" if r.oom else "ran",
+                              memory_gb=r.memory_gb))
+    return out
+
+
+def walk(path: str | Path = DATA) -> pd.DataFrame:
+    """Every memory fact priced: outcome, predicted GB and fit, usable GB, measured GB, the largest term,
+    the pipeline rank priced, the categories; `agrees` is True where the prediction matches the outcome."""
+    from tuning.simulator import simulate
+
+    rows = []
+    for f in published_facts() + facts(path):
+        res = simulate(f.model, f.cluster, f.parallel)
+        usable = f.cluster.memory_gb * f.cluster.usable_memory_fraction
+        rows.append({"id": f.id, "source": f.source, "outcome": f.outcome, "predicted_gb": res.memory_per_gpu_gb,
+                     "usable_gb": usable, "fits": res.fits, "agrees": res.fits == (f.outcome == "ran"),
+                     "measured_gb": f.memory_gb, "dominant": res.extra["memory_dominant"],
+                     "stage": res.extra["memory_stage"], **{f"{k}_gb": v for k, v in res.memory_breakdown_gb.items()}})
+    return pd.DataFrame(rows)
+
+
+__all__ = ["DATA", "MemoryFact", "facts", "published_facts", "sources", "walk"]
