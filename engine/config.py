@@ -390,6 +390,13 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
 
         shape = from_hf_config(cfg.model.hf)
         m = cfg.model
+        hf_values = {"layers": (shape.layers, "num_hidden_layers"), "d_model": (shape.hidden, "hidden_size"),
+                     "heads": (shape.heads, "num_attention_heads"), "vocab": (shape.vocab, "vocab_size")}
+        for key, (value, hf_key) in hf_values.items():  # a shape key beside model.hf would be silently ignored
+            given = (data.get("model") or {}).get(key)
+            if given is not None and given != value:
+                raise ConfigError(f"model.{key}", given, f"is read from model.hf ({hf_key}={value}) and cannot be "
+                                  f"set beside it; drop model.{key} or change the Hugging Face config")
         m.layers, m.d_model, m.heads, m.vocab = shape.layers, shape.hidden, shape.heads, shape.vocab
     return cfg
 
@@ -439,11 +446,14 @@ def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load YAML (or defaults), apply overrides, build and validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                check: bool = True) -> RunConfig:
+    """Load YAML (or defaults), apply overrides, build and validate (check=False: a template, e.g. a
+    search space's base, which only its points must make valid)."""
     data = load_yaml(path) if path else {}
     cfg = from_dict(apply_overrides(data, overrides or []))
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 

@@ -20,6 +20,7 @@ the validation split.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 
 from engine.config import DataConfig, ModelConfig
 
-from engine.validate_data import HF_SUFFIXES as HF_FORMATS, STREAM_SOURCES  # noqa: F401  (torch-free names)
+from engine.validate_data import HF_SUFFIXES as HF_FORMATS, STREAM_SOURCES, split_tokens  # noqa: F401  (torch-free names)
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -150,12 +151,12 @@ def _split_docs(n: int, val_fraction: float) -> int:
     return min(n - 1, max(1, n - max(1, round(n * val_fraction))))
 
 
-def _token_docs(data: DataConfig, min_tokens: int) -> tuple[Documents, Documents]:
+def _token_docs(data: DataConfig, seq_len: int) -> tuple[Documents, Documents]:
     ids = token_file(data.path or "", data.dtype)
-    n_val = max(int(len(ids) * data.val_fraction), min_tokens)
-    if len(ids) - n_val < min_tokens:
-        raise ValueError(f"data.path={data.path!r}: {len(ids)} tokens, too few for two splits of {min_tokens}")
-    cut = len(ids) - n_val
+    split = split_tokens(len(ids), seq_len=seq_len, val_fraction=data.val_fraction)
+    if split is None:  # validate() refuses it before launch (engine/validate_data.py)
+        raise ValueError(f"data.path={data.path!r}: {len(ids)} tokens, too few for two splits of {seq_len + 2}")
+    cut = split[0]
     parts = (ids[:cut], ids[cut:])
     # the memmap itself: TokenStream converts only the slices it reads
     return tuple(Documents(lambda i, p=p: p, 0, 1, data.eos_id) for p in parts)
@@ -217,7 +218,7 @@ def _hf_docs(data: DataConfig) -> tuple[Documents, Documents]:
 def build_streams(data: DataConfig, model: ModelConfig) -> tuple[TokenStream, TokenStream]:
     """Train and validation streams of `data.source` (one of STREAM_SOURCES), at their start."""
     if data.source == "tokens":
-        train, val = _token_docs(data, model.seq_len + 2)
+        train, val = _token_docs(data, model.seq_len)
     elif data.source == "megatron":
         train, val = _megatron_docs(data)
     else:
@@ -259,10 +260,15 @@ def write_token_file(src: str, tokenizer: str, out: str, *, text_field: str = "t
     ds, tok = hf_dataset(src), load_tokenizer(tokenizer)
     dtype = "uint16" if tok.get_vocab_size(with_added_tokens=True) <= 1 << 16 else "uint32"
     tail, buf, total = ([eos_id] if eos_id >= 0 else []), [], 0
-    with open(out, "wb") as f:
-        for i in range(len(ds)):
-            buf += tok.encode(ds[i][text_field]).ids + tail
-            if len(buf) >= chunk or i == len(ds) - 1:
-                np.asarray(buf, dtype=TOKEN_DTYPES[dtype]).tofile(f)
-                total, buf = total + len(buf), []
+    part = f"{out}.part"  # renamed when whole: a failure leaves no half-written token file behind
+    try:
+        with open(part, "wb") as f:
+            for i in range(len(ds)):
+                buf += tok.encode(ds[i][text_field]).ids + tail
+                if len(buf) >= chunk or i == len(ds) - 1:
+                    np.asarray(buf, dtype=TOKEN_DTYPES[dtype]).tofile(f)
+                    total, buf = total + len(buf), []
+        os.replace(part, out)
+    finally:
+        Path(part).unlink(missing_ok=True)
     return total, dtype

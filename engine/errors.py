@@ -39,3 +39,7 @@ class RankFailure(RuntimeError):
         if traceback:
             msg += f"\n--- traceback of {where} ---\n{traceback.rstrip()}"
         super().__init__(msg)
+
+
+class JoinTimeout(RankFailure):
+    """Not every node of a multi-node run joined the rendezvous in time: no rank ran (a setup error)."""

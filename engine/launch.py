@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import RunConfig, validate
-from engine.errors import RankFailure
+from engine.errors import JoinTimeout, RankFailure
 from engine.mesh import ParallelDims
 
 Progress = Callable[[dict[str, Any]], None]
@@ -43,10 +43,15 @@ class RunResult:
         return self.steps[-1]["loss"] if self.steps else None
 
 
+RDZV_TIMEOUT_S = 300.0  # a multi-node run's nodes must all join the rendezvous within this (torchrun's own: 600)
+
+
 def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int | None = 0,
-                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
+                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                     rdzv_timeout_s: float = RDZV_TIMEOUT_S) -> list[str]:
     """The exact torchrun command line of a run (also what `workbench export --format torchrun` prints).
-    node_rank=None leaves node ranks to the c10d rendezvous (one srun task per node starts the same line)."""
+    node_rank=None leaves node ranks to the c10d rendezvous (one srun task per node starts the same line);
+    a node gives up when not every node joined within rdzv_timeout_s."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -57,7 +62,9 @@ def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int =
         # node 0 hosts the rendezvous store, the others never: torchrun guesses it by host name, so a node
         # whose name resolves to another interface (a namespace) would not host, and on one machine every
         # node would try to (the first to bind wins and node 0 fails: EADDRINUSE)
-        cmd += [f"--rdzv-conf=is_host={int(node_rank == 0)}"] if node_rank is not None else []
+        conf = ([f"is_host={int(node_rank == 0)}"] if node_rank is not None else []) + \
+            [f"join_timeout={rdzv_timeout_s:.0f}"]
+        cmd += [f"--rdzv-conf={','.join(conf)}"]
         if node_rank is not None and "$" not in rdzv_endpoint:  # the address peers reach this node by
             cmd += [f"--local-addr={route_source(rdzv_endpoint)}"]
     return cmd + ["-m", "engine.worker", "--config", str(cfg_path), "--run-dir", str(run_dir)]
@@ -200,7 +207,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
            extra_env: dict[str, str] | None = None, launcher: str = "local",
-           on_job: Callable[[Any], None] | None = None) -> RunResult:
+           on_job: Callable[[Any], None] | None = None, rdzv_timeout_s: float = RDZV_TIMEOUT_S) -> RunResult:
     """Validate, register the run, start the ranks, stream telemetry into the store, wait.
     launcher="slurm" submits the run as one Slurm job of cfg.cluster instead (engine/slurm.py);
     `on_job` then hears each change of the job's state (queued, running, done)."""
@@ -226,7 +233,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            "WORKBENCH_TELEMETRY": server.start(), "WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home),
            "WORKBENCH_NODE_RANK": str(node_rank), **(extra_env or {}), TOKEN_ENV: server.token}
     cmd = torchrun_command(cfg_path, run_dir, nproc=cfg.world_size // nnodes, nnodes=nnodes,
-                           node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+                           node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout_s)
     started = time.time()
     status, failure = "completed", None
     log_path = run_dir / ("launcher.log" if nnodes == 1 else f"launcher-node{node_rank}.log")  # one per node
@@ -251,9 +258,14 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
                                                 "the run was stopped")
     elif status == "timeout":
         status, failure = "failed", RankFailure(None, f"timed out after {timeout_s:.0f} s; every rank was stopped")
+    elif status == "failed" and nnodes > 1 and "RendezvousTimeoutError" in log_text:
+        failure = JoinTimeout(None, f"node {node_rank} of {nnodes} waited {rdzv_timeout_s:.0f} s at the rendezvous "
+                              f"{rdzv_endpoint} and not every node joined; start the same `workbench run` with "
+                              f"--nnodes {nnodes} --node-rank I --rdzv-endpoint {rdzv_endpoint} on each other "
+                              "node (or raise --rdzv-timeout)")
     elif status == "failed":
         failure = _first_failure(run_dir, log_text)
-    if nnodes > 1 and failure is not None:
+    if nnodes > 1 and failure is not None and not isinstance(failure, JoinTimeout):
         failure = node_failure(store, run_id, failure, node_rank=node_rank, nnodes=nnodes, returncode=proc.returncode)
     return finish(store, run_id, status, cfg, run_dir, started, failure, raise_on_failure,
                   extra_summary=telemetry_summary(server), first=nnodes > 1)

@@ -532,6 +532,7 @@ HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py
 
 def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     """model.hf (engine/hf.py): what a Hugging Face model combines with; the shape rules read its config."""
+    from engine.hf_checks import config_errors, weight_errors
     from engine.shapes import from_hf_config
 
     m, p = cfg.model, cfg.parallel
@@ -544,11 +545,15 @@ def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     except ConfigError as exc:
         yield exc
         return
+    config_problems = list(config_errors(m.hf))
+    yield from config_problems
     if shape.family not in HF_TRAINABLE:
         yield ConfigError("model.hf", shape.family, f"model_type {shape.family} is priced by the simulator but not "
                           f"trained by the engine; trainable: {', '.join(HF_TRAINABLE)}")
     if m.hf_weights is not None and not Path(m.hf_weights).is_dir():
         yield ConfigError("model.hf_weights", m.hf_weights, "must be a local folder of safetensors (and config.json)")
+    elif m.hf_weights is not None and not config_problems:
+        yield from weight_errors(m.hf_weights, m.hf)
     for on, name, why in ((m.entry is not None, "model.entry", "a model is either model.hf or model.entry"),
                           (m.experts > 0, "model.experts", "applies to the built-in GPT; a Hugging Face MoE "
                            "brings its own experts"),

@@ -97,6 +97,8 @@ class StoreError(RuntimeError):
     def __init__(self, path: Path | str, cause: str, hint: str = "") -> None:
         self.path = path if isinstance(path, str) and is_url(path) else Path(path)
         self.cause = cause
+        # a URL naming no reachable server: the user's input (exit 2), not a failing store
+        self.unreachable = isinstance(self.path, str) and "connection" in cause.lower() and "failed" in cause.lower()
         self.hint = hint
         super().__init__(f"run store {self.path}: {cause}" + (f"; {hint}" if hint else ""))
 

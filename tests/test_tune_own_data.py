@@ -111,3 +111,35 @@ def test_a_config_json_and_a_token_file_tune_and_export_to_torchtitan_and_accele
     acc = load_config_from_file(str(yml))
     assert acc.num_processes == best.world_size == 2
     assert acc.mixed_precision == ("bf16" if best.precision == "bf16" else "no")
+
+
+def test_tune_your_own_model_with_head_counts_the_base_layout_cannot_take(tmp_path):
+    """README "Tune your own model" on a SmolLM2-shaped config (9 heads, 3 key/value heads): the base
+    config's tp2 + sequence parallelism cannot take 3 key/value heads, but the space sets the layout,
+    so the study runs without an extra --set, the space leaves tp2 out and says why (issue 52 item 2;
+    before: 'parallel.tp=2: must divide the key/value heads', exit 2, before the space applied)."""
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"model_type": "llama", "hidden_size": 72, "intermediate_size": 192,
+                                 "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                 "vocab_size": 256, "tie_word_embeddings": True, "rope_theta": 100000.0}))
+    storage = f"sqlite:///{tmp_path}/studies.db"
+    out = _workbench("tune", "examples/llama_space.yaml", "--trials", "1", "--storage", storage, "--study", "smol",
+                     "--seed", "0", "--set", f"model.hf={model}", "--set", "train.steps=2", home=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "parallel.layout: dp1-tp2-pp1 left out of the space: parallel.tp=2: must divide the key/value heads" \
+        in " ".join(out.stdout.split())
+    import optuna
+
+    study = optuna.load_study(study_name="smol", storage=storage)
+    assert [t.params["parallel.layout"] != "dp1-tp2-pp1" for t in study.trials] == [True]
+    assert study.trials[0].state == optuna.trial.TrialState.COMPLETE
+
+
+def test_a_space_whose_points_all_break_says_where_the_value_came_from(tmp_path):
+    """No point of the space is valid: the error names the broken rule and where its value came from."""
+    space = tmp_path / "space.yaml"
+    space.write_text("base: " + str(REPO / "examples" / "tiny.yaml") + "\nparams:\n  batch.micro: {choices: [2, 4]}\n")
+    out = _workbench("tune", str(space), "--trials", "1", "--storage", f"sqlite:///{tmp_path}/s.db",
+                     "--set", "parallel.tp=3", home=tmp_path)
+    assert out.returncode == 2
+    assert "that value comes from --set" in " ".join(out.stderr.split()), out.stderr

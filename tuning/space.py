@@ -212,6 +212,32 @@ class SearchSpace:
             combos = nxt
         return combos
 
+    def narrow_layouts(self, base: RunConfig, limit: int = 64) -> list[str]:
+        """Drop the parallel.layout choices that no probed point makes valid on `base` (e.g. tp=2 on a
+        model with 3 key/value heads); returns one line per dropped layout, with the rule it breaks."""
+        param = next((p for p in self.params if p.key == "parallel.layout" and p.choices), None)
+        if param is None:
+            return []
+        dropped: dict[str, str] = {}
+        for layout in param.choices:
+            first: ConfigError | None = None
+            for point in _probe_points(self.params, limit):
+                try:
+                    replace(base, self.to_overrides({**point, "parallel.layout": layout}, base))
+                    break
+                except ConfigError as exc:
+                    first = first or getattr(exc, "errors", [exc])[0]
+            else:
+                dropped[layout] = str(first)
+        kept = [c for c in param.choices if c not in dropped]
+        if kept and dropped:
+            param.choices = kept
+            spec = {k: v for k, v in (self.raw.get("params", {}).get("parallel.layout") or {}).items()
+                    if k != "layouts"}
+            self.raw.setdefault("params", {})["parallel.layout"] = {**spec, "choices": kept}
+        return [f"parallel.layout: {layout} left out of the space: {why}" for layout, why in dropped.items()] \
+            if kept else []
+
     def check_against(self, base: RunConfig, limit: int = 512) -> None:
         """Refuse a space that cannot work on `base`, before any trial starts: a choice (or range end)
         that is invalid on its own, or a space none of whose points validates (up to `limit` tried)."""
@@ -237,8 +263,10 @@ class SearchSpace:
             point, exc = first
             errors = getattr(exc, "errors", [exc])
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise ConfigError("space", point, f"no point of the space gives a valid config on the base config "
-                              f"({tried} tried); this one breaks {errors[0]}{more}")
+            error = ConfigError("space", point, f"no point of the space gives a valid config on the base config "
+                                f"({tried} tried); this one breaks {errors[0]}{more}")
+            error.breaks = errors[0]  # the rule broken, whose value the caller can trace to its origin
+            raise error
 
     def _wrong_wherever_it_applies(self, base: RunConfig, p: Param, value: Any, limit: int = 64) -> bool:
         """True when `p.key=value` earns an error naming p.key at every probed point where p applies

@@ -84,9 +84,12 @@ def _storage_error(url: str, exc: BaseException) -> StorageError:
                             "sqlite:///PATH, postgresql://USER@HOST:PORT/DB or mysql+pymysql://USER@HOST/DB")
     if isinstance(exc, sa.ArgumentError):
         return StorageError(f"{shown}: not a database URL ({exc}); e.g. sqlite:///studies.db")
-    if isinstance(exc, ModuleNotFoundError):
-        hint = " (pip install 'psycopg[binary]')" if url.startswith("postgres") else ""
-        return StorageError(f"{shown}: its Python driver {exc.name!r} is not installed{hint}")
+    if isinstance(exc, ImportError):  # optuna re-raises a missing driver as a plain ImportError
+        missing = exc if isinstance(exc, ModuleNotFoundError) else exc.__cause__ or exc.__context__
+        name = getattr(missing, "name", None) or "?"
+        hint = " (pip install 'psycopg[binary]')" if url.startswith("postgres") else \
+            " (pip install pymysql and use mysql+pymysql://)" if url.startswith("mysql") else ""
+        return StorageError(f"{shown}: its Python driver {name!r} is not installed{hint}")
     if isinstance(exc, sa.OperationalError):
         first = str(getattr(exc, "orig", exc) or exc).strip().splitlines()
         return StorageError(f"{shown}: cannot connect: {first[0] if first else type(exc).__name__}")
@@ -118,7 +121,7 @@ def make_storage(url: str | None, home: str | Path | None = None, *, heartbeat_s
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable enough for us
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
                                               grace_period=grace_s, **{callback: _interrupt_run(home)})
-    except (sqlalchemy.exc.SQLAlchemyError, ModuleNotFoundError) as exc:
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError) as exc:
         raise _storage_error(given, exc) from exc
 
 

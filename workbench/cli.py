@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from engine.errors import ConfigError, RankFailure
+from engine.errors import ConfigError, JoinTimeout, RankFailure
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Profile and tune distributed deep-learning training.")
@@ -36,6 +36,8 @@ RUNS_HELP = ("Shared run store: a postgresql:// URL that launchers on several no
 def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP),
           runs: Optional[str] = typer.Option(None, "--runs", help=RUNS_HELP)) -> None:
     if home is not None:
+        if home.exists() and not home.is_dir():
+            fail(f"--home={home}: is a file; the workbench home is a folder (it is made when missing)")
         os.environ["WORKBENCH_HOME"] = str(home)
     if runs is not None:
         from profilers.store import RUNS_ENV
@@ -85,6 +87,8 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         nnodes: int = typer.Option(1, help="Nodes (multi-node: run the same command on each)"),
         node_rank: int = typer.Option(0, help="This node's rank"),
         rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (multi-node)"),
+        rdzv_timeout: float = typer.Option(300.0, help="Multi-node: give up when not every node joined the "
+                                           "rendezvous within this many seconds"),
         timeout: Optional[float] = typer.Option(None, help="Stop every rank after this many seconds"),
         launcher: str = typer.Option("local", help="local (torchrun on this machine) | slurm (one Slurm job "
                                      "of cluster.nodes nodes; see the config's cluster: section)"),
@@ -101,6 +105,7 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         raise KeyboardInterrupt
 
     check_number("--timeout", timeout, 0, exclusive=True)
+    check_number("--rdzv-timeout", rdzv_timeout, 0, exclusive=True)
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
         fail(f"--run-id={run_id!r}: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     check_number("--nnodes", nnodes, 1)
@@ -124,9 +129,12 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     try:
         if as_json:
             result = launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
-                            run_id=run_id)
+                            run_id=run_id, rdzv_timeout_s=rdzv_timeout)
         else:
-            result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout, run_id=run_id)
+            result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout, run_id=run_id,
+                                        rdzv_timeout=rdzv_timeout)
+    except JoinTimeout as exc:  # no rank ran: a setup error, like a bad flag
+        fail(str(exc))
     except RankFailure as exc:
         fail(str(exc), code=1)
     except KeyboardInterrupt:
@@ -198,14 +206,16 @@ def _launch_slurm_quietly(cfg, timeout: Optional[float]):
 
 
 def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float],
-                       launcher: str = "local", run_id: Optional[str] = None):
+                       launcher: str = "local", run_id: Optional[str] = None, rdzv_timeout: float = 300.0):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from engine.launch import launch
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task(f"{cfg.name} x{cfg.world_size}", total=cfg.train.steps, info="starting ranks")
+        waiting = (f"node {node_rank} of {nnodes}: waiting for every node at the rendezvous {rdzv} (gives up "
+                   f"after {rdzv_timeout:.0f} s)") if nnodes > 1 else "starting ranks"
+        task = progress.add_task(f"{cfg.name} x{cfg.world_size}", total=cfg.train.steps, info=waiting)
 
         def on_progress(step: dict) -> None:
             info = f"loss {step.get('loss', float('nan')):.4f}  {step.get('tokens_per_s', 0):,.0f} tok/s"
@@ -217,7 +227,7 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
         if launcher == "slurm":
             return launch(cfg, timeout_s=timeout, on_progress=on_progress, launcher="slurm", on_job=on_job)
         return launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, timeout_s=timeout,
-                      on_progress=on_progress, run_id=run_id)
+                      on_progress=on_progress, run_id=run_id, rdzv_timeout_s=rdzv_timeout)
 
 
 def _run_json(result) -> dict[str, Any]:
@@ -366,11 +376,16 @@ def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / ar
     from engine.config import from_dict
     from engine.data_sources import write_token_file
     from engine.validate import check
+    from engine.validate_data import tokenizer_vocab
 
-    probe = from_dict({"data": {"source": "hf", "path": str(src), "tokenizer": str(tokenizer)},
-                       "model": {"vocab": 1 << 32}})
-    for err in check(probe):  # the same one-line refusals as a run's (missing file, unknown format, ...)
-        raise err
+    probe = from_dict({"data": {"source": "hf", "path": str(src), "tokenizer": str(tokenizer),
+                                "text_field": text_field}, "model": {"vocab": 1 << 32}})
+    flags = {"data.path": "SRC", "data.tokenizer": "--tokenizer", "data.text_field": "--text-field"}
+    for error in check(probe):  # the same one-line refusals as a run's (missing file, field, format, ...)
+        fail(str(error).replace(error.field, flags.get(error.field, error.field), 1))
+    vocab = tokenizer_vocab(tokenizer)
+    if eos_id < -1 or (vocab is not None and eos_id >= vocab):
+        fail(f"--eos-id={eos_id}: must be a token id of the tokenizer (0..{(vocab or 1) - 1}) or -1 (none)")
     n, dtype = write_token_file(str(src), str(tokenizer), str(output), text_field=text_field, eos_id=eos_id)
     console.print(f"wrote {n} tokens ({dtype}) to {output}; run with data.source=tokens data.path={output} "
                   f"data.dtype={dtype}" + (f" data.eos_id={eos_id}" if eos_id >= 0 else ""), highlight=False,
@@ -388,6 +403,10 @@ def _register() -> None:
 
 
 def main() -> None:
+    import signal
+
+    # Ctrl-C (SIGINT) stops a command even where it was started with SIGINT ignored (a shell's background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _register()
     import errno
 
@@ -398,9 +417,9 @@ def main() -> None:
     except ConfigError as exc:
         err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
-    except StoreError as exc:  # full disk, read-only home, a store from a newer workbench
-        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
-        sys.exit(1)
+    except StoreError as exc:  # full disk, read-only home, a store from a newer workbench; a bad --runs URL
+        err.print(f"error: {' '.join(str(exc).split())}", highlight=False, markup=False, soft_wrap=True)
+        sys.exit(2 if exc.unreachable else 1)
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise

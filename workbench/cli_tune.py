@@ -17,9 +17,23 @@ from workbench.cli import _print_json, check_number, console, err, fail
 
 
 def _base_config(base: Optional[Path], overrides: list[str]):
+    """The space's base config with --set applied: a template, not validated on its own (a search space
+    sets its layout; each trial's config is validated), so a base layout the model cannot take (tp=2 on
+    3 key/value heads) does not stop the study when the space's points are valid."""
     from engine.config import load_config
 
-    return load_config(base, overrides)
+    return load_config(base, overrides, check=False)
+
+
+def _origin(field: str, base: Optional[Path], overrides: list[str], sp) -> str:
+    """Where the value of a refused config key came from: --set, the space, or the base config."""
+    if any(o.split("=", 1)[0].strip() == field for o in overrides):
+        return "--set"
+    if field in sp.fixed:
+        return "the space's fixed:"
+    if any(p.key == field or (p.key == "parallel.layout" and field.startswith("parallel.")) for p in sp.params):
+        return f"the space's params ({field})"
+    return f"the base config {base}" if base else "the defaults"
 
 
 def _space_watcher(path: Path, objective) -> Any:
@@ -96,9 +110,12 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
         sp = SearchSpace.from_yaml(space)
         base = base or (Path(sp.base) if sp.base else None)  # --base wins over the space's base:
         cfg = _base_config(base, set_)
+        for note in sp.narrow_layouts(cfg):
+            console.print(note, highlight=False, soft_wrap=True)
         sp.check_against(cfg)
     except ConfigError as exc:
-        fail(str(exc))
+        first = getattr(exc, "breaks", None)
+        fail(str(exc) + (f" (that value comes from {_origin(first.field, base, set_, sp)})" if first else ""))
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created ..." is not news
