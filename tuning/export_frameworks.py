@@ -18,7 +18,7 @@ from engine.config import RunConfig
 TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
                    "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 # Hugging Face model_type -> torchtitan model.name (torchtitan builds the shape from model.flavor)
-TITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}
+TITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3"}
 
 
 def _num(x: float) -> float:
@@ -61,9 +61,12 @@ def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
     if d.source != "hf":
         out.append(f"data.source={d.source} ({target} reads Hugging Face datasets; convert {d.path or 'the data'} "
                    "or register a dataset)")
+    elif target == "torchtitan" and d.text_field != "text":
+        out.append(f"data.text_field={d.text_field} (torchtitan's c4_test loader reads the field 'text'; register a "
+                   "dataset for yours)")
     elif target == "torchtitan":
-        out.append(f"data.source=hf ({d.path}): torchtitan loads the datasets it registers (c4, c4_test, ...); "
-                   "training.dataset_path is set, register a loader for these files and its tokenizer")
+        out.append(f"data.source=hf ({d.path}): read by torchtitan's c4_test loader, which tokenizes and packs the "
+                   "documents in its own way (BOS/EOS from the tokenizer, rows cut across documents)")
     if d.pack and target != "torchtitan":
         out.append(f"data.pack (document masks: set the model's attention mask type in {target})")
     return out
@@ -89,8 +92,7 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
     training = {"local_batch_size": local, "global_batch_size": b.global_, "seq_len": m.seq_len,
                 "steps": t.steps, "max_norm": _num(t.grad_clip),
                 "mixed_precision_param": "bfloat16" if cfg.precision == "bf16" else "float32"}
-    if cfg.data.source == "hf" and cfg.data.path:
-        training["dataset_path"] = cfg.data.path
+    training.update(_titan_data(cfg))
     unmapped += _titan_parallel(cfg, parallelism)
     if p.zero == 1:
         unmapped.append("parallel.zero=1 (torchtitan shards parameters too, FSDP; optimizer-only sharding is "
@@ -109,7 +111,7 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
                       "weight_decay": _num(t.weight_decay)},
         "lr_scheduler": lr_scheduler, "training": training, "parallelism": parallelism,
         "activation_checkpoint": {"mode": "full" if t.activation_checkpointing else "none"},
-        "checkpoint": {"enable": t.checkpoint_interval > 0, "interval": max(1, t.checkpoint_interval)},
+        "checkpoint": _titan_weights(cfg),
         "comm": {"train_timeout_seconds": int(t.timeout_s)},
         "debug": {"seed": t.seed},
     }
@@ -118,45 +120,115 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
     return out, unmapped + _data_unmapped(cfg, "torchtitan") + engine_only(cfg, "torchtitan")
 
 
+def _titan_data(cfg: RunConfig) -> dict[str, Any]:
+    """training.dataset / dataset_path: a local Hugging Face dataset folder through torchtitan's c4_test loader
+    (`load_dataset(path, split="train")`, its 'text' field)."""
+    d = cfg.data
+    if d.source != "hf" or not d.path or d.text_field != "text":
+        return {}
+    path = Path(d.path)
+    return {"dataset": "c4_test", "dataset_path": str(path if path.is_dir() or not path.suffix else path.parent)}
+
+
+def _titan_weights(cfg: RunConfig) -> dict[str, Any]:
+    """The checkpoint section: model.hf_weights loaded as the initial weights through the model's Hugging Face
+    state-dict adapter."""
+    t = cfg.train
+    out: dict[str, Any] = {"enable": t.checkpoint_interval > 0 or bool(cfg.model.hf_weights),
+                           "interval": max(1, t.checkpoint_interval or t.steps)}
+    if cfg.model.hf_weights:
+        out.update(initial_load_path=cfg.model.hf_weights, initial_load_in_hf=True, initial_load_model_only=True)
+    return out
+
+
 def _titan_model(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
-    """torchtitan's model.name / flavor: the registered flavor of the same shape where one exists
-    (block-causal attention with data.pack), else its debug flavor and a note with the shape."""
-    from engine.shapes import from_gpt, from_hf_config
+    """torchtitan's model.name / flavor of exactly the run's model, its tokenizer folder and initial
+    weights; ValueError (one line) when no registered flavor has the model's shape."""
+    from tuning.export_megatron import tokenizer_folder
 
-    m = cfg.model
-    model_type, assets = _hf(cfg)
-    shape = from_hf_config(m.hf) if model_type else from_gpt(layers=m.layers, d_model=m.d_model, heads=m.heads,
-                                                             seq_len=m.seq_len, vocab=m.vocab, mlp_ratio=m.mlp_ratio)
-    name = TITAN_MODELS.get(model_type or "", "llama3")
-    model: dict[str, Any] = {"name": name, "flavor": "debugmodel"}
-    if cfg.data.tokenizer or assets:
-        tok = Path(cfg.data.tokenizer or "")
-        model["hf_assets_path"] = str(tok if tok.is_dir() else tok.parent) if cfg.data.tokenizer else assets
-    found = _titan_flavor(name, shape, block_causal=cfg.data.pack) if model_type in TITAN_MODELS else None
-    if found:
-        model["flavor"] = found
+    name, flavor = titan_flavor(cfg)
+    model: dict[str, Any] = {"name": name, "flavor": flavor}
+    _, assets = _hf(cfg)
+    tok = tokenizer_folder(cfg)
+    if tok or assets:
+        model["hf_assets_path"] = tok or assets
+    if tok:
         return model, []
-    what = f"model_type={model_type}" if model_type else "the workbench GPT (GELU MLP, learned positions)"
-    return model, [f"model shape (layers={shape.layers}, hidden={shape.hidden}, heads={shape.heads}, kv_heads="
-                   f"{shape.kv_heads}, vocab={shape.vocab}, {what}): no torchtitan flavor of this shape"
-                   + (" with block-causal attention (data.pack)" if cfg.data.pack else "")
-                   + f"; register one under model.name={name}"]
+    return model, [f"tokenizer: none given (data.tokenizer, or a tokenizer.json beside model.hf): torchtitan reads "
+                   f"the one in model.hf_assets_path ({assets or 'its ./tests/assets/tokenizer'})"]
 
 
-def _titan_flavor(name: str, shape: Any, *, block_causal: bool) -> str | None:
-    """The first flavor of torchtitan's `name` with this layer count, width and heads (None: none, or
-    torchtitan not installed)."""
-    try:
-        from torchtitan.protocols.train_spec import get_train_spec
-    except ImportError:
-        return None
-    for flavor, args in get_train_spec(name).model_args.items():
-        kv = getattr(args, "n_kv_heads", None) or args.n_heads
-        masked = getattr(args, "attn_mask_type", "causal") == "block_causal"
-        if (args.dim, args.n_layers, args.n_heads, kv) == (shape.hidden, shape.layers, shape.heads, shape.kv_heads) \
-                and masked == block_causal:
-            return flavor
-    return None
+def titan_flavor(cfg: RunConfig) -> tuple[str, str]:
+    """(model.name, flavor) of the torchtitan flavor whose model is the run's: same layers, widths, heads,
+    vocabulary, tying, rope, norm epsilon, q/k norm and attention mask, judged on torchtitan's own model
+    built on the meta device. Never a nearby flavor: ValueError naming the fields that differ."""
+    from engine.shapes import read_hf_config
+
+    model_type, _ = _hf(cfg)
+    if model_type not in TITAN_MODELS:
+        what = f"model_type={model_type}" if model_type else "the workbench GPT (GELU MLP, learned positions)"
+        raise ValueError(f"torchtitan: {what} has no torchtitan model (llama and qwen3 configs map to its llama3 "
+                         "and qwen3); export to another format")
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    name = TITAN_MODELS[model_type]
+    spec = get_train_spec(name)
+    want = _hf_fields(read_hf_config(cfg.model.hf), block_causal=cfg.data.pack)
+    nearest: tuple[int, str, dict[str, tuple[Any, Any]]] | None = None
+    for flavor, args in spec.model_args.items():
+        have = _titan_fields(name, args, spec.model_cls, want)
+        diff = {k: (want[k], v) for k, v in have.items() if v != want[k]}
+        if not diff:
+            return name, flavor
+        if nearest is None or len(diff) < nearest[0]:
+            nearest = (len(diff), flavor, diff)
+    _, flavor, diff = nearest
+    shown = ", ".join(f"{k} {w} (flavor: {h})" for k, (w, h) in diff.items())
+    raise ValueError(f"torchtitan: no {name} flavor has this model's shape; the nearest, {flavor}, differs in "
+                     f"{shown}; register a flavor in torchtitan.models.{name} or export to another format")
+
+
+def _hf_fields(data: dict[str, Any], *, block_causal: bool) -> dict[str, Any]:
+    """The fields a torchtitan flavor must equal, read from a config.json."""
+    from engine.shapes import from_hf_config
+    from tuning.export_megatron import rope_of
+
+    shape, rope = from_hf_config(data), rope_of(data)
+    scaling = None
+    if rope["rope_type"] == "llama3":
+        scaling = tuple(float(rope.get(k, d)) for k, d in (("factor", 8.0), ("low_freq_factor", 1.0),
+                                                             ("high_freq_factor", 4.0),
+                                                             ("original_max_position_embeddings", 8192)))
+    return {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim, "ffn_hidden": shape.ffn_hidden, "vocab": shape.vocab,
+            "tied": shape.tied_embeddings, "params": shape.params, "rope_theta": float(rope["rope_theta"]),
+            "rope_scaling": scaling, "norm_eps": float(data.get("rms_norm_eps", 1e-6)),
+            "mask": "block_causal" if block_causal else "causal"}
+
+
+def _titan_fields(name: str, args: Any, model_cls: Any, want: dict[str, Any]) -> dict[str, Any]:
+    """The same fields of one torchtitan flavor; widths, tying and parameters from its model on the meta
+    device (built only when layers, width and heads already agree)."""
+    import torch
+
+    kv = getattr(args, "n_kv_heads", None) or args.n_heads
+    out: dict[str, Any] = {"layers": args.n_layers, "hidden": args.dim, "heads": args.n_heads, "kv_heads": kv,
+                           "rope_theta": float(args.rope_theta), "norm_eps": float(args.norm_eps),
+                           "mask": getattr(args, "attn_mask_type", "causal"), "rope_scaling": None}
+    scaling = getattr(args, "rope_scaling_args", None)
+    if name == "llama3" and scaling is not None:  # torchtitan's llama3 always applies llama3 rope scaling
+        out["rope_scaling"] = (float(scaling.scaling_factor), float(scaling.low_freq_factor),
+                               float(scaling.high_freq_factor), float(scaling.original_max_position_embeddings))
+    if any(out[k] != want[k] for k in ("layers", "hidden", "heads", "kv_heads")):
+        return out
+    with torch.device("meta"):
+        model = model_cls(args)
+    layer = next(iter(model.layers.values()))
+    out.update(ffn_hidden=layer.feed_forward.w1.weight.shape[0], vocab=model.tok_embeddings.weight.shape[0],
+               head_dim=layer.attention.wq.weight.shape[0] // args.n_heads,
+               tied=model.output.weight is model.tok_embeddings.weight,
+               params=sum(p.numel() for p in model.parameters()))
+    return out
 
 
 def _titan_parallel(cfg: RunConfig, parallelism: dict[str, Any]) -> list[str]:

@@ -32,7 +32,7 @@ def _flags(pairs: list[tuple[str, Any]]) -> list[str]:
     return [tok for flag, value in pairs for tok in (flag, _num(value) if isinstance(value, float) else str(value))]
 
 
-def _rope(data: dict[str, Any]) -> dict[str, Any]:
+def rope_of(data: dict[str, Any]) -> dict[str, Any]:
     """rope_theta and scaling of a config.json in either form (transformers 5's rope_parameters, or the
     hub's rope_theta + rope_scaling)."""
     rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
@@ -42,7 +42,7 @@ def _rope(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_flags(data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    rope, notes = _rope(data), []
+    rope, notes = rope_of(data), []
     theta = float(rope["rope_theta"])
     args = ["--position-embedding-type", "rope", "--rotary-base", str(int(theta))]
     if theta != int(theta):
@@ -148,7 +148,7 @@ def model_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
     return args, notes
 
 
-def _tokenizer(cfg: RunConfig) -> str | None:
+def tokenizer_folder(cfg: RunConfig) -> str | None:
     """The Hugging Face tokenizer (a folder or a tokenizer.json's folder): data.tokenizer, else the folder
     of model.hf when it holds one."""
     if cfg.data.tokenizer:
@@ -165,7 +165,7 @@ def _tokenizer(cfg: RunConfig) -> str | None:
 def _data_flags(cfg: RunConfig) -> tuple[list[str], list[str], list[str]]:
     """(flags, shell lines to run first, notes): the tokenizer, --data-path and --split."""
     d, m = cfg.data, cfg.model
-    tok = _tokenizer(cfg)
+    tok = tokenizer_folder(cfg)
     args = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok] if tok else \
         ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab - 1)]  # + its end-of-document id
     notes = [] if tok else [f"tokenizer: none given (data.tokenizer); a null tokenizer of {m.vocab} ids"]
@@ -220,7 +220,7 @@ def _layout_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.virtual > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(m_layers(cfg) // (p.pp * p.virtual))]
+        args += ["--num-layers-per-virtual-pipeline-stage", str(m.layers // (p.pp * p.virtual))]
     if t.activation_checkpointing:
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if cfg.precision == "bf16":
@@ -237,15 +237,6 @@ def _layout_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
     if p.cp > 1 and p.cp_impl == "ulysses":
         notes.append("parallel.cp_impl=ulysses (Megatron's context parallelism is a ring: --cp-comm-type p2p)")
     return args, notes
-
-
-def m_layers(cfg: RunConfig) -> int:
-    """Transformer layers of the model (model.hf's num_hidden_layers, else model.layers)."""
-    if cfg.model.hf is None:
-        return cfg.model.layers
-    from engine.shapes import from_hf_config
-
-    return from_hf_config(cfg.model.hf).layers
 
 
 def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
