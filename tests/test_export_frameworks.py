@@ -37,6 +37,13 @@ def _cfg(name: str, *extra: str) -> RunConfig:
     return load_config(None, BASE + LAYOUTS[name] + list(extra))
 
 
+def _gpu_cfg(name: str) -> RunConfig:
+    """The layout on GPUs (one node of world_size GPUs): accelerate's GPU form."""
+    cfg = _cfg(name)
+    cfg.cluster.gpus_per_node = cfg.world_size
+    return cfg
+
+
 def _titan_cfg(name: str, tmp_path: Path) -> RunConfig:
     """The layout `name` of torchtitan's debugmodel (pp2-interleaved holds 3 of its 6 layers per virtual stage)."""
     import json
@@ -134,7 +141,7 @@ def test_accelerate_builds_its_parallelism_config_and_fsdp_plugin_from_the_expor
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    cfg = _cfg(name)
+    cfg = _gpu_cfg(name)
     (tmp_path / "a.yaml").write_text(accelerate_yaml(cfg))
     loaded = load_config_from_file(str(tmp_path / "a.yaml"))
     assert loaded.distributed_type == "FSDP" and loaded.num_processes == cfg.world_size
@@ -156,18 +163,27 @@ def test_accelerate_builds_its_parallelism_config_and_fsdp_plugin_from_the_expor
 
 
 def test_accelerate_plain_data_parallel_is_multi_gpu_and_batch_sizes_are_named(tmp_path):
-    cfg = _cfg("dp2-ddp")
+    cfg = _gpu_cfg("dp2-ddp")
     config, notes = to_accelerate(cfg)
     assert config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in config
     env = _accelerate_env(cfg, tmp_path)
     assert env["ACCELERATE_MIXED_PRECISION"] == "no"
     assert notes[0].startswith("batch.micro=4, batch.global=16") and f"gradient_accumulation_steps={cfg.grad_accum}" \
         in notes[0]
-    pp_notes = to_accelerate(_cfg("pp2-interleaved"))[1]
+    pp_notes = to_accelerate(_gpu_cfg("pp2-interleaved"))[1]
     assert any(n.startswith("parallel.pp=2") for n in pp_notes)
     # accelerate refuses tp/cp over replicated dp ("cannot be used with pure data parallelism"): sharded, said so
-    assert to_accelerate(_cfg("cp2-ring"))[0]["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
-    assert any(n.startswith("parallel.zero=0 with tp/cp") for n in to_accelerate(_cfg("cp2-ring"))[1])
+    assert to_accelerate(_gpu_cfg("cp2-ring"))[0]["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
+    assert any(n.startswith("parallel.zero=0 with tp/cp") for n in to_accelerate(_gpu_cfg("cp2-ring"))[1])
+
+
+def test_accelerate_on_cpu_ranks_is_ddp_and_says_why():
+    """accelerate's AcceleratorState turns FSDP on for accelerator devices only (MULTI_CPU stays DDP, and a
+    ParallelismConfig there is refused): on CPU ranks ZeRO-3 is exported as DDP, in one line."""
+    config, notes = to_accelerate(_cfg("dp4-zero3-bf16"))
+    assert config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in config
+    assert config["num_processes"] == 4 and config["use_cpu"] is False  # torchrun's launch; the script asks for CPU
+    assert any(n.startswith("parallel.zero=3, tp=1, cp=1 on CPU ranks: accelerate shards (FSDP)") for n in notes)
 
 
 def test_megatron_export_reads_a_megatron_dataset_by_its_prefix(tmp_path):
@@ -223,5 +239,6 @@ def test_accelerate_wraps_the_decoder_layer_transformers_names_for_the_family():
     from engine.config import from_dict
 
     # priced by the simulator, not trained by the engine: built without validate() to export
-    cfg = from_dict({"model": {"hf": qwen3_moe, "seq_len": 32}, "parallel": {"dp": 2, "zero": 3}})
+    cfg = from_dict({"model": {"hf": qwen3_moe, "seq_len": 32}, "parallel": {"dp": 2, "zero": 3},
+                     "cluster": {"gpus_per_node": 2}})
     assert to_accelerate(cfg)[0]["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Qwen3MoeDecoderLayer"

@@ -99,7 +99,7 @@ def build_gpt_model(args: list[str]):
 
     ns, unknown = megatron_parser().parse_known_args(args)
     flags = {a for a in unknown if a.startswith("--")}
-    assert flags <= TRAINING_FLAGS, f"flags neither megatron-core nor Megatron-LM's parser knows: {flags - TRAINING_FLAGS}"
+    assert flags <= TRAINING_FLAGS, f"flags no parser of Megatron-LM knows: {flags - TRAINING_FLAGS}"
     # core_transformer_config_from_args: the fields by name, then its by-hand mappings
     kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(ns, f.name)}
     coeff = ns.moe_aux_loss_coeff

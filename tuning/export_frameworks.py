@@ -56,10 +56,15 @@ def engine_only(cfg: RunConfig, target: str) -> list[str]:
 
 
 def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
+    """What of the run's data the target cannot read as the run reads it (accelerate's script reads token
+    files, Megatron datasets and local Hugging Face files itself, in the run's order)."""
     d = cfg.data
     out = []
-    if d.source != "hf":
-        out.append(f"data.source={d.source} ({target} reads Hugging Face datasets; convert {d.path or 'the data'} "
+    if target == "accelerate" and d.source not in ("tokens", "megatron", "hf"):
+        out.append(f"data.source={d.source} (the workbench's own data: the script reads it through the workbench's "
+                   "engine.data, installed beside it)")
+    elif target == "torchtitan" and d.source != "hf":
+        out.append(f"data.source={d.source} (torchtitan reads Hugging Face datasets; convert {d.path or 'the data'} "
                    "or register a dataset)")
     elif target == "torchtitan" and d.text_field != "text":
         out.append(f"data.text_field={d.text_field} (torchtitan's c4_test loader reads the field 'text'; register a "
@@ -289,59 +294,91 @@ def torchtitan_toml(cfg: RunConfig) -> str:
 
 # ---------------------------------------------------------------- accelerate
 
+def gpu_target(cfg: RunConfig) -> bool:
+    """Whether the run's ranks are GPUs: cluster.gpus_per_node set (a plan's, or a Slurm job's), or backend nccl."""
+    return cfg.cluster.gpus_per_node > 0 or cfg.backend == "nccl"
+
+
 def to_accelerate(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     """An accelerate config (what `accelerate config` writes) and the knobs it does not carry.
 
-    ZeRO-2/3, tp and cp run on FSDP2 with a ParallelismConfig; plain data parallel is MULTI_GPU (DDP).
+    On GPUs, ZeRO-2/3, tp and cp run on FSDP2 with a ParallelismConfig, plain data parallel is MULTI_GPU (DDP).
+    On CPU ranks accelerate runs DDP only (its AcceleratorState turns FSDP on for accelerator devices): the
+    launch is MULTI_GPU's (torchrun, one process per rank) and the script asks for the CPU (`cpu=True`).
     """
-    p, m, b = cfg.parallel, cfg.model, cfg.batch
-    fsdp = p.zero >= 2 or p.tp > 1 or p.cp > 1
-    # accelerate composes tp / cp with FSDP only ("cannot be used with pure data parallelism")
-    shard = fsdp and p.dp > 1
+    p, b = cfg.parallel, cfg.batch
+    gpu = gpu_target(cfg)
+    fsdp = gpu and (p.zero >= 2 or p.tp > 1 or p.cp > 1)
     model_type, _ = _hf(cfg)
+    nodes = max(1, cfg.cluster.nodes)
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "debug": False,
         "distributed_type": "FSDP" if fsdp else ("MULTI_GPU" if cfg.world_size > 1 else "NO"),
         "mixed_precision": "bf16" if cfg.precision == "bf16" else "no", "use_cpu": False,
-        "num_machines": cfg.cluster.nodes, "num_processes": cfg.world_size, "machine_rank": 0,
-        "main_training_function": "main", "rdzv_backend": "static", "same_network": True,
+        "num_machines": nodes, "num_processes": cfg.world_size, "machine_rank": 0,
+        "main_training_function": "main", "rdzv_backend": "static" if nodes == 1 else "c10d", "same_network": True,
         "gpu_ids": "all"}
     if fsdp:
-        layer = _decoder_layer(model_type)
-        out["fsdp_config"] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                              "fsdp_transformer_layer_cls_to_wrap": layer,
-                              "fsdp_reshard_after_forward": p.zero == 3 and p.reshard_after_forward,
-                              "fsdp_activation_checkpointing": cfg.train.activation_checkpointing,
-                              "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
-                              "fsdp_cpu_ram_efficient_loading": False}
-        out["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": 1 if shard else p.dp,
-            "parallelism_config_dp_shard_size": p.dp if shard else 1,
-            "parallelism_config_tp_size": p.tp, "parallelism_config_cp_size": p.cp}
-        if p.cp > 1:
-            out["parallelism_config"]["parallelism_config_cp_backend"] = "torch"
+        out.update(_accelerate_fsdp(cfg, model_type))
     unmapped = [f"batch.micro={b.micro}, batch.global={b.global_}: accelerate's config has no batch sizes; "
-                f"the script's DataLoader batch_size={b.micro} and Accelerator(gradient_accumulation_steps="
-                f"{cfg.grad_accum}) (or accelerate launch --gradient_accumulation_steps {cfg.grad_accum})",
-                f"model: the script builds it ({model_type or 'the workbench GPT'}, layers={m.layers}, "
-                f"d_model={m.d_model})"]
-    if p.zero == 1:
+                f"the script takes {b.micro} rows per forward and Accelerator(gradient_accumulation_steps="
+                f"{cfg.grad_accum})"]
+    if nodes > 1:
+        unmapped.append(f"cluster.nodes={nodes}: on each node set machine_rank (0..{nodes - 1}) and main_process_ip "
+                        "(node 0's address) in this file, or pass --machine_rank / --main_process_ip")
+    if not gpu and (p.zero >= 2 or p.tp > 1 or p.cp > 1):
+        unmapped.append(f"parallel.zero={p.zero}, tp={p.tp}, cp={p.cp} on CPU ranks: accelerate shards (FSDP) and "
+                        "splits (tp, cp) on accelerator devices only; exported as DDP over all ranks")
+    elif p.zero == 1:
         unmapped.append("parallel.zero=1 (optimizer-state sharding needs accelerate's DeepSpeed plugin; "
                         + ("exported as FSDP2 without resharding, ZeRO-2)" if fsdp else "exported as DDP)"))
-    elif p.zero == 0 and shard:
+    elif p.zero == 0 and fsdp and p.dp > 1:
         unmapped.append(f"parallel.zero=0 with tp/cp (accelerate composes them with FSDP only: dp={p.dp} exported "
                         "as dp_shard_size, without resharding after forward, ZeRO-2)")
-    if p.pp > 1:
-        unmapped.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM "
-                        "plugins)")
-    if p.ep > 1:
-        unmapped.append(f"parallel.ep={p.ep} (no expert parallelism in accelerate's ParallelismConfig)")
-    if p.cp > 1 and p.cp_impl == "ulysses":
-        unmapped.append("parallel.cp_impl=ulysses (accelerate's cp_backend torch is ring attention; Ulysses "
-                        "is its sp_backend deepspeed)")
-    if p.tp > 1 and not p.sequence_parallel:
-        unmapped.append("parallel.sequence_parallel=false (accelerate's tp plan decides the norms' sharding)")
+    unmapped += _accelerate_unmapped(cfg, fsdp)
     return out, unmapped + _data_unmapped(cfg, "accelerate") + engine_only(cfg, "accelerate")
+
+
+def _accelerate_fsdp(cfg: RunConfig, model_type: str | None) -> dict[str, Any]:
+    """The FSDP2 plugin and ParallelismConfig sections (accelerate composes tp / cp with sharded dp only)."""
+    p = cfg.parallel
+    out: dict[str, Any] = {"fsdp_config": {
+        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": _decoder_layer(model_type),
+        "fsdp_reshard_after_forward": p.zero == 3 and p.reshard_after_forward,
+        "fsdp_activation_checkpointing": cfg.train.activation_checkpointing,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
+        "fsdp_cpu_ram_efficient_loading": False}}
+    shard = p.dp > 1
+    out["parallelism_config"] = {
+        "parallelism_config_dp_replicate_size": 1 if shard else p.dp,
+        "parallelism_config_dp_shard_size": p.dp if shard else 1,
+        "parallelism_config_tp_size": p.tp, "parallelism_config_cp_size": p.cp}
+    if p.cp > 1:
+        out["parallelism_config"]["parallelism_config_cp_backend"] = "torch"
+    return out
+
+
+def _accelerate_unmapped(cfg: RunConfig, fsdp: bool) -> list[str]:
+    p, out = cfg.parallel, []
+    if cfg.model.hf is None:
+        out.append("model: the workbench GPT (engine/model.py) is not a Hugging Face model; the script trains "
+                   "model.hf configs only")
+    if p.pp > 1:
+        out.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM plugins)")
+    if p.ep > 1:
+        out.append(f"parallel.ep={p.ep} (no expert parallelism in accelerate's ParallelismConfig)")
+    if fsdp and p.cp > 1 and p.cp_impl == "ulysses":
+        out.append("parallel.cp_impl=ulysses (accelerate's cp_backend torch is ring attention; Ulysses "
+                   "is its sp_backend deepspeed)")
+    if fsdp and p.tp > 1 and not p.sequence_parallel:
+        out.append("parallel.sequence_parallel=false (accelerate's tp plan decides the norms' sharding)")
+    if cfg.train.activation_checkpointing and not fsdp:
+        out.append("train.activation_checkpointing: accelerate turns it on through FSDP only; call "
+                   "model.gradient_checkpointing_enable() in the script")
+    if cfg.train.checkpoint_interval:
+        out.append("train.checkpoint_interval: add accelerator.save_state(DIR) to the script's loop")
+    return out
 
 
 def _decoder_layer(model_type: str | None) -> str:
@@ -361,3 +398,36 @@ def accelerate_yaml(cfg: RunConfig) -> str:
 
     config, notes = to_accelerate(cfg)
     return "".join(f"# not mapped: {n}\n" for n in notes) + yaml.safe_dump(config, sort_keys=False)
+
+
+def accelerate_settings(cfg: RunConfig) -> dict[str, Any]:
+    """What the training script trains (tuning/accelerate_train.py's SETTINGS): model, data, batch, schedule."""
+    m, d, t, b = cfg.model, cfg.data, cfg.train, cfg.batch
+    data = {"source": d.source, "path": d.path, "dtype": d.dtype, "tokenizer": d.tokenizer,
+            "text_field": d.text_field, "eos_id": d.eos_id, "val_fraction": d.val_fraction}
+    return {"model_hf": m.hf, "hf_weights": m.hf_weights, "seq_len": m.seq_len, "vocab": m.vocab, "data": data,
+            "global_batch": b.global_, "micro": b.micro, "accum": cfg.grad_accum, "steps": t.steps, "lr": t.lr,
+            "warmup_steps": t.warmup_steps, "schedule": t.schedule, "min_lr_ratio": t.min_lr_ratio,
+            "weight_decay": t.weight_decay, "beta1": t.beta1, "beta2": t.beta2, "grad_clip": t.grad_clip,
+            "seed": t.seed}
+
+
+def accelerate_script(cfg: RunConfig) -> str:
+    """The training script the accelerate config launches: tuning/accelerate_train.py with the run's SETTINGS."""
+    import pprint
+
+    from tuning import accelerate_train
+
+    source = Path(accelerate_train.__file__).read_text()
+    body = pprint.pformat(accelerate_settings(cfg), width=110, sort_dicts=False)
+    return source.replace("SETTINGS: dict = {}  # the export fills this in", f"SETTINGS: dict = {body}", 1)
+
+
+def write_accelerate_bundle(cfg: RunConfig, config_path: Path) -> str:
+    """Write the accelerate config and, beside it, its training script (`<stem>_train.py`); return the launch
+    line (run from the config's folder)."""
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(accelerate_yaml(cfg))
+    script = config_path.with_name(f"{config_path.stem}_train.py")
+    script.write_text(accelerate_script(cfg))
+    return f"accelerate launch --config_file {config_path.name} {script.name}"

@@ -254,7 +254,7 @@ def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
 
 def megatron_command(cfg: RunConfig) -> list[str]:
     """The full launch: torchrun with WORLD_SIZE = dp*tp*pp*cp, then pretrain_gpt.py and its args."""
-    # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before Blackwell; its examples set it always
+    # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before Blackwell; its examples set it
     nodes = max(1, cfg.cluster.nodes)
     where = ["--nnodes=1", "--standalone"] if nodes == 1 else \
         [f"--nnodes={nodes}", "--node-rank=$NODE_RANK", "--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500"]
