@@ -204,7 +204,19 @@ def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     elif cfg.comm.compressor != "none":
         unmapped.append(f"comm.compressor={cfg.comm.compressor} (no DDP comm hook in DeepSpeed)")
     unmapped += [u for u in _comm_unmapped(cfg, "DeepSpeed") if not u.startswith("comm.")]
-    return ds, unmapped
+    return ds, unmapped + [_deepspeed_carries_no_job(cfg)]
+
+
+def _deepspeed_carries_no_job(cfg: RunConfig) -> str:
+    """A DeepSpeed config holds the engine's knobs only: what the training script must bring, in one line."""
+    m, d = cfg.model, cfg.data
+    model = f"model.hf={m.hf if isinstance(m.hf, str) else m.hf.get('model_type')}" if m.hf else "the workbench GPT"
+    parts = [model, f"data.source={d.source}" + (f" ({d.path})" if d.path else "")]
+    parts += [f"data.tokenizer={d.tokenizer}"] if d.tokenizer else []
+    parts += [f"model.hf_weights={m.hf_weights}"] if m.hf_weights else []
+    return (f"{', '.join(parts)}, train.steps={cfg.train.steps}: a DeepSpeed config holds none of them; your script "
+            "builds the model, reads the data and runs the steps around deepspeed.initialize (the accelerate "
+            "export writes such a script)")
 
 
 def report(study: optuna.Study, trial: FrozenTrial, cfg: RunConfig) -> dict[str, Any]:
