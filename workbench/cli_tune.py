@@ -442,6 +442,7 @@ def export(study: str = typer.Argument(..., help="Study name"),
                 _write_bundle(fmt, trial_config(st, n), output, n if pareto else None)
             for note in sorted({note for n in numbers for note in export_notes(st, n, fmt)}):
                 typer.echo(f"not mapped: {note}", err=True)
+            _say_stand_in(st, numbers)
             return
         bodies = {n: export_trial(st, n, fmt) for n in numbers}
         notes = sorted({note for n in numbers for note in export_notes(st, n, fmt)})
@@ -455,3 +456,14 @@ def export(study: str = typer.Argument(..., help="Study name"),
         sys.stdout.write(text)
     for note in notes if fmt != "megatron" else []:  # megatron's are comments in the script already
         typer.echo(f"not mapped: {note}", err=True)
+    _say_stand_in(st, numbers)
+
+
+def _say_stand_in(st, numbers: list[Optional[int]]) -> None:
+    """One line on stderr when the exported trial ran a stand-in of the real job (tuning/plan.py)."""
+    from tuning.export import trial_config
+    from tuning.plan import stand_in_line
+
+    line = stand_in_line(trial_config(st, numbers[0]), st.study_name)
+    if line:
+        typer.echo(line, err=True)
