@@ -30,6 +30,7 @@ def _env(home: Path) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_accelerate_launch_runs_the_export_and_its_loss_is_the_engines(tmp_path):
     tokens = tmp_path / "train.bin"
     np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16).tofile(tokens)

@@ -53,6 +53,7 @@ def test_plan_ranks_layouts_the_target_runs_that_fit(llama, target):
     assert cfg.model.hf == str(LLAMA31_8B) and cfg.model.seq_len == 8192 and cfg.batch.global_ == 512
 
 
+@pytest.mark.slow
 def test_plan_for_llama_3_1_8b_on_64_h100s_exports_to_all_five_formats(tmp_path):
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
