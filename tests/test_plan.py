@@ -45,7 +45,8 @@ def test_plan_ranks_layouts_the_target_runs_that_fit(llama, target):
     assert (t["memory_per_gpu_gb"] <= cluster.memory_gb).all()
     assert ((t["time_lo_s"] <= t["iteration_time_s"]) & (t["iteration_time_s"] <= t["time_hi_s"])).all()
     assert (model.kv % t["tp"] == 0).all()
-    rules = {"megatron": t["zero"] <= 1, "deepspeed": (t["tp"] == 1) & ((t["pp"] == 1) | (t["zero"] <= 1)),
+    rules = {"megatron": t["zero"] <= 1,
+             "deepspeed": (t["tp"] == 1) & (t["virtual"] == 1) & ((t["pp"] == 1) | (t["zero"] <= 1)),
              "torchtitan": t["zero"] != 1, "accelerate": (t["pp"] == 1) & (t["ep"] == 1) & (t["zero"] != 1)}
     assert rules.get(target, t["tp"] >= 1).all()
     cfg = plan_config(plan, 1)

@@ -32,7 +32,7 @@ SIM_FRAMEWORK = {"yaml": "fsdp", "megatron": "megatron", "deepspeed": "deepspeed
 TARGET_AXES: dict[str, dict[str, list[Any]]] = {
     "yaml": {},
     "megatron": {"zero": [0, 1], "cp_impl": ["ring"]},
-    "deepspeed": {"tp": [1], "cp": [1]},
+    "deepspeed": {"tp": [1], "cp": [1], "virtual": [1]},
     "torchtitan": {"zero": [0, 2, 3], "cp_impl": ["ring"]},
     "accelerate": {"pp": [1], "ep": [1], "zero": [0, 2, 3], "cp_impl": ["ring"], "virtual": [1]},
 }
