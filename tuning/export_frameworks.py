@@ -9,6 +9,7 @@ environment its launcher prepares.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,10 @@ def _hf(cfg: RunConfig) -> tuple[str | None, str | None]:
         return None, None
     if isinstance(spec, dict):
         return spec.get("model_type"), None
-    return json.loads(Path(spec).read_text()).get("model_type"), str(Path(spec).parent)
+    from engine.shapes import read_hf_config
+
+    path = Path(os.path.abspath(spec))  # the target runs elsewhere: absolute, as given (no symlinks resolved)
+    return read_hf_config(path).get("model_type"), str(path if path.is_dir() else path.parent)
 
 
 def engine_only(cfg: RunConfig, target: str) -> list[str]:
@@ -131,7 +135,7 @@ def _titan_data(cfg: RunConfig) -> dict[str, Any]:
     d = cfg.data
     if d.source != "hf" or not d.path or d.text_field != "text":
         return {}
-    path = Path(d.path)
+    path = Path(os.path.abspath(d.path))
     return {"dataset": "c4_test", "dataset_path": str(path if path.is_dir() or not path.suffix else path.parent)}
 
 
@@ -142,7 +146,8 @@ def _titan_weights(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"enable": t.checkpoint_interval > 0 or bool(cfg.model.hf_weights),
                            "interval": max(1, t.checkpoint_interval or t.steps)}
     if cfg.model.hf_weights:
-        out.update(initial_load_path=cfg.model.hf_weights, initial_load_in_hf=True, initial_load_model_only=True)
+        out.update(initial_load_path=os.path.abspath(cfg.model.hf_weights), initial_load_in_hf=True,
+                   initial_load_model_only=True)
     return out
 
 
@@ -403,9 +408,10 @@ def accelerate_yaml(cfg: RunConfig) -> str:
 def accelerate_settings(cfg: RunConfig) -> dict[str, Any]:
     """What the training script trains (tuning/accelerate_train.py's SETTINGS): model, data, batch, schedule."""
     m, d, t, b = cfg.model, cfg.data, cfg.train, cfg.batch
-    data = {"source": d.source, "path": d.path, "dtype": d.dtype, "tokenizer": d.tokenizer,
+    where = lambda p: os.path.abspath(p) if isinstance(p, str) else p  # noqa: E731  (the script runs elsewhere)
+    data = {"source": d.source, "path": where(d.path), "dtype": d.dtype, "tokenizer": where(d.tokenizer),
             "text_field": d.text_field, "eos_id": d.eos_id, "val_fraction": d.val_fraction}
-    return {"model_hf": m.hf, "hf_weights": m.hf_weights, "seq_len": m.seq_len, "vocab": m.vocab, "data": data,
+    return {"model_hf": where(m.hf), "hf_weights": where(m.hf_weights), "seq_len": m.seq_len, "vocab": m.vocab, "data": data,
             "global_batch": b.global_, "micro": b.micro, "accum": cfg.grad_accum, "steps": t.steps, "lr": t.lr,
             "warmup_steps": t.warmup_steps, "schedule": t.schedule, "min_lr_ratio": t.min_lr_ratio,
             "weight_decay": t.weight_decay, "beta1": t.beta1, "beta2": t.beta2, "grad_clip": t.grad_clip,

@@ -11,6 +11,7 @@ transformers' for Llama-3.1-8B, Qwen3 and Mixtral-8x7B; with MEGATRON_PATH set, 
 """
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -151,11 +152,11 @@ def model_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
 def tokenizer_folder(cfg: RunConfig) -> str | None:
     """The Hugging Face tokenizer (a folder or a tokenizer.json's folder): data.tokenizer, else the folder
     of model.hf when it holds one."""
-    if cfg.data.tokenizer:
-        tok = Path(cfg.data.tokenizer)
+    if cfg.data.tokenizer:  # absolute: the target runs elsewhere
+        tok = Path(os.path.abspath(cfg.data.tokenizer))
         return str(tok.parent if tok.suffix == ".json" else tok)
     if isinstance(cfg.model.hf, str):
-        folder = Path(cfg.model.hf)
+        folder = Path(os.path.abspath(cfg.model.hf))
         folder = folder if folder.is_dir() else folder.parent
         if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             return str(folder)
@@ -172,13 +173,15 @@ def _data_flags(cfg: RunConfig) -> tuple[list[str], list[str], list[str]]:
     val = max(1, round(100 * d.val_fraction))
     split = ["--split", f"{100 - val},{val},0"]
     if d.source == "megatron":
-        prefix = d.path[:-4] if d.path and d.path.endswith((".bin", ".idx")) else d.path
+        path = os.path.abspath(d.path or "")
+        prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
         notes.append("data order: Megatron-LM shuffles the documents of --data-path (its GPTDataset index); "
                      "the workbench reads them in order")
         return args + ["--data-path", str(prefix)] + split, [], notes
     if d.source == "hf" and d.path and tok:
-        prefix = str(Path(d.path).with_suffix("")) + "_megatron"
-        convert = shlex.join(["python", "tools/preprocess_data.py", "--input", d.path, "--output-prefix", prefix,
+        prefix = str(Path(os.path.abspath(d.path)).with_suffix("")) + "_megatron"
+        convert = shlex.join(["python", "tools/preprocess_data.py", "--input", os.path.abspath(d.path),
+                              "--output-prefix", prefix,
                               "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok, "--json-keys",
                               d.text_field, "--append-eod", "--workers", "8"])
         first = [f"[ -f {shlex.quote(prefix + '_' + d.text_field + '_document.bin')} ] || {convert}"]
