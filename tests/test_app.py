@@ -110,6 +110,7 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
         labels = [b.proto.label for b in buttons]
         assert len(labels) == 7 and "DeepSpeed JSON" in labels and "YAML config" in labels
         assert {b.proto.icon for b in buttons} == {":material/download:"}
+        assert any(i.value.startswith("this trial ran a stand-in (") for i in at.info)  # 2 CPU ranks
     if page == "home":
         assert len(at.dataframe[0].value) == 2
 

@@ -213,6 +213,7 @@ def test_deepspeed_buckets_in_elements_and_checkpointing_switched_on(monkeypatch
     assert config.pipeline["activation_checkpoint_interval"] == 1  # a PipelineModule recomputes each layer
     assert any(n.startswith("parallel.tp=2") for n in notes)
     assert any("deepspeed.checkpointing.checkpoint" in n for n in notes)
+    assert notes[-1].startswith("the workbench GPT, data.source=text, train.steps=10: a DeepSpeed config holds none")
 
 
 def test_deepspeed_export_prints_json_only_and_lists_unmapped_knobs_beside_it(tmp_path):

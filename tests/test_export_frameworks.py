@@ -3,6 +3,7 @@
 accelerate's ParallelismConfig and FSDP plugin build themselves."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,8 +24,33 @@ LAYOUTS = {
 }
 
 
-def _cfg(name: str) -> RunConfig:
-    return load_config(None, BASE + LAYOUTS[name])
+# torchtitan's llama3 flavor "debugmodel" as a Hugging Face config.json: the layouts export to that flavor
+TITAN_DEBUG = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "intermediate_size": 768, "vocab_size": 2048, "rope_theta": 500000.0,
+               "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}}
+LLAMA31_8B = Path(__file__).resolve().parent.parent / "examples" / "llama3_8b" / "config.json"
+
+
+def _cfg(name: str, *extra: str) -> RunConfig:
+    return load_config(None, BASE + LAYOUTS[name] + list(extra))
+
+
+def _gpu_cfg(name: str) -> RunConfig:
+    """The layout on GPUs (one node of world_size GPUs): accelerate's GPU form."""
+    cfg = _cfg(name)
+    cfg.cluster.gpus_per_node = cfg.world_size
+    return cfg
+
+
+def _titan_cfg(name: str, tmp_path: Path) -> RunConfig:
+    """The layout `name` of torchtitan's debugmodel (pp2-interleaved holds 3 of its 6 layers per virtual stage)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TITAN_DEBUG))
+    extra = ["parallel.virtual=3"] if name == "pp2-interleaved" else []
+    return _cfg(name, f"model.hf={tmp_path / 'config.json'}", *extra)
 
 
 def _titan(cfg: RunConfig, tmp_path: Path):
@@ -37,7 +63,7 @@ def _titan(cfg: RunConfig, tmp_path: Path):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_torchtitan_config_manager_reads_the_layout_batch_and_precision(tmp_path, name):
-    cfg = _cfg(name)
+    cfg = _titan_cfg(name, tmp_path)
     job = _titan(cfg, tmp_path)
     p, par = cfg.parallel, job.parallelism
     shard = par.data_parallel_shard_degree
@@ -55,21 +81,45 @@ def test_torchtitan_config_manager_reads_the_layout_batch_and_precision(tmp_path
         assert job.training.global_batch_size // (job.training.local_batch_size * p.dp) == cfg.grad_accum
     assert job.training.mixed_precision_param == ("bfloat16" if cfg.precision == "bf16" else "float32")
     assert job.optimizer.lr == cfg.train.lr and job.debug.seed == cfg.train.seed
+    assert (job.model.name, job.model.flavor) == ("llama3", "debugmodel")
 
 
 def test_torchtitan_names_what_it_cannot_map(tmp_path):
-    notes = to_torchtitan(_cfg("dp2-ddp"))[1]
+    notes = to_torchtitan(_titan_cfg("dp2-ddp", tmp_path))[1]
     assert any(n.startswith("comm.compressor=powersgd") for n in notes)
-    assert any(n.startswith("model shape (layers=4, hidden=32, heads=4, kv_heads=4") for n in notes)
-    cp_notes = to_torchtitan(load_config(None, BASE + ["parallel.cp=2", "batch.micro=4"]))[1]
-    assert any("cp_impl=ulysses" in n for n in cp_notes)
-    assert torchtitan_toml(_cfg("dp2-ddp")).startswith("# not mapped: model shape")
+    cp = load_config(None, BASE + [f"model.hf={tmp_path / 'config.json'}", "parallel.cp=2", "batch.micro=4"])
+    assert any("cp_impl=ulysses" in n for n in to_torchtitan(cp)[1])
+    assert "# not mapped: comm.compressor=powersgd (no gradient compression hook in torchtitan)" in \
+        torchtitan_toml(_titan_cfg("dp2-ddp", tmp_path)).splitlines()
     from engine.config import from_dict
 
-    hf = from_dict({"data": {"source": "hf", "path": "c.jsonl", "tokenizer": "tok"}})
+    (tmp_path / "data").mkdir()
+    hf = from_dict({"model": {"hf": TITAN_DEBUG}, "data": {"source": "hf", "path": str(tmp_path / "data" / "c.jsonl"),
+                                                           "tokenizer": "tok"}})
     sections, notes = to_torchtitan(hf)
-    assert sections["training"]["dataset_path"] == "c.jsonl"
-    assert any(n.startswith("data.source=hf (c.jsonl): torchtitan loads the datasets it registers") for n in notes)
+    assert sections["training"]["dataset"] == "c4_test"  # load_dataset(folder, split="train"), field 'text'
+    assert sections["training"]["dataset_path"] == str(tmp_path / "data")
+    assert any(n.startswith(f"data.source=hf ({tmp_path / 'data' / 'c.jsonl'}): read by torchtitan's c4_test")
+               for n in notes)
+
+
+def test_torchtitan_refuses_a_shape_no_flavor_has_in_one_line():
+    """Qwen2-0.5B (qwen2: no torchtitan model), a llama of no registered shape, and the workbench GPT are
+    refused in one line naming what differs, never exported as debugmodel."""
+    from engine.config import from_dict
+
+    qwen2 = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+             "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"^torchtitan: model_type=qwen2 has no torchtitan model") as exc:
+        to_torchtitan(from_dict({"model": {"hf": qwen2}}))
+    assert "\n" not in str(exc.value)
+    llama3_0 = {k: v for k, v in json.loads(LLAMA31_8B.read_text()).items() if k != "rope_scaling"}  # Llama-3-8B
+    with pytest.raises(ValueError, match=r"^torchtitan: no llama3 flavor has this model's shape; the nearest, 8B, "
+                                         r"differs in rope_scaling None \(flavor: \(8\.0, 1\.0, 4\.0, 8192\.0\)\)"):
+        to_torchtitan(from_dict({"model": {"hf": llama3_0}}))
+    with pytest.raises(ValueError, match=r"^torchtitan: the workbench GPT .* has no torchtitan model"):
+        to_torchtitan(_cfg("dp2-ddp"))
 
 
 def _accelerate_env(cfg: RunConfig, tmp_path: Path) -> dict[str, str]:
@@ -91,7 +141,7 @@ def test_accelerate_builds_its_parallelism_config_and_fsdp_plugin_from_the_expor
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    cfg = _cfg(name)
+    cfg = _gpu_cfg(name)
     (tmp_path / "a.yaml").write_text(accelerate_yaml(cfg))
     loaded = load_config_from_file(str(tmp_path / "a.yaml"))
     assert loaded.distributed_type == "FSDP" and loaded.num_processes == cfg.world_size
@@ -113,18 +163,27 @@ def test_accelerate_builds_its_parallelism_config_and_fsdp_plugin_from_the_expor
 
 
 def test_accelerate_plain_data_parallel_is_multi_gpu_and_batch_sizes_are_named(tmp_path):
-    cfg = _cfg("dp2-ddp")
+    cfg = _gpu_cfg("dp2-ddp")
     config, notes = to_accelerate(cfg)
     assert config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in config
     env = _accelerate_env(cfg, tmp_path)
     assert env["ACCELERATE_MIXED_PRECISION"] == "no"
     assert notes[0].startswith("batch.micro=4, batch.global=16") and f"gradient_accumulation_steps={cfg.grad_accum}" \
         in notes[0]
-    pp_notes = to_accelerate(_cfg("pp2-interleaved"))[1]
+    pp_notes = to_accelerate(_gpu_cfg("pp2-interleaved"))[1]
     assert any(n.startswith("parallel.pp=2") for n in pp_notes)
     # accelerate refuses tp/cp over replicated dp ("cannot be used with pure data parallelism"): sharded, said so
-    assert to_accelerate(_cfg("cp2-ring"))[0]["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
-    assert any(n.startswith("parallel.zero=0 with tp/cp") for n in to_accelerate(_cfg("cp2-ring"))[1])
+    assert to_accelerate(_gpu_cfg("cp2-ring"))[0]["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
+    assert any(n.startswith("parallel.zero=0 with tp/cp") for n in to_accelerate(_gpu_cfg("cp2-ring"))[1])
+
+
+def test_accelerate_on_cpu_ranks_is_ddp_and_says_why():
+    """accelerate's AcceleratorState turns FSDP on for accelerator devices only (MULTI_CPU stays DDP, and a
+    ParallelismConfig there is refused): on CPU ranks ZeRO-3 is exported as DDP, in one line."""
+    config, notes = to_accelerate(_cfg("dp4-zero3-bf16"))
+    assert config["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in config
+    assert config["num_processes"] == 4 and config["use_cpu"] is False  # torchrun's launch; the script asks for CPU
+    assert any(n.startswith("parallel.zero=3, tp=1, cp=1 on CPU ranks: accelerate shards (FSDP)") for n in notes)
 
 
 def test_megatron_export_reads_a_megatron_dataset_by_its_prefix(tmp_path):
@@ -142,28 +201,35 @@ def test_megatron_export_reads_a_megatron_dataset_by_its_prefix(tmp_path):
     assert "--mock-data" in megatron_args(tokens)[0]
 
 
-def test_torchtitan_names_its_own_flavor_for_a_llama_3_8b_config(tmp_path):
-    """A Llama-3-8B config.json (the published shape) exports as torchtitan's llama3 flavor 8B."""
-    import dataclasses
-    import json
+def test_torchtitan_names_its_own_flavor_for_the_llama_3_1_8b_config(tmp_path):
+    """The real Llama-3.1-8B config.json exports as torchtitan's llama3 flavor 8B (8B_flex with document
+    masks): ConfigManager reads the TOML, and the flavor's model args from torchtitan's registry build a model
+    of the config's shape and of transformers' parameter count, 8,030,261,248."""
+    import torch
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
 
-    from engine.config import ModelConfig
-    from engine.shapes import from_hf_config
-    from tuning.export_frameworks import _titan_flavor
+    from engine.config import from_dict
 
-    llama8b = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
-               "max_position_embeddings": 8192}
-    assert _titan_flavor("llama3", from_hf_config(llama8b), block_causal=False) == "8B"
-    assert _titan_flavor("llama3", from_hf_config(llama8b), block_causal=True) == "8B_flex"
-    if "hf" not in {f.name for f in dataclasses.fields(ModelConfig)}:
-        pytest.skip("model.hf is not in this tree yet")
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(llama8b))
-    cfg = load_config(None, [f"model.hf={path}", "model.seq_len=32", "batch.global=8", "batch.micro=8"])
-    sections, notes = to_torchtitan(cfg)
-    assert sections["model"] == {"name": "llama3", "flavor": "8B", "hf_assets_path": str(tmp_path)}
-    assert not any(n.startswith("model shape") for n in notes)
+    cfg = from_dict({"model": {"hf": str(LLAMA31_8B), "seq_len": 8192}, "batch": {"global": 512, "micro": 1},
+                     "parallel": {"dp": 8, "tp": 8, "zero": 3}, "precision": "bf16"})
+    path = tmp_path / "job.toml"
+    path.write_text(torchtitan_toml(cfg))
+    job = ConfigManager().parse_args(["--job.config_file", str(path)])
+    assert (job.model.name, job.model.flavor, job.model.hf_assets_path) == ("llama3", "8B", str(LLAMA31_8B.parent))
+    spec = get_train_spec(job.model.name)
+    args = spec.model_args[job.model.flavor]
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    hf = json.loads(LLAMA31_8B.read_text())
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, args.rope_theta) == \
+        (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
+         hf["vocab_size"], hf["rope_theta"])
+    assert model.layers["0"].feed_forward.w1.weight.shape[0] == hf["intermediate_size"]
+    assert args.rope_scaling_args.scaling_factor == hf["rope_scaling"]["factor"]
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    packed = from_dict({"model": {"hf": str(LLAMA31_8B)}, "data": {"pack": True}})
+    assert to_torchtitan(packed)[0]["model"]["flavor"] == "8B_flex"
 
 
 def test_accelerate_wraps_the_decoder_layer_transformers_names_for_the_family():
@@ -173,5 +239,6 @@ def test_accelerate_wraps_the_decoder_layer_transformers_names_for_the_family():
     from engine.config import from_dict
 
     # priced by the simulator, not trained by the engine: built without validate() to export
-    cfg = from_dict({"model": {"hf": qwen3_moe, "seq_len": 32}, "parallel": {"dp": 2, "zero": 3}})
+    cfg = from_dict({"model": {"hf": qwen3_moe, "seq_len": 32}, "parallel": {"dp": 2, "zero": 3},
+                     "cluster": {"gpus_per_node": 2}})
     assert to_accelerate(cfg)[0]["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Qwen3MoeDecoderLayer"

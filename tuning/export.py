@@ -15,6 +15,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.config import RunConfig, from_dict
+from tuning.export_megatron import megatron_args, megatron_command, megatron_script  # noqa: F401  (one import path)
 
 FORMATS = ("yaml", "torchrun", "json", "megatron", "deepspeed", "torchtitan", "accelerate")
 
@@ -100,84 +101,6 @@ def write_torchrun_bundle(cfg: RunConfig, out_dir: Path) -> str:
     (out_dir / "README.md").write_text(_BUNDLE_README.format(
         name=cfg.name, world=cfg.world_size, layout=f"dp={p.dp} tp={p.tp} pp={p.pp}", command=command))
     return command
-
-
-def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """Megatron-LM pretrain_gpt.py arguments (one token each), and the knobs with no Megatron equivalent."""
-    m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.batch
-    pairs = [("--num-layers", m.layers), ("--hidden-size", m.d_model), ("--num-attention-heads", m.heads),
-             ("--seq-length", m.seq_len), ("--max-position-embeddings", m.seq_len),
-             ("--ffn-hidden-size", m.mlp_ratio * m.d_model), ("--tensor-model-parallel-size", p.tp),
-             ("--pipeline-model-parallel-size", p.pp), ("--micro-batch-size", b.micro),
-             ("--global-batch-size", b.global_), ("--train-iters", t.steps), ("--lr", t.lr),
-             ("--min-lr", t.lr * t.min_lr_ratio), ("--lr-warmup-iters", t.warmup_steps),
-             ("--lr-decay-style", t.schedule), ("--weight-decay", t.weight_decay), ("--adam-beta1", t.beta1),
-             ("--adam-beta2", t.beta2), ("--clip-grad", t.grad_clip), ("--seed", t.seed),
-             ("--attention-dropout", m.dropout), ("--hidden-dropout", m.dropout),
-             # synthetic data and a null tokenizer of our vocabulary: runs as is; swap in --data-path
-             ("--vocab-size", m.vocab), ("--tokenizer-type", "NullTokenizer")]
-    args = [tok for flag, value in pairs
-            for tok in (flag, _num(value) if isinstance(value, float) else str(value))]
-    args += _megatron_data(cfg)
-    if p.sequence_parallel:
-        args.append("--sequence-parallel")
-    if p.virtual > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(m.layers // (p.pp * p.virtual))]
-    if t.activation_checkpointing:
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    if cfg.precision == "bf16":
-        args.append("--bf16")
-    if p.zero >= 1:
-        args.append("--use-distributed-optimizer")  # Megatron's ZeRO-1 equivalent
-    if t.eval_interval:
-        args += ["--eval-interval", str(t.eval_interval)]
-    unmapped = []
-    if p.zero >= 2:
-        unmapped.append(f"parallel.zero={p.zero} (Megatron shards optimizer state only: ZeRO-1)")
-    if p.schedule == "gpipe":
-        unmapped.append("parallel.schedule=gpipe (Megatron runs 1F1B)")
-    unmapped += _comm_unmapped(cfg, "Megatron-LM")
-    if cfg.data.source == "megatron":
-        unmapped.append("data order: Megatron-LM shuffles the documents of --data-path (its GPTDataset index); "
-                        "the workbench reads them in order")
-    elif cfg.data.source in ("tokens", "hf", "files"):
-        unmapped.append(f"data.source={cfg.data.source} (Megatron-LM reads indexed .bin/.idx datasets: convert with "
-                        "its tools/preprocess_data.py; exported with --mock-data)")
-    return args, unmapped
-
-
-def _megatron_data(cfg: RunConfig) -> list[str]:
-    """--data-path and --split for a Megatron indexed dataset, else mock data."""
-    d = cfg.data
-    if d.source != "megatron":
-        return ["--mock-data"]
-    val = max(1, round(100 * d.val_fraction))
-    prefix = d.path[:-4] if d.path and d.path.endswith((".bin", ".idx")) else d.path
-    return ["--data-path", str(prefix), "--split", f"{100 - val},{val},0"]
-
-
-def megatron_command(cfg: RunConfig) -> list[str]:
-    """The full launch: torchrun with WORLD_SIZE = dp*tp*pp on one node, then pretrain_gpt.py and its args."""
-    # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before Blackwell; its examples set it always
-    launcher = ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", f"--nproc-per-node={cfg.world_size}", "--nnodes=1",
-                "--standalone", "pretrain_gpt.py"]
-    return launcher + megatron_args(cfg)[0]
-
-
-def megatron_script(cfg: RunConfig) -> str:
-    """The Megatron-LM launch as a shell script (run from a Megatron-LM checkout), unmapped knobs as comments."""
-    args, unmapped = megatron_args(cfg)
-    note = "".join(f"# not mapped: {u}\n" for u in unmapped)
-    multi = (f"# on N nodes: --nproc-per-node={cfg.world_size}/N --nnodes=N --node-rank=I "
-             "--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT instead of --nnodes=1 --standalone\n")
-    cmd = megatron_command(cfg)
-    i = cmd.index("pretrain_gpt.py") + 1
-    lines = [" ".join(cmd[:i])]  # VAR=1 must stay unquoted to be an assignment
-    while i < len(cmd):  # one flag and its value per line
-        j = i + 1 if i + 1 == len(cmd) or cmd[i + 1].startswith("--") else i + 2
-        lines.append(shlex.join(cmd[i:j]))
-        i = j
-    return note + multi + " \\\n  ".join(lines) + "\n"
 
 
 def _comm_unmapped(cfg: RunConfig, target: str) -> list[str]:
@@ -281,7 +204,19 @@ def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     elif cfg.comm.compressor != "none":
         unmapped.append(f"comm.compressor={cfg.comm.compressor} (no DDP comm hook in DeepSpeed)")
     unmapped += [u for u in _comm_unmapped(cfg, "DeepSpeed") if not u.startswith("comm.")]
-    return ds, unmapped
+    return ds, unmapped + [_deepspeed_carries_no_job(cfg)]
+
+
+def _deepspeed_carries_no_job(cfg: RunConfig) -> str:
+    """A DeepSpeed config holds the engine's knobs only: what the training script must bring, in one line."""
+    m, d = cfg.model, cfg.data
+    model = f"model.hf={m.hf if isinstance(m.hf, str) else m.hf.get('model_type')}" if m.hf else "the workbench GPT"
+    parts = [model, f"data.source={d.source}" + (f" ({d.path})" if d.path else "")]
+    parts += [f"data.tokenizer={d.tokenizer}"] if d.tokenizer else []
+    parts += [f"model.hf_weights={m.hf_weights}"] if m.hf_weights else []
+    return (f"{', '.join(parts)}, train.steps={cfg.train.steps}: a DeepSpeed config holds none of them; your script "
+            "builds the model, reads the data and runs the steps around deepspeed.initialize (the accelerate "
+            "export writes such a script)")
 
 
 def report(study: optuna.Study, trial: FrozenTrial, cfg: RunConfig) -> dict[str, Any]:

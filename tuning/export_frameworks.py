@@ -9,6 +9,7 @@ environment its launcher prepares.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from engine.config import RunConfig
 TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
                    "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 # Hugging Face model_type -> torchtitan model.name (torchtitan builds the shape from model.flavor)
-TITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}
+TITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3"}
 
 
 def _num(x: float) -> float:
@@ -32,7 +33,10 @@ def _hf(cfg: RunConfig) -> tuple[str | None, str | None]:
         return None, None
     if isinstance(spec, dict):
         return spec.get("model_type"), None
-    return json.loads(Path(spec).read_text()).get("model_type"), str(Path(spec).parent)
+    from engine.shapes import read_hf_config
+
+    path = Path(os.path.abspath(spec))  # the target runs elsewhere: absolute, as given (no symlinks resolved)
+    return read_hf_config(path).get("model_type"), str(path if path.is_dir() else path.parent)
 
 
 def engine_only(cfg: RunConfig, target: str) -> list[str]:
@@ -56,14 +60,22 @@ def engine_only(cfg: RunConfig, target: str) -> list[str]:
 
 
 def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
+    """What of the run's data the target cannot read as the run reads it (accelerate's script reads token
+    files, Megatron datasets and local Hugging Face files itself, in the run's order)."""
     d = cfg.data
     out = []
-    if d.source != "hf":
-        out.append(f"data.source={d.source} ({target} reads Hugging Face datasets; convert {d.path or 'the data'} "
+    if target == "accelerate" and d.source not in ("tokens", "megatron", "hf"):
+        out.append(f"data.source={d.source} (the workbench's own data: the script reads it through the workbench's "
+                   "engine.data, installed beside it)")
+    elif target == "torchtitan" and d.source != "hf":
+        out.append(f"data.source={d.source} (torchtitan reads Hugging Face datasets; convert {d.path or 'the data'} "
                    "or register a dataset)")
+    elif target == "torchtitan" and d.text_field != "text":
+        out.append(f"data.text_field={d.text_field} (torchtitan's c4_test loader reads the field 'text'; register a "
+                   "dataset for yours)")
     elif target == "torchtitan":
-        out.append(f"data.source=hf ({d.path}): torchtitan loads the datasets it registers (c4, c4_test, ...); "
-                   "training.dataset_path is set, register a loader for these files and its tokenizer")
+        out.append(f"data.source=hf ({d.path}): read by torchtitan's c4_test loader, which tokenizes and packs the "
+                   "documents in its own way (BOS/EOS from the tokenizer, rows cut across documents)")
     if d.pack and target != "torchtitan":
         out.append(f"data.pack (document masks: set the model's attention mask type in {target})")
     return out
@@ -89,8 +101,7 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
     training = {"local_batch_size": local, "global_batch_size": b.global_, "seq_len": m.seq_len,
                 "steps": t.steps, "max_norm": _num(t.grad_clip),
                 "mixed_precision_param": "bfloat16" if cfg.precision == "bf16" else "float32"}
-    if cfg.data.source == "hf" and cfg.data.path:
-        training["dataset_path"] = cfg.data.path
+    training.update(_titan_data(cfg))
     unmapped += _titan_parallel(cfg, parallelism)
     if p.zero == 1:
         unmapped.append("parallel.zero=1 (torchtitan shards parameters too, FSDP; optimizer-only sharding is "
@@ -109,7 +120,7 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
                       "weight_decay": _num(t.weight_decay)},
         "lr_scheduler": lr_scheduler, "training": training, "parallelism": parallelism,
         "activation_checkpoint": {"mode": "full" if t.activation_checkpointing else "none"},
-        "checkpoint": {"enable": t.checkpoint_interval > 0, "interval": max(1, t.checkpoint_interval)},
+        "checkpoint": _titan_weights(cfg),
         "comm": {"train_timeout_seconds": int(t.timeout_s)},
         "debug": {"seed": t.seed},
     }
@@ -118,45 +129,116 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
     return out, unmapped + _data_unmapped(cfg, "torchtitan") + engine_only(cfg, "torchtitan")
 
 
+def _titan_data(cfg: RunConfig) -> dict[str, Any]:
+    """training.dataset / dataset_path: a local Hugging Face dataset folder through torchtitan's c4_test loader
+    (`load_dataset(path, split="train")`, its 'text' field)."""
+    d = cfg.data
+    if d.source != "hf" or not d.path or d.text_field != "text":
+        return {}
+    path = Path(os.path.abspath(d.path))
+    return {"dataset": "c4_test", "dataset_path": str(path if path.is_dir() or not path.suffix else path.parent)}
+
+
+def _titan_weights(cfg: RunConfig) -> dict[str, Any]:
+    """The checkpoint section: model.hf_weights loaded as the initial weights through the model's Hugging Face
+    state-dict adapter."""
+    t = cfg.train
+    out: dict[str, Any] = {"enable": t.checkpoint_interval > 0 or bool(cfg.model.hf_weights),
+                           "interval": max(1, t.checkpoint_interval or t.steps)}
+    if cfg.model.hf_weights:
+        out.update(initial_load_path=os.path.abspath(cfg.model.hf_weights), initial_load_in_hf=True,
+                   initial_load_model_only=True)
+    return out
+
+
 def _titan_model(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
-    """torchtitan's model.name / flavor: the registered flavor of the same shape where one exists
-    (block-causal attention with data.pack), else its debug flavor and a note with the shape."""
-    from engine.shapes import from_gpt, from_hf_config
+    """torchtitan's model.name / flavor of exactly the run's model, its tokenizer folder and initial
+    weights; ValueError (one line) when no registered flavor has the model's shape."""
+    from tuning.export_megatron import tokenizer_folder
 
-    m = cfg.model
-    model_type, assets = _hf(cfg)
-    shape = from_hf_config(m.hf) if model_type else from_gpt(layers=m.layers, d_model=m.d_model, heads=m.heads,
-                                                             seq_len=m.seq_len, vocab=m.vocab, mlp_ratio=m.mlp_ratio)
-    name = TITAN_MODELS.get(model_type or "", "llama3")
-    model: dict[str, Any] = {"name": name, "flavor": "debugmodel"}
-    if cfg.data.tokenizer or assets:
-        tok = Path(cfg.data.tokenizer or "")
-        model["hf_assets_path"] = str(tok if tok.is_dir() else tok.parent) if cfg.data.tokenizer else assets
-    found = _titan_flavor(name, shape, block_causal=cfg.data.pack) if model_type in TITAN_MODELS else None
-    if found:
-        model["flavor"] = found
+    name, flavor = titan_flavor(cfg)
+    model: dict[str, Any] = {"name": name, "flavor": flavor}
+    _, assets = _hf(cfg)
+    tok = tokenizer_folder(cfg)
+    if tok or assets:
+        model["hf_assets_path"] = tok or assets
+    if tok:
         return model, []
-    what = f"model_type={model_type}" if model_type else "the workbench GPT (GELU MLP, learned positions)"
-    return model, [f"model shape (layers={shape.layers}, hidden={shape.hidden}, heads={shape.heads}, kv_heads="
-                   f"{shape.kv_heads}, vocab={shape.vocab}, {what}): no torchtitan flavor of this shape"
-                   + (" with block-causal attention (data.pack)" if cfg.data.pack else "")
-                   + f"; register one under model.name={name}"]
+    return model, [f"tokenizer: none given (data.tokenizer, or a tokenizer.json beside model.hf): torchtitan reads "
+                   f"the one in model.hf_assets_path ({assets or 'its ./tests/assets/tokenizer'})"]
 
 
-def _titan_flavor(name: str, shape: Any, *, block_causal: bool) -> str | None:
-    """The first flavor of torchtitan's `name` with this layer count, width and heads (None: none, or
-    torchtitan not installed)."""
-    try:
-        from torchtitan.protocols.train_spec import get_train_spec
-    except ImportError:
-        return None
-    for flavor, args in get_train_spec(name).model_args.items():
-        kv = getattr(args, "n_kv_heads", None) or args.n_heads
-        masked = getattr(args, "attn_mask_type", "causal") == "block_causal"
-        if (args.dim, args.n_layers, args.n_heads, kv) == (shape.hidden, shape.layers, shape.heads, shape.kv_heads) \
-                and masked == block_causal:
-            return flavor
-    return None
+def titan_flavor(cfg: RunConfig) -> tuple[str, str]:
+    """(model.name, flavor) of the torchtitan flavor whose model is the run's: same layers, widths, heads,
+    vocabulary, tying, rope, norm epsilon, q/k norm and attention mask, judged on torchtitan's own model
+    built on the meta device. Never a nearby flavor: ValueError naming the fields that differ."""
+    from engine.shapes import read_hf_config
+
+    model_type, _ = _hf(cfg)
+    if model_type not in TITAN_MODELS:
+        what = f"model_type={model_type}" if model_type else "the workbench GPT (GELU MLP, learned positions)"
+        raise ValueError(f"torchtitan: {what} has no torchtitan model (llama and qwen3 configs map to its llama3 "
+                         "and qwen3); export to another format")
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    name = TITAN_MODELS[model_type]
+    spec = get_train_spec(name)
+    want = _hf_fields(read_hf_config(cfg.model.hf), block_causal=cfg.data.pack)
+    nearest: tuple[int, str, dict[str, tuple[Any, Any]]] | None = None
+    for flavor, args in spec.model_args.items():
+        have = _titan_fields(name, args, spec.model_cls, want)
+        diff = {k: (want[k], v) for k, v in have.items() if v != want[k]}
+        if not diff:
+            return name, flavor
+        if nearest is None or len(diff) < nearest[0]:
+            nearest = (len(diff), flavor, diff)
+    _, flavor, diff = nearest
+    shown = ", ".join(f"{k} {w} (flavor: {h})" for k, (w, h) in diff.items())
+    raise ValueError(f"torchtitan: no {name} flavor has this model's shape; the nearest, {flavor}, differs in "
+                     f"{shown}; register a flavor in torchtitan.models.{name} or export to another format")
+
+
+def _hf_fields(data: dict[str, Any], *, block_causal: bool) -> dict[str, Any]:
+    """The fields a torchtitan flavor must equal, read from a config.json."""
+    from engine.shapes import from_hf_config
+    from tuning.export_megatron import rope_of
+
+    shape, rope = from_hf_config(data), rope_of(data)
+    scaling = None
+    if rope["rope_type"] == "llama3":
+        scaling = tuple(float(rope.get(k, d)) for k, d in (("factor", 8.0), ("low_freq_factor", 1.0),
+                                                             ("high_freq_factor", 4.0),
+                                                             ("original_max_position_embeddings", 8192)))
+    return {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim, "ffn_hidden": shape.ffn_hidden, "vocab": shape.vocab,
+            "tied": shape.tied_embeddings, "params": shape.params, "rope_theta": float(rope["rope_theta"]),
+            "rope_scaling": scaling, "norm_eps": float(data.get("rms_norm_eps", 1e-6)),
+            "mask": "block_causal" if block_causal else "causal"}
+
+
+def _titan_fields(name: str, args: Any, model_cls: Any, want: dict[str, Any]) -> dict[str, Any]:
+    """The same fields of one torchtitan flavor; widths, tying and parameters from its model on the meta
+    device (built only when layers, width and heads already agree)."""
+    import torch
+
+    kv = getattr(args, "n_kv_heads", None) or args.n_heads
+    out: dict[str, Any] = {"layers": args.n_layers, "hidden": args.dim, "heads": args.n_heads, "kv_heads": kv,
+                           "rope_theta": float(args.rope_theta), "norm_eps": float(args.norm_eps),
+                           "mask": getattr(args, "attn_mask_type", "causal"), "rope_scaling": None}
+    scaling = getattr(args, "rope_scaling_args", None)
+    if name == "llama3" and scaling is not None:  # torchtitan's llama3 always applies llama3 rope scaling
+        out["rope_scaling"] = (float(scaling.scaling_factor), float(scaling.low_freq_factor),
+                               float(scaling.high_freq_factor), float(scaling.original_max_position_embeddings))
+    if any(out[k] != want[k] for k in ("layers", "hidden", "heads", "kv_heads")):
+        return out
+    with torch.device("meta"):
+        model = model_cls(args)
+    layer = next(iter(model.layers.values()))
+    out.update(ffn_hidden=layer.feed_forward.w1.weight.shape[0], vocab=model.tok_embeddings.weight.shape[0],
+               head_dim=layer.attention.wq.weight.shape[0] // args.n_heads,
+               tied=model.output.weight is model.tok_embeddings.weight,
+               params=sum(p.numel() for p in model.parameters()))
+    return out
 
 
 def _titan_parallel(cfg: RunConfig, parallelism: dict[str, Any]) -> list[str]:
@@ -217,59 +299,91 @@ def torchtitan_toml(cfg: RunConfig) -> str:
 
 # ---------------------------------------------------------------- accelerate
 
+def gpu_target(cfg: RunConfig) -> bool:
+    """Whether the run's ranks are GPUs: cluster.gpus_per_node set (a plan's, or a Slurm job's), or backend nccl."""
+    return cfg.cluster.gpus_per_node > 0 or cfg.backend == "nccl"
+
+
 def to_accelerate(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     """An accelerate config (what `accelerate config` writes) and the knobs it does not carry.
 
-    ZeRO-2/3, tp and cp run on FSDP2 with a ParallelismConfig; plain data parallel is MULTI_GPU (DDP).
+    On GPUs, ZeRO-2/3, tp and cp run on FSDP2 with a ParallelismConfig, plain data parallel is MULTI_GPU (DDP).
+    On CPU ranks accelerate runs DDP only (its AcceleratorState turns FSDP on for accelerator devices): the
+    launch is MULTI_GPU's (torchrun, one process per rank) and the script asks for the CPU (`cpu=True`).
     """
-    p, m, b = cfg.parallel, cfg.model, cfg.batch
-    fsdp = p.zero >= 2 or p.tp > 1 or p.cp > 1
-    # accelerate composes tp / cp with FSDP only ("cannot be used with pure data parallelism")
-    shard = fsdp and p.dp > 1
+    p, b = cfg.parallel, cfg.batch
+    gpu = gpu_target(cfg)
+    fsdp = gpu and (p.zero >= 2 or p.tp > 1 or p.cp > 1)
     model_type, _ = _hf(cfg)
+    nodes = max(1, cfg.cluster.nodes)
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "debug": False,
         "distributed_type": "FSDP" if fsdp else ("MULTI_GPU" if cfg.world_size > 1 else "NO"),
         "mixed_precision": "bf16" if cfg.precision == "bf16" else "no", "use_cpu": False,
-        "num_machines": cfg.cluster.nodes, "num_processes": cfg.world_size, "machine_rank": 0,
-        "main_training_function": "main", "rdzv_backend": "static", "same_network": True,
+        "num_machines": nodes, "num_processes": cfg.world_size, "machine_rank": 0,
+        "main_training_function": "main", "rdzv_backend": "static" if nodes == 1 else "c10d", "same_network": True,
         "gpu_ids": "all"}
     if fsdp:
-        layer = _decoder_layer(model_type)
-        out["fsdp_config"] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                              "fsdp_transformer_layer_cls_to_wrap": layer,
-                              "fsdp_reshard_after_forward": p.zero == 3 and p.reshard_after_forward,
-                              "fsdp_activation_checkpointing": cfg.train.activation_checkpointing,
-                              "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
-                              "fsdp_cpu_ram_efficient_loading": False}
-        out["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": 1 if shard else p.dp,
-            "parallelism_config_dp_shard_size": p.dp if shard else 1,
-            "parallelism_config_tp_size": p.tp, "parallelism_config_cp_size": p.cp}
-        if p.cp > 1:
-            out["parallelism_config"]["parallelism_config_cp_backend"] = "torch"
+        out.update(_accelerate_fsdp(cfg, model_type))
     unmapped = [f"batch.micro={b.micro}, batch.global={b.global_}: accelerate's config has no batch sizes; "
-                f"the script's DataLoader batch_size={b.micro} and Accelerator(gradient_accumulation_steps="
-                f"{cfg.grad_accum}) (or accelerate launch --gradient_accumulation_steps {cfg.grad_accum})",
-                f"model: the script builds it ({model_type or 'the workbench GPT'}, layers={m.layers}, "
-                f"d_model={m.d_model})"]
-    if p.zero == 1:
+                f"the script takes {b.micro} rows per forward and Accelerator(gradient_accumulation_steps="
+                f"{cfg.grad_accum})"]
+    if nodes > 1:
+        unmapped.append(f"cluster.nodes={nodes}: on each node set machine_rank (0..{nodes - 1}) and main_process_ip "
+                        "(node 0's address) in this file, or pass --machine_rank / --main_process_ip")
+    if not gpu and (p.zero >= 2 or p.tp > 1 or p.cp > 1):
+        unmapped.append(f"parallel.zero={p.zero}, tp={p.tp}, cp={p.cp} on CPU ranks: accelerate shards (FSDP) and "
+                        "splits (tp, cp) on accelerator devices only; exported as DDP over all ranks")
+    elif p.zero == 1:
         unmapped.append("parallel.zero=1 (optimizer-state sharding needs accelerate's DeepSpeed plugin; "
                         + ("exported as FSDP2 without resharding, ZeRO-2)" if fsdp else "exported as DDP)"))
-    elif p.zero == 0 and shard:
+    elif p.zero == 0 and fsdp and p.dp > 1:
         unmapped.append(f"parallel.zero=0 with tp/cp (accelerate composes them with FSDP only: dp={p.dp} exported "
                         "as dp_shard_size, without resharding after forward, ZeRO-2)")
-    if p.pp > 1:
-        unmapped.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM "
-                        "plugins)")
-    if p.ep > 1:
-        unmapped.append(f"parallel.ep={p.ep} (no expert parallelism in accelerate's ParallelismConfig)")
-    if p.cp > 1 and p.cp_impl == "ulysses":
-        unmapped.append("parallel.cp_impl=ulysses (accelerate's cp_backend torch is ring attention; Ulysses "
-                        "is its sp_backend deepspeed)")
-    if p.tp > 1 and not p.sequence_parallel:
-        unmapped.append("parallel.sequence_parallel=false (accelerate's tp plan decides the norms' sharding)")
+    unmapped += _accelerate_unmapped(cfg, fsdp)
     return out, unmapped + _data_unmapped(cfg, "accelerate") + engine_only(cfg, "accelerate")
+
+
+def _accelerate_fsdp(cfg: RunConfig, model_type: str | None) -> dict[str, Any]:
+    """The FSDP2 plugin and ParallelismConfig sections (accelerate composes tp / cp with sharded dp only)."""
+    p = cfg.parallel
+    out: dict[str, Any] = {"fsdp_config": {
+        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": _decoder_layer(model_type),
+        "fsdp_reshard_after_forward": p.zero == 3 and p.reshard_after_forward,
+        "fsdp_activation_checkpointing": cfg.train.activation_checkpointing,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_offload_params": False,
+        "fsdp_cpu_ram_efficient_loading": False}}
+    shard = p.dp > 1
+    out["parallelism_config"] = {
+        "parallelism_config_dp_replicate_size": 1 if shard else p.dp,
+        "parallelism_config_dp_shard_size": p.dp if shard else 1,
+        "parallelism_config_tp_size": p.tp, "parallelism_config_cp_size": p.cp}
+    if p.cp > 1:
+        out["parallelism_config"]["parallelism_config_cp_backend"] = "torch"
+    return out
+
+
+def _accelerate_unmapped(cfg: RunConfig, fsdp: bool) -> list[str]:
+    p, out = cfg.parallel, []
+    if cfg.model.hf is None:
+        out.append("model: the workbench GPT (engine/model.py) is not a Hugging Face model; the script trains "
+                   "model.hf configs only")
+    if p.pp > 1:
+        out.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM plugins)")
+    if p.ep > 1:
+        out.append(f"parallel.ep={p.ep} (no expert parallelism in accelerate's ParallelismConfig)")
+    if fsdp and p.cp > 1 and p.cp_impl == "ulysses":
+        out.append("parallel.cp_impl=ulysses (accelerate's cp_backend torch is ring attention; Ulysses "
+                   "is its sp_backend deepspeed)")
+    if fsdp and p.tp > 1 and not p.sequence_parallel:
+        out.append("parallel.sequence_parallel=false (accelerate's tp plan decides the norms' sharding)")
+    if cfg.train.activation_checkpointing and not fsdp:
+        out.append("train.activation_checkpointing: accelerate turns it on through FSDP only; call "
+                   "model.gradient_checkpointing_enable() in the script")
+    if cfg.train.checkpoint_interval:
+        out.append("train.checkpoint_interval: add accelerator.save_state(DIR) to the script's loop")
+    return out
 
 
 def _decoder_layer(model_type: str | None) -> str:
@@ -289,3 +403,37 @@ def accelerate_yaml(cfg: RunConfig) -> str:
 
     config, notes = to_accelerate(cfg)
     return "".join(f"# not mapped: {n}\n" for n in notes) + yaml.safe_dump(config, sort_keys=False)
+
+
+def accelerate_settings(cfg: RunConfig) -> dict[str, Any]:
+    """What the training script trains (tuning/accelerate_train.py's SETTINGS): model, data, batch, schedule."""
+    m, d, t, b = cfg.model, cfg.data, cfg.train, cfg.batch
+    where = lambda p: os.path.abspath(p) if isinstance(p, str) else p  # noqa: E731  (the script runs elsewhere)
+    data = {"source": d.source, "path": where(d.path), "dtype": d.dtype, "tokenizer": where(d.tokenizer),
+            "text_field": d.text_field, "eos_id": d.eos_id, "val_fraction": d.val_fraction}
+    return {"model_hf": where(m.hf), "hf_weights": where(m.hf_weights), "seq_len": m.seq_len, "vocab": m.vocab, "data": data,
+            "global_batch": b.global_, "micro": b.micro, "accum": cfg.grad_accum, "steps": t.steps, "lr": t.lr,
+            "warmup_steps": t.warmup_steps, "schedule": t.schedule, "min_lr_ratio": t.min_lr_ratio,
+            "weight_decay": t.weight_decay, "beta1": t.beta1, "beta2": t.beta2, "grad_clip": t.grad_clip,
+            "seed": t.seed}
+
+
+def accelerate_script(cfg: RunConfig) -> str:
+    """The training script the accelerate config launches: tuning/accelerate_train.py with the run's SETTINGS."""
+    import pprint
+
+    from tuning import accelerate_train
+
+    source = Path(accelerate_train.__file__).read_text()
+    body = pprint.pformat(accelerate_settings(cfg), width=110, sort_dicts=False)
+    return source.replace("SETTINGS: dict = {}  # the export fills this in", f"SETTINGS: dict = {body}", 1)
+
+
+def write_accelerate_bundle(cfg: RunConfig, config_path: Path) -> str:
+    """Write the accelerate config and, beside it, its training script (`<stem>_train.py`); return the launch
+    line (run from the config's folder)."""
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(accelerate_yaml(cfg))
+    script = config_path.with_name(f"{config_path.stem}_train.py")
+    script.write_text(accelerate_script(cfg))
+    return f"accelerate launch --config_file {config_path.name} {script.name}"

@@ -393,11 +393,12 @@ def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / ar
 
 
 def _register() -> None:
-    from workbench import cli_sim, cli_tune
+    from workbench import cli_plan, cli_sim, cli_tune
 
     app.command()(cli_tune.tune)
     app.command()(cli_tune.studies)
     app.command()(cli_tune.export)
+    app.command()(cli_plan.plan)
     app.command()(cli_sim.simulate)
     app.command()(cli_sim.calibrate)
 

@@ -413,6 +413,24 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
     console.print(t)
 
 
+def _write_bundle(fmt: str, cfg, output: Path, trial: Optional[int]) -> None:
+    """torchrun: a folder (config.yaml, launch.sh, README.md); accelerate: the config file and its training
+    script beside it. Prints what was written and the line that runs it."""
+    from tuning.export import write_torchrun_bundle
+    from tuning.export_frameworks import write_accelerate_bundle
+
+    if fmt == "torchrun":
+        folder = output / f"trial-{trial}" if trial is not None else output
+        command = write_torchrun_bundle(cfg, folder)
+        console.print(f"wrote {folder}/config.yaml, launch.sh, README.md; run:", highlight=False)
+    else:
+        path = output.with_name(f"{output.stem}-trial-{trial}{output.suffix}") if trial is not None else output
+        command = write_accelerate_bundle(cfg, path)
+        console.print(f"wrote {path} and its training script {path.stem}_train.py; run from {path.parent}:",
+                      highlight=False)
+    sys.stdout.write(command + "\n")
+
+
 def export(study: str = typer.Argument(..., help="Study name"),
            fmt: str = typer.Option("yaml", "--format", help="yaml | torchrun | json | megatron | deepspeed | torchtitan | accelerate"),
            trial: Optional[int] = typer.Option(None, help="Trial number (default: the best)"),
@@ -420,12 +438,13 @@ def export(study: str = typer.Argument(..., help="Study name"),
            storage: Optional[str] = typer.Option(None, help="Optuna storage URL"),
            output: Optional[Path] = typer.Option(None, "-o", "--output",
                                                  help="Write here instead of stdout (torchrun: a folder with "
-                                                      "config.yaml, launch.sh and README.md)")) -> None:
+                                                      "config.yaml, launch.sh and README.md; accelerate: the "
+                                                      "config and its training script beside it)")) -> None:
     """Export a study's best config (or a chosen trial, or the Pareto front). Knobs that do not map to the
     target are listed on stderr, beside the export."""
     import optuna
 
-    from tuning.export import FORMATS, export_notes, export_trial, trial_config, write_torchrun_bundle
+    from tuning.export import FORMATS, export_notes, export_trial, trial_config
     from tuning.study import make_storage
 
     if fmt not in FORMATS:
@@ -436,12 +455,12 @@ def export(study: str = typer.Argument(..., help="Study name"),
         fail(f"study={study!r}: no such study; see `workbench studies`")
     try:
         numbers = [t.number for t in st.best_trials] if pareto else [trial]
-        if fmt == "torchrun" and output is not None:
+        if fmt in ("torchrun", "accelerate") and output is not None:
             for n in numbers:
-                folder = output / f"trial-{n}" if pareto else output
-                command = write_torchrun_bundle(trial_config(st, n), folder)
-                console.print(f"wrote {folder}/config.yaml, launch.sh, README.md; run:", highlight=False)
-                sys.stdout.write(command + "\n")
+                _write_bundle(fmt, trial_config(st, n), output, n if pareto else None)
+            for note in sorted({note for n in numbers for note in export_notes(st, n, fmt)}):
+                typer.echo(f"not mapped: {note}", err=True)
+            _say_stand_in(st, numbers)
             return
         bodies = {n: export_trial(st, n, fmt) for n in numbers}
         notes = sorted({note for n in numbers for note in export_notes(st, n, fmt)})
@@ -455,3 +474,14 @@ def export(study: str = typer.Argument(..., help="Study name"),
         sys.stdout.write(text)
     for note in notes if fmt != "megatron" else []:  # megatron's are comments in the script already
         typer.echo(f"not mapped: {note}", err=True)
+    _say_stand_in(st, numbers)
+
+
+def _say_stand_in(st, numbers: list[Optional[int]]) -> None:
+    """One line on stderr when the exported trial ran a stand-in of the real job (tuning/plan.py)."""
+    from tuning.export import trial_config
+    from tuning.plan import stand_in_line
+
+    line = stand_in_line(trial_config(st, numbers[0]), st.study_name)
+    if line:
+        typer.echo(line, err=True)

@@ -48,6 +48,12 @@ def study_export(home: str) -> None:
     best = _best_numbers(study)
     numbers = [int(n) for n in done.sort_values("tokens/s", ascending=False)["number"]]
     trial = st.selectbox("Trial", numbers, format_func=lambda n: f"trial {n}" + (" (best)" if n in best else ""))
+    from tuning.export import trial_config
+    from tuning.plan import stand_in_line
+
+    stand_in = stand_in_line(trial_config(study, trial), name)
+    if stand_in:  # the study tuned a scaled-down model or fewer ranks: the export is that stand-in's
+        st.info(stand_in)
     cols = st.columns(len(FORMATS))
     for col, (fmt, (label, suffix, mime)) in zip(cols, FORMATS.items()):
         try:

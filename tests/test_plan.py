@@ -1,0 +1,143 @@
+"""`workbench plan`: the real model on the real cluster, ranked by the simulator for a target framework, exported
+to every format and read back by each tool; a stand-in study calibrates the ranking and `export` says when a
+trial ran a stand-in."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import create_trial
+
+from tuning.hardware import load_cluster
+from tuning.plan import TARGETS, make_plan, plan_config
+from tuning.simulator import ModelSpec
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+LLAMA31_8B = REPO / "examples" / "llama3_8b" / "config.json"
+
+
+def _workbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "WORKBENCH_HOME": str(cwd / "home"),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([str(BIN / "workbench"), *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return ModelSpec.from_hf(str(LLAMA31_8B), seq=8192), load_cluster("dgx-h100")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_plan_ranks_layouts_the_target_runs_that_fit(llama, target):
+    model, cluster = llama
+    plan = make_plan(model, cluster, gpus=64, global_batch=512, target=target, model_source=str(LLAMA31_8B))
+    t = plan.table
+    assert len(t) == 5 and t["iteration_time_s"].is_monotonic_increasing
+    assert (t["dp"] * t["tp"] * t["pp"] * t["cp"] == 64).all()
+    assert (t["memory_per_gpu_gb"] <= cluster.memory_gb).all()
+    assert ((t["time_lo_s"] <= t["iteration_time_s"]) & (t["iteration_time_s"] <= t["time_hi_s"])).all()
+    assert (model.kv % t["tp"] == 0).all()
+    rules = {"megatron": t["zero"] <= 1,
+             "deepspeed": (t["tp"] == 1) & (t["virtual"] == 1) & ((t["pp"] == 1) | (t["zero"] <= 1)),
+             "torchtitan": t["zero"] != 1, "accelerate": (t["pp"] == 1) & (t["ep"] == 1) & (t["zero"] != 1)}
+    assert rules.get(target, t["tp"] >= 1).all()
+    cfg = plan_config(plan, 1)
+    assert cfg.world_size == 64 and (cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (8, 8)
+    assert cfg.model.hf == str(LLAMA31_8B) and cfg.model.seq_len == 8192 and cfg.batch.global_ == 512
+
+
+@pytest.mark.slow
+def test_plan_for_llama_3_1_8b_on_64_h100s_exports_to_all_five_formats(tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    out = _workbench("plan", "--model", str(LLAMA31_8B), "--gpus", "64", "--cluster", "dgx-h100", "--seq", "8192",
+                     "--global-batch", "512", "--target", "torchtitan", "--export", "all", "-o", "out",
+                     "--set", "train.steps=1000", "--set", f"data.tokenizer={tmp_path / 'tok'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "8,030,261,248 parameters" in out.stdout
+    assert "dry run of layout 1: workbench dryrun out/plan-1.yaml --world 64" in out.stderr
+    folder = tmp_path / "out"
+    # the workbench's own config: the real model at the real world size
+    from engine.config import from_dict
+    import yaml
+
+    cfg = from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
+    assert cfg.world_size == 64 and cfg.train.steps == 1000 and cfg.model.hf == str(LLAMA31_8B)
+    # torchtitan: its ConfigManager reads flavor 8B and a layout of 64 GPUs
+    from torchtitan.config import ConfigManager
+
+    job = ConfigManager().parse_args(["--job.config_file", str(folder / "torchtitan.toml")])
+    par = job.parallelism
+    assert (job.model.name, job.model.flavor, job.model.hf_assets_path) == ("llama3", "8B", str(tmp_path / "tok"))
+    assert par.data_parallel_replicate_degree * par.data_parallel_shard_degree * par.tensor_parallel_degree \
+        * par.pipeline_parallel_degree * par.context_parallel_degree == 64
+    assert job.training.steps == 1000 and job.training.global_batch_size == 512
+    # Megatron-LM: 8 nodes of 8, the architecture and the tokenizer
+    tokens = shlex.split((folder / "megatron.sh").read_text().replace("\\\n", " "), comments=True)
+    at = {t: tokens[i + 1] for i, t in enumerate(tokens[:-1]) if t.startswith("--")}
+    assert "--nproc-per-node=8" in tokens and "--nnodes=8" in tokens and "--swiglu" in tokens
+    assert (at["--num-query-groups"], at["--rotary-base"], at["--tokenizer-model"]) == ("8", "500000",
+                                                                                          str(tmp_path / "tok"))
+    # DeepSpeed: its config class accepts the batch of 64 ranks
+    ds = json.loads((folder / "deepspeed.json").read_text())
+    assert ds["train_batch_size"] == 512
+    # accelerate: its loader reads 64 processes on 8 machines; the training script sits beside it
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    acc = load_config_from_file(str(folder / "accelerate.yaml"))
+    assert (acc.num_processes, acc.num_machines) == (64, 8)
+    assert (folder / "accelerate_train.py").is_file()
+    assert "accelerate launch --config_file accelerate.yaml accelerate_train.py" in out.stdout
+
+
+def test_plan_refuses_torchtitan_for_qwen2_in_one_line(tmp_path):
+    qwen2 = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+             "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps(qwen2))
+    out = _workbench("plan", "--model", str(tmp_path / "config.json"), "--gpus", "8", "--seq", "4096",
+                     "--global-batch", "64", "--target", "megatron", "--export", "torchtitan", cwd=tmp_path)
+    assert out.returncode == 2
+    refusal = [line for line in out.stderr.splitlines() if line.startswith("torchtitan:")]
+    assert refusal == ["torchtitan: model_type=qwen2 has no torchtitan model (llama and qwen3 configs "
+                       "map to its llama3 and qwen3); export to another format"]
+
+
+def _stand_in_study(tmp_path: Path) -> tuple[str, optuna.Study]:
+    """A study of a scaled-down llama on 2 CPU ranks whose trials ran 2x slower than predicted (dp) and 4x (pp)."""
+    from engine.config import load_config
+
+    storage = f"sqlite:///{tmp_path}/studies.db"
+    study = optuna.create_study(study_name="stand-in", storage=storage, direction="maximize")
+    for layout, ratio in ((["parallel.dp=2"], 0.5), (["parallel.pp=2"], 0.25)):
+        cfg = load_config(REPO / "examples" / "llama.yaml", ["parallel.tp=1", "parallel.sequence_parallel=false",
+                                                               *layout])
+        study.add_trial(create_trial(value=1000.0 * ratio, user_attrs={
+            "config": cfg.to_dict(), "tokens_per_s": 1000.0 * ratio, "predicted_tokens_per_s": 1000.0}))
+    return storage, study
+
+
+def test_a_stand_in_study_calibrates_the_plan_and_export_says_it_ran_a_stand_in(llama, tmp_path):
+    model, cluster = llama
+    storage, study = _stand_in_study(tmp_path)
+    plan = make_plan(model, cluster, gpus=64, global_batch=512, target="yaml", model_source=str(LLAMA31_8B),
+                     study=study)
+    t = plan.table
+    assert plan.calibration["study"] == "stand-in" and plan.calibration["trials"] == 2
+    assert t["corrected_time_s"].is_monotonic_increasing
+    assert ((t["corrected_time_s"] - t["iteration_time_s"] / t["correction_factor"]).abs() < 1e-9).all()
+    assert (t["correction_factor"] < 1).all()  # the stand-in ran slower than predicted in every class
+    out = _workbench("export", "stand-in", "--storage", storage, "--format", "yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "stand-in" in line]
+    assert len(lines) == 1 and lines[0].startswith("this trial ran a stand-in (")
+    assert "parameters on 2 CPU ranks); for the real model: workbench plan --model CONFIG.json" in lines[0]
+    assert "--study stand-in" in lines[0]

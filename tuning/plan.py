@@ -1,0 +1,218 @@
+"""A plan for the real job: the layouts of a model on a cluster at a GPU count, sequence length and global batch,
+ranked by the simulator (time interval and memory), restricted to what the target framework runs, and each
+exportable as that framework's launch (tuning/export*.py).
+
+`make_plan(...)` ranks; `plan_config(plan, pick)` is the run config of one ranked layout (the real model, the
+real world size, the cluster's nodes); `export_plan(plan, pick, fmt)` its export. A tuner study of a stand-in
+(a smaller model or fewer ranks) calibrates the ranking with its measured / predicted factor per strategy
+class (tuning/warmstart.py `refit_correction`), and `stand_in_line` says when a study's trial is a stand-in.
+The dry run of a ranked layout (`workbench dryrun`, issue 50 item 2) takes the run config `plan_config` gives:
+`DRY_RUN` is the call point, `dry_run_top` calls it.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from engine.config import RunConfig, apply_overrides, from_dict
+from tuning.hardware import ClusterSpec
+from tuning.simulator import ModelSpec
+
+TARGETS = ("yaml", "megatron", "deepspeed", "torchtitan", "accelerate")
+# the simulator's framework flavour each target is priced as (tuning/sim_framework.py); the engine on GPUs
+# shards like torchtitan (FSDP2), its "engine" flavour carries a CPU host's costs
+SIM_FRAMEWORK = {"yaml": "fsdp", "megatron": "megatron", "deepspeed": "deepspeed", "torchtitan": "fsdp",
+                 "accelerate": "fsdp"}
+# what each target runs (the search never ranks a layout its export would have to change)
+TARGET_AXES: dict[str, dict[str, list[Any]]] = {
+    "yaml": {},
+    "megatron": {"zero": [0, 1], "cp_impl": ["ring"]},
+    "deepspeed": {"tp": [1], "cp": [1], "virtual": [1]},
+    "torchtitan": {"zero": [0, 2, 3], "cp_impl": ["ring"]},
+    "accelerate": {"pp": [1], "ep": [1], "zero": [0, 2, 3], "cp_impl": ["ring"], "virtual": [1]},
+}
+SHOWN = ["tp", "pp", "dp", "cp", "cp_impl", "ep", "virtual", "micro", "zero", "recompute", "sequence_parallel",
+         "schedule", "iteration_time_s", "time_lo_s", "time_hi_s", "tokens_per_s", "mfu", "memory_per_gpu_gb"]
+DRY_RUN: Callable[[RunConfig], Mapping[str, Any]] | None = None  # `workbench dryrun`'s entry, when present
+
+
+@dataclass(slots=True)
+class Plan:
+    """The ranked layouts of one job (best first) and what they were ranked for."""
+
+    model: ModelSpec
+    model_source: str | dict[str, Any] | None  # a config.json path or mapping (None: a GPT shape)
+    cluster: ClusterSpec
+    gpus: int
+    global_batch: int
+    target: str
+    table: pd.DataFrame  # SHOWN columns (+ correction_factor, corrected_time_s with a study), best first
+    base: dict[str, Any] = field(default_factory=dict)  # the user's run config: data, tokenizer, steps, lr
+    calibration: dict[str, Any] | None = None  # the stand-in study whose factors ranked the layouts
+
+
+def _axes(model: ModelSpec, target: str) -> dict[str, list[Any]]:
+    axes = {"recompute": ["none", "full"], "schedule": ["1f1b"], "virtual": [1, 2, 4]}  # the engine's own knobs
+    return axes | TARGET_AXES[target]
+
+
+def _runs(df: pd.DataFrame, model: ModelSpec, target: str) -> pd.DataFrame:
+    """Rows the target runs as ranked: tp divides the key/value heads; torchtitan shards the norms whenever tp
+    does (sequence parallel), accelerate's tp plan decides them; DeepSpeed pipelines with ZeRO-0/1 only."""
+    keep = (model.kv % df["tp"] == 0)
+    if target in ("torchtitan", "accelerate"):
+        keep &= df["sequence_parallel"] == (df["tp"] > 1)
+    if target == "deepspeed":
+        keep &= (df["pp"] == 1) | (df["zero"] <= 1)
+    return df[keep]
+
+
+def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch: int, target: str = "megatron",
+              model_source: str | dict[str, Any] | None = None, base: dict[str, Any] | None = None,
+              study: Any = None, top: int = 5) -> Plan:
+    """The `top` fastest layouts that fit in memory, with the simulator's measured-time interval; ranked by the
+    time a stand-in `study` corrects them to when one is given (ValueError: a target or a job nothing fits)."""
+    from tuning.search import add_uncertainty, enumerate_configs
+    from tuning.sim_framework import framework_code
+
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} must be one of {', '.join(TARGETS)}")
+    framework = SIM_FRAMEWORK[target]
+    df = enumerate_configs(model, cluster, gpus, global_batch, axes=_axes(model, target),
+                           knobs={"framework": framework_code(framework)})
+    df = _runs(df, model, target)
+    df = df[df["fits"]].copy()
+    if df.empty:
+        raise ValueError(f"no layout of this model fits in {cluster.memory_gb:g} GB per GPU on {gpus} GPUs "
+                         f"({cluster.name}) at global batch {global_batch} for {target}; add GPUs or shorten seq")
+    add_uncertainty(df, hardware=cluster.name, framework=framework, params=float(model.params))
+    rank_by = "iteration_time_s"
+    calibration = None
+    if study is not None:
+        calibration = _calibrate(df, study)
+        rank_by = "corrected_time_s"
+    best = df.nsmallest(top, rank_by).reset_index(drop=True)
+    shown = SHOWN + (["correction_factor", "corrected_time_s"] if study is not None else [])
+    return Plan(model=model, model_source=model_source, cluster=cluster, gpus=gpus, global_batch=global_batch,
+                target=target, table=best[shown], base=dict(base or {}), calibration=calibration)
+
+
+def _calibrate(df: pd.DataFrame, study: Any) -> dict[str, Any]:
+    """Correct each row's time by the study's measured / predicted factor of its strategy class (in place), and
+    describe the stand-in it was learnt on."""
+    from tuning.published import strategy_class
+    from tuning.warmstart import refit_correction
+
+    correction = refit_correction(study)
+    classes = strategy_class(df["tp"].to_numpy(), df["pp"].to_numpy(), df["virtual"].to_numpy(), df["zero"].to_numpy())
+    df["correction_factor"] = [correction.factor(str(c), "none") for c in classes]
+    df["corrected_time_s"] = df["iteration_time_s"] / df["correction_factor"]
+    trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("predicted_tokens_per_s")
+              and t.state.name == "COMPLETE"]
+    return {"study": study.study_name, "trials": len(trials), "overall": correction.overall,
+            "classes": dict(correction.classes)}
+
+
+def plan_config(plan: Plan, pick: int = 1) -> RunConfig:
+    """The run config of ranked layout `pick` (1 = best): the real model at the real world size, the
+    cluster's nodes of GPUs, bf16, on the user's base config (data, tokenizer, weights, steps, lr)."""
+    if not 1 <= pick <= len(plan.table):
+        raise ValueError(f"pick={pick} must be 1..{len(plan.table)} (the ranked layouts)")
+    row = plan.table.iloc[pick - 1]
+    per_node = min(plan.cluster.gpus_per_node, plan.gpus)
+    model: dict[str, Any] = {"seq_len": plan.model.seq}
+    if plan.model_source is not None:
+        model["hf"] = plan.model_source
+    else:
+        m = plan.model
+        model.update(layers=m.layers, d_model=m.hidden, heads=m.heads, vocab=m.vocab,
+                     mlp_ratio=max(1, m.ffn // m.hidden))
+    schedule = str(row["schedule"])
+    layout = {"model": model, "precision": "bf16", "batch": {"global": plan.global_batch, "micro": int(row["micro"])},
+              "parallel": {"dp": int(row["dp"]), "tp": int(row["tp"]), "pp": int(row["pp"]), "cp": int(row["cp"]),
+                           "cp_impl": str(row["cp_impl"]), "ep": int(row["ep"]),
+                           "zero": int(row["zero"]), "virtual": int(row["virtual"]),
+                           "sequence_parallel": bool(row["sequence_parallel"]),
+                           "schedule": "interleaved" if schedule == "1f1b" and int(row["virtual"]) > 1 else schedule},
+              "train": {"activation_checkpointing": str(row["recompute"]) == "full"},
+              "cluster": {"nodes": plan.gpus // per_node, "gpus_per_node": per_node}}
+    data = _merge(json.loads(json.dumps(plan.base)), layout)
+    data.setdefault("name", f"plan-{plan.target}-{pick}")
+    return from_dict(data)
+
+
+def _merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict) and key != "hf":
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def base_config(path: str | Path | None, overrides: list[str]) -> dict[str, Any]:
+    """The user's run config as a dict (a YAML file and key=value overrides), not validated: it holds the real
+    model's data, tokenizer, weights, steps and lr, which no CPU run here trains."""
+    from engine.config import load_yaml
+
+    return apply_overrides(load_yaml(path) if path else {}, overrides)
+
+
+def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str, list[str]]:
+    """Ranked layout `pick` exported as `fmt` (default: the plan's target), and what the export does not carry
+    (ValueError, one line, where the target cannot take the model: a torchtitan shape with no flavor)."""
+    from tuning.export import to_deepspeed, to_yaml
+    from tuning.export_frameworks import accelerate_yaml, to_accelerate, to_torchtitan, to_toml
+    from tuning.export_megatron import megatron_args, megatron_script
+
+    cfg = plan_config(plan, pick)
+    fmt = fmt or plan.target
+    if fmt == "yaml":
+        return to_yaml(cfg), []
+    if fmt == "megatron":
+        return megatron_script(cfg), megatron_args(cfg)[1]
+    if fmt == "deepspeed":
+        ds, notes = to_deepspeed(cfg)
+        return json.dumps(ds, indent=2) + "\n", notes
+    if fmt == "torchtitan":
+        sections, notes = to_torchtitan(cfg)
+        return to_toml(sections, notes), notes
+    if fmt == "accelerate":
+        return accelerate_yaml(cfg), to_accelerate(cfg)[1]
+    raise ValueError(f"format={fmt!r} must be one of {', '.join(TARGETS)}")
+
+
+def dry_run_top(plan: Plan, k: int = 3, run: Callable[[RunConfig], Mapping[str, Any]] | None = None
+                ) -> list[tuple[int, Mapping[str, Any] | None]]:
+    """The dry run (`workbench dryrun`: the real program at the real world size on fake ranks) of the top `k`
+    layouts: (pick, its report), None where no dry run is wired in (`DRY_RUN`)."""
+    run = run or DRY_RUN
+    return [(i, run(plan_config(plan, i)) if run else None) for i in range(1, min(k, len(plan.table)) + 1)]
+
+
+def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | None = None,
+                  target_gpus: int | None = None) -> str | None:
+    """One line when a tuned trial ran a stand-in: a smaller model than the target, fewer ranks than its GPUs,
+    or CPU ranks (no target given); None when it is the real job."""
+    from engine.shapes import from_gpt, from_hf_config
+
+    m = cfg.model
+    shape = from_hf_config(m.hf) if m.hf is not None else from_gpt(layers=m.layers, d_model=m.d_model, heads=m.heads,
+                                                                   seq_len=m.seq_len, vocab=m.vocab,
+                                                                   mlp_ratio=m.mlp_ratio)
+    on_cpu = cfg.cluster.gpus_per_node == 0 and cfg.backend != "nccl"
+    smaller = target_params is not None and shape.params < target_params
+    fewer = target_gpus is not None and cfg.world_size < target_gpus
+    if not (smaller or fewer or (on_cpu and target_params is None and target_gpus is None)):
+        return None
+    from tuning.simulator import format_count
+
+    ranks = f"{cfg.world_size} {'CPU ' if on_cpu else ''}rank{'s' if cfg.world_size > 1 else ''}"
+    return (f"this trial ran a stand-in ({format_count(shape.params)} parameters on {ranks}); for the real model: "
+            f"workbench plan --model CONFIG.json --cluster CLUSTER --gpus N --study {study} --export FORMAT "
+            "(its trials calibrate the ranking)")
