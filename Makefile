@@ -22,20 +22,23 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# the dashboard's port: make app PORT=8502 (a second dashboard beside the first)
+PORT ?= 8501
+
 app: $(STAMP)
-	$(BIN)/workbench app
+	$(BIN)/workbench app --port $(PORT)
 
 demo: $(STAMP)
 	$(BIN)/workbench run examples/tiny.yaml
 
 # the browser test drives Debian's Chromium; without it (no root, no apt) that test skips with a reason
 chromium:
-	@command -v chromium >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 || echo "chromium not installed: the browser test will skip"; }
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium for the browser test (apt-get, ~500 MB)"; (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 && echo "chromium installed" || echo "chromium not installed: the browser test will skip"; }
 
 # the Slurm tests start a one-node cluster (munged, slurmctld, slurmd as root, tests/slurm_cluster.py);
 # without root or apt they skip with a reason
 slurm:
-	@{ command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge) >/dev/null 2>&1 || echo "slurm not installed: the Slurm tests will skip"; }
+	@{ command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null 2>&1 || { echo "installing Debian's Slurm and munge for the Slurm tests (apt-get, ~13 MiB)"; (apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge) >/dev/null 2>&1 && echo "slurm installed" || echo "slurm not installed: the Slurm tests will skip"; }
 
 # a one-node Slurm cluster on this machine to try `--launcher slurm` (root): prints the SLURM_CONF to export;
 # Ctrl-C (or SIGTERM) cancels every job and stops munged, slurmctld and slurmd

@@ -357,7 +357,15 @@ def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.
     """Start the Streamlit dashboard."""
     import subprocess
 
+    import socket
+
     check_number("--port", port, 1, maximum=65535)
+    with socket.socket() as probe:  # before printing the URL: streamlit would only say so after it
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            fail(f"--port={port}: {host}:{port} cannot be used ({exc.strerror}; another dashboard?); choose "
+                 f"another with --port {port + 1} (make app PORT={port + 1})")
     entry = Path(__file__).resolve().parent.parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
