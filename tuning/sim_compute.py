@@ -136,24 +136,43 @@ def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tup
     return t_dense, 2.0 * t_dense, t_logit, 2.0 * t_logit
 
 
+KERNEL_KEYS = ("micro", "tp", "flash_attention", "framework", "dtype_bytes", "attn_density")  # what kernel times depend on
+
+
+def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
+    """`fn(c)` priced once per distinct (micro, tp, fused, framework, dtype, density) and spread back over
+    the rows (a search has few distinct ones; pricing every row's GEMMs by shape would dominate it)."""
+    shape = np.shape(c["tp"])
+    if int(np.prod(shape)) <= 64:
+        return fn(c)
+    cols = [np.broadcast_to(np.asarray(c.get(k, 0), dtype=float), shape).ravel() for k in KERNEL_KEYS]
+    key = np.zeros(cols[0].shape, dtype=np.int64)
+    for col in cols:  # one mixed-radix integer key (small non-negative integers code themselves)
+        lo, hi = col.min(), col.max()
+        if lo == hi:
+            continue
+        if lo >= 0 and hi < 2**20 and np.array_equal(col, np.floor(col)):
+            key = key * (int(hi) + 1) + col.astype(np.int64)
+        else:
+            values, code = np.unique(col, return_inverse=True)
+            key = key * len(values) + code
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    sub = {**c, **{k: np.asarray(col[first]).astype(np.asarray(c.get(k, 0)).dtype)
+                   for k, col in zip(KERNEL_KEYS, cols)}}
+    out = fn(sub)
+    spread = lambda v: np.asarray(v)[inverse.reshape(shape)] if np.ndim(v) else v  # noqa: E731
+    return {k: spread(v) for k, v in out.items()} if isinstance(out, dict) else tuple(spread(v) for v in out)
+
+
 def _kernel_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], frameworks: Any) -> dict[str, Any]:
-    """GEMM and attention seconds per micro-batch, priced once per distinct (micro, tp, fused, framework)
-    (a search has few) and spread back over the rows."""
-    keys = [np.broadcast_to(np.asarray(c.get(k, 0)), np.shape(c["tp"])).ravel()
-            for k in ("micro", "tp", "flash_attention", "framework", "dtype_bytes")]
-    inverse = None
-    sub = c
-    if keys[0].size > 64:
-        uniq, inverse = np.unique(np.stack(keys).astype(float), axis=1, return_inverse=True)
-        sub = {**c, **{k: uniq[i].astype(np.asarray(c.get(k, 0)).dtype) for i, k in
-                       enumerate(("micro", "tp", "flash_attention", "framework", "dtype_bytes"))}}
-    dense_f, dense_b, logit_f, logit_b = _dense_times(m, cl, sub)
-    attn_f, attn_b = attention_seconds(m, cl, sub, seq_q=m.seq, seq_k=m.seq, frameworks=frameworks)
-    out = {"dense_f": dense_f, "dense_b": dense_b, "logit_f": logit_f, "logit_b": logit_b,
-           "attn_f": attn_f, "attn_b": attn_b}
-    if inverse is not None:
-        out = {k: np.asarray(v)[inverse.reshape(np.shape(c["tp"]))] for k, v in out.items()}
-    return out
+    """GEMM and attention seconds per micro-batch on a tp rank (priced per distinct row, `per_unique`)."""
+    def price(sub: dict[str, np.ndarray]) -> dict[str, Any]:
+        dense_f, dense_b, logit_f, logit_b = _dense_times(m, cl, sub)
+        attn_f, attn_b = attention_seconds(m, cl, sub, seq_q=m.seq, seq_k=m.seq, frameworks=frameworks)
+        return {"dense_f": dense_f, "dense_b": dense_b, "logit_f": logit_f, "logit_b": logit_b,
+                "attn_f": attn_f, "attn_b": attn_b}
+
+    return per_unique(c, price)
 
 
 def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],

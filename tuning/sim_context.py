@@ -30,7 +30,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_comm import all_to_all_time
-from tuning.sim_compute import attention_seconds, causal_factor
+from tuning.sim_compute import attention_seconds, causal_factor, per_unique
 from tuning.sim_spec import CP_IMPLS
 
 
@@ -71,11 +71,17 @@ def attention_delta(model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.nda
     (1 for one sequence per row).
     """
     s = local.seq
-    priced = attention_seconds(local, cl, c, seq_q=s, seq_k=s, frameworks=frameworks)
-    ring = _ring_block(model, local, cl, c, frameworks)
-    uly = attention_seconds(model, cl, c, seq_q=model.seq, seq_k=model.seq, blocks=1.0 / cp, frameworks=frameworks)
+
+    def price(sub: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        priced = attention_seconds(local, cl, sub, seq_q=s, seq_k=s, frameworks=frameworks)
+        ring = _ring_block(model, local, cl, sub, frameworks)
+        uly = attention_seconds(model, cl, sub, seq_q=model.seq, seq_k=model.seq, blocks=1.0 / cp, frameworks=frameworks)
+        return {"ring_f": ring[0], "ring_b": ring[1], "uly_f": uly[0], "uly_b": uly[1],
+                "local_f": priced[0], "local_b": priced[1]}
+
+    t = per_unique(c, price)
     density = np.asarray(c.get("attn_density", 1.0))
-    return tuple(np.where(_ring(c), cp * r, density * u) - p for r, u, p in zip(ring, uly, priced))
+    return tuple(np.where(_ring(c), cp * t[f"ring_{k}"], density * t[f"uly_{k}"]) - t[f"local_{k}"] for k in ("f", "b"))
 
 
 def add_attention(times: dict[str, np.ndarray], model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray],
@@ -109,7 +115,8 @@ def cp_comm_time(model: Any, local: Any, cl: ClusterSpec, gpus: int, c: dict[str
     inter_bw, inter_lat = cl.inter_link(gpus)
     bw, lat = cl.measured_link("p2p", (np.where(inside, cl.intra_bw_gb_s, inter_bw),
                                        np.where(inside, cl.intra_latency_s, inter_lat)))
-    block, bwd_block = _ring_block(model, local, cl, c, frameworks)  # each step's attention, hiding its sends
+    # each step's attention, hiding its sends
+    block, bwd_block = per_unique(c, lambda sub: _ring_block(model, local, cl, sub, frameworks))
     kv = tokens * local.kv_dim
     send_fwd, send_bwd = lat + 2.0 * kv / (bw * GB), lat + 4.0 * kv / (bw * GB)
     fwd, bwd = (cp - 1) * np.maximum(send_fwd - block, 0.0), (cp - 1) * np.maximum(send_bwd - bwd_block, 0.0)

@@ -113,6 +113,8 @@ def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None
     A flavour with no row left keeps its unfitted defaults. `only` limits the flavours fitted."""
     rows = fit_rows(path, exclude_source)
     clusters = {r.cluster: load_cluster(r.cluster) for r in rows}
+    defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
+    base = with_terms({name: defaults[name.split(".")[1]] for name in FITTED_TERMS})  # never the shipped values
     out: dict[str, float] = {}
     for flavour, params in FRAMEWORK_FITS.items():
         if only is not None and flavour not in only:
@@ -122,9 +124,8 @@ def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None
         rest_rows = [r for r in mine if r.zero != 3] or mine
         first = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS]
         if rest_rows:
-            out.update(grid_fit(rest_rows, first, clusters=clusters, zooms=zooms))
-        fws = {**FRAMEWORKS, flavour: dataclasses.replace(FRAMEWORKS[flavour], **{
-            k.split(".")[1]: v for k, v in out.items() if k.startswith(flavour + ".")})}
+            out.update(grid_fit(rest_rows, first, clusters=clusters, frameworks=base, zooms=zooms))
+        fws = with_terms({k: v for k, v in out.items() if k.startswith(flavour + ".")}, base)
         rest = [p for p in params if p.name.split(".")[1] in ZERO3_FIELDS]
         if rest and zero3:
             out.update(grid_fit(zero3, rest, clusters=clusters, frameworks=fws, zooms=zooms))

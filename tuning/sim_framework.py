@@ -55,8 +55,8 @@ class Framework:
 # (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
 FITTED = {
     "megatron": dict(layer_microbatch_s=0.00571, elementwise_traffic=2.405),
-    "deepspeed": dict(layer_microbatch_s=0.01256, elementwise_traffic=4.743, dp_bw_efficiency=0.3037,
-                      zero3_bw_efficiency=0.1049, overlap_interference=0.3812),
+    "deepspeed": dict(layer_microbatch_s=0.01205, elementwise_traffic=5.103, dp_bw_efficiency=0.3436,
+                      zero3_bw_efficiency=0.1046, overlap_interference=0.3652),
     "fsdp": dict(layer_microbatch_s=0.003035, elementwise_traffic=4.262, zero3_bw_efficiency=0.7508,
                  overlap_interference=0.5494),
 }
