@@ -61,9 +61,9 @@ def row_metric(row: PublishedRow, cluster: ClusterSpec, frameworks: dict[str, Fr
 
 def grid_fit(rows: list[PublishedRow], params: list[Param], *, clusters: dict[str, ClusterSpec],
              frameworks: dict[str, Framework] | None = None, zooms: int = 6, points: int = 9) -> dict[str, float]:
-    """Minimise the summed absolute log error of the rows (a median-seeking fit: the figure reported is the
-    median error, and a few rows a term cannot explain do not pull it)' metric over `params` by a grid that
-    zooms in around its best point (each zoom narrows every axis to a third)."""
+    """Minimise the summed absolute log error of the rows' metric over `params` (a median-seeking fit: the
+    figure reported is the median error, and a few rows the terms cannot explain do not pull it) by a
+    grid that zooms in around its best point (each zoom narrows every axis to a third)."""
     if not rows:
         raise ValueError("no published row to fit on")
     fws = dict(frameworks or FRAMEWORKS)
