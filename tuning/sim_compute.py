@@ -145,22 +145,27 @@ def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
     shape = np.shape(c["tp"])
     if int(np.prod(shape)) <= 64:
         return fn(c)
-    cols = [np.broadcast_to(np.asarray(c.get(k, 0), dtype=float), shape).ravel() for k in KERNEL_KEYS]
-    key = np.zeros(cols[0].shape, dtype=np.int64)
-    for col in cols:  # one mixed-radix integer key (small non-negative integers code themselves)
-        lo, hi = col.min(), col.max()
-        if lo == hi:
-            continue
-        if lo >= 0 and hi < 2**20 and np.array_equal(col, np.floor(col)):
-            key = key * (int(hi) + 1) + col.astype(np.int64)
-        else:
-            values, code = np.unique(col, return_inverse=True)
-            key = key * len(values) + code
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    sub = {**c, **{k: np.asarray(col[first]).astype(np.asarray(c.get(k, 0)).dtype)
-                   for k, col in zip(KERNEL_KEYS, cols)}}
+    keys = [k for k in KERNEL_KEYS if k in c]  # an absent column keeps its default in `fn`
+    cached = c.get("_kernel_rows")  # the rows' grouping, found once per priced batch (evaluate_arrays' dict)
+    if cached is None or cached[0] is not c["tp"]:
+        cols = [np.broadcast_to(np.asarray(c[k], dtype=float), shape).ravel() for k in keys]
+        key = np.zeros(cols[0].shape, dtype=np.int64)
+        for col in cols:  # one mixed-radix integer key (small non-negative integers code themselves)
+            lo, hi = col.min(), col.max()
+            if lo == hi:
+                continue
+            if lo >= 0 and hi < 2**20 and np.array_equal(col, np.floor(col)):
+                key = key * (int(hi) + 1) + col.astype(np.int64)
+            else:
+                values, code = np.unique(col, return_inverse=True)
+                key = key * len(values) + code
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        cached = (c["tp"], first, inverse.reshape(shape))
+        c["_kernel_rows"] = cached
+    _, first, inverse = cached
+    sub = {**c, **{k: np.broadcast_to(np.asarray(c[k]), shape).ravel()[first] for k in keys}}
     out = fn(sub)
-    spread = lambda v: np.asarray(v)[inverse.reshape(shape)] if np.ndim(v) else v  # noqa: E731
+    spread = lambda v: np.asarray(v)[inverse] if np.ndim(v) else v  # noqa: E731
     return {k: spread(v) for k, v in out.items()} if isinstance(out, dict) else tuple(spread(v) for v in out)
 
 
