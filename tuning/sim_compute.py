@@ -188,8 +188,11 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     k = _kernel_times(m, cl, c, frameworks)
     hbm = memory_bandwidth(cl)
     fw = c.get("framework", np.asarray(0))
+    # the framework's fitted GPU costs (host work, kernel fusion) apply on GPU presets; a CPU profile
+    # carries its own measured host costs and memory-bound rate
+    gpu = 1.0 if cl.kernels else 0.0
     # memory-bound kernels: the activation bytes the model counts x the framework's traffic per byte
-    moved = per_row(fw, "elementwise_traffic", frameworks) / hbm
+    moved = (gpu * per_row(fw, "elementwise_traffic", frameworks) + (1.0 - gpu)) / hbm
     loss = LOSS_BYTES_PER_LOGIT * c["micro"] * m.seq * m.vocab / c["tp"] / hbm
     fwd_layer = k["dense_f"] + k["attn_f"] + act["full"] * moved
     bwd_layer = k["dense_b"] + k["attn_b"] + NONGEMM_BWD_FACTOR * act["full"] * moved
@@ -200,8 +203,8 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     # fitted fixed costs (GPU presets), split 1:2 between forward and backward as the GEMMs are.
     layer_ovh = (cl.overhead_layer_s + np.where(c["tp"] > 1, cl.overhead_tp_layer_s, 0.0)
                  + np.where(c["zero"] >= 2, cl.overhead_fsdp_layer_s, 0.0)
-                 + per_row(fw, "layer_microbatch_s", frameworks))
-    ovh = per_stage * layer_ovh + cl.overhead_microbatch_s + per_row(fw, "microbatch_s", frameworks)
+                 + gpu * per_row(fw, "layer_microbatch_s", frameworks))
+    ovh = per_stage * layer_ovh + cl.overhead_microbatch_s + gpu * per_row(fw, "microbatch_s", frameworks)
     re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
     return {
         "fwd": per_stage * fwd_layer + k["logit_f"] + 0.5 * loss + ovh / 3.0,
