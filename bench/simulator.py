@@ -39,7 +39,7 @@ SHOWN = ["tp", "pp", "dp", "virtual", "micro", "zero", "recompute", "sequence_pa
 
 
 def print_search_speed(*, cluster: str = "dgx-a100-80gb", gpus: int = 3072,
-                       global_batch: int = 3072, repeats: int = 3) -> dict[str, float]:
+                       global_batch: int = 3072, repeats: int = 5) -> dict[str, float]:
     """Time the exhaustive search of the 1T space; prints and returns count and seconds."""
     spec = load_cluster(cluster)
     times, df = [], None

@@ -95,6 +95,9 @@ class ClusterSpec:
     fsdp_overlap: bool = True
     calibration_load1: float = 0.0  # measured hosts: 1-min load average while calibrating
     calibration_cpu_share: float = 0.0  # measured hosts: share of a core each rank really got (0 = not measured)
+    # GPU presets: the kind whose measured kernel rates price every GEMM, attention and memory-bound
+    # kernel (tuning/data/kernels.yaml, tuning.sim_kernels); "" = the curve / tables above (CPU profiles)
+    kernels: str = ""
 
     @property
     def total_gpus(self) -> int | None:
@@ -111,6 +114,12 @@ class ClusterSpec:
         """
         if self.gemm_table:
             return table_rate(self.gemm_table, flops)
+        if self.kernels:  # a cube of these FLOPs at the GPU's measured rate (tuning.sim_kernels)
+            from tuning.sim_kernels import gemm_seconds, gpu_facts
+
+            x = np.maximum(np.asarray(flops, dtype=float), 1.0)
+            side = np.cbrt(x / 2.0)
+            return x / gemm_seconds(gpu_facts(self.kernels), self.peak_flops, side, side, side)
         x = np.maximum(np.asarray(flops, dtype=float), 1.0)
         return self.peak_flops * self.gemm_max_efficiency * x / (x + self.gemm_half_flops)
 
@@ -170,14 +179,7 @@ _A100 = ClusterSpec(
     # DGX A100: 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=22.5,
     inter_latency_s=20e-6,  # assumed IB round through the fat tree
-    # Fitted (tuning.sim_fit.fit_cluster) to the five Megatron-LM / FSDP `fitted: true` A100 rows of
-    # tuning/data/published.yaml only (Narayanan 2021 Table 1 1.7B and 1T; MosaicML MPT-7B at 2048
-    # and 65536 tokens, MPT-125M at 2048, on 8 GPUs); every other published row is held out
-    # (docs/simulator.md, `simulate --validate`).
-    gemm_max_efficiency=0.7404,
-    gemm_half_flops=2.966e10,
-    hbm_efficiency=0.5079,
-    attention_max_efficiency=0.3396,
+    kernels="a100",  # GEMM, attention and memory-bound rates as measured (tuning/data/kernels.yaml)
 )
 
 _H100 = ClusterSpec(
@@ -192,13 +194,7 @@ _H100 = ClusterSpec(
     # DGX H100: 8 x 400 Gb/s NDR ConnectX-7 = 50 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=45.0,
     inter_latency_s=20e-6,
-    # Fitted to the four `fitted: true` H100 rows of tuning/data/published.yaml (MosaicML MPT-7B at
-    # 2048 and 65536 tokens and MPT-760M on 8 GPUs, MPT-70B on 64) with hbm_efficiency taken from
-    # the A100 fit (too few rows for four parameters); the other H100 rows are held out.
-    gemm_max_efficiency=0.6533,
-    gemm_half_flops=1.548e11,
-    hbm_efficiency=0.5079,
-    attention_max_efficiency=0.1905,
+    kernels="h100",
 )
 
 _FRONTIER = ClusterSpec(
@@ -214,14 +210,12 @@ _FRONTIER = ClusterSpec(
     # 4 Slingshot-11 NICs at 25 GB/s each per node = 12.5 GB/s per GCD; assumed 80%.
     inter_bw_gb_s=10.0,
     inter_latency_s=30e-6,
-    # Assumption (not calibrated): Dash et al. 2023 report 32-38% of peak end to end.
-    gemm_max_efficiency=0.5,
-    gemm_half_flops=1e10,
+    kernels="mi250x",  # MAMF per GCD; no fused-attention measurement: attention priced as GEMMs
 )
 
 # A100 40GB SXM: same GPU and network as the 80GB node (MosaicML's benchmark tables run both on
 # 1600 Gb/s per node); 40 GiB HBM2 (42.9 GB) at 1,555 GB/s (datasheet).
-_A100_40 = dataclasses.replace(_A100, name="dgx-a100-40gb", memory_gb=42.9, hbm_gb_s=1555.0)  # 40 GiB
+_A100_40 = dataclasses.replace(_A100, name="dgx-a100-40gb", memory_gb=42.9, hbm_gb_s=1555.0, kernels="a100-40")
 
 # Jean Zay gpu_p5 (IDRIS), where BigScience searched BLOOM-176B's layout: the same A100 80GB SXM
 # (the GEMM curve fitted on DGX rows), 8 per node on NVLink (assumed switched as in a DGX), and

@@ -41,10 +41,52 @@ def causal_factor(model: ModelSpec, c: dict[str, np.ndarray], cl: ClusterSpec) -
 
 
 def attention_time(cl: ClusterSpec, flops: Any) -> np.ndarray:
-    """Seconds of one attention GEMM of `flops` work at the attention rate (measured, or fitted on
-    long-sequence rows): fused or not, Q K^T and scores x V multiply over a head's width (64-128), so
-    both run below the large GEMMs' rate; one rate prices both (an assumption, docs/simulator.md)."""
+    """CPU profiles: seconds of one attention GEMM of `flops` work at the measured attention rate
+    (fused or not, Q K^T and scores x V priced alike)."""
     return flops / cl.attention_rate(flops)
+
+
+def _impls(c: dict[str, np.ndarray], frameworks: Any) -> list[tuple[np.ndarray, str]]:
+    """(rows mask, fused-attention kernel) for each framework flavour among the rows."""
+    from tuning.sim_framework import FRAMEWORK_NAMES, FRAMEWORKS
+
+    table = frameworks or FRAMEWORKS
+    fw = np.asarray(c.get("framework", 0))
+    return [(fw == i, table[name].attention_kernel) for i, name in enumerate(FRAMEWORK_NAMES)
+            if np.any(fw == i)]
+
+
+def attention_seconds(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], *, seq_q: Any, seq_k: Any,
+                      blocks: Any = 1.0, causal: bool = True, frameworks: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of the attention core of one layer and micro-batch on a tp rank:
+    `blocks` blocks of `seq_q` queries against `seq_k` keys over micro x heads / tp heads.
+
+    GPU presets (`ClusterSpec.kernels`): fused attention at the framework's kernel's measured rate by
+    head dim, length and causality (backward as measured: it recomputes Q K^T); unfused attention as
+    its batched GEMMs (4 in backward) over every score. CPU profiles: the measured attention table,
+    backward 2x (+ Q K^T recomputed when fused)."""
+    flash = np.asarray(c.get("flash_attention", False))
+    heads = c["micro"] * m.heads / c["tp"]
+    if not cl.kernels:
+        share = np.where(flash, (np.asarray(seq_k) + 1) / (2.0 * np.asarray(seq_k)), 1.0) if causal else 1.0
+        if cl.attention_table:
+            share = 1.0
+        fwd = blocks * share * 2.0 * attention_time(cl, 2.0 * c["micro"] / c["tp"] * seq_q * seq_k * m.q_dim)
+        return fwd, (2.0 + 0.5 * flash) * fwd
+    from tuning.sim_kernels import fused_attention_seconds, gemm_seconds, gpu_facts
+
+    facts, peak, d = gpu_facts(cl.kernels), cl.peak_flops, m.hd
+    g = lambda a, b, k: gemm_seconds(facts, peak, a, b, k, heads)  # noqa: E731
+    plain_fwd = g(seq_q, seq_k, d) + g(seq_q, d, seq_k)
+    plain_bwd = g(seq_q, d, seq_k) + g(seq_k, d, seq_q) + g(seq_q, seq_k, d) + g(seq_k, d, seq_q)
+    fused_fwd, fused_bwd = np.zeros_like(plain_fwd), np.zeros_like(plain_bwd)
+    for rows, impl in _impls(c, frameworks):
+        fused = fused_attention_seconds(facts, impl, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=d, causal=causal)
+        if fused is None:  # no measured fused kernel: its GEMMs, causal half skipped
+            fused = ((0.5 if causal else 1.0) * plain_fwd, (0.5 if causal else 1.0) * plain_bwd)
+        fused_fwd = np.where(rows, fused[0], fused_fwd)
+        fused_bwd = np.where(rows, fused[1], fused_bwd)
+    return blocks * np.where(flash, fused_fwd, plain_fwd), blocks * np.where(flash, fused_bwd, plain_bwd)
 
 
 def activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -66,58 +108,107 @@ def activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.nda
     return {"full": full, "attn": sbh * attn, "stored": stored}
 
 
-def _gemm_times(m: ModelSpec, cl: ClusterSpec, bt: np.ndarray, causal: np.ndarray) -> tuple[Any, Any, Any]:
-    """(dense, attention, logits) forward GEMM seconds of one layer for micro-batch / tp = `bt`."""
-    s, h, f = m.seq, m.hidden, m.ffn
-    # q, k, v (one fused GEMM), the output projection, the MLP's matrices (gate and up apart)
+def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tuple[Any, Any, Any, Any]:
+    """(layer forward, layer backward, logits forward, logits backward) GEMM seconds per micro-batch
+    on a tp rank. GPU presets: each GEMM by its shape (tokens b s x width / t over the input width;
+    backward = input and weight gradients, `tuning.sim_kernels`). CPU profiles: the measured rate by
+    FLOPs, no faster than the weights stream at the measured few-token rate."""
+    b, t, s, h, f = c["micro"], c["tp"], m.seq, m.hidden, m.ffn
+    if cl.kernels:
+        from tuning.sim_kernels import fwd_bwd_gemm_seconds, gpu_facts
+
+        facts, tok = gpu_facts(cl.kernels), b * s
+        shapes = [(tok, (m.q_dim + 2 * m.kv_dim) / t, h), (tok, h, m.q_dim / t)]  # q, k, v fused; out
+        shapes += [(tok, f / t, h)] * (m.mlp_mats - 1) + [(tok, h, f / t)]  # gate and up; down
+        pairs = [fwd_bwd_gemm_seconds(facts, cl.peak_flops, *x) for x in shapes]
+        logit = fwd_bwd_gemm_seconds(facts, cl.peak_flops, tok, m.vocab / t, h)
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs), logit[0], logit[1]
+    bt = b / t
     dense = [2 * bt * s * h * (m.q_dim + 2 * m.kv_dim), 2 * bt * s * m.q_dim * h]
     dense += [2 * bt * s * h * f] * (m.mlp_mats - 1) + [2 * bt * s * f * h]
-    attn = 2 * bt * s * s * m.q_dim  # Q K^T and scores x V, each, batched over heads
     t_dense = sum(x / cl.gemm_rate(x) for x in dense)
-    t_attn = 2.0 * causal * attention_time(cl, attn)
     logit = 2 * bt * s * h * m.vocab
-    return t_dense, t_attn, logit / cl.gemm_rate(logit)
+    # a GEMM cannot run faster than it streams its weights; binding only at a few tokens per micro-batch
+    stream = (cl.weight_stream_gb_s or cl.hbm_gb_s * cl.hbm_efficiency) * GB
+    w_dense = m.layer_matmul_params / t * c["dtype_bytes"] / stream
+    t_dense = np.maximum(t_dense, w_dense)
+    t_logit = np.maximum(logit / cl.gemm_rate(logit), m.vocab * h / t * c["dtype_bytes"] / stream)
+    return t_dense, 2.0 * t_dense, t_logit, 2.0 * t_logit
+
+
+KERNEL_KEYS = ("micro", "tp", "flash_attention", "framework", "dtype_bytes", "attn_density")  # what kernel times depend on
+
+
+def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
+    """`fn(c)` priced once per distinct (micro, tp, fused, framework, dtype, density) and spread back over
+    the rows (a search has few distinct ones; pricing every row's GEMMs by shape would dominate it)."""
+    shape = np.shape(c["tp"])
+    if int(np.prod(shape)) <= 64:
+        return fn(c)
+    keys = [k for k in KERNEL_KEYS if k in c]  # an absent column keeps its default in `fn`
+    cached = c.get("_kernel_rows")  # the rows' grouping, found once per priced batch (evaluate_arrays' dict)
+    if cached is None or cached[0] is not c["tp"]:
+        cols = [np.broadcast_to(np.asarray(c[k], dtype=float), shape).ravel() for k in keys]
+        key = np.zeros(cols[0].shape, dtype=np.int64)
+        for col in cols:  # one mixed-radix integer key (small non-negative integers code themselves)
+            lo, hi = col.min(), col.max()
+            if lo == hi:
+                continue
+            if lo >= 0 and hi < 2**20 and np.array_equal(col, np.floor(col)):
+                key = key * (int(hi) + 1) + col.astype(np.int64)
+            else:
+                values, code = np.unique(col, return_inverse=True)
+                key = key * len(values) + code
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        cached = (c["tp"], first, inverse.reshape(shape))
+        c["_kernel_rows"] = cached
+    _, first, inverse = cached
+    sub = {**c, **{k: np.broadcast_to(np.asarray(c[k]), shape).ravel()[first] for k in keys}}
+    out = fn(sub)
+    spread = lambda v: np.asarray(v)[inverse] if np.ndim(v) else v  # noqa: E731
+    return {k: spread(v) for k, v in out.items()} if isinstance(out, dict) else tuple(spread(v) for v in out)
+
+
+def _kernel_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], frameworks: Any) -> dict[str, Any]:
+    """GEMM and attention seconds per micro-batch on a tp rank (priced per distinct row, `per_unique`)."""
+    def price(sub: dict[str, np.ndarray]) -> dict[str, Any]:
+        dense_f, dense_b, logit_f, logit_b = _dense_times(m, cl, sub)
+        attn_f, attn_b = attention_seconds(m, cl, sub, seq_q=m.seq, seq_k=m.seq, frameworks=frameworks)
+        return {"dense_f": dense_f, "dense_b": dense_b, "logit_f": logit_f, "logit_b": logit_b,
+                "attn_f": attn_f, "attn_b": attn_b}
+
+    return per_unique(c, price)
 
 
 def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
                   act: dict[str, np.ndarray], frameworks: Any = None) -> dict[str, np.ndarray]:
     """Per micro-batch on the slowest (last) stage: forward and backward (recompute included) seconds."""
-    # Every GEMM's size is a multiple of b/t: price each distinct b/t once (a search has few).
-    ratio = np.asarray(c["micro"] / c["tp"], dtype=float)
-    causal = causal_factor(m, c, cl)
-    bt, inverse = np.unique(ratio, return_inverse=True) if ratio.size > 64 and np.ndim(causal) == 0 else (ratio, None)
-    t_dense, t_attn, t_logit = _gemm_times(m, cl, bt, causal)
-    if inverse is not None:
-        t_dense, t_attn, t_logit = (np.asarray(x)[inverse.reshape(ratio.shape)] for x in (t_dense, t_attn, t_logit))
-    hbm = cl.hbm_gb_s * cl.hbm_efficiency * GB
-    # Roofline floor: a GEMM cannot run faster than it streams its weights (the layer's matrices / t,
-    # vocab h / t for the logits) from memory; binding only at a few tokens per micro-batch. The
-    # backward streams them twice (input gradient reads W, weight gradient writes dW). Measured
-    # hosts stream them at their own few-token rate (`weight_stream_gb_s`), not the elementwise one.
-    stream = cl.weight_stream_gb_s * GB if cl.weight_stream_gb_s > 0 else hbm
-    w_dense = m.layer_matmul_params / c["tp"] * c["dtype_bytes"] / stream
-    w_logit = m.vocab * m.hidden / c["tp"] * c["dtype_bytes"] / stream
+    from tuning.sim_kernels import memory_bandwidth
+
+    k = _kernel_times(m, cl, c, frameworks)
+    hbm = memory_bandwidth(cl)
+    fw = c.get("framework", np.asarray(0))
+    # the framework's fitted GPU costs (host work, kernel fusion) apply on GPU presets; a CPU profile
+    # carries its own measured host costs and memory-bound rate
+    gpu = 1.0 if cl.kernels else 0.0
+    # memory-bound kernels: the activation bytes the model counts x the framework's traffic per byte
+    moved = (gpu * per_row(fw, "elementwise_traffic", frameworks) + (1.0 - gpu)) / hbm
     loss = LOSS_BYTES_PER_LOGIT * c["micro"] * m.seq * m.vocab / c["tp"] / hbm
-    t_logit = np.maximum(t_logit, w_logit)
-    fwd_layer = np.maximum(t_dense, w_dense) + t_attn + act["full"] / hbm
-    # Flash attention's backward recomputes Q K^T (one of the two attention GEMMs) from Q and K.
-    t_flash = np.where(c.get("flash_attention", False), 0.5 * t_attn, 0.0)
-    bwd_layer = (2.0 * np.maximum(t_dense, w_dense) + 2.0 * t_attn + t_flash
-                 + NONGEMM_BWD_FACTOR * act["full"] / hbm)
+    fwd_layer = k["dense_f"] + k["attn_f"] + act["full"] * moved
+    bwd_layer = k["dense_b"] + k["attn_b"] + NONGEMM_BWD_FACTOR * act["full"] * moved
     rc = c["recompute"]
-    re_layer = np.select([rc == 2, rc == 1], [fwd_layer, t_attn + act["attn"] / hbm], 0.0)
+    re_layer = np.select([rc == 2, rc == 1], [fwd_layer, k["attn_f"] + act["attn"] * moved], 0.0)
     per_stage = m.layers / c["pp"]
     # Host-side time the device does not hide: the measured host's (CPU profiles) and the framework's
     # fitted fixed costs (GPU presets), split 1:2 between forward and backward as the GEMMs are.
-    fw = c.get("framework", np.asarray(0))
     layer_ovh = (cl.overhead_layer_s + np.where(c["tp"] > 1, cl.overhead_tp_layer_s, 0.0)
                  + np.where(c["zero"] >= 2, cl.overhead_fsdp_layer_s, 0.0)
-                 + per_row(fw, "layer_microbatch_s", frameworks))
-    ovh = per_stage * layer_ovh + cl.overhead_microbatch_s + per_row(fw, "microbatch_s", frameworks)
+                 + gpu * per_row(fw, "layer_microbatch_s", frameworks))
+    ovh = per_stage * layer_ovh + cl.overhead_microbatch_s + gpu * per_row(fw, "microbatch_s", frameworks)
     re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
     return {
-        "fwd": per_stage * fwd_layer + t_logit + 0.5 * loss + ovh / 3.0,
-        "bwd": per_stage * (bwd_layer + re_layer) + 2.0 * t_logit + 0.5 * loss + 2.0 * ovh / 3.0 + re_ovh,
+        "fwd": per_stage * fwd_layer + k["logit_f"] + 0.5 * loss + ovh / 3.0,
+        "bwd": per_stage * (bwd_layer + re_layer) + k["logit_b"] + 0.5 * loss + 2.0 * ovh / 3.0 + re_ovh,
     }
 
 

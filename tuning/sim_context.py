@@ -30,7 +30,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_comm import all_to_all_time
-from tuning.sim_compute import attention_time, causal_factor
+from tuning.sim_compute import attention_seconds, causal_factor, per_unique
 from tuning.sim_spec import CP_IMPLS
 
 
@@ -52,43 +52,48 @@ def score_memory_scale(c: dict[str, np.ndarray], cp: int) -> np.ndarray:
     return float(cp) * np.asarray(c.get("attn_density", 1.0))
 
 
-def _attention_pair(cl: ClusterSpec, flops: np.ndarray) -> np.ndarray:
-    """Q K^T and scores x V of one layer, each `flops`, at the achieved attention rate."""
-    return 2.0 * attention_time(cl, flops)
+def _ring_block(model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray],
+                frameworks: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of one ring step's s/cp x s/cp block of attention: load-balanced,
+    so each block carries the whole sequence's causal share of its keys, scaled by the density."""
+    share = np.asarray(c.get("attn_density", 1.0)) * causal_factor(model, c, cl)
+    return attention_seconds(local, cl, c, seq_q=local.seq, seq_k=local.seq, blocks=share, causal=False,
+                             frameworks=frameworks)
 
 
-def _causal(model: Any, c: dict[str, np.ndarray], cl: ClusterSpec) -> np.ndarray:
-    """Share of the full s x s a fused causal kernel computes over the whole sequence (1 unfused)."""
-    return causal_factor(model, c, cl)
+def attention_delta(model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray], cp: int,
+                    frameworks: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) attention seconds per layer and micro-batch beyond what the local model priced.
 
-
-def attention_delta(model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray], cp: int) -> np.ndarray:
-    """Forward attention seconds per layer and micro-batch beyond what the local model priced.
-
-    The local model priced two GEMMs of 2 (b/t) (s/cp)^2 (q width), causal over s/cp tokens.
-    Ulysses runs them over the full sequence on a/(t cp) heads: cp x bigger GEMMs; ring runs cp
-    blocks of the local size (load-balanced, so the causal share is the full sequence's). Both are
-    scaled by the attention density of long-tail batches (1 for one sequence per row).
+    The local model priced causal attention over s/cp tokens. Ulysses runs it over the full
+    sequence on a/(t cp) heads; ring runs cp blocks of the local size (load-balanced, so the causal
+    share is the full sequence's). Both are scaled by the attention density of long-tail batches
+    (1 for one sequence per row).
     """
-    block = 2.0 * c["micro"] / c["tp"] * local.seq * local.seq * local.q_dim
-    priced = _causal(local, c, cl) * _attention_pair(cl, block)
-    causal = _causal(model, c, cl)
-    true = causal * np.where(_ring(c), cp * _attention_pair(cl, block), _attention_pair(cl, cp * block))
-    return true * np.asarray(c.get("attn_density", 1.0)) - priced
+    s = local.seq
+
+    def price(sub: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        priced = attention_seconds(local, cl, sub, seq_q=s, seq_k=s, frameworks=frameworks)
+        ring = _ring_block(model, local, cl, sub, frameworks)
+        uly = attention_seconds(model, cl, sub, seq_q=model.seq, seq_k=model.seq, blocks=1.0 / cp, frameworks=frameworks)
+        return {"ring_f": ring[0], "ring_b": ring[1], "uly_f": uly[0], "uly_b": uly[1],
+                "local_f": priced[0], "local_b": priced[1]}
+
+    t = per_unique(c, price)
+    density = np.asarray(c.get("attn_density", 1.0))
+    return tuple(np.where(_ring(c), cp * t[f"ring_{k}"], density * t[f"uly_{k}"]) - t[f"local_{k}"] for k in ("f", "b"))
 
 
 def add_attention(times: dict[str, np.ndarray], model: Any, local: Any, cl: ClusterSpec, c: dict[str, np.ndarray],
-                  cp: int) -> dict[str, np.ndarray]:
-    """Add `attention_delta` to forward and backward as the simulator prices attention: backward
-    2x, fused attention recomputes Q K^T (0.5x), selective and full recomputation replay it."""
-    delta = local.layers / c["pp"] * attention_delta(model, local, cl, c, cp)
-    flash = np.asarray(c.get("flash_attention", False))
-    return {**times, "fwd": times["fwd"] + delta,
-            "bwd": times["bwd"] + delta * (2.0 + 0.5 * flash + (c["recompute"] >= 1))}
+                  cp: int, frameworks: Any = None) -> dict[str, np.ndarray]:
+    """Add `attention_delta` to forward and backward; selective and full recomputation replay the forward."""
+    fwd, bwd = attention_delta(model, local, cl, c, cp, frameworks)
+    n = local.layers / c["pp"]
+    return {**times, "fwd": times["fwd"] + n * fwd, "bwd": times["bwd"] + n * (bwd + fwd * (c["recompute"] >= 1))}
 
 
 def cp_comm_time(model: Any, local: Any, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
-                 cp: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                 cp: int, frameworks: Any = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(exposed context-parallel communication, {fwd, bwd} compute it hides under) per
     micro-batch on one stage, seconds; the hidden part is no window for other traffic.
 
@@ -110,10 +115,8 @@ def cp_comm_time(model: Any, local: Any, cl: ClusterSpec, gpus: int, c: dict[str
     inter_bw, inter_lat = cl.inter_link(gpus)
     bw, lat = cl.measured_link("p2p", (np.where(inside, cl.intra_bw_gb_s, inter_bw),
                                        np.where(inside, cl.intra_latency_s, inter_lat)))
-    block = np.asarray(c.get("attn_density", 1.0)) * _causal(model, c, cl) * _attention_pair(
-        cl, 2.0 * c["micro"] / t * local.seq * local.seq * local.q_dim)
-    # backward: each block's 2 GEMMs twice, plus Q K^T again when fused (as `add_attention`)
-    bwd_block = (2.0 + 0.5 * np.asarray(c.get("flash_attention", False))) * block
+    # each step's attention, hiding its sends
+    block, bwd_block = per_unique(c, lambda sub: _ring_block(model, local, cl, sub, frameworks))
     kv = tokens * local.kv_dim
     send_fwd, send_bwd = lat + 2.0 * kv / (bw * GB), lat + 4.0 * kv / (bw * GB)
     fwd, bwd = (cp - 1) * np.maximum(send_fwd - block, 0.0), (cp - 1) * np.maximum(send_bwd - bwd_block, 0.0)

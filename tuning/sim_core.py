@@ -27,6 +27,7 @@ import numpy as np
 from tuning import sim_context, sim_moe
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_compute import activation_bytes, compute_times, flops, stage_params
+from tuning.sim_kernels import memory_bandwidth
 from tuning.sim_memory import CATEGORIES, TERMS, memory
 from tuning.sim_pipeline import bubble, pp_comm_time
 from tuning.sim_spec import ModelSpec
@@ -64,11 +65,11 @@ def _extend_activations(model: ModelSpec, local: ModelSpec, c: dict[str, np.ndar
 
 
 def _extend_times(model: ModelSpec, local: ModelSpec, cluster: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
-                  times: dict[str, np.ndarray], cp: int) -> tuple[dict[str, np.ndarray], ...]:
+                  times: dict[str, np.ndarray], cp: int, frameworks: Any = None) -> tuple[dict[str, np.ndarray], ...]:
     """Issues 18/19, per micro-batch: (times with attention over cp and expert GEMMs, the compute
     windows other traffic may hide under, all_to_all s, cp comm s)."""
-    times = sim_context.add_attention(times, model, local, cluster, c, cp)
-    cp_comm, ring_hidden = sim_context.cp_comm_time(model, local, cluster, gpus, c, cp)
+    times = sim_context.add_attention(times, model, local, cluster, c, cp, frameworks)
+    cp_comm, ring_hidden = sim_context.cp_comm_time(model, local, cluster, gpus, c, cp, frameworks)
     a2a = np.zeros(np.shape(c["tp"]))
     if model.experts:
         blocks = sim_moe.moe_layer_count(model.layers, model.experts, model.moe_every) / c["pp"]
@@ -117,7 +118,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
         act = _extend_activations(model, local, c, act, cp)
     times = windows = compute_times(local, cluster, c, act, frameworks)
     if extended:
-        times, windows, a2a_mb, cp_mb = _extend_times(model, local, cluster, gpus, c, times, cp)
+        times, windows, a2a_mb, cp_mb = _extend_times(model, local, cluster, gpus, c, times, cp, frameworks)
     tp = tp_comm_time(local, cluster, gpus, c)
     pp = pp_comm_time(local, cluster, gpus, c)
     dp, mem, psi, psi_opt = _states(model, local, cluster, gpus, c, act, windows, cp, frameworks)
@@ -130,7 +131,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
         "bubble_s": bub * nmb * per_mb,  # bubble / ideal time from walking the schedule's action list
         "dp_comm_exposed_s": dp["exposed"],
         "optimizer_s": psi_opt * OPTIMIZER_BYTES_PER_PARAM
-        / ((cluster.optimizer_gb_s or cluster.hbm_gb_s * cluster.hbm_efficiency) * GB) + cluster.overhead_step_s,
+        / (cluster.optimizer_gb_s * GB or memory_bandwidth(cluster)) + cluster.overhead_step_s,
         "all_to_all_s": nmb * a2a_mb,  # MoE dispatch/combine (tuning/sim_moe.py)
         "cp_comm_s": nmb * cp_mb,  # context-parallel exposed communication (tuning/sim_context.py)
     }

@@ -42,25 +42,38 @@ class Framework:
     # take SMs and HBM bandwidth from the GEMMs they overlap)
     overlap_interference: float = 0.0
     dp_bw_efficiency: float = 1.0  # fitted: share of the link's bus bandwidth the ZeRO-0/1/2 gradient and parameter collectives reach
-    fitted_on: tuple[str, ...] = ()  # the calibration rows (tuning/data/published.yaml ids) fitted on
+    # fitted: bytes the framework's memory-bound kernels (norms, activations, dropout, residuals,
+    # softmax) move per activation byte the model counts: its kernel fusion (Megatron-LM fuses
+    # bias-GeLU, bias-dropout-add and the scaled masked softmax; unfused eager ops read and write more)
+    elementwise_traffic: float = 1.0
+    # structural: the fused-attention kernel it calls on GPUs that have a measured rate for it
+    # (tuning/data/kernels.yaml): "fa2" FlashAttention-2, "cudnn" Transformer Engine's cuDNN attention
+    attention_kernel: str = "fa2"
 
 
+# The fitted fields hold tuning.sim_fit.fit_frameworks() on every published row of the flavour
+# (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
+FITTED = {
+    "megatron": dict(layer_microbatch_s=0.00571, elementwise_traffic=2.405),
+    "deepspeed": dict(layer_microbatch_s=0.01205, elementwise_traffic=5.103, dp_bw_efficiency=0.3436,
+                      zero3_bw_efficiency=0.1046, overlap_interference=0.3652),
+    "fsdp": dict(layer_microbatch_s=0.003035, elementwise_traffic=4.262, zero3_bw_efficiency=0.7508,
+                 overlap_interference=0.5494),
+}
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
-    Framework(name="megatron", description="Megatron-LM (PTD-P): scatter/gather pipeline sends, fused kernels; "
-              "the GPU presets' GEMM curves are fitted on its rows"),
-    # fitted by tuning.sim_fit.fit_frameworks: the fixed costs and the ZeRO-1/2 collectives' bandwidth
-    # share on the 12 BLOOM 02-21 calibration rows (Jean Zay: pp 6/12 at dp 8/4 move 2x apart in dp
-    # traffic per GPU), ZeRO-3's bandwidth share and overlap interference on Narayanan et al. 2021 Table 2's
-    # 175B ZeRO-3 rows at 384 (micro-batch 4: compute under the gathers) and 768 GPUs (2: gather-bound)
+    # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)
+    Framework(name="megatron", description="Megatron-LM / NeMo (PTD-P): scatter/gather pipeline sends, fused kernels",
+              attention_kernel="cudnn", **FITTED["megatron"]),
+    # ZeRO-3's bandwidth share and overlap interference are informed by its ZeRO-3 rows alone (Narayanan et
+    # al. 2021 Table 2); the rest by its pipeline rows (BLOOM's layout search, MT-NLG)
     Framework(name="deepspeed", description="Megatron-DeepSpeed with DeepSpeed's PipelineEngine and ZeRO "
-              "(stage 3 gathers per parameter)", zero3_per_parameter=True,
-              layer_microbatch_s=0.009012, microbatch_s=0.0, dp_bw_efficiency=0.3316, zero3_bw_efficiency=0.1051,
-              overlap_interference=0.3765, fitted_on=("bloom-0221", "nar-t2-zero3-175b-384", "nar-t2-zero3-175b-768")),
+              "(stage 3 gathers per parameter)", zero3_per_parameter=True, **FITTED["deepspeed"]),
     # Composer (llm-foundry) enters no_sync only for a DDP-wrapped model, so FSDP1's SHARD_GRAD_OP
     # syncs every micro-batch and then frees the unsharded parameters after backward: ZeRO-2 re-gathers
     # in each micro-batch's forward (composer/trainer/dist_strategy.py ddp_sync_context; FSDP1
     # _should_free_in_backward)
-    Framework(name="fsdp", description="PyTorch FSDP (MosaicML llm-foundry, torchtitan): one flat gather per block"),
+    Framework(name="fsdp", description="PyTorch FSDP (MosaicML llm-foundry, torchtitan): one flat gather per block",
+              **FITTED["fsdp"]),
     Framework(name="engine", description="the workbench engine on a calibrated host (host costs in the profile)",
               zero2_gather_once=True),
 )}

@@ -93,9 +93,17 @@ def _gemm_time(cl: ClusterSpec, flops: np.ndarray) -> np.ndarray:
 
 
 def _mlp_time(m: Any, cl: ClusterSpec, tokens: np.ndarray, width: float, t: np.ndarray) -> np.ndarray:
-    """Forward seconds of one MLP of `width` over `tokens` on a tp rank: its matrices' GEMMs."""
+    """Forward seconds of one MLP of `width` over `tokens` on a tp rank: its matrices' GEMMs, each by
+    its shape on GPU presets (tuning.sim_kernels), by its FLOPs on CPU profiles."""
     if not width:
         return np.zeros(np.shape(tokens))
+    if cl.kernels:
+        from tuning.sim_kernels import gemm_seconds, gpu_facts
+
+        facts = gpu_facts(cl.kernels)
+        tok = np.maximum(tokens, 1.0)
+        up = gemm_seconds(facts, cl.peak_flops, tok, width / t, m.hidden)
+        return (m.mlp_mats - 1) * up + gemm_seconds(facts, cl.peak_flops, tok, m.hidden, width / t)
     one = 2.0 * tokens * m.hidden * width / t
     return m.mlp_mats * _gemm_time(cl, one)
 

@@ -16,6 +16,7 @@ least 8 rows, rho >= 0.8 and regret <= 5%.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,5 +98,93 @@ def memory_check(rows: list[Any]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-__all__ = ["MIN_RANKED", "SEARCH_MIN_ROWS", "TARGET_REGRET", "TARGET_SPEARMAN", "memory_check", "per_source",
-           "ranking", "spearman", "top1_regret"]
+BASELINE_MFU = 0.5  # the flat baseline: FLOPs / (GPUs x peak x 0.5), llm-analysis's recommended efficiency
+
+
+def baseline_metric(metric: str, peak_flops: float) -> float:
+    """The flat-MFU baseline's value of a row's metric: its FLOPs (as the source counts them) over
+    GPUs x peak x 0.5 is a time whose rate is half the peak: 0.5 peak in TFLOP/s per GPU, 50% MFU."""
+    return BASELINE_MFU * peak_flops / 1e12 if metric == "tflops_per_gpu" else 100.0 * BASELINE_MFU
+
+
+def _cache(path: Path) -> Path:
+    """Where a leave-one-source-out table is kept between processes: keyed by the data files and every
+    source file that prices or fits (any change recomputes)."""
+    import hashlib
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(path.read_bytes())
+    for source in sorted((root / "tuning").glob("*.py")) + sorted((root / "tuning" / "data").glob("*.yaml")) \
+            + [root / "engine" / "shapes.py"]:
+        digest.update(source.read_bytes())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
+    return cache / f"loso-{digest.hexdigest()[:16]}.csv"
+
+
+def _price(rows: list[Any], frameworks: Any) -> list[float]:
+    from tuning.hardware import load_cluster
+    from tuning.sim_fit import row_metric
+
+    return [float(np.asarray(row_metric(r, load_cluster(r.cluster), frameworks)).reshape(-1)[0]) for r in rows]
+
+
+def loso(path: str | Path | None = None, *, zooms: int = 6) -> pd.DataFrame:
+    """Every priced row predicted with the per-framework terms fitted on every source (`in_sample`)
+    and fitted without any row of its own source (`loso`: leave-one-source-out), beside the flat
+    baseline; errors in percent of the published value. Cached per data and code (minutes to fit)."""
+    from tuning.hardware import load_cluster
+    from tuning.published import DATA, calibration_rows, held_out_rows
+    from tuning.sim_fit import FRAMEWORK_FITS, fit_frameworks, with_terms
+    from tuning.sim_framework import FRAMEWORKS
+
+    path = Path(path or DATA)
+    cache = _cache(path)
+    if cache.is_file():
+        return pd.read_csv(cache)
+    rows = calibration_rows(path) + held_out_rows(path)
+    order = {r.id: i for i, r in enumerate(rows)}
+    out = []
+    for source in dict.fromkeys(r.source for r in rows):
+        mine = [r for r in rows if r.source == source]
+        refit = tuple(sorted({r.framework for r in mine} & set(FRAMEWORK_FITS)))
+        fws = with_terms(fit_frameworks(path, exclude_source=source, zooms=zooms, only=refit)) if refit else FRAMEWORKS
+        for r, inside, outside in zip(mine, _price(mine, FRAMEWORKS), _price(mine, fws)):
+            base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops)
+            out.append({"id": r.id, "source": source, "published": r.value, "in_sample": inside, "loso": outside,
+                        "baseline": base, "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
+                        "loso_error_pct": 100.0 * (outside / r.value - 1.0),
+                        "baseline_error_pct": 100.0 * (base / r.value - 1.0)})
+    table = pd.DataFrame(out).sort_values("id", key=lambda s: s.map(order)).reset_index(drop=True)
+    try:  # best effort: a read-only home only costs the next process the fits again
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(cache.with_suffix(".tmp"), index=False)
+        cache.with_suffix(".tmp").replace(cache)
+    except OSError:
+        pass
+    return table
+
+
+def loso_by_source(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """Per cited source: rows priced, leave-one-source-out median and worst |error|, the flat baseline's
+    median |error| beside it, the in-sample median, and where the source has a table of >= 8 layouts of
+    one model on one cluster, Spearman's rho and top-1 regret of the leave-one-source-out prediction
+    (the worst over such tables)."""
+    merged = table.merge(loso_rows[["id", "loso"]], on="id")
+    out = []
+    for key in sources:
+        g = loso_rows[loso_rows["source"] == key]
+        ranked = [grp for _, grp in merged[merged["source"] == key].groupby("group") if len(grp) >= SEARCH_MIN_ROWS]
+        rho = min((spearman(grp["loso"], grp["published"]) for grp in ranked), default=float("nan"))
+        regret = max((top1_regret(grp["published"], grp["loso"]) for grp in ranked), default=float("nan"))
+        med = lambda col: float(g[col].abs().median()) if len(g) else float("nan")  # noqa: E731
+        out.append({"source": key, "rows": len(g), "loso_median_pct": med("loso_error_pct"),
+                    "loso_worst_pct": float(g["loso_error_pct"].abs().max()) if len(g) else float("nan"),
+                    "baseline_median_pct": med("baseline_error_pct"), "in_sample_median_pct": med("in_sample_error_pct"),
+                    "spearman": rho, "top1_regret": regret,
+                    "beats_baseline": bool(med("loso_error_pct") < med("baseline_error_pct")) if len(g) else None})
+    return pd.DataFrame(out)
+
+
+__all__ = ["BASELINE_MFU", "MIN_RANKED", "SEARCH_MIN_ROWS", "TARGET_REGRET", "TARGET_SPEARMAN", "baseline_metric",
+           "loso", "loso_by_source", "memory_check", "per_source", "ranking", "spearman", "top1_regret"]
