@@ -28,6 +28,7 @@ NOT_CODE = ("engine/compat.py", "engine/compat_doc.py", "engine/compat_results.p
 SAMPLE_BUDGET_S = 180.0  # CI's slice: recorded seconds of the sampled cells (issue 36: at most 4 minutes)
 SAMPLE_MAX_WORLD = 4  # CI's 2 cores: cells of at most 4 ranks, and SAMPLE_BIG above that
 SAMPLE_BIG = 1  # cells of more than SAMPLE_MAX_WORLD ranks in every slice (issue 48)
+OLDER_PLAN_FACTOR = 2.0  # seconds of a result of an older plan x this: the estimate of the current plan's run
 CURRENT = ("verified", "no reference", "failed")  # kinds of a current result
 SYMBOLS = {"verified": "✓", "no reference": "○", "failed": "!", "stale": "↻", "not run": "?",
            "refused": "✗", "exclusive": "⊘", "pending": "…"}
@@ -120,9 +121,13 @@ def evidence(r: Mapping[str, Any]) -> str:
 
 
 def _estimate_s(cell: Cell, results: Mapping[str, Any]) -> float:
-    recorded = results.get(cell.id, {}).get("seconds")
+    r = results.get(cell.id, {})
+    if r.get("seconds") and r.get("key") == plan(cell).key:
+        return float(r["seconds"])
+    if r.get("seconds"):  # a result of an older plan: the same 19 cells ran 179 s before issue 48, 340 s after
+        return OLDER_PLAN_FACTOR * float(r["seconds"])
     # unrecorded: 2 ranks ~20 s, 4 ranks ~30 s (this machine at load 10-18 took 4-60 s per cell)
-    return float(recorded) if recorded else 10.0 + 5.0 * world_of(merge(cell.features).knobs)
+    return 10.0 + 5.0 * world_of(merge(cell.features).knobs)
 
 
 def sample(seed: str, results: Mapping[str, Any], code: str, budget_s: float = SAMPLE_BUDGET_S) -> list[str]:

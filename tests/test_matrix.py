@@ -96,11 +96,13 @@ def _progress(request: pytest.FixtureRequest, cell: str, result: dict) -> None:
     """`[n/N] cell: ok in s (about m min left)` on the terminal, also while pytest captures output."""
     _DONE.append(result["seconds"])
     left = (len(SELECTED) - len(_DONE)) * sum(_DONE) / len(_DONE) / 60
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
     line = (f"[{len(_DONE)}/{len(SELECTED)}] {cell}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']} s "
             f"(about {left:.0f} min left) {time.strftime('%H:%M:%S')}")
-    if reporter is not None:
-        reporter.write_line(line)
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
 
 
 @pytest.mark.slow
@@ -248,6 +250,7 @@ def test_cells_are_every_pair_and_the_triples() -> None:
         Cell.parse("dp+warp")
 
 
+@pytest.mark.xdist_group("matrix")  # reads docs/data/matrix.json, which test_cell rewrites
 def test_the_sample_is_seeded_within_budget_and_draws_a_big_cell() -> None:
     results, code = load_results(RESULTS), compat_results.code_state()["code"]
     a, b = compat_results.sample("20260101", results, code), compat_results.sample("20260101", results, code)
