@@ -8,7 +8,7 @@ Its verdict is derived, never written by hand:
 - `refused`: `engine.validate.check()` refuses the merged config (its first line is the reason);
 - `pending`: a feature has no fragment yet (named why);
 - `accepted`: then it needs a recorded run (docs/data/matrix.json, tests/matrix_runner.py) of its
-  current plan and code (`code_state`): `verified` when parity with a reference in a *different*
+  current plan and code (engine/compat_results.py): `verified` when parity with a reference in a *different*
   layout and both resumes hold, `no reference` when the resumes hold but the cell has no other
   layout to compare with (counted apart), `failed` when a check does not hold, `stale` when the
   result is of another plan or code, `not run` otherwise.

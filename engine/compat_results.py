@@ -9,10 +9,13 @@ as verified. Torch-free.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import random
 import subprocess
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -157,3 +160,34 @@ def to_refresh(results: Mapping[str, Any], code: str) -> list[str]:
     return [c.id for c in cells() if verdict(c).kind == "accepted"
             and status(c, results, code)[0] not in ("verified", "no reference")]
 
+
+
+def record(result: Mapping[str, Any], path: str | Path, doc: str | Path | None = None) -> None:
+    """Merge one result into the results file, then render `doc` from it. Under a lock on the folder
+    (several processes may record), each file replaced whole (a `make matrix` killed at any point
+    keeps every result recorded before)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        data = load_results(path)
+        data[result["cell"]] = dict(result)
+        _replace(path, json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+        if doc is not None:
+            from engine.compat_doc import render
+
+            _replace(Path(doc), render(data))
+    finally:
+        os.close(folder)  # releases the lock
+
+
+def _replace(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

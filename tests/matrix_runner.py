@@ -9,11 +9,10 @@ it ends, so a run that fails or hangs loses nothing before it. The parity refere
 process when it is one process, on its own ranks otherwise, and once per distinct reference.
 
 `PYTHONPATH=. python tests/matrix_runner.py CELL ...` runs cells and prints their results (nothing recorded;
-`make matrix CELLS=...` records them and regenerates docs/compatibility.md).
+`make matrix CELLS=...` records them, engine/compat_results.py `record`, and regenerates docs/compatibility.md).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sys
@@ -276,27 +275,6 @@ def run_cell(cell_id: str, timeout: float = 400.0) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     """One line per result: the figures a failure message shows."""
     return f"{result['cell']} ({result['world']} ranks, {result['seconds']} s): {compat_results.evidence(result)}"
-
-
-def record(result: dict[str, Any], path: str | Path, doc: str | Path | None = None) -> None:
-    """Merge one result into the results file, then render `doc` from it (locked: several processes
-    may record; a killed `make matrix` keeps every result recorded before)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:  # the file is its own lock
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        text = f.read()
-        data = json.loads(text) if text.strip() else {}
-        data[result["cell"]] = result
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
-        f.flush()
-        if doc is not None:
-            from engine.compat_doc import render
-
-            Path(doc).write_text(render(data))
 
 
 def main(cells: list[str]) -> None:

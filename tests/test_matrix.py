@@ -81,13 +81,13 @@ def test_every_accepted_cell_has_a_passing_current_result() -> None:
 @pytest.mark.parametrize("cell", SELECTED)
 def test_cell(cell: str, request: pytest.FixtureRequest) -> None:
     """Parity with a reference in another layout and both resumes (engine/compat.py's module docstring)."""
-    from matrix_runner import record, run_cell, summary
+    from matrix_runner import run_cell, summary
 
     result = run_cell(cell)
     target = os.environ.get("MATRIX_RECORD", str(RESULTS))
     if target:
         same = Path(target).resolve() == RESULTS.resolve()
-        record(result, target, doc=ROOT / compat_results.DOC_PATH if same else None)
+        compat_results.record(result, target, doc=ROOT / compat_results.DOC_PATH if same else None)
     _progress(request, cell, result)
     assert result["ok"], f"{summary(result)}\nsample seed {SEED}; re-run: make matrix CELLS={cell}"
 
