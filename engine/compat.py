@@ -7,8 +7,11 @@ Its verdict is derived, never written by hand:
 - `exclusive`: two of its features set one knob to different values (the knob is named);
 - `refused`: `engine.validate.check()` refuses the merged config (its first line is the reason);
 - `pending`: a feature has no fragment yet (named why);
-- `accepted`: then it needs a recorded run (docs/data/matrix.json, tests/matrix_runner.py):
-  `verified` when parity and resume hold, `failed` when they do not, `not run` otherwise.
+- `accepted`: then it needs a recorded run (docs/data/matrix.json, tests/matrix_runner.py) of its
+  current plan and code (engine/compat_results.py): `verified` when parity with a reference in a *different*
+  layout and both resumes hold, `no reference` when the resumes hold but the cell has no other
+  layout to compare with (counted apart), `failed` when a check does not hold, `stale` when the
+  result is of another plan or code, `not run` otherwise.
 
 Merging: parallel degrees (`DEGREES`) take the larger value; `set` knobs must agree; `default`
 knobs yield to another feature's `set` (a modifier such as comm.bidirectional defaults to Top-k
@@ -21,8 +24,10 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.validate import COMPRESSORS, CP_IMPLS, FSDP_COMPRESSORS, SCHEDULES, V_SCHEDULES, VIRTUAL_SCHEDULES
@@ -46,7 +51,8 @@ FSDP_COMPRESSION_STAGE = 2  # model.entry: a GPT and token windows (tests/matrix
 BASE: dict[str, Any] = {
     "model.layers": 4, "model.d_model": 32, "model.heads": 4, "model.seq_len": 16, "model.vocab": 256,
     "model.dropout": 0.0, "train.steps": STEPS, "train.lr": 0.003, "train.warmup_steps": 0,
-    "train.weight_decay": 0.1, "train.grad_clip": 0.5, "train.timeout_s": 90.0, "train.eval_interval": 0,
+    "train.weight_decay": 0.1, "train.grad_clip": 0.5, "train.timeout_s": 90.0,
+    "train.eval_interval": STEPS,  # one evaluation in every run, after its last step (issue 52)
     "batch.global": 8, "batch.micro": 1, "profile.host_interval_s": 0.0, "profile.nvml_interval_s": 0.0,
 }
 # live knobs the runner offers at every step from step 1 on; engine.live.inert_knobs drops those that
@@ -67,7 +73,9 @@ class Reference:
     numbers in a way one process reproduces (bf16, live knobs, model.entry): kept in that process.
     `own`: the feature changes the numbers by design and exists only on several ranks (lossy
     compression, CO2, LSH-MoE, SkipPipe, FlexSP's per-document steps): the reference is the feature
-    in its own minimal layout, so (topk, zero1) must follow topk at dp2.
+    in its own minimal layout, so (topk, zero1) must follow topk at dp2. A cell whose reference
+    would be its own layout (topk alone, bf16 alone) has none: its resumes still run, and it is
+    counted apart from the verified cells.
     """
 
     kind: str = "layout"  # layout | replay | own
@@ -250,22 +258,52 @@ def overrides(knobs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def matrix_token_file() -> str:
     """A uint16 token file of BASE's vocabulary, the same bytes on every machine (id 0 ends a document
-    every 37 tokens), written once into the temporary folder."""
+    every 37 tokens), in this user's private folder of the temporary directory (`_private_dir`). Its
+    bytes are checked once per process and rewritten when they differ; a write goes through a
+    `tempfile.mkstemp` file renamed into place (atomic: ranks and workers may write it at once)."""
     import array
-    import os
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), "workbench-matrix-tokens-v1.bin")
-    if not os.path.exists(path):
-        ids = array.array("H", [0 if i % 37 == 36 else 1 + (i * 7919 + i // 13) % (BASE["model.vocab"] - 1)
-                                for i in range(MATRIX_TOKENS)])
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "wb") as f:
+    ids = array.array("H", [0 if i % 37 == 36 else 1 + (i * 7919 + i // 13) % (BASE["model.vocab"] - 1)
+                            for i in range(MATRIX_TOKENS)])
+    folder = _private_dir()
+    path = os.path.join(folder, "tokens-v1.bin")
+    try:
+        with open(path, "rb") as f:
+            if f.read() == ids.tobytes():
+                return path
+    except FileNotFoundError:
+        pass
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
             ids.tofile(f)
-        os.replace(tmp, path)  # atomic: ranks and workers may write it at once
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return path
+
+
+def _private_dir() -> str:
+    """`<tmp>/workbench-matrix-<uid>`, mode 0700, refused unless a folder of this user (not a link):
+    another user cannot plant the token file the matrix reads."""
+    import stat
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"workbench-matrix-{os.getuid()}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{folder}: must be a folder of user {os.getuid()} with mode 0700 (the matrix's "
+                           "token file); remove it")
+    return folder
 
 
 def nested(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -302,10 +340,37 @@ def is_layout_knob(key: str) -> bool:
     return key.startswith(LAYOUT_PREFIXES)
 
 
+@functools.lru_cache(maxsize=None)
+def _default(key: str) -> Any:
+    from engine.config import RunConfig
+
+    node: Any = RunConfig()
+    for part in key.split("."):
+        node = getattr(node, part, _default)  # a key the config lacks: never equal to a value
+    return node
+
+
+def layout_of(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout knobs of an override set that differ from the engine's defaults: writing out
+    `parallel.dp: 1` (or any default) is no layout."""
+    return {k: v for k, v in sorted(flat.items()) if is_layout_knob(k) and v != _default(k)}
+
+
+def dims_of(flat: Mapping[str, Any]) -> tuple[int, ...]:
+    """The parallel degrees (dp, tp, pp, cp, ep) of an override set."""
+    return tuple(int(flat.get(k, 1)) for k in DEGREES)
+
+
 def layout_text(knobs: Mapping[str, Any]) -> str:
-    """The layout knobs in words: `dp=2, zero=1` (degrees of 1 left out)."""
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in knobs.items()
-                     if is_layout_knob(k) and not (k in DEGREES and v == 1))
+    """The layout knobs in words: `dp=2, zero=1` (defaults left out; link groups counted); `one process`
+    when none."""
+    return ", ".join(f"{k.split('.')[-1]}={f'{len(v)} groups' if isinstance(v, list) else v}"
+                     for k, v in layout_of(knobs).items()) or "one process"
+
+
+def dims_text(flat: Mapping[str, Any]) -> str:
+    """The degrees above 1 in words: `dp=2, ep=2`, or `1 rank`."""
+    return ", ".join(f"{k.split('.')[-1]}={d}" for k, d in zip(DEGREES, dims_of(flat)) if d > 1) or "1 rank"
 
 
 # ---------------------------------------------------------------- verdicts and run plans
@@ -336,22 +401,30 @@ class Plan:
     cell: str
     world: int
     config: dict[str, Any]  # the cell's run: parity (dropout 0) and the uninterrupted run of resume_other
-    reference: dict[str, Any]  # the parity reference's run (one process when its world is 1)
-    reference_kind: str  # "one process" | "own: <features>" | "itself"
+    reference: dict[str, Any] | None  # the parity reference's run, in another layout; None: there is none
+    reference_kind: str  # "one process" | "own: <features>" | "none"
+    reference_note: str  # the reference's layout in words, or why the cell has no other layout
     tol: float
     other_tol: float  # the other-layout resume: RESUME_TOL, or bf16's tolerance (another layout rounds otherwise)
     dropout_config: dict[str, Any]  # the same-layout resume chain (dropout on where validate allows)
     dropout_note: str  # why dropout stays off, or ""
-    other: dict[str, Any] | None  # the other layout resumed from the cell's checkpoint
+    other: dict[str, Any] | None  # the other layout (other dims) resumed from the cell's checkpoint
     other_note: str  # the other layout in words, or why there is none
     live: bool  # offer LIVE_CANDIDATES at every step from step 1
     key: str  # hash of everything above: a recorded result is stale once it changes
 
 
-def _reference(cell: Cell, knobs: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    own = [n for n in cell.features if FEATURES[n].reference.kind == OWN]
+def _own(cell: Cell) -> list[str]:
+    """The cell's features that are their own reference (`Reference`)."""
+    return [n for n in cell.features if FEATURES[n].reference.kind == OWN]
+
+
+def _reference_knobs(cell: Cell, knobs: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The reference's knobs and kind: the cell with its layout knobs removed (one process of the same
+    model and data), its `own` features kept in their minimal layout."""
+    own = _own(cell)
     ref = {k: v for k, v in knobs.items() if not is_layout_knob(k)}
-    ref.update(merge(own).knobs)  # own features keep their minimal layout
+    ref.update(merge(own).knobs)
     kind = f"own: {'+'.join(own)}" if own else "one process"
     if knobs.get("parallel.zero", 0) >= FSDP_COMPRESSION_STAGE and ref.get("comm.compressor") in FSDP_COMPRESSORS:
         ref["parallel.zero"] = FSDP_COMPRESSION_STAGE
@@ -359,23 +432,53 @@ def _reference(cell: Cell, knobs: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return ref, kind
 
 
-def _other_layout(ref: dict[str, Any], knobs: dict[str, Any], world: int) -> tuple[dict[str, Any] | None, str]:
-    """The first of dp=W, ZeRO-1 dp=W, tp=W, dp=W/2 x tp=2, dp=W/2 x pp=2 (over the reference's own features)
-    that has the cell's world, differs from the cell's layout and validate() accepts."""
+def _no_reference(cell: Cell) -> str:
+    """Why a cell whose reference would be its own layout has none."""
+    own = _own(cell)
+    if not own:
+        return "the cell is one process with no layout knob: it is the one-process reference itself"
+    f = FEATURES[own[0]]
+    return (f"the cell is the minimal layout of {'+'.join(own)} ({f.reference.why}): no other layout computes "
+            f"its numbers; {f.reference.checked_by} checks it alone")
+
+
+def _fills(world: int) -> list[tuple[int, dict[str, int]]]:
+    """(ranks, degrees) of the other layouts tried in order: dp=W, ZeRO-1 dp=W, tp=W, dp=W/2 x tp2,
+    dp=W/2 x pp2 on the cell's W ranks; dp2 and tp2 on 2 ranks for a one-process cell."""
     half = max(world // 2, 1)
-    tried = []
-    for fill in ({"parallel.dp": world}, {"parallel.dp": world, "parallel.zero": 1}, {"parallel.tp": world},
-                 {"parallel.dp": half, "parallel.tp": 2}, {"parallel.dp": half, "parallel.pp": 2}):
+    if world == 1:
+        return [(2, {"parallel.dp": 2}), (2, {"parallel.tp": 2})]
+    return [(world, fill) for fill in ({"parallel.dp": world}, {"parallel.dp": world, "parallel.zero": 1},
+                                       {"parallel.tp": world}, {"parallel.dp": half, "parallel.tp": 2},
+                                       {"parallel.dp": half, "parallel.pp": 2})]
+
+
+def _other_layout(cell: Cell, ref: dict[str, Any], knobs: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The first layout of `_fills`, over the reference's non-layout knobs and its own features (their
+    degrees only grow), with other dims than the cell's and accepted by validate(); else the reference's
+    own layout when its dims differ (SkipPipe's pp3 for dp2 x pp3)."""
+    tried, dims, world = [], dims_of(knobs), world_of(knobs)
+    for ranks, fill in _fills(world):
         cand = dict(ref)
         for key, value in fill.items():
             cand[key] = max(cand.get(key, 1), value)
-        if world_of(cand) != world or overrides(cand) == overrides(knobs):
+        if world_of(cand) != ranks or dims_of(cand) == dims:
             continue
         why = refusal(overrides(cand))
         if not why:
-            return cand, layout_text(cand)
+            return cand, layout_text(overrides(cand))
         tried.append(why)
-    return None, "no other layout of the same ranks is accepted" + (f" (e.g. {tried[0]})" if tried else "")
+    if dims_of(ref) != dims and not refusal(overrides(ref)):
+        return ref, layout_text(overrides(ref))
+    ranks = 2 if world == 1 else world
+    return None, (f"no layout of {ranks} ranks with other dims than {dims_text(knobs)} keeps the cell's features"
+                  f"{_held(cell)} and is accepted" + (f" (e.g. {tried[0]})" if tried else ""))
+
+
+def _held(cell: Cell) -> str:
+    """` (c-topk holds dp=2)`: the cell's own features, whose minimal layout every other layout keeps, or ''."""
+    own = _own(cell)
+    return f" ({'+'.join(own)} holds {dims_text(merge(own).knobs)})" if own else ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -386,20 +489,25 @@ def plan(cell: Cell) -> Plan:
         raise ValueError(f"cell {cell.id} is {v.kind}: {v.reason}")
     knobs = merge(cell.features).knobs
     world = world_of(knobs)
-    ref, kind = _reference(cell, knobs)
-    if overrides(ref) == overrides(knobs):
-        kind = "itself"
+    base, kind = _reference_knobs(cell, knobs)
+    ref, ref_note = base, layout_text(overrides(base))
+    if layout_of(overrides(base)) == layout_of(overrides(knobs)):
+        ref, kind, ref_note = None, "none", _no_reference(cell)
     tol = max(FEATURES[n].reference.tol for n in cell.features)
     dropped = {**knobs, "model.dropout": DROPOUT}
     note = refusal(overrides(dropped))
     pinned = [FEATURES[n].same_layout_only for n in cell.features if FEATURES[n].same_layout_only]
-    other, other_note = (None, pinned[0]) if pinned else _other_layout(ref, knobs, world)
-    fields = dict(cell=cell.id, world=world, config=overrides(knobs), reference=overrides(ref), reference_kind=kind,
+    other, other_note = (None, pinned[0]) if pinned else _other_layout(cell, base, knobs)
+    fields = dict(cell=cell.id, world=world, config=overrides(knobs),
+                  reference=overrides(ref) if ref is not None else None, reference_kind=kind, reference_note=ref_note,
                   tol=tol, other_tol=max(RESUME_TOL, tol if tol > PARITY_TOL else 0.0),
                   dropout_config=overrides(knobs if note else dropped), dropout_note=note,
-                  other=overrides(other) if other else None, other_note=other_note, live="live" in cell.features)
-    key = hashlib.sha256(json.dumps([fields, LIVE_CANDIDATES, RESUME_TOL, CHECKPOINT_STEP], sort_keys=True,
-                                    default=str).encode()).hexdigest()[:16]
+                  other=overrides(other) if other is not None else None, other_note=other_note,
+                  live="live" in cell.features)
+    text = json.dumps([fields, LIVE_CANDIDATES, RESUME_TOL, CHECKPOINT_STEP], sort_keys=True, default=str)
+    # the token file's path is per user and machine: the key names its bytes instead
+    tokens = f"{TOKENS_SENTINEL}:{hashlib.sha256(Path(matrix_token_file()).read_bytes()).hexdigest()[:12]}"
+    key = hashlib.sha256(text.replace(matrix_token_file(), tokens).encode()).hexdigest()[:16]
     return Plan(**fields, key=key)
 
 
@@ -408,83 +516,27 @@ def as_set_args(flat: Mapping[str, Any]) -> list[str]:
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flat.items()]
 
 
-# ---------------------------------------------------------------- results, the CI sample, the document
-
-RESULTS_PATH = "docs/data/matrix.json"
-DOC_PATH = "docs/compatibility.md"
-SAMPLE_BUDGET_S = 180.0  # CI's slice: recorded seconds of the sampled cells (issue 36: at most 4 minutes)
-SAMPLE_MAX_WORLD = 4  # CI's 2 cores: cells of at most 4 ranks
-SYMBOLS = {"verified": "✓", "refused": "✗", "exclusive": "⊘", "failed": "!", "not run": "?", "pending": "…"}
-
-
-def status(cell: Cell, results: Mapping[str, Any]) -> tuple[str, str]:
-    """(kind, detail): a verdict other than accepted, or verified / failed / not run from `results`."""
-    v = verdict(cell)
-    if v.kind != "accepted":
-        return v.kind, v.reason
-    r = results.get(cell.id)
-    if r is None:
-        return "not run", "no recorded result"
-    if r.get("key") != plan(cell).key:
-        return "not run", "the recorded result is of an older plan (re-run it)"
-    return ("verified" if r["ok"] else "failed"), evidence(r)
-
-
-def evidence(r: Mapping[str, Any]) -> str:
-    """A recorded result in one line: the figures and the test id."""
-    p, s, o = r["parity"], r["resume_same"], r["resume_other"]
-
-    def fig(part: Mapping[str, Any], tol: float) -> str:
-        return f"{part['diff']:.1e}" + ("" if part["ok"] else f" (over {tol:.0e})")
-
-    parts = [f"parity vs {p['reference']}" + (f" {fig(p, p['tol'])}" if "diff" in p else "")]
-    parts.append(f"resume same {fig(s, RESUME_TOL)}" + (f" (dropout {s['dropout']})" if s.get("dropout") else ""))
-    parts.append(f"other [{o['layout']}] {fig(o, o['tol'])}" if "diff" in o else f"other n/a ({o['na']})")
-    if r.get("errors"):
-        parts.append("errors: " + "; ".join(f"{k}: {v}" for k, v in r["errors"].items()))
-    return ", ".join(parts) + f"; `{r['test']}`"
-
-
-def _estimate_s(cell: Cell, results: Mapping[str, Any]) -> float:
-    recorded = results.get(cell.id, {}).get("seconds")
-    # unrecorded: 2 ranks ~20 s, 4 ranks ~30 s (this machine at load 10-18 took 4-60 s per cell)
-    return float(recorded) if recorded else 10.0 + 5.0 * world_of(merge(cell.features).knobs)
-
-
-def sample(seed: str, results: Mapping[str, Any], budget_s: float = SAMPLE_BUDGET_S) -> list[str]:
-    """CI's rotating slice: accepted cells of <= SAMPLE_MAX_WORLD ranks, shuffled by `seed`, taken
-    while their recorded (or estimated) seconds fit `budget_s`. A cell whose current plan is recorded
-    as failed is left out, and so is every cell with a feature that fails alone: the document already
-    lists them as failed, and their fix re-runs them (`make matrix`)."""
-    import random
-
-    failing = {c.features[0] for c in cells() if len(c.features) == 1 and status(c, results)[0] == "failed"}
-    pool = [c for c in cells() if verdict(c).kind == "accepted"
-            and world_of(merge(c.features).knobs) <= SAMPLE_MAX_WORLD
-            and status(c, results)[0] != "failed" and not failing.intersection(c.features)]
-    random.Random(seed).shuffle(pool)
-    out, spent = [], 0.0
-    for c in pool:
-        cost = _estimate_s(c, results)
-        if spent + cost <= budget_s:
-            out.append(c.id)
-            spent += cost
-    return out
-
+# ---------------------------------------------------------------- the command
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.compat --write [DOC] [--results JSON]`; `--sample SEED` prints CI's slice."""
+    """`python -m engine.compat --write [DOC] [--results JSON]` renders the document for the current
+    code; `--sample SEED` prints CI's slice; `--refresh` the cells `make matrix` re-runs."""
     import argparse
+
+    from engine.compat_doc import write
+    from engine.compat_results import DOC_PATH, RESULTS_PATH, code_state, load_results, sample, to_refresh
 
     parser = argparse.ArgumentParser(prog="python -m engine.compat", description=main.__doc__)
     parser.add_argument("--write", nargs="?", const=DOC_PATH, help=f"render the document (default {DOC_PATH})")
     parser.add_argument("--results", default=RESULTS_PATH, help="recorded results (JSON)")
     parser.add_argument("--sample", metavar="SEED", help="print the cells of CI's slice for SEED")
+    parser.add_argument("--refresh", action="store_true", help="print the cells without a current passing result")
     args = parser.parse_args(argv)
-    from engine.compat_doc import load_results, write
-
+    code = code_state()["code"]
     if args.sample:
-        print(",".join(sample(args.sample, load_results(args.results))))
+        print(",".join(sample(args.sample, load_results(args.results), code)))
+    if args.refresh:
+        print(",".join(to_refresh(load_results(args.results), code)))
     if args.write:
         print(f"wrote {write(args.write, args.results)}")
     return 0

@@ -128,17 +128,18 @@ def _pipeline_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     if p.schedule == "interleaved" and p.pp > 1 and p.virtual < 2:
         yield ConfigError("parallel.virtual", p.virtual, "must be >= 2 for the interleaved schedule")
     yield from _new_schedule_rules(cfg)
-    chunks = p.pp * (2 if p.schedule in V_SCHEDULES else max(p.virtual, 1))
+    virtual = 2 if p.schedule in V_SCHEDULES else max(p.virtual, 1)  # a V schedule holds 2 chunks per rank
+    chunks = p.pp * virtual
     if isinstance(p.layer_split, list):
         if len(p.layer_split) != chunks:
             yield ConfigError("parallel.layer_split", p.layer_split,
-                              f"needs pp*virtual = {p.pp}*{p.virtual} = {chunks} entries")
+                              f"needs pp*virtual = {p.pp}*{virtual} = {chunks} entries")
         elif sum(p.layer_split) != m.layers or min(p.layer_split) < 1:
             yield ConfigError("parallel.layer_split", p.layer_split,
                               f"entries must be >= 1 and sum to model.layers={m.layers}")
     elif p.layer_split is None and m.layers > 0 and p.pp > 0 and m.layers % chunks:
         yield ConfigError("model.layers", m.layers,
-                          f"must be divisible by pp*virtual = {p.pp}*{p.virtual} = {chunks} "
+                          f"must be divisible by pp*virtual = {p.pp}*{virtual} = {chunks} "
                           "(or give parallel.layer_split)")
     if p.pp > 1 and cfg.batch.micro > 0 and p.dp > 0 and cfg.batch.global_ % (p.dp * cfg.batch.micro) == 0:
         n_micro = cfg.grad_accum

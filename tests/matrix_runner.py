@@ -1,18 +1,18 @@
 """Runs one cell of the compatibility matrix (engine/compat.py) on real gloo ranks.
 
-A cell's runs go through one `run_ranks` call (forkserver ranks, the engine's own Trainer on each),
-in this order: the cell's run (checkpoint at CHECKPOINT_STEP), the same-layout resume chain with
-dropout on where validate() allows it (a second run and its resume), then the resume in the other
-layout from the first run's checkpoint. Rank 0 appends each run's losses to a file as it ends, so
-a run that fails or hangs loses nothing before it. The parity reference runs in this process when
-it is one process, on its own ranks otherwise, and once per distinct reference.
+A cell's runs on its own ranks go through one `run_ranks` call (forkserver ranks, the engine's own
+Trainer on each), in this order: the cell's run (checkpoint at CHECKPOINT_STEP), the same-layout
+resume chain with dropout on where validate() allows it (a second run and its resume), then the
+resume in the other layout from the first run's checkpoint (on its own ranks when it has another
+world). Every run evaluates once, after its last step. Rank 0 appends each run's losses to a file as
+it ends, so a run that fails or hangs loses nothing before it. The parity reference runs in this
+process when it is one process, on its own ranks otherwise, and once per distinct reference.
 
 `PYTHONPATH=. python tests/matrix_runner.py CELL ...` runs cells and prints their results (nothing recorded;
-`make matrix CELLS=...` records them and regenerates docs/compatibility.md).
+`make matrix CELLS=...` records them, engine/compat_results.py `record`, and regenerates docs/compatibility.md).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sys
@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import compat
+from engine import compat, compat_results
 
-_REFERENCES: dict[str, list[float] | str] = {}  # reference key -> losses, or the error it raised
+_REFERENCES: dict[str, dict[str, Any]] = {}  # reference key -> {"losses", "val"} or {"error"}
+PLANTED_SCALE = 1.001  # planted_entry's loss scale on several ranks (tests/test_matrix.py)
 
 
 def tiny_entry():
@@ -42,6 +43,31 @@ def tiny_entry():
     n, seq = 512, cfg.seq_len
     windows = [tokens[i * seq:(i + 1) * seq + 1] for i in range(n)]
     return build_model(cfg, seed=0), [(w[:-1], w[1:]) for w in windows]
+
+
+def planted_entry():
+    """model.entry of a feature broken on purpose (tests/test_matrix.py): tiny_entry's model and data
+    with a step function that scales the loss by PLANTED_SCALE when it runs on several ranks, as a
+    parallel-only defect would; one process trains it unscaled."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.model import loss_fn
+
+    model, data = tiny_entry()
+    scale = PLANTED_SCALE if dist.is_initialized() and dist.get_world_size() > 1 else 1.0
+
+    def step(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> torch.Tensor:
+        loss = loss_fn(module(inputs), targets) * scale  # plain SGD: the step function updates the weights
+        loss.backward()
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+                    p.grad = None
+        return loss
+
+    return model, data, step
 
 
 # ---------------------------------------------------------------- inside a rank
@@ -68,8 +94,9 @@ def acting_knobs(flat: dict[str, Any], offered: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def _losses(flat: dict[str, Any], knobs: dict[str, Any]) -> list[float]:
-    """One Trainer run of these overrides; `knobs` applied at every step from step 1 (live tuning)."""
+def _losses(flat: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
+    """One Trainer run of these overrides, `knobs` applied at every step from step 1 (live tuning):
+    {"losses": per step, "val": the validation loss of its one evaluation}."""
     import torch
 
     from engine.train import Trainer
@@ -79,7 +106,11 @@ def _losses(flat: dict[str, Any], knobs: dict[str, Any]) -> list[float]:
             trainer.apply_knobs(knobs)
 
     trainer = Trainer(_config(flat), device=torch.device("cpu"))
-    return [m.loss for m in trainer.run(on_boundary)]
+    steps = list(trainer.run(on_boundary))
+    vals = [m.val_loss for m in steps if m.val_loss is not None]
+    if len(vals) != 1:
+        raise RuntimeError(f"the run evaluated {len(vals)} times, not once (train.eval_interval)")
+    return {"losses": [m.loss for m in steps], "val": vals[0]}
 
 
 def _error_line(exc: BaseException) -> str:
@@ -103,7 +134,7 @@ def _rank_body(rank: int, world: int, runs: list[dict[str, Any]], out: str) -> N
             flat["train.resume_from"] = str(Path(out) / run["resume"] / f"step{compat.CHECKPOINT_STEP:06d}")
         t0 = time.perf_counter()
         try:
-            got: dict[str, Any] = {"losses": _losses(flat, run.get("knobs") or {})}
+            got: dict[str, Any] = _losses(flat, run.get("knobs") or {})
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - recorded (DCP's CheckpointException is a BaseException)
@@ -117,28 +148,29 @@ def _rank_body(rank: int, world: int, runs: list[dict[str, Any]], out: str) -> N
 
 # ---------------------------------------------------------------- the parent
 
-def _run_on_ranks(world: int, runs: list[dict[str, Any]], timeout: float) -> dict[str, dict[str, Any]]:
-    """The runs on `world` ranks; {name: result}, with a failed harness (a hang, a crash) recorded
-    on the first run that has no result."""
+def _run_on_ranks(world: int, runs: list[dict[str, Any]], out: str, timeout: float) -> dict[str, dict[str, Any]]:
+    """The runs on `world` ranks, checkpoints under `out`; {name: result}, with a failed harness (a
+    hang, a crash) recorded on the first run that has no result."""
     from parallel_harness import run_ranks
 
-    with tempfile.TemporaryDirectory(prefix="matrix-") as tmp:
-        failure = None
-        try:
-            run_ranks(world, _rank_body, runs, tmp, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - RankFailure or a timeout: keep what finished
-            lines = str(exc).strip().splitlines()
-            failure = (lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else ""))[:500]
-        path = Path(tmp) / "runs.jsonl"
-        done = {r["name"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    failure = None
+    try:
+        run_ranks(world, _rank_body, runs, out, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - RankFailure or a timeout: keep what finished
+        lines = str(exc).strip().splitlines()
+        failure = (lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else ""))[:500]
+    path = Path(out) / "runs.jsonl"
+    names = {r["name"] for r in runs}
+    done = {r["name"]: r for r in map(json.loads, path.read_text().splitlines()) if r["name"] in names} \
+        if path.exists() else {}
     missing = [r["name"] for r in runs if r["name"] not in done]
     if missing and failure:
         done[missing[0]] = {"name": missing[0], "error": failure}
     return done
 
 
-def _reference(plan: compat.Plan, knobs: dict[str, Any]) -> list[float] | str:
-    """The reference's losses (computed once per distinct reference), or the error it raised."""
+def _reference(plan: compat.Plan, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The reference's {"losses", "val"} (computed once per distinct reference), or {"error"}."""
     key = json.dumps([plan.reference, knobs], sort_keys=True, default=str)
     if key not in _REFERENCES:
         world = compat.world_of(plan.reference)
@@ -149,22 +181,27 @@ def _reference(plan: compat.Plan, knobs: dict[str, Any]) -> list[float] | str:
             try:
                 _REFERENCES[key] = _losses(plan.reference, knobs)
             except Exception as exc:  # noqa: BLE001
-                _REFERENCES[key] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                _REFERENCES[key] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         else:
-            got = _run_on_ranks(world, [{"name": "reference", "config": plan.reference, "knobs": knobs}], 300)
-            r = got.get("reference", {"error": "no result"})
-            _REFERENCES[key] = r.get("losses") or r["error"]
+            with tempfile.TemporaryDirectory(prefix="matrix-ref-") as tmp:
+                got = _run_on_ranks(world, [{"name": "reference", "config": plan.reference, "knobs": knobs}], tmp, 300)
+            _REFERENCES[key] = got.get("reference", {"error": "no result"})
     return _REFERENCES[key]
 
 
+def _series(run: dict[str, Any], tail: slice = slice(None)) -> list[float]:
+    """A run's step losses (`tail` of them) and then its validation loss: what the checks compare."""
+    return run.get("losses", [])[tail] + ([run["val"]] if "val" in run else [])
+
+
 def _diff(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b):
+    if len(a) != len(b) or not a:
         return float("inf")
-    return max((abs(x - y) for x, y in zip(a, b)), default=float("inf"))
+    return max(abs(x - y) for x, y in zip(a, b))
 
 
 def _runs(plan: compat.Plan, knobs: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """The runs of a cell in order, and the run the same-layout resume continues."""
+    """The runs of a cell in order (the other layout last), and the run the same-layout resume continues."""
     runs = [{"name": "cell", "config": plan.config, "checkpoint": True, "knobs": knobs}]
     chain = "cell"
     if plan.dropout_config != plan.config:  # dropout on: a chain of its own (RNG state restored)
@@ -177,40 +214,57 @@ def _runs(plan: compat.Plan, knobs: dict[str, Any]) -> tuple[list[dict[str, Any]
     return runs, chain
 
 
+def _execute(plan: compat.Plan, runs: list[dict[str, Any]], timeout: float) -> dict[str, dict[str, Any]]:
+    """The runs on the cell's ranks; an other layout of another world then on its own ranks."""
+    other_world = compat.world_of(plan.other) if plan.other is not None else plan.world
+    mine = [r for r in runs if r["name"] != "resume_other" or other_world == plan.world]
+    with tempfile.TemporaryDirectory(prefix="matrix-") as tmp:
+        got = _run_on_ranks(plan.world, mine, tmp, timeout)
+        rest = [r for r in runs if r not in mine]
+        if rest and "losses" in got.get("cell", {}):
+            got.update(_run_on_ranks(other_world, rest, tmp, timeout))
+    return got
+
+
+def _parity(plan: compat.Plan, knobs: dict[str, Any], cell_run: dict[str, Any],
+            errors: dict[str, str]) -> dict[str, Any]:
+    if plan.reference is None:
+        return {"reference": "none", "why": plan.reference_note, "ok": True}
+    ref_knobs = {k: v for k, v in knobs.items() if k in acting_knobs(plan.reference, knobs)}
+    ref = _reference(plan, ref_knobs)
+    out: dict[str, Any] = {"reference": plan.reference_kind, "layout": plan.reference_note}
+    if "error" in ref:
+        errors["reference"] = ref["error"]
+        return {**out, "ok": False}
+    diff = _diff(_series(cell_run), _series(ref))
+    return {**out, "diff": diff, "tol": plan.tol, "ok": diff <= plan.tol, "losses": cell_run.get("losses"),
+            "val": cell_run.get("val"), "reference_losses": ref["losses"], "reference_val": ref["val"]}
+
+
 def run_cell(cell_id: str, timeout: float = 400.0) -> dict[str, Any]:
-    """Run an accepted cell; its result (what docs/data/matrix.json records)."""
+    """Run an accepted cell; its result (what docs/data/matrix.json records), with the code it ran."""
     plan = compat.plan(compat.Cell.parse(cell_id))
+    code = compat_results.code_state()
     t0 = time.perf_counter()
     knobs = acting_knobs(plan.config, compat.LIVE_CANDIDATES) if plan.live else {}
     runs, chain = _runs(plan, knobs)
-    got = _run_on_ranks(plan.world, runs, timeout)
+    got = _execute(plan, runs, timeout)
     full, chain_full = got.get("cell", {}), got.get(chain, {})
     tail = slice(compat.CHECKPOINT_STEP, compat.STEPS)
-    result: dict[str, Any] = {"cell": plan.cell, "key": plan.key, "world": plan.world, "knobs": knobs,
+    result: dict[str, Any] = {"cell": plan.cell, "key": plan.key, **code, "world": plan.world, "knobs": knobs,
                               "test": f"tests/test_matrix.py::test_cell[{plan.cell}]"}
     errors = {name: r["error"] for name, r in got.items() if "error" in r}
     errors.update({r["name"]: "not run (an earlier run failed)" for r in runs if r["name"] not in got})
-    if plan.reference_kind == "itself":
-        result["parity"] = {"reference": "itself", "ok": "losses" in full}
-    else:
-        ref_knobs = {k: v for k, v in knobs.items() if k in acting_knobs(plan.reference, knobs)}
-        ref = _reference(plan, ref_knobs)
-        if isinstance(ref, str):
-            errors["reference"] = ref
-            result["parity"] = {"reference": plan.reference_kind, "ok": False}
-        else:
-            diff = _diff(full.get("losses", []), ref)
-            result["parity"] = {"reference": plan.reference_kind, "diff": diff, "tol": plan.tol, "ok": diff <= plan.tol,
-                                "losses": full.get("losses"), "reference_losses": ref}
-    same = _diff(got.get("resume_same", {}).get("losses", []), chain_full.get("losses", [])[tail])
+    result["parity"] = _parity(plan, knobs, full, errors)
+    same = _diff(_series(got.get("resume_same", {})), _series(chain_full, tail))
     result["resume_same"] = {"diff": same, "ok": same <= compat.RESUME_TOL,
                              "dropout": 0.0 if plan.dropout_note else compat.DROPOUT, "note": plan.dropout_note}
     if plan.other is None:
         result["resume_other"] = {"na": plan.other_note, "ok": True}
     else:
-        other = _diff(got.get("resume_other", {}).get("losses", []), full.get("losses", [])[tail])
-        result["resume_other"] = {"layout": plan.other_note, "diff": other, "tol": plan.other_tol,
-                                  "ok": other <= plan.other_tol}
+        other = _diff(_series(got.get("resume_other", {})), _series(full, tail))
+        result["resume_other"] = {"layout": plan.other_note, "dims": compat.dims_text(plan.other), "diff": other,
+                                  "tol": plan.other_tol, "ok": other <= plan.other_tol}
     result["errors"] = errors
     result["ok"] = not errors and all(result[k]["ok"] for k in ("parity", "resume_same", "resume_other"))
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -220,28 +274,7 @@ def run_cell(cell_id: str, timeout: float = 400.0) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     """One line per result: the figures a failure message shows."""
-    p, s, o = result["parity"], result["resume_same"], result["resume_other"]
-    parts = [f"{result['cell']} ({result['world']} ranks, {result['seconds']} s):",
-             f"parity vs {p['reference']}" + (f" {p['diff']:.2e} (tol {p['tol']:.0e})" if "diff" in p else ""),
-             f"resume same {s['diff']:.2e}", f"other {o['diff']:.2e} [{o['layout']}]" if "diff" in o else "other n/a"]
-    if result["errors"]:
-        parts.append(f"errors {result['errors']}")
-    return " ".join(parts)
-
-
-def record(result: dict[str, Any], path: str | Path) -> None:
-    """Merge one result into the results file (locked: several processes may record)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:  # the file is its own lock
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        text = f.read()
-        data = json.loads(text) if text.strip() else {}
-        data[result["cell"]] = result
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+    return f"{result['cell']} ({result['world']} ranks, {result['seconds']} s): {compat_results.evidence(result)}"
 
 
 def main(cells: list[str]) -> None:

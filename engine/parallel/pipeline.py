@@ -36,7 +36,14 @@ from engine.torch_compat import (
     rank_operations,
 )
 from engine.model import GPT
-from engine.parallel.schedules import _single_stage_order, chunks_per_rank, schedule_actions, stage_to_rank
+from engine.parallel.schedules import (
+    _single_stage_order,
+    chunks_per_rank,
+    compute_actions,
+    schedule_actions,
+    stage_to_rank,
+    with_comms,
+)
 from engine.validate import SCHEDULES
 
 
@@ -259,10 +266,12 @@ class Pipeline:
 
     def __init__(self, *, stages: list[_TimedStage], schedule: Any, n_microbatches: int,
                  clock: _Clock, embedding_group: dist.ProcessGroup | None,
-                 actions: dict[int, list[_Action]] | None = None, name: str = "") -> None:
+                 actions: dict[int, list[_Action]] | None = None, name: str = "",
+                 eval_order: dict[int, list[_Action]] | None = None) -> None:
         self.stages = stages
         self.name = name
         self.actions = actions or {}  # the planned compute actions of every pp rank (schedules.py)
+        self._eval_order = eval_order  # the forward-only lowered order `evaluate` runs (forward_only)
         self.schedule = schedule
         self.n_microbatches = n_microbatches
         self.modules: list[nn.Module] = [s.submod for s in stages]
@@ -304,7 +313,13 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         inputs, targets = _contiguous(inputs), _contiguous(targets)
         args = (inputs,) if self.is_first else ()
-        self.schedule.eval(*args, target=targets if self.is_last else None, losses=losses)
+        train_order = self.schedule.pipeline_order_with_comms
+        if self._eval_order is not None:
+            self.schedule.pipeline_order_with_comms = self._eval_order
+        try:
+            self.schedule.eval(*args, target=targets if self.is_last else None, losses=losses)
+        finally:
+            self.schedule.pipeline_order_with_comms = train_order
         return torch.stack(losses).sum().detach() if losses else None
 
     def sync_tied_grads(self) -> None:
@@ -410,7 +425,24 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
     prepare_schedule_with_comms(runner, actions)
     return Pipeline(stages=stages, schedule=runner, n_microbatches=n_microbatches, clock=clock,
                     embedding_group=_embedding_group(group) if pp > 1 and placement[num_stages - 1] != 0 else None,
-                    actions=actions, name=schedule)
+                    actions=actions, name=schedule, eval_order=with_comms(forward_only(actions), placement))
+
+
+def forward_only(actions: dict[int, list[_Action]]) -> dict[int, list[_Action]]:
+    """The forwards of a training order, in its order (an OVERLAP_F_B gives its forward), each
+    rank's stages unsharded before them and resharded after (FSDP stages; a no-op otherwise):
+    what `evaluate` runs. torch's `eval()` runs the training order with backwards as no-ops, and
+    under zbv / dualpipev a backward hands its input gradient to the stage beside it on the same
+    rank, which fails without a backward ("can't steal_bwd_input if this stage doesn't have
+    backward"). Lowered by `with_comms`: torch's own lowering checks every stage has its backwards."""
+    ct = _ComputationType
+    out = {}
+    for rank, order in actions.items():
+        forwards = [a for action in order for a in compute_actions(action) if a.computation_type == ct.FORWARD]
+        stages = list(dict.fromkeys(a.stage_index for a in forwards))
+        out[rank] = [*(_Action(s, ct.UNSHARD, None) for s in stages), *forwards,
+                     *(_Action(s, ct.RESHARD, None) for s in stages)]
+    return out
 
 
 @torch.no_grad()

@@ -1,0 +1,193 @@
+"""The matrix's recorded results (docs/data/matrix.json): the code they exercised, each cell's status,
+CI's rotating sample and the cells `make matrix` re-runs.
+
+A result is current when it is of the cell's current plan (`engine.compat.plan(...).key`) and of the
+current code (`code_state`: a content hash of the tracked .py files of engine/ and profilers/ and
+of tests/matrix_runner.py, so uncommitted changes count; the commit is recorded beside it for
+the reader). Any other result is `stale`: shown with the commit it was last verified on, never
+as verified. Torch-free.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.compat import RESUME_TOL, Cell, cells, merge, plan, verdict, world_of
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_PATH = "docs/data/matrix.json"
+DOC_PATH = "docs/compatibility.md"
+CODE_PATHS = ("engine", "profilers", "tests/matrix_runner.py")
+# the plan key covers what compat.py decides for a run; the two others only render and select
+NOT_CODE = ("engine/compat.py", "engine/compat_doc.py", "engine/compat_results.py")
+SAMPLE_BUDGET_S = 180.0  # CI's slice: recorded seconds of the sampled cells (issue 36: at most 4 minutes)
+SAMPLE_MAX_WORLD = 4  # CI's 2 cores: cells of at most 4 ranks, and SAMPLE_BIG above that
+SAMPLE_BIG = 1  # cells of more than SAMPLE_MAX_WORLD ranks in every slice (issue 48)
+OLDER_PLAN_FACTOR = 2.0  # seconds of a result of an older plan x this: the estimate of the current plan's run
+CURRENT = ("verified", "no reference", "failed")  # kinds of a current result
+SYMBOLS = {"verified": "✓", "no reference": "○", "failed": "!", "stale": "↻", "not run": "?",
+           "refused": "✗", "exclusive": "⊘", "pending": "…"}
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False)
+
+
+def _code_files(root: Path) -> list[str]:
+    """The tracked .py files under CODE_PATHS (every .py file there outside a git checkout)."""
+    got = _git(root, "ls-files", "-z", "--", *CODE_PATHS)
+    if got.returncode == 0 and got.stdout:
+        names = got.stdout.split("\0")
+    else:
+        names = [str(p.relative_to(root)) for part in CODE_PATHS for p in sorted((root / part).rglob("*.py"))
+                 if (root / part).is_dir()] + [p for p in CODE_PATHS if p.endswith(".py")]
+    return sorted(n for n in names if n.endswith(".py") and n not in NOT_CODE and (root / n).is_file())
+
+
+def code_state(root: Path = ROOT) -> dict[str, Any]:
+    """{"code": content hash of the code a cell exercises, "commit": HEAD, "dirty": whether those files
+    differ from HEAD}; the hash decides staleness, the commit only names where to look."""
+    files = _code_files(root)
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
+    head = _git(root, "rev-parse", "--short=12", "HEAD")
+    dirty = _git(root, "diff", "--quiet", "HEAD", "--", *files).returncode != 0 if head.returncode == 0 else False
+    return {"code": digest.hexdigest()[:16], "commit": head.stdout.strip() if head.returncode == 0 else "unknown",
+            "dirty": dirty}
+
+
+def load_results(path: str | Path = ROOT / RESULTS_PATH) -> dict[str, Any]:
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def commit_text(r: Mapping[str, Any]) -> str:
+    """Where a result was recorded: `abc1234`, `abc1234+` (with uncommitted changes), or `unknown`."""
+    if "commit" not in r:
+        return "unknown"
+    return r["commit"][:7] + ("+" if r.get("dirty") else "")
+
+
+def status(cell: Cell, results: Mapping[str, Any], code: str) -> tuple[str, str]:
+    """(kind, detail): a verdict other than accepted; else, from `results` and the current `code` hash,
+    verified / no reference / failed (current), stale or not run."""
+    v = verdict(cell)
+    if v.kind != "accepted":
+        return v.kind, v.reason
+    r = results.get(cell.id)
+    if r is None:
+        return "not run", "no recorded result"
+    if r.get("key") != plan(cell).key or r.get("code") != code:
+        changed = "the cell's plan changed" if r.get("key") != plan(cell).key else "the code changed"
+        was = "verified" if r.get("ok") else "run (failed)"
+        where = f"on commit {commit_text(r)}" if "commit" in r else "before results recorded their commit"
+        return "stale", f"last {was} {where}; {changed} since"
+    if not r["ok"]:
+        return "failed", evidence(r)
+    return ("no reference" if r["parity"].get("reference") == "none" else "verified"), evidence(r)
+
+
+def _fig(part: Mapping[str, Any], tol: float) -> str:
+    return f"{part['diff']:.1e}" + ("" if part["ok"] else f" (over {tol:.0e})")
+
+
+def checks(r: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The three checks of a result in words: parity vs a different layout, same-layout resume,
+    other-layout resume."""
+    p, s, o = r["parity"], r["resume_same"], r["resume_other"]
+    if p.get("reference") == "none":
+        parity = f"none: {p['why']}"
+    elif p.get("reference") == "itself":  # results recorded before issue 48
+        parity = "vs itself (no comparison)"
+    else:
+        where = f" [{p['layout']}]" if p.get("layout") not in (None, p["reference"]) else ""
+        parity = f"vs {p['reference']}{where} " + (_fig(p, p["tol"]) if "diff" in p else "(no losses)")
+    same = _fig(s, RESUME_TOL) + (f", dropout {s['dropout']}" if s.get("dropout") else "")
+    other = f"[{o['layout']}] {_fig(o, o['tol'])}" if "diff" in o else f"n/a: {o['na']}"
+    return parity, same, other
+
+
+def evidence(r: Mapping[str, Any]) -> str:
+    """A recorded result in one line: the three checks, the errors and the test id."""
+    parity, same, other = checks(r)
+    errors = "; errors: " + "; ".join(f"{k}: {v}" for k, v in r["errors"].items()) if r.get("errors") else ""
+    return f"parity {parity}; resume same {same}; other {other}{errors}; `{r['test']}`"
+
+
+def _estimate_s(cell: Cell, results: Mapping[str, Any]) -> float:
+    r = results.get(cell.id, {})
+    if r.get("seconds") and r.get("key") == plan(cell).key:
+        return float(r["seconds"])
+    if r.get("seconds"):  # a result of an older plan: the same 19 cells ran 179 s before issue 48, 340 s after
+        return OLDER_PLAN_FACTOR * float(r["seconds"])
+    # unrecorded: 2 ranks ~20 s, 4 ranks ~30 s (this machine at load 10-18 took 4-60 s per cell)
+    return 10.0 + 5.0 * world_of(merge(cell.features).knobs)
+
+
+def sample(seed: str, results: Mapping[str, Any], code: str, budget_s: float = SAMPLE_BUDGET_S) -> list[str]:
+    """CI's rotating slice, shuffled by `seed`, cells without a current result first (so CI refreshes
+    them): SAMPLE_BIG cells of more than SAMPLE_MAX_WORLD ranks, then cells of at most that many
+    while their recorded (or estimated) seconds fit `budget_s`. A cell whose current result failed is
+    left out, and so is every cell with a feature that fails alone: the document lists them as
+    failed, and their fix re-runs them (`make matrix`)."""
+    statuses = {c.id: status(c, results, code) for c in cells()}
+    failing = {c.features[0] for c in cells() if len(c.features) == 1 and statuses[c.id][0] == "failed"}
+    pool = [c for c in cells() if verdict(c).kind == "accepted" and statuses[c.id][0] != "failed"
+            and not failing.intersection(c.features)]
+    random.Random(seed).shuffle(pool)
+    pool.sort(key=lambda c: statuses[c.id][0] in CURRENT)  # stable: the shuffle within each part
+    big = [c for c in pool if world_of(merge(c.features).knobs) > SAMPLE_MAX_WORLD][:SAMPLE_BIG]
+    out, spent = [c.id for c in big], sum(_estimate_s(c, results) for c in big)
+    for c in pool:
+        cost = _estimate_s(c, results)
+        if world_of(merge(c.features).knobs) <= SAMPLE_MAX_WORLD and spent + cost <= budget_s:
+            out.append(c.id)
+            spent += cost
+    return out
+
+
+def to_refresh(results: Mapping[str, Any], code: str) -> list[str]:
+    """The accepted cells without a current passing result (stale, not run, failed): `make matrix`."""
+    return [c.id for c in cells() if verdict(c).kind == "accepted"
+            and status(c, results, code)[0] not in ("verified", "no reference")]
+
+
+
+def record(result: Mapping[str, Any], path: str | Path, doc: str | Path | None = None) -> None:
+    """Merge one result into the results file, then render `doc` from it. Under a lock on the folder
+    (several processes may record), each file replaced whole (a `make matrix` killed at any point
+    keeps every result recorded before)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        data = load_results(path)
+        data[result["cell"]] = dict(result)
+        _replace(path, json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+        if doc is not None:
+            from engine.compat_doc import render
+
+            _replace(Path(doc), render(data))
+    finally:
+        os.close(folder)  # releases the lock
+
+
+def _replace(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
