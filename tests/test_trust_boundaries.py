@@ -220,7 +220,10 @@ def test_a_token_id_beyond_the_vocabulary_is_named_not_looked_up(tmp_path):
     ids[1234] = 300
     path = tmp_path / "train.bin"
     ids.astype(np.uint16).tofile(path)
-    cfg = load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab=256", "model.seq_len=16"])
+    sets = ["data.source=tokens", f"data.path={path}", "model.vocab=256", "model.seq_len=16"]
+    with pytest.raises(ConfigError, match=r"holds token id 300 \(data.dtype=uint16\), not below model.vocab=256"):
+        load_config(None, sets)  # before any rank starts: the file is read once (sampled when large)
+    cfg = load_config(None, sets, check=False)  # and each rank checks every batch it reads
     train, _ = build_streams(cfg.data, cfg.model)
     with pytest.raises(ValueError, match=r"^data.path: token id 300 >= model.vocab=256; raise model.vocab or "
                                          r"re-tokenize$"):
