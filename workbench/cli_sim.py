@@ -1,6 +1,7 @@
 """`workbench simulate` (one config, or a Frontier-style search) and `workbench calibrate`."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,8 +97,12 @@ def _check_config(pairs: dict[str, Any]) -> dict[str, Any]:
 # --search tables: these columns first, with short headers (units in the header)
 SEARCH_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "virtual": "v", "micro": "micro", "zero": "zero",
                   "recompute": "recompute", "iteration_time_s": "iter (s)", "tokens_per_s": "tokens/s",
-                  "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU", "memory_per_gpu_gb": "mem/GPU (GB)",
+                  "tflops_per_gpu": "TFLOP/s/GPU*", "mfu": "MFU", "memory_per_gpu_gb": "mem/GPU (GB)",
                   "fits": "fits"}
+# a layout's other keys: shown beside the key columns where they tell the listed rows apart
+LAYOUT_KEYS = ("sequence_parallel", "schedule", "cp_impl", "global_batch", "tp_spans_nodes")
+FLOPS_NOTE = ("* TFLOP/s/GPU counts the FLOPs executed, recomputation included (Megatron-LM's convention); "
+              "MFU counts the model's FLOPs only (PaLM's), so the two differ where a layout recomputes")
 
 
 def print_frame(title: str, df, *, wide: bool, first: tuple[str, ...] = ()) -> None:
@@ -105,12 +110,17 @@ def print_frame(title: str, df, *, wide: bool, first: tuple[str, ...] = ()) -> N
     from workbench.fmt import num, pct
     from workbench.report import fit_table
 
-    order = [c for c in first if c in df.columns] + [c for c in SEARCH_COLUMNS if c in df.columns and c not in first]
+    keys = [c for c in first if c in df.columns] + [c for c in SEARCH_COLUMNS if c in df.columns and c not in first]
+    telling = [c for c in LAYOUT_KEYS if c in df.columns and c not in keys and df[c].astype(str).nunique() > 1]
+    at = keys.index("recompute") + 1 if "recompute" in keys else len(keys)
+    order = keys[:at] + telling + keys[at:]  # rows that differ only there would look like duplicates
     order += [c for c in df.columns if c not in order]
     header = [SEARCH_COLUMNS.get(c, c) for c in order]
     rows = [[pct(r[c]) if c == "mfu" else num(r[c].item() if hasattr(r[c], "item") else r[c]) for c in order]
             for _, r in df.iterrows()]
     fit_table(title, header, rows, console, wide=wide)
+    if "tflops_per_gpu" in order:
+        console.print(FLOPS_NOTE, soft_wrap=True, highlight=False)
 
 
 def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
@@ -340,12 +350,16 @@ def _check_against_run(spec, world: int, step, host) -> dict:
 
 
 def _check_line(verdict: dict) -> str:
-    runs = verdict.get("runs") or []
-    each = ", ".join(f"{r['error_pct']:+.1f}% at speed {r['speed']:.2f}" for r in runs)
-    return (f"check run ({verdict['config']}): predicted {verdict['predicted_s']:.4f} s, measured "
-            f"{verdict['measured_s']:.4f} s, error {verdict['error_pct']:+.1f}% (threshold "
-            f"{verdict['threshold_pct']:.0f}%, load1 {verdict['load1']:.1f}"
-            + (f"; {len(runs)} runs, median of {each}" if len(runs) > 1 else "") + ")")
+    """What each number of the check is: the profile's prediction at the speed the host had while it was
+    measured, the host's speed now relative to that, the time expected now, the time measured."""
+    runs = verdict.get("runs") or [{"speed": 1.0, **verdict}]
+    speed = statistics.median(r["speed"] for r in runs)
+    each = ", ".join(f"{r['error_pct']:+.1f}% at speed {r['speed']:.2f}x" for r in runs)
+    return (f"check run ({verdict['config']}): the profile predicts {verdict['predicted_s']:.4f} s per step at the "
+            f"host's speed while calibrating; the host runs at {speed:.2f}x that speed now, so "
+            f"{verdict['predicted_s'] / speed:.4f} s is expected; measured {verdict['measured_s']:.4f} s: error "
+            f"{verdict['error_pct']:+.1f}% (threshold {verdict['threshold_pct']:.0f}%, load1 {verdict['load1']:.1f}"
+            + (f"; median of {len(runs)} runs: {each}" if len(runs) > 1 else "") + ")")
 
 
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
@@ -368,18 +382,30 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     check_number("--world", world, 1)
     import contextlib
 
+    import time
+
     done: list[str] = []
+    started = [time.perf_counter()] * 2  # the calibration's start, the current step's start
     busy = contextlib.nullcontext() if as_json else err.status("measuring this machine ...")
 
-    def step(name: str) -> None:  # "measuring 3: optimizer rate (clip + AdamW) (done: GEMMs..., memory-bound ops)"
+    def step(name: str | None) -> None:  # a line per finished step (minutes each on a busy host), then the next
+        now = time.perf_counter()
+        if done and not as_json:
+            err.print(f"  {done[-1]}: done in {now - started[1]:.0f} s ({now - started[0]:.0f} s in all)",
+                      highlight=False)
+        started[1] = now
+        if name is None:
+            return
         if not as_json:
-            busy.update(f"measuring {len(done) + 1}: {name}" + (f" (done: {', '.join(done)})" if done else ""))
+            steps = (11 if world > 1 else 6) + int(check)  # tuning/calibration.py's progress() calls, and the check
+            busy.update(f"measuring {len(done) + 1} of about {steps}: {name}")
         done.append(name.split(" (")[0])
 
     with busy:
         host = measure_host(step)
         spec = calibrate_local(world, host=host, progress=step)
         verdict = _check_against_run(spec, world, step, host) if check else None
+        step(None)
     if verdict is not None and not as_json:
         console.print(_check_line(verdict), soft_wrap=True, markup=False, highlight=False)
     if verdict is not None and not verdict["ok"] and not force:
