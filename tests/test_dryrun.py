@@ -72,6 +72,7 @@ def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
     assert fake.memory["Optstate"] > 0 and fake.memory["Activation"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("launch")
 def test_dry_run_collectives_equal_a_real_runs_telemetry(tmp_path):
     """The real program on 2 gloo ranks records its step's collectives per axis; the dry run of the
@@ -125,6 +126,7 @@ def cli(*args: str, home=None, timeout: int = 300) -> subprocess.CompletedProces
                           env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_workbench_dryrun_prints_the_simulators_figures_beside_its_own(tmp_path):
     """fp32, ZeRO-3: the simulator's dp bytes (2 gathers + 1 reduce-scatter of the parameters per
     micro-batch) are the dry run's, less the loss all-reduce; memory rows carry both columns."""
@@ -153,6 +155,7 @@ def test_workbench_dryrun_prints_the_simulators_figures_beside_its_own(tmp_path)
     assert "simulator (GiB)" in text and "Sharded Param" in text and "sent or reduced" in text
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("launch")
 def test_run_refuses_a_config_that_would_not_fit_before_any_rank_starts(tmp_path):
     """--device-memory: the launcher dry-runs the config first; a busiest rank above it is refused in
@@ -164,9 +167,14 @@ def test_run_refuses_a_config_that_would_not_fit_before_any_rank_starts(tmp_path
     assert "the dry run of rank 0 (pp 0, dp 0, tp 0) peaks at" in line and "activations" in line
     assert "GiB the largest, more than the 0.001 GiB device memory (--device-memory)" in line
     assert not (tmp_path / "runs").exists()
-    # DDP, which the dry run cannot play: the analytic estimate judges, in one line too
-    ddp = cli("run", "examples/tiny.yaml", "--device-memory", "0.001", home=tmp_path)
-    assert ddp.returncode == 2 and "needs an estimated" in ddp.stderr and not (tmp_path / "runs").exists()
+
+
+def test_the_preflight_judges_ddp_by_the_analytic_estimate():
+    """DDP, which the dry run cannot play: the pre-flight refuses by engine/memory.py's estimate."""
+    from engine.dryrun import preflight
+
+    with pytest.raises(ConfigError, match=r"needs an estimated .* GiB per rank .* more than the 0.001 GiB device memory"):
+        preflight(load_config("examples/tiny.yaml"), device_memory_gib=0.001)
 
 
 def test_a_cpu_run_without_a_device_target_is_not_dry_run(monkeypatch):
