@@ -207,12 +207,18 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
            extra_env: dict[str, str] | None = None, launcher: str = "local",
-           on_job: Callable[[Any], None] | None = None, rdzv_timeout_s: float = RDZV_TIMEOUT_S) -> RunResult:
+           on_job: Callable[[Any], None] | None = None, rdzv_timeout_s: float = RDZV_TIMEOUT_S,
+           device_memory_gib: float | None = None) -> RunResult:
     """Validate, register the run, start the ranks, stream telemetry into the store, wait.
     launcher="slurm" submits the run as one Slurm job of cfg.cluster instead (engine/slurm.py);
-    `on_job` then hears each change of the job's state (queued, running, done)."""
+    `on_job` then hears each change of the job's state (queued, running, done). A run targeting
+    GPUs (or `device_memory_gib` per rank) is dry-run first and refused in one line if its busiest
+    rank would not fit (engine/dryrun.py `preflight`), before anything is registered or started."""
+    from engine.dryrun import preflight
     from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
+    validate(cfg)
+    preflight(cfg, device_memory_gib=device_memory_gib)
     if launcher == "slurm":
         from engine.slurm import launch_slurm
 

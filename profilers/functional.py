@@ -137,14 +137,24 @@ class TimedOp(OpProxy):
             log.debug("functional collective %s not recorded: %s", self._name, exc)
             return self._packet(*args, **kwargs)
         out = self._packet(*args, **kwargs)
+        if _is_fake(out):  # a dry run (FakeTensorMode): nothing to wait for, no address to key the wait by
+            profiler.end(call, start, pending)
+            return out
         _IN_FLIGHT.add(_tensors(out), (profiler, call, start, pending))
         return out
+
+
+def _is_fake(value: Any) -> bool:
+    """Whether `value` holds torch's fake tensors (shapes without storage, `FakeTensorMode`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in _tensors(value)[:1])
 
 
 def _wait(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensor = args[0] if args else kwargs.get("tensor")
     out = packet(*args, **kwargs)
-    entry = _IN_FLIGHT.pop(tensor) if isinstance(tensor, torch.Tensor) else None
+    entry = _IN_FLIGHT.pop(tensor) if isinstance(tensor, torch.Tensor) and not _is_fake(tensor) else None
     if entry is not None:
         profiler, call, start, pending = entry
         profiler.end(call, start, pending)

@@ -20,7 +20,7 @@ def test_help_lists_every_command():
     out = cli("--help")
     assert out.returncode == 0
     for command in ("run", "runs", "show", "commbench", "tune", "studies", "export", "simulate", "calibrate", "app",
-                    "tokenize", "plan"):
+                    "tokenize", "plan", "dryrun"):
         assert f" {command} " in out.stdout, command
 
 

@@ -124,3 +124,31 @@ def test_c10d_groups_and_ddp_ignore_on_one_rank() -> None:
         assert "1.weight" in ddp.parameters_to_ignore
     finally:
         dist.destroy_process_group()
+
+
+def test_dry_run_symbols() -> None:
+    """engine/dryrun.py's: the fake store and tensor mode, torch's trackers, the sharding propagation's
+    own fake mode, static stage shapes, and the op a host read dispatches."""
+    fake_mode = tc.fake_tensor_mode()
+    with fake_mode():
+        t = torch.ones(3)
+    assert t.shape == (3,) and type(t).__name__ == "FakeTensor"
+    assert type(tc.fake_store()).__name__ == "FakeStore"
+    mem_tracker, fsdp_tracker = tc.memory_trackers()
+    assert issubclass(fsdp_tracker, mem_tracker) and not tc.tracker_in_backward(mem_tracker())
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    before = sharding_prop.detect_fake_mode
+    with tc.own_sharding_fake_mode():
+        assert type(sharding_prop.detect_fake_mode()) is fake_mode
+    assert sharding_prop.detect_fake_mode is before
+    stage = SimpleNamespace()
+    tc.set_static_stage_meta(stage, (torch.zeros(2, 3),), (torch.zeros(2, 4, requires_grad=True),))
+    assert tuple(stage._user_meta.outputs[0].shape) == (2, 4) and stage._user_meta.is_complete_for_forward()
+
+    class Reads(tc.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return 7.0 if func is tc.LOCAL_SCALAR_DENSE else func(*args, **(kwargs or {}))
+
+    with Reads():
+        assert torch.ones(1).item() == 7.0

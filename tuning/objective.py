@@ -143,6 +143,8 @@ class Objective:
                             on_job=self._job_recorder(trial) if self.launcher == "slurm" else None)
         except optuna.TrialPruned as exc:
             return self._prune(trial, f"pruned at step {exc}")
+        except ConfigError as exc:  # launch()'s pre-flight dry run: a GPU target's device would not hold it
+            return self._prune(trial, f"does not fit: {exc}")
         return self._outcome(trial, result)
 
     def _memory_over(self, cfg: RunConfig) -> str | None:

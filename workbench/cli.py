@@ -1,4 +1,4 @@
-"""The `workbench` command line: run, runs, show, commbench, tune, studies, export, simulate, calibrate, app.
+"""The `workbench` command line: run, runs, show, commbench, tune, studies, export, simulate, calibrate, dryrun, app.
 
 User errors (bad config, unknown run) exit non-zero with the message and no traceback; a failing
 rank's traceback is shown with its rank, since that is the user's own error to read.
@@ -95,7 +95,10 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         dry_run: bool = typer.Option(False, "--dry-run", help="With --launcher slurm: print the batch script "
                                      "and srun line, submit nothing"),
         run_id: Optional[str] = typer.Option(None, "--run-id", help="The run's id; with --nnodes > 1 give every "
-                                             "node the same one, so all ranks land in one run")) -> None:
+                                             "node the same one, so all ranks land in one run"),
+        device_memory: Optional[float] = typer.Option(None, "--device-memory", help="GiB per rank's device: dry-run "
+                                                      "first and refuse a config that would not fit (GPU runs: "
+                                                      "the GPU's, else 80 GB-class)")) -> None:
     """Train one config on dp*tp*pp*cp ranks (experts over ep of them) and record its telemetry."""
     import signal
 
@@ -109,6 +112,7 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
         fail(f"--run-id={run_id!r}: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     check_number("--nnodes", nnodes, 1)
+    check_number("--device-memory", device_memory, 0, exclusive=True)
     check_number("--node-rank", node_rank, 0, maximum=nnodes - 1)
     check_launcher(launcher, dry_run, multi_node=nnodes > 1 or rdzv_endpoint is not None)
     try:
@@ -119,9 +123,11 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
             from engine.mesh import world_product
 
             fail(f"--nnodes={nnodes}: must divide the world size {world_product(cfg.parallel.cp)} = {cfg.world_size}")
+        from engine.dryrun import device_memory_target
         from engine.memory import check_fits
 
-        check_fits(cfg, nnodes)
+        if device_memory_target(cfg, device_memory) is None:  # a device target: launch()'s dry run judges it
+            check_fits(cfg, nnodes)
     except ConfigError as exc:
         fail(str(exc))
     signal.signal(signal.SIGTERM, on_term)
@@ -129,11 +135,13 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     try:
         if as_json:
             result = launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
-                            run_id=run_id, rdzv_timeout_s=rdzv_timeout)
+                            run_id=run_id, rdzv_timeout_s=rdzv_timeout, device_memory_gib=device_memory)
         else:
             result = _run_with_progress(cfg, nnodes, node_rank, rdzv_endpoint, timeout, run_id=run_id,
-                                        rdzv_timeout=rdzv_timeout)
+                                        rdzv_timeout=rdzv_timeout, device_memory_gib=device_memory)
     except JoinTimeout as exc:  # no rank ran: a setup error, like a bad flag
+        fail(str(exc))
+    except ConfigError as exc:  # the pre-flight dry run: the config would not fit the device
         fail(str(exc))
     except RankFailure as exc:
         fail(str(exc), code=1)
@@ -206,7 +214,8 @@ def _launch_slurm_quietly(cfg, timeout: Optional[float]):
 
 
 def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float],
-                       launcher: str = "local", run_id: Optional[str] = None, rdzv_timeout: float = 300.0):
+                       launcher: str = "local", run_id: Optional[str] = None, rdzv_timeout: float = 300.0,
+                       device_memory_gib: Optional[float] = None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from engine.launch import launch
@@ -227,7 +236,8 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
         if launcher == "slurm":
             return launch(cfg, timeout_s=timeout, on_progress=on_progress, launcher="slurm", on_job=on_job)
         return launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, timeout_s=timeout,
-                      on_progress=on_progress, run_id=run_id, rdzv_timeout_s=rdzv_timeout)
+                      on_progress=on_progress, run_id=run_id, rdzv_timeout_s=rdzv_timeout,
+                      device_memory_gib=device_memory_gib)
 
 
 def _run_json(result) -> dict[str, Any]:
@@ -401,7 +411,7 @@ def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / ar
 
 
 def _register() -> None:
-    from workbench import cli_plan, cli_sim, cli_tune
+    from workbench import cli_dryrun, cli_plan, cli_sim, cli_tune
 
     app.command()(cli_tune.tune)
     app.command()(cli_tune.studies)
@@ -409,6 +419,7 @@ def _register() -> None:
     app.command()(cli_plan.plan)
     app.command()(cli_sim.simulate)
     app.command()(cli_sim.calibrate)
+    app.command()(cli_dryrun.dryrun)
 
 
 def main() -> None:

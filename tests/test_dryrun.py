@@ -1,0 +1,188 @@
+"""The dry run (engine/dryrun.py, `workbench dryrun`, the launcher's pre-flight): one step of the real
+program at the real world size in one CPU process, judged by hand counts, by a real run's own
+telemetry and by the same memory tracker on a real step."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.config import load_config
+from engine.errors import ConfigError
+
+# a Llama-shaped model whose every dim 0 divides by 8: FSDP2 pads no shard at world 8, so its gathers
+# carry exactly the parameters
+HF = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+      "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512, "tie_word_embeddings": False}
+BASE = [f"model.hf={json.dumps(HF)}", "model.seq_len=32", "data.source=synthetic", "precision=fp32",
+        "train.steps=2", "batch.micro=1"]
+
+
+def _cfg(*overrides: str):
+    return load_config(None, [*BASE, *overrides])
+
+
+def _transformers_params() -> int:
+    """Parameters transformers' own LlamaForCausalLM has for HF (not the engine's count)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in HF.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **kwargs))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_fsdp2_gathers_every_parameter_twice_per_micro_batch_in_fp32():
+    """ZeRO-3 at world 8, 2 micro-batches: each of the 5 FSDP2 groups (4 layers, the root) gathers
+    before forward and before backward, 4 bytes per parameter (the engine keeps fp32 parameters),
+    and reduce-scatters its gradients once per micro-batch."""
+    from engine.dryrun import dry_run
+
+    result = dry_run(_cfg("parallel.dp=8", "parallel.zero=3", "batch.global=16"))
+    (role,) = result.roles
+    params = _transformers_params()
+    gather, scatter = role.collectives["dp:all_gather"], role.collectives["dp:reduce_scatter"]
+    assert (gather["count"], gather["bytes"]) == (2 * 2 * 5, 2 * 2 * 4 * params)
+    assert (scatter["count"], scatter["bytes"]) == (2 * 5, 2 * 4 * params)
+    assert role.tracker == "FSDPMemTracker" and role.coords == {"pp": 0, "dp": 0, "tp": 0}
+    assert role.memory["Sharded Param"] == pytest.approx(4 * params / 8, rel=0.01)  # plus the rotary buffer
+    assert role.peak == pytest.approx(sum(role.memory.values()))
+
+
+def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
+    """One rank, the same config: the fake step's categories at the peak are the real step's bytes."""
+    from engine.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
+    from engine.train import Trainer
+
+    cfg = _cfg("batch.global=2", "train.activation_checkpointing=true")
+    (fake,) = dry_run(cfg).roles
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    _optimizer_states(trainer.par)
+    tracker, name = _tracker(trainer.par)
+    with _per_micro_batch(tracker, trainer.par.modules), tracker:
+        trainer.train_step(1)
+    real = {getattr(k, "value", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()
+            if k != "Total"}
+    assert name == fake.tracker == "MemTracker"
+    assert fake.memory == pytest.approx(real, rel=1e-6)
+    assert fake.memory["Optstate"] > 0 and fake.memory["Activation"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("launch")
+def test_dry_run_collectives_equal_a_real_runs_telemetry(tmp_path):
+    """The real program on 2 gloo ranks records its step's collectives per axis; the dry run of the
+    same config counts the same calls and bytes."""
+    from engine.dryrun import dry_run
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    cfg = _cfg("parallel.dp=2", "parallel.zero=3", "batch.global=4")
+    result = launch(cfg, home=tmp_path)
+    recorded = {r.name: r.value for r in RunStore.open_home(tmp_path).metrics(result.run_id, kind="comm", rank=0)
+                if r.step == 1}
+    (role,) = dry_run(cfg).roles
+    for key in ("dp:all_gather", "dp:reduce_scatter", "dp:all_reduce"):
+        assert role.collectives[key]["count"] == recorded[f"{key}/count"], key
+        assert role.collectives[key]["bytes"] == recorded[f"{key}/bytes"], key
+
+
+def test_a_pipeline_reports_each_stage_with_its_sends():
+    """pp2 x dp2, 1F1B over 2 micro-batches: one role per stage; stage 0 sends each micro-batch's
+    activation, stage 1 each gradient back (plus the schedule's 4-byte warm-up vote), and the two
+    ends sum the tied embedding gradient."""
+    from engine.dryrun import dry_run
+
+    cfg = load_config(None, ["model.layers=4", "model.d_model=64", "model.heads=4", "model.seq_len=32",
+                             "model.vocab=256", "parallel.pp=2", "parallel.dp=2", "batch.global=8",
+                             "batch.micro=2", "data.source=synthetic"])
+    roles = dry_run(cfg).roles
+    assert [r.rank for r in roles] == [0, 2] and [r.coords["pp"] for r in roles] == [0, 1]
+    activation = 2 * 32 * 64 * 4  # micro x seq x d_model, fp32
+    for role in roles:
+        assert role.collectives["pp:send"]["bytes"] == 2 * activation + 4
+        assert role.collectives["pp:recv"]["bytes"] == 2 * activation + 4
+        assert role.collectives["all_reduce"]["bytes"] == 256 * 64 * 4  # the embedding group (no mesh axis)
+        assert role.tracker == "MemTracker" and role.memory["Optstate"] > 0
+
+
+def test_layouts_the_dry_run_cannot_play_are_named_in_one_line():
+    from engine.dryrun import at_world, dry_run
+
+    with pytest.raises(ConfigError, match=r"parallel.zero=0: the dry run cannot play DDP"):
+        dry_run(_cfg("parallel.dp=2", "batch.global=2"))
+    assert at_world(_cfg("parallel.tp=2", "batch.global=8"), 8).parallel.dp == 4
+    with pytest.raises(ConfigError, match=r"--world=6: must be a multiple of tp\(4\)"):
+        at_world(_cfg("parallel.tp=4"), 6)
+
+
+def cli(*args: str, home=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WORKBENCH_HOME": str(home)} if home else dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_workbench_dryrun_prints_the_simulators_figures_beside_its_own(tmp_path):
+    """fp32, ZeRO-3: the simulator's dp bytes (2 gathers + 1 reduce-scatter of the parameters per
+    micro-batch) are the dry run's, less the loss all-reduce; memory rows carry both columns."""
+    from types import SimpleNamespace
+
+    from workbench.cli import console
+    from workbench.cli_dryrun import _print_report
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{hf: {json.dumps(HF)}, seq_len: 32}}\ndata: {{source: synthetic}}\n"
+                      "parallel: {dp: 2, zero: 3}\nbatch: {global: 8, micro: 1}\nprecision: fp32\n")
+    out = cli("dryrun", str(config), "--world", "8", "--json", "--device-memory", "0.0001", home=tmp_path)
+    assert out.returncode == 2 and "peaks at" in out.stderr and "Traceback" not in out.stderr
+    report = json.loads(out.stdout)
+    (role,) = report["roles"]
+    assert report["layout"]["dp"] == 8 and report["fits"] is False and "peaks at" in report["refusal"]
+    (dp,) = [row for row in role["comm"] if row["axis"] == "dp"]
+    loss = dp["ops"]["all_reduce"]["bytes"]
+    assert dp["dry_run"] - loss == pytest.approx(dp["simulator"], rel=1e-3)
+    rows = {row["category"]: row for row in role["memory"]}
+    assert set(rows) >= {"params", "grads", "optimizer", "activations"}
+    assert all(rows[c]["simulator"] > 0 for c in ("params", "grads", "optimizer", "activations"))
+    with console.capture() as captured:
+        _print_report(SimpleNamespace(name="c"), report)
+    text = captured.get()
+    assert "simulator (GiB)" in text and "Sharded Param" in text and "sent or reduced" in text
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("launch")
+def test_run_refuses_a_config_that_would_not_fit_before_any_rank_starts(tmp_path):
+    """--device-memory: the launcher dry-runs the config first; a busiest rank above it is refused in
+    one line naming the category that dominates and the figures, and no run is registered."""
+    out = cli("run", "examples/tiny.yaml", "--set", "parallel.zero=3", "--device-memory", "0.001", home=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert "the dry run of rank 0 (pp 0, dp 0, tp 0) peaks at" in line and "activations" in line
+    assert "GiB the largest, more than the 0.001 GiB device memory (--device-memory)" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_preflight_judges_ddp_by_the_analytic_estimate():
+    """DDP, which the dry run cannot play: the pre-flight refuses by engine/memory.py's estimate."""
+    from engine.dryrun import preflight
+
+    with pytest.raises(ConfigError, match=r"needs an estimated .* GiB per rank .* more than the 0.001 GiB device memory"):
+        preflight(load_config("examples/tiny.yaml"), device_memory_gib=0.001)
+
+
+def test_a_cpu_run_without_a_device_target_is_not_dry_run(monkeypatch):
+    """The pre-flight stays free for CPU runs: no device memory known, nothing is dry-run."""
+    import engine.dryrun as dryrun
+
+    monkeypatch.setattr(dryrun, "dry_run_subprocess", lambda cfg: pytest.fail("dry-ran a CPU run"))
+    assert dryrun.preflight(load_config("examples/tiny.yaml", ["backend=gloo"])) is None
+    assert dryrun.device_memory_target(load_config("examples/tiny.yaml", ["backend=gloo"])) is None
+    limit, name = dryrun.device_memory_target(load_config("examples/tiny.yaml", ["cluster.gpus_per_node=2"]))
+    assert limit == pytest.approx(79.65 * 2**30, rel=1e-3) and "80 GB-class" in name
