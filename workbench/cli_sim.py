@@ -120,7 +120,7 @@ def print_frame(title: str, df, *, wide: bool, first: tuple[str, ...] = ()) -> N
             for _, r in df.iterrows()]
     fit_table(title, header, rows, console, wide=wide)
     if "tflops_per_gpu" in order:
-        console.print(FLOPS_NOTE, soft_wrap=True, highlight=False)
+        console.print(FLOPS_NOTE, highlight=False)  # wrapped to the terminal
 
 
 def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100-80gb, dgx-h100, frontier) or profile file"),
