@@ -50,7 +50,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "max_position_embeddings": (IMPLEMENTED, "read by the rotary module's scaled rope types"),
     # attention (engine/hf.py `_attention`, engine/parallel/context.py)
     "attention_dropout": (IMPLEMENTED, "the attention core's dropout; refused with cp_impl=ring"),
-    "sliding_window": (IMPLEMENTED, "masked as transformers masks it (local_attention, Ulysses); refused with cp_impl=ring"),
+    "sliding_window": (IMPLEMENTED, "masked as transformers masks it (local_attention); refused with cp_impl=ring"),
     "use_sliding_window": (IMPLEMENTED, "with sliding_window (the layer's window, `sliding_windows`)"),
     "max_window_layers": (IMPLEMENTED, "with sliding_window (the layer's window, `sliding_windows`)"),
     "layer_types": (IMPLEMENTED, "with sliding_window (the layer's window, `sliding_windows`)"),
