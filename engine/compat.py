@@ -169,6 +169,12 @@ def _features() -> tuple[Feature, ...]:
         Feature("hf-moe", "Hugging Face Mixtral (model.hf, 4 fused experts, top-2)",
                 set={"model.hf": {**HF_LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
                      "model.experts": 0}),
+        # transformers' sliding-window mask (engine/hf.py) and Mixtral's router aux loss in the loss
+        Feature("hf-swa", "Hugging Face Mistral, sliding window 4 at seq 16 (model.hf)",
+                set={"model.hf": {**HF_LLAMA, "model_type": "mistral", "sliding_window": 4}, "model.experts": 0}),
+        Feature("hf-aux", "Hugging Face Mixtral with its router aux loss (output_router_logits, coef 0.1)",
+                set={"model.hf": {**HF_LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "output_router_logits": True, "router_aux_loss_coef": 0.1}, "model.experts": 0}),
         Feature("tokens", "a token file read in order (data.source=tokens, position checkpointed)", set=tokens),
         Feature("pack", "packed documents of a token file (data.pack, document masks)",
                 set={**tokens, "data.pack": True, "data.eos_id": 0}),

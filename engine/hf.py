@@ -5,11 +5,15 @@ local safetensors checkpoint), laid out like engine/model.py's GPT so every para
 (embed_tokens), `layers` (the decoder layers in a ModuleDict keyed by index, so a pipeline stage
 deletes the others and keeps the names), `ln_f` (the final norm), `head` (lm_head), plus the
 rotary embedding every stage keeps (it has no parameters). The decoder layers run unmodified;
-their attention goes through one registered attention function ("workbench") that repeats the
-key/value heads (GQA) and calls the layer's `core` (causal SDPA, or context parallelism's
-Ulysses / ring core, engine/parallel/context.py). Mixture-of-experts layers get transformers'
-fused expert tensors as one parameter per expert, same weights and routing
-(engine/parallel/expert_fused.py, which also shards them over ep).
+their attention goes through one registered attention function ("workbench") that calls the
+layer's `core` with the key/value heads as they are (GQA) and the layer's sliding window
+(engine/parallel/context.py: `local_attention` repeats them to the query heads and masks the
+window as transformers does; context parallelism's Ulysses / ring cores exchange them first).
+Mixture-of-experts layers get transformers' fused expert tensors as one parameter per expert,
+same weights and routing (engine/parallel/expert_fused.py, which also shards them over ep); with
+`output_router_logits` the training forward leaves the router's load-balancing loss, weighted by
+`router_aux_loss_coef`, in `aux_loss` for the train loop to add (transformers' `loss` includes it).
+Which config field is implemented, irrelevant or refused: engine/hf_fields.py.
 """
 from __future__ import annotations
 
@@ -17,11 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import ModelConfig
-from engine.model import causal_attention
+from engine.parallel.context import local_attention
 from engine.shapes import read_hf_config
 
 ATTENTION = "workbench"
@@ -29,17 +34,33 @@ ATTENTION = "workbench"
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               **kwargs: Any) -> tuple[torch.Tensor, None]:
+               sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (b, H, t, d) q and (b, KV, t, d) k/v in,
-    (b, t, H, d) out. GQA: k/v heads repeated to the query heads first (as transformers' sdpa)."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    core = getattr(module, "core", causal_attention)
-    out = core(query, key, value, dropout_p=dropout, doc_ids=kwargs.get("doc_ids"))
+    (b, t, H, d) out. k/v keep their KV heads into the core (context parallelism sends them so);
+    `sliding_window` is the layer's (Mistral: every layer; Qwen2/3: the sliding layers only)."""
+    core = getattr(module, "core", local_attention)
+    out = core(query, key, value, dropout_p=dropout, doc_ids=kwargs.get("doc_ids"), window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
+
+
+def router_aux_loss(logits: list[torch.Tensor], *, experts: int, top_k: int, group=None) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` over every MoE layer's router logits (tokens, E),
+    no padding mask: E * sum_e f_e P_e, f_e the top-k assignments to expert e per routed row and
+    P_e the mean router probability, both over all layers' rows together. With `group` (the cp
+    ranks holding the other chunks of the same sequences) the counts f are summed over it first,
+    so the mean over those ranks of this loss is the whole sequence's, gradients included
+    (transformers' function cannot take the sum, hence this copy; tests/test_hf.py checks them equal)."""
+    probs = [torch.softmax(x.float(), dim=-1) for x in logits]
+    chosen = torch.cat([torch.topk(p, top_k, dim=-1).indices.reshape(-1) for p in probs])
+    counts = torch.bincount(chosen, minlength=experts).float()
+    rows = sum(p.shape[0] for p in probs)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)  # equal chunks: rows scale by the group size
+        rows_all = rows * dist.get_world_size(group)
+    else:
+        rows_all = rows
+    mean_prob = torch.stack([p.sum(0) for p in probs]).sum(0) / rows
+    return experts * torch.sum(counts / rows_all * mean_prob)
 
 
 def _register_attention() -> None:
@@ -62,6 +83,8 @@ def hf_config(spec: str | Mapping[str, Any]):
 class HFCausalLM(nn.Module):
     """A transformers causal LM under the engine's GPT interface (see the module docstring)."""
 
+    has_aux_loss = True  # engine/moe.py's take_aux_loss collects `aux_loss` (None when dense or off)
+
     def __init__(self, cfg: ModelConfig, hf_model: nn.Module) -> None:
         super().__init__()
         self.cfg = cfg
@@ -76,7 +99,12 @@ class HFCausalLM(nn.Module):
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         self.checkpointed = False
         for layer in self.layers.values():
-            layer.self_attn.core = causal_attention  # context parallelism swaps in its own
+            layer.self_attn.core = local_attention  # context parallelism swaps in its own
+        self.aux_loss_coef, self.aux_loss = router_aux_coef(self.hf_config), None
+        self.router_count_group = None  # context parallelism: its cp group (router counts of whole sequences)
+        self._router_logits: list[torch.Tensor] = []
+        if self.aux_loss_coef:
+            _record_router_logits(self, hf_model)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,11 +118,18 @@ class HFCausalLM(nn.Module):
         kw: dict[str, Any] = {"position_embeddings": rope}
         if doc_ids is not None:
             kw["doc_ids"] = doc_ids
+        self._router_logits.clear()  # (a recomputing backward may have recorded more)
         for layer in self.layers.values():
             if self.checkpointed and torch.is_grad_enabled():
                 h = checkpoint(layer, h, use_reentrant=False, **kw)
             else:
                 h = layer(h, **kw)
+        if self._router_logits and self.training:
+            cfg = self.hf_config
+            self.aux_loss = self.aux_loss_coef * router_aux_loss(
+                self._router_logits, experts=_experts(cfg), top_k=cfg.num_experts_per_tok,
+                group=self.router_count_group)
+        self._router_logits.clear()
         if self.ln_f is not None:
             h = self.ln_f(h)
         return self.head(h) if self.head is not None else h
@@ -106,6 +141,28 @@ class HFCausalLM(nn.Module):
     def tp_block_plan(self, sequence_parallel: bool) -> dict[str, object]:
         """The per-layer DTensor plan from the model's own `base_model_tp_plan` (see tp_plan)."""
         return tp_plan(self.hf_config, sequence_parallel=sequence_parallel)
+
+
+def router_aux_coef(hf_cfg) -> float:
+    """The weight of the router's load-balancing loss in the training loss: transformers adds
+    `router_aux_loss_coef` x aux to `loss` only when `output_router_logits` is set; 0 otherwise."""
+    if not getattr(hf_cfg, "output_router_logits", False) or _experts(hf_cfg) == 0:
+        return 0.0
+    return float(getattr(hf_cfg, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def _experts(hf_cfg) -> int:
+    return int(getattr(hf_cfg, "num_local_experts", None) or getattr(hf_cfg, "num_experts", None) or 0)
+
+
+def _record_router_logits(owner: HFCausalLM, hf_model: nn.Module) -> None:
+    """A forward hook on every router (the module class transformers itself records
+    `router_logits` from, `_can_record_outputs`) appending its logits to `owner._router_logits`."""
+    recorder = type(hf_model)._can_record_outputs["router_logits"]
+    index = getattr(recorder, "index", 0)
+    for module in owner.layers.modules():
+        if isinstance(module, recorder.target_class):
+            module.register_forward_hook(lambda m, args, out: owner._router_logits.append(out[index]))
 
 
 def tp_plan(hf_cfg, *, sequence_parallel: bool) -> dict[str, object]:

@@ -159,9 +159,10 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """Sum of the MoE layers' scaled aux losses of the last forward (then cleared); None when dense."""
+    """Sum of the scaled aux losses of the last forward (then cleared): the GPT's MoE layers, and a
+    Hugging Face model's router loss (engine/hf.py, `has_aux_loss`); None when there is none."""
     total = None
-    for layer in moe_layers(model):
+    for layer in [m for m in model.modules() if isinstance(m, MoE) or getattr(m, "has_aux_loss", False)]:
         if layer.aux_loss is not None:
             total = layer.aux_loss if total is None else total + layer.aux_loss
             layer.aux_loss = None

@@ -205,7 +205,7 @@ class Trainer:
                     xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
                     kw = {k: v[i * micro:(i + 1) * micro] for k, v in self._fwd_kw.items()}
                     loss = self._loss(par.forward(xs, **kw), ys, accum)
-                    if self.cfg.model.experts > 0:  # + the MoE load-balancing loss of this forward
+                    if self.cfg.model.experts > 0 or self.cfg.model.hf is not None:  # + MoE load-balancing loss
                         loss = loss + _moe_aux_loss(par.modules) / accum
                     total += loss.detach().double()
                 if last and self.comm is not None:

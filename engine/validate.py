@@ -534,7 +534,8 @@ HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py
 def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     """model.hf (engine/hf.py): what a Hugging Face model combines with; the shape rules read its config."""
     from engine.hf_checks import config_errors, weight_errors
-    from engine.shapes import from_hf_config
+    from engine.hf_fields import field_errors
+    from engine.shapes import from_hf_config, read_hf_config
 
     m, p = cfg.model, cfg.parallel
     if m.hf is None:
@@ -548,6 +549,7 @@ def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         return
     config_problems = list(config_errors(m.hf))
     yield from config_problems
+    yield from field_errors(read_hf_config(m.hf), cfg)  # engine/hf_fields.py: what the ranks would not follow
     if shape.family not in HF_TRAINABLE:
         yield ConfigError("model.hf", shape.family, f"model_type {shape.family} is priced by the simulator but not "
                           f"trained by the engine; trainable: {', '.join(HF_TRAINABLE)}")
@@ -579,6 +581,11 @@ def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                          (cfg.train.activation_checkpointing, "train.activation_checkpointing")):
             if on:
                 yield ConfigError("parallel.ep", p.ep, f"with model.hf does not combine with {name} here (not wired)")
+    # the fused experts' exchange (engine/parallel/expert_fused.py) is flat and uncompressed
+    for on, name, value in ((cfg.comm.moe_hierarchical, "comm.moe_hierarchical", True),
+                            (cfg.comm.moe_compression != "none", "comm.moe_compression", cfg.comm.moe_compression)):
+        if on:
+            yield ConfigError(name, value, "applies to the built-in GPT's experts, not model.hf's")
 
 
 RULES = (_model_rules, _hf_rules, _data_rules, _degree_rules, _pipeline_rules, _batch_rules, _train_rules,

@@ -7,6 +7,7 @@ implementation, and with dp=2 and tp=2 beside cp=2 (world 4).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -182,3 +183,107 @@ def test_engine_dp2_cp2_ring_matches_single_process(tmp_path):
     assert max(abs(a - m.loss) for a, m in zip(got, ref)) <= TOL, (got, [m.loss for m in ref])
     assert abs(result.summary["val_loss"] - ref[-1].val_loss) <= TOL
     assert RunStore.open_home(tmp_path).run(result.run_id)["layout"]["cp"] == 2
+
+
+# ---------------------------------------------------------------- grouped-query K/V through cp (issue 48)
+
+def _gqa_body(rank: int, world_size: int, impl: str, heads: int, kv_heads: int, window: int | None) -> dict:
+    """One attention call on this rank's chunk; the full-sequence inputs are the same on every rank
+    (seeded), so each rank also computes the one-process answer. K/V bytes counted by the
+    collectives profiler (the functional all_to_all's input, the ring's sends)."""
+    import torch.distributed as dist
+
+    from engine.parallel.context import local_attention, ring_attention_cpu, shard_sequence, ulysses_attention
+    from profilers.collectives import CollectiveProfiler
+
+    g = torch.Generator().manual_seed(0)
+    b, t, d = 2, 16, 8
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = local_attention(*ref_in, window=window)
+    ref.sum().backward()
+    mine = [shard_sequence(x, cp=world_size, cp_rank=rank, dim=2).requires_grad_() for x in (q, k, v)]
+    core = ulysses_attention if impl == "ulysses" else ring_attention_cpu
+    with CollectiveProfiler() as prof:
+        out = core(*mine, group=dist.group.WORLD, window=window)
+        out.sum().backward()
+        events = prof.drain()
+    errs = [(out - shard_sequence(ref, cp=world_size, cp_rank=rank, dim=2)).abs().max().item()]
+    errs += [(x.grad - shard_sequence(r.grad, cp=world_size, cp_rank=rank, dim=2)).abs().max().item()
+             for x, r in zip(mine, ref_in)]
+    return {"err": max(errs), "bytes": sorted(int(e["bytes"]) for e in events if e["op"] in ("all_to_all", "send"))}
+
+
+@pytest.mark.parametrize("impl, cp, heads, kv_heads, window", [
+    ("ulysses", 2, 4, 2, None), ("ulysses", 2, 4, 2, 3), ("ulysses", 4, 8, 2, None), ("ring", 2, 4, 2, None),
+    ("ring", 4, 4, 1, None)])
+def test_kv_heads_travel_unrepeated_and_attention_matches_one_process(impl, cp, heads, kv_heads, window):
+    """Output and q/k/v gradients equal one process's; K/V messages are their own heads' size:
+    Ulysses' k and v all-to-alls carry max(kv, lcm(kv, cp)) heads (kv=2 at cp=4: 4 of 8), the ring's
+    K/V block kv heads (e19d228 repeated them to the query heads first)."""
+    b, t, d = 2, 16, 8
+    per_head = b * (t // cp) * d * 4  # one head of one rank's chunk, fp32
+    for out in run_ranks(cp, _gqa_body, impl, heads, kv_heads, window):
+        assert out["err"] <= 1e-5, out
+        if impl == "ulysses":  # forward q, k, v, out; backward their gradients
+            sent_kv = math.lcm(kv_heads, cp)
+            assert out["bytes"] == sorted([heads * per_head] * 4 + [sent_kv * per_head] * 4), out["bytes"]
+        else:  # stacked K and V, cp - 1 steps forward, their gradients back
+            assert out["bytes"] == [2 * kv_heads * per_head] * (2 * (cp - 1)), out["bytes"]
+
+
+LLAMA_GQA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+
+
+@pytest.fixture(scope="module")
+def cp_bytes_runs(tmp_path_factory) -> dict:
+    """Llama 4 q / 2 kv heads at cp2 through the launcher, each cp core: the collectives profiler's
+    bytes per step and rank, as the run store holds them."""
+    import json
+
+    from engine.config import load_config
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    home = tmp_path_factory.mktemp("cp_bytes")
+    runs = {}
+    for impl in IMPLS:
+        cfg = load_config(None, [f"model.hf={json.dumps(LLAMA_GQA)}", "model.seq_len=16", "train.steps=2",
+                                 "batch.global=4", "batch.micro=2", "parallel.cp=2", f"parallel.cp_impl={impl}",
+                                 "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0"])
+        result = launch(cfg, home=home)
+        assert result.status == "completed", result.error
+        runs[impl] = (cfg, {(r.step, r.rank, r.name): r.value
+                            for r in RunStore.open_home(home).metrics(result.run_id, kind="comm")})
+    return runs
+
+
+@pytest.mark.xdist_group("launch")
+def test_gqa_model_sends_kv_heads_over_heads_of_the_kv_bytes(cp_bytes_runs):
+    """Per step and rank, 2 layers x 2 micro-batches of b=2 x 8 local tokens x head_dim 8, fp32:
+    Ulysses sends q and the output at 4 heads and k, v at 2 (e19d228: 65536 B, k/v at 4 heads);
+    the ring sends K/V at 2 heads (e19d228: 32768 B): half the K/V bytes, kv_heads/heads."""
+    head = 2 * 8 * 8 * 4
+    layers_micro = 2 * 2
+    expected = {"ulysses": ("cp:all_to_all/bytes", layers_micro * 2 * (2 * 4 * head + 2 * 2 * head)),
+                "ring": ("cp:send/bytes", layers_micro * 2 * (2 * 2 * head))}
+    for impl, (name, want) in expected.items():
+        metrics = cp_bytes_runs[impl][1]
+        got = {key: value for key, value in metrics.items() if key[2] == name}
+        assert len(got) == 4 and set(got.values()) == {want}, (impl, got, want)
+    assert expected["ulysses"][1] == 49152 and expected["ring"][1] == 16384
+
+
+@pytest.mark.xdist_group("launch")
+def test_simulator_prices_the_cp_bytes_the_profiler_counted(cp_bytes_runs):
+    """tuning/sim_context.py's Ulysses bytes for the same run config are the counted number."""
+    from tuning.sim_context import ulysses_step_bytes
+    from tuning.sim_spec import columns
+    from tuning.simulator import from_run_config
+
+    cfg, metrics = cp_bytes_runs["ulysses"]
+    model, spec = from_run_config(cfg.to_dict())
+    priced = float(ulysses_step_bytes(model, columns(spec), spec.cp))
+    counted = {value for (step, rank, name), value in metrics.items() if name == "cp:all_to_all/bytes"}
+    assert counted == {priced}, (counted, priced)

@@ -14,7 +14,11 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
 MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
 QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 16}
-FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3}
+MISTRAL_SW = {**LLAMA, "model_type": "mistral", "sliding_window": 4}  # at seq 16: every layer windowed
+QWEN2_SW = {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+MIXTRAL_AUX = {**MIXTRAL, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "mistral-sw": MISTRAL_SW, "qwen2-sw": QWEN2_SW,
+            "mixtral-aux": MIXTRAL_AUX}
 TINY = ["model.seq_len=16", "train.steps=5", "train.lr=0.003", "train.warmup_steps=0", "batch.global=8",
         "batch.micro=2", "train.grad_clip=0.5", "profile.host_interval_s=0", "profile.nvml_interval_s=0",
         "train.eval_interval=5", "train.weight_decay=0.1"]
@@ -24,7 +28,7 @@ def _over(family: str, *extra: str) -> list[str]:
     return [f"model.hf={json.dumps(FAMILIES[family])}", *TINY, *extra]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3"])
 def test_single_process_loss_is_the_transformers_models(family):
     """The engine's first step on one process sees the loss the unmodified transformers model (sdpa
     attention, its own shifted-label loss) gives on the same batch and weights."""
@@ -39,6 +43,59 @@ def test_single_process_loss_is_the_transformers_models(family):
     with torch.no_grad():
         expected = reference_model(cfg.model, seed=cfg.train.seed)(input_ids=tokens, labels=tokens).loss.item()
     got = next(iter(trainer.run())).loss
+    assert abs(got - expected) <= 1e-5, (got, expected)
+
+
+def _engine_and_transformers(family: str, *extra: str) -> tuple[float, float]:
+    """The engine's first-step loss and the unmodified transformers model's `loss` on the same batch
+    and weights: per micro-batch (input x, the engine's targets y as transformers' shift_labels),
+    averaged as the engine (and transformers' Trainer under gradient accumulation) does."""
+    from engine.hf import reference_model
+    from engine.train import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, _over(family, "train.steps=1", *extra))
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    x, y = trainer._local_batch(0)
+    model, micro = reference_model(cfg.model, seed=cfg.train.seed), cfg.batch.micro
+    with torch.no_grad():
+        parts = [model(input_ids=x[i:i + micro], labels=y[i:i + micro], shift_labels=y[i:i + micro].contiguous()).loss
+                 for i in range(0, x.shape[0], micro)]
+    return next(iter(trainer.run())).loss, torch.stack(parts).mean().item()
+
+
+@pytest.mark.parametrize("family", ["mistral-sw", "qwen2-sw"])
+def test_sliding_window_follows_transformers(family):
+    """Mistral's window of 4 at seq 16 (every layer), Qwen2's on layers >= max_window_layers: the
+    engine masks as transformers does (e19d228 trained without the window: 4.2e-3 off at step 1)."""
+    got, expected = _engine_and_transformers(family)
+    assert abs(got - expected) <= 1e-5, (got, expected)
+
+
+@pytest.mark.parametrize("micro", ["batch.micro=8", "batch.micro=2"])
+def test_mixtral_loss_includes_its_router_aux_loss_as_transformers(micro):
+    """With output_router_logits the engine's reported loss is transformers' `loss`: cross-entropy +
+    router_aux_loss_coef x the load-balancing loss of the micro-batch (e19d228 left it out: 0.2 off)."""
+    got, expected = _engine_and_transformers("mixtral-aux", micro)
+    assert abs(got - expected) <= 1e-5, (got, expected)
+    ce_only, _ = _engine_and_transformers("mixtral", micro)
+    assert expected - ce_only > 0.1  # the aux loss (about 2 x 0.1) is really in it
+
+
+def test_router_aux_loss_is_transformers_load_balancing_loss():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from engine.hf import router_aux_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(24, 4, generator=g) for _ in range(3))
+    expected = load_balancing_loss_func(logits, 4, 2)
+    assert torch.allclose(router_aux_loss(list(logits), experts=4, top_k=2), expected, atol=1e-6, rtol=0)
+
+
+def test_the_aux_loss_is_off_without_output_router_logits():
+    """transformers adds the aux loss only with output_router_logits (Mixtral's default: false)."""
+    got, expected = _engine_and_transformers("mixtral")
     assert abs(got - expected) <= 1e-5, (got, expected)
 
 
@@ -62,6 +119,14 @@ LAYOUTS = {
     "mixtral-cp2-ulysses": ("mixtral", ["parallel.cp=2", "parallel.cp_impl=ulysses"]),
     "mixtral-cp2-ring": ("mixtral", ["parallel.cp=2", "parallel.cp_impl=ring"]),
     "qwen3-tp2": ("qwen3", ["parallel.tp=2"]),
+    # the sliding window under tp and Ulysses; the router aux loss under ep, sp and both cp cores
+    "mistral-sw-tp2": ("mistral-sw", ["parallel.tp=2"]),
+    "mistral-sw-cp2-ulysses": ("mistral-sw", ["parallel.cp=2", "parallel.cp_impl=ulysses"]),
+    "qwen2-sw-pp2": ("qwen2-sw", ["parallel.pp=2"]),
+    "mixtral-aux-ep2": ("mixtral-aux", ["parallel.dp=2", "parallel.ep=2"]),
+    "mixtral-aux-tp2-sp": ("mixtral-aux", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "mixtral-aux-cp2-ulysses": ("mixtral-aux", ["parallel.cp=2", "parallel.cp_impl=ulysses"]),
+    "mixtral-aux-cp2-ring": ("mixtral-aux", ["parallel.cp=2", "parallel.cp_impl=ring"]),
 }
 _REFERENCES: dict[tuple[str, ...], tuple[list[float], float | None]] = {}
 

@@ -7,9 +7,9 @@ the attention-score memory (`score_memory_scale`), and the cp communication (`cp
 
 - Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): four all-to-alls per layer forward (Q, K, V
   from sequence- to head-sharded, the output back), each of the rank's b s (width) / (cp t)
-  activation bytes, with keys and values at the grouped-query width kv_heads x head_dim, four in
-  backward; attention runs on a/(t cp) heads over the full sequence, so it needs heads and
-  key/value heads % (tp x cp) == 0.
+  activation bytes, with keys and values at the grouped-query width kv_heads x head_dim (repeated
+  to lcm(kv_heads/t, cp) heads where cp does not divide them), four in backward; attention runs on
+  a/(t cp) heads over the full sequence, so it needs heads % (tp x cp) == 0.
 - Ring (Liu et al. 2023, Ring Attention; Megatron-LM context parallelism): cp - 1 steps, each
   sending the K and V blocks (2 b s kv_width / (cp t) bytes) to the next rank while the current block's
   attention runs (overlapped); backward also sends dK, dV (twice the bytes). Both keep the
@@ -92,6 +92,26 @@ def add_attention(times: dict[str, np.ndarray], model: Any, local: Any, cl: Clus
     return {**times, "fwd": times["fwd"] + n * fwd, "bwd": times["bwd"] + n * (bwd + fwd * (c["recompute"] >= 1))}
 
 
+def ulysses_message_bytes(local: Any, c: dict[str, np.ndarray], cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Q or output, K or V) bytes one rank puts into one Ulysses all-to-all (its input: the
+    collectives profiler's count). K/V travel at their own heads, repeated only until cp divides
+    the rank's kv heads (engine/parallel/context.py: lcm(kv/tp, cp) heads)."""
+    t = np.asarray(c["tp"])
+    tokens = c["micro"] * local.seq * c["dtype_bytes"]
+    kv_heads = np.lcm(np.maximum(local.kv // t.astype(int), 1), cp)
+    return tokens * local.q_dim / t, tokens * kv_heads * local.hd
+
+
+def ulysses_step_bytes(model: Any, c: dict[str, np.ndarray], cp: int) -> np.ndarray:
+    """Bytes one rank sends through Ulysses' all-to-alls in one training step: per layer of its
+    stage and micro-batch, Q, K, V and the output forward and their gradients backward (the
+    forward again under full recomputation)."""
+    q_bytes, kv_bytes = ulysses_message_bytes(local_model(model, cp), c, cp)
+    per_layer = 2.0 * (q_bytes + kv_bytes) * (2 + (c["recompute"] == 2))
+    micro_batches = c["global_batch"] // (c["dp"] * c["micro"])
+    return model.layers / c["pp"] * micro_batches * per_layer
+
+
 def cp_comm_time(model: Any, local: Any, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
                  cp: int, frameworks: Any = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(exposed context-parallel communication, {fwd, bwd} compute it hides under) per
@@ -108,8 +128,9 @@ def cp_comm_time(model: Any, local: Any, cl: ClusterSpec, gpus: int, c: dict[str
         return zero, {"fwd": zero, "bwd": zero}
     t = c["tp"]
     tokens = c["micro"] * local.seq * c["dtype_bytes"] / t  # b (s/cp) x dtype / t, per unit of width
-    a2a = (2.0 * all_to_all_time(cl, gpus, tokens * local.q_dim, np.full(np.shape(t), cp), t)
-           + 2.0 * all_to_all_time(cl, gpus, tokens * local.kv_dim, np.full(np.shape(t), cp), t))
+    q_bytes, kv_bytes = ulysses_message_bytes(local, c, cp)
+    a2a = (2.0 * all_to_all_time(cl, gpus, q_bytes, np.full(np.shape(t), cp), t)
+           + 2.0 * all_to_all_time(cl, gpus, kv_bytes, np.full(np.shape(t), cp), t))
     ulysses = a2a * (2 + (c["recompute"] == 2))
     inside = t * cp <= cl.gpus_per_node
     inter_bw, inter_lat = cl.inter_link(gpus)
@@ -168,9 +189,6 @@ def validate(model: Any, par: Any) -> list[str]:
     if par.cp > 1 and par.cp_impl == "ulysses" and model.heads % (par.tp * par.cp):
         reasons.append(f"parallel.cp_impl='ulysses' needs parallel.tp * parallel.cp = {par.tp} * {par.cp} "
                        f"to divide model.heads={model.heads} (heads are sharded over both)")
-    elif par.cp > 1 and par.cp_impl == "ulysses" and model.kv % (par.tp * par.cp):
-        reasons.append(f"parallel.cp_impl='ulysses' needs parallel.tp * parallel.cp = {par.tp} * {par.cp} "
-                       f"to divide the key/value heads ({model.kv}; grouped-query attention)")
     if not 0 < par.attn_density <= 1:
         reasons.append(f"attn_density={par.attn_density} must be in (0, 1]")
     return reasons
