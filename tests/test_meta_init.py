@@ -212,3 +212,86 @@ def test_training_losses_are_bit_identical_to_the_whole_cpu_build(model, extra):
     old = run_ranks(2, _losses, overrides, True, timeout=240)
     assert new == old
     assert any(losses for losses in new)
+
+
+# ---------------------------------------------------------------- memory of a real-sized model
+
+LLAMA_3_2_1B = {  # meta-llama/Llama-3.2-1B's config.json (1,235,814,400 parameters, tied embeddings)
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256}
+
+
+def _memory_after_layout(rank: int, world: int, overrides: list[str], legacy: bool = False) -> dict:
+    """RSS growth of this rank from before the build to after compose() (built, laid out,
+    materialised; no step), its peak (VmHWM, reset first), and the bytes of the tensors it holds;
+    `legacy`: the model built whole on CPU first, as e19d228 did (bench/meta_init_memory.py)."""
+    import gc
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    import engine.compose
+    from engine.compose import compose
+    from engine.mesh import ParallelDims
+    from profilers.collectives import CollectiveProfiler
+
+    torch.set_num_threads(1)
+    if legacy:
+        from engine.meta_init import build_model
+
+        engine.compose.build_model = lambda cfg, *, seed, device: build_model(cfg, seed=seed, device="cpu")
+    cfg = load_config(None, overrides)
+    p = cfg.parallel
+    dims = ParallelDims(p.dp, p.tp, p.pp, world, cp=p.cp)
+    mesh = dims.build_mesh("cpu")
+    if cfg.model.hf is not None:  # code, not model: imported before the baseline
+        import transformers.models.llama.modeling_llama  # noqa: F401
+
+        import engine.hf  # noqa: F401
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
+    start = time.perf_counter()
+    parts = compose(cfg, dims=dims, mesh=mesh, device=torch.device("cpu"), mark=time.perf_counter,
+                    collectives=CollectiveProfiler(enabled=False))
+    seconds = time.perf_counter() - start
+    gc.collect()
+    after = psutil.Process().memory_info().rss
+    status = Path("/proc/self/status").read_text()
+    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in parts.par.parameters()]
+    return {"grew": after - before, "peak": peak - before, "seconds": seconds,
+            "held": sum(t.numel() * t.element_size() for t in local)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.zero=3"], ["parallel.pp=2"]], ids=["zero3-dp2", "pp2"])
+def test_a_llama_3_2_1b_shaped_model_costs_each_rank_its_own_share(tmp_path, layout):
+    """Llama-3.2-1B (real config.json) on 2 CPU ranks, built and laid out, no step: under ZeRO-3 each
+    rank's RSS grows by at most 0.6x the fp32 model's bytes, its peak too; under pp2 by its stage's
+    bytes (the embedding on stage 0, its tied copy on stage 1: 0.606x each, so 0.6x cannot hold for
+    pp2) plus the same allowance, never the whole model."""
+    from engine.model import count_parameters
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B))
+    overrides = [f"model.hf={tmp_path}", "model.seq_len=128", "batch.global=2", "batch.micro=1",
+                 "train.steps=1", "profile.host_interval_s=0", "profile.nvml_interval_s=0", *layout]
+    model_bytes = 4 * count_parameters(load_config(None, overrides).model)["total"]
+    assert model_bytes == 4 * 1_235_814_400
+    results = run_ranks(2, _memory_after_layout, overrides, timeout=900)
+    allowance = 0.1 * model_bytes  # the meta model's Python objects, allocator slack, one tensor in flight
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: RSS +{r['grew'] / model_bytes:.3f}x, peak +{r['peak'] / model_bytes:.3f}x, holds "
+              f"{r['held'] / model_bytes:.3f}x of {model_bytes / 2**30:.2f} GiB, {r['seconds']:.0f} s")
+        assert r["grew"] <= r["held"] + allowance and r["peak"] <= r["held"] + allowance, r
+        if "parallel.zero=3" in layout:
+            assert r["held"] <= 0.5 * model_bytes + 2**20
+            assert r["grew"] <= 0.6 * model_bytes and r["peak"] <= 0.6 * model_bytes, r
