@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+
+from engine.torch_compat import TorchDispatchMode, compute_local_shape_and_global_offset, tree_flatten, tree_map_only
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -153,7 +153,7 @@ def record(build: Callable[[], nn.Module], *, seed: int) -> nn.Module:
     recorder = _Recorder()
     with recorder:
         model = build()
-    sources = {name: recorder.ref(t) for name, t in _named_tensors(model)}
+    sources = {name: recorder.ref(t) for name, t in _named_tensors(model) if t.is_meta}
     model.init_record = InitRecord(recorder.ops, recorder.nbytes, sources, state)
     return model
 
@@ -250,9 +250,9 @@ def _targets(modules: list[nn.Module], record: InitRecord) -> dict[int, list[_Ta
 
 
 def _canonical(name: str) -> str:
-    """A parameter's name in the model as built: wrappers' own name parts removed."""
-    return ".".join(p for p in name.split(".") if p not in ("module", "_fsdp_wrapped_module",
-                                                            "_checkpoint_wrapped_module", "_orig_mod"))
+    """A parameter's name in the model as built (a DDP wrapper's `module.` removed; FSDP2, TP and
+    the pipeline keep the names)."""
+    return name.removeprefix("module.")
 
 
 def _owned(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -261,8 +261,6 @@ def _owned(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
     if not isinstance(t, DTensor):
         return t.data, tuple(slice(0, n) for n in t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local = t._local_tensor
     if tuple(local.shape) != tuple(shape):

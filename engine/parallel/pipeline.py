@@ -1,8 +1,8 @@
 """Pipeline parallelism: stages from a layer split, run by `torch.distributed.pipelining` schedules.
 
-`build_pipeline` cuts a full `GPT` into stage chunks the torchtitan way (deep-copy the model per
-chunk, delete the blocks the chunk does not own, set `tok_emb`/`pos_emb` to None except on the
-first chunk and `ln_f`/`head` to None except on the last), wraps each chunk in a
+`build_pipeline` cuts a `GPT` (usually still on meta: engine/meta_init.py) into stage chunks the
+torchtitan way (a copy per chunk of only the blocks it owns, `tok_emb`/`pos_emb` None except on the
+first chunk and `ln_f`/`head` None except on the last), wraps each chunk in a
 `PipelineStage` and runs the schedule's action list (engine/parallel/schedules.py) on torch's
 `_PipelineScheduleRuntime`. Rank r of the pp group holds chunks r, r + pp, r + 2 pp, ...
 (Narayanan et al. 2021, section 2.2); under zbv / dualpipev chunks r and 2pp-1-r (V shape).
