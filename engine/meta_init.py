@@ -204,25 +204,20 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
     through `_apply` so FSDP2 re-registers its shards. Parameters are swapped in place
     (`swap_tensors`), so the layout's references to them stay valid (expert parallelism's expert
     list, which DDP must ignore); a buffer held under several names is one tensor again afterwards."""
-    slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}
-    keep = []
+    shared: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str]]]] = {}  # a buffer by its registrations
     for sub in module.modules():
-        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
-            for name, t in table.items():
-                if t is not None and t.is_meta:
-                    slots.setdefault(id(t), []).append((sub, name, is_param))
-                    keep.append(t)  # ids stay unique while we look
+        for name, b in sub._buffers.items():
+            if b is not None and b.is_meta:
+                shared.setdefault(id(b), (b, []))[1].append((sub, name))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-    for group in slots.values():
-        first_module, first_name, is_param = group[0]
-        first = (first_module._parameters if is_param else first_module._buffers)[first_name]
-        for sub, name, _ in group[1:]:
-            (sub._parameters if is_param else sub._buffers)[name] = first
+    for _, ((first, first_name), *others) in shared.values():
+        for sub, name in others:
+            sub._buffers[name] = first._buffers[first_name]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ HF = {"llama": LLAMA,
       "mixtral": {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
       "qwen3": {**LLAMA, "model_type": "qwen3", "head_dim": 16}}
 GPT = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16", "model.vocab=260"]
-MODELS = {"gpt": GPT, "gpt-dropout": [*GPT, "model.dropout=0.1"], "gpt-moe-dropout": [*GPT, "model.experts=4", "model.top_k=2", "model.moe_every=2",
-                                          "model.dropout=0.1"],
+MODELS = {"gpt": GPT, "gpt-dropout": [*GPT, "model.dropout=0.1"],
+          "gpt-moe-dropout": [*GPT, "model.experts=4", "model.top_k=2", "model.moe_every=2", "model.dropout=0.1"],
           **{name: [f"model.hf={json.dumps(hf)}", "model.seq_len=16"] for name, hf in HF.items()}}
 TRAIN = ["train.steps=3", "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2",
          "train.grad_clip=0.5", "profile.host_interval_s=0", "profile.nvml_interval_s=0", "train.eval_interval=0",
