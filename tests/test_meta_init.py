@@ -184,6 +184,21 @@ def test_each_rank_materialises_its_own_part_of_the_seeded_build(name):
         assert not set(results[0]["names"]) >= set(results[-1]["names"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model, extra", [("mixtral", ["parallel.dp=2", "parallel.zero=3"]),
+                                          ("llama-tied-pad", ["parallel.pp=2"])], ids=["mixtral-zero3", "tied-pp2"])
+def test_each_rank_reads_its_own_part_of_hf_weights(tmp_path, model, extra):
+    """model.hf_weights under ZeRO-3 (each rank reads half of each tensor, Mixtral's experts from
+    its per-expert files) and pp2 (the last stage reads the tied head from the embedding's tensor):
+    the tensors from_pretrained loads whole."""
+    from engine.hf import reference_model
+
+    reference_model(load_config(None, MODELS[model]).model, seed=7).save_pretrained(tmp_path)
+    overrides = [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16", *TRAIN, *extra]
+    for rank, r in enumerate(run_ranks(2, _rank_parts, overrides, timeout=240)):
+        assert r["wrong"] == [] and r["rng"], (rank, r["wrong"])
+
+
 def _losses(rank: int, world: int, overrides: list[str], legacy: bool) -> list[float]:
     """The Trainer's losses, the model built on meta (now) or whole on CPU (`legacy`: e19d228's way)."""
     import engine.compose as compose
