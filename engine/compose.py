@@ -24,6 +24,7 @@ import torch
 from engine.comm_setup import CommMonitor, build_optimizer, install_co2, install_comm, install_fsdp_comm
 from engine.config import RunConfig
 from engine.mesh import ParallelDims
+from engine.meta_init import build_model
 from engine.parallelize import Parallelized, parallelize
 
 
@@ -81,10 +82,5 @@ def _model(cfg: RunConfig) -> tuple[torch.nn.Module, Any, Callable | None]:
         # optional third item: step_fn(model, inputs, targets, lr) -> loss runs a whole
         # optimizer step itself (e.g. extragradient: two gradient evaluations per step)
         return model, MapDataset(dataset), step_fn[0] if step_fn else None
-    if cfg.model.hf is not None:  # a Hugging Face causal LM (engine/hf.py)
-        from engine.hf import build_hf_model
-
-        return build_hf_model(cfg.model, seed=cfg.train.seed), None, None
-    from engine.model import build_model
-
-    return build_model(cfg.model, seed=cfg.train.seed), None, None
+    # on meta: parallelize() materialises only this rank's shards and stages (engine/meta_init.py)
+    return build_model(cfg.model, seed=cfg.train.seed, device="meta"), None, None

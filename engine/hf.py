@@ -232,9 +232,11 @@ def _head_sharded_norm():
     return HeadShardedNorm()
 
 
-def build_hf_model(cfg: ModelConfig, *, seed: int) -> HFCausalLM:
+def build_hf_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> HFCausalLM:
     """The model `cfg.hf` names, fp32, identical on every rank for the same seed; the safetensors
-    of `cfg.hf_weights` (a local folder) loaded when given. Never reaches the hub."""
+    of `cfg.hf_weights` (a local folder) loaded when given. Never reaches the hub. On
+    `device="meta"` nothing is allocated, drawn or read: engine/meta_init.py's `materialize` fills
+    each rank's own part with these weights (the checkpoint's tensors read slice by slice)."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -242,12 +244,36 @@ def build_hf_model(cfg: ModelConfig, *, seed: int) -> HFCausalLM:
 
     _register_attention()
     config = hf_config(cfg.hf)
+    if torch.device(device).type == "meta":
+        from engine.meta_init import record
+
+        paths: dict[str, str] = {}
+
+        def construct() -> HFCausalLM:
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            before = dict(hf.named_modules())  # alive: no new module may take a replaced one's id
+            hf_names = {id(m): name for name, m in before.items()}
+            wrapped = _wrap(cfg, hf)
+            paths.update({name: hf_names[id(m)] for name, m in wrapped.named_modules() if id(m) in hf_names})
+            return wrapped
+
+        model = record(construct, seed=seed)
+        if cfg.hf_weights:  # read slice by slice at materialize; like from_pretrained, no draws
+            from engine.hf_weights import checkpoint_reader
+
+            model.init_record.load = (str(cfg.hf_weights), checkpoint_reader(cfg.hf_weights, model, paths))
+        return model
     torch.manual_seed(seed)
     if cfg.hf_weights:
         model = AutoModelForCausalLM.from_pretrained(cfg.hf_weights, config=config, dtype=torch.float32,
                                                      local_files_only=True, attn_implementation="sdpa")
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return _wrap(cfg, model).to(device)
+
+
+def _wrap(cfg: ModelConfig, model: nn.Module) -> HFCausalLM:
+    """The transformers model under the engine's interface, one parameter per expert."""
     model.config._attn_implementation = ATTENTION
     from engine.parallel.expert_fused import split_fused_experts
 

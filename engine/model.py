@@ -139,10 +139,16 @@ class GPT(nn.Module):
             block.checkpointed = enabled
 
 
-def build_model(cfg: ModelConfig, *, seed: int) -> GPT:
-    """The same initial weights on every rank for the same seed."""
+def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """The same initial weights on every rank for the same seed. On `device="meta"` nothing is
+    allocated or drawn: engine/meta_init.py's `materialize` later fills each rank's own part with
+    exactly these weights."""
+    if torch.device(device).type == "meta":
+        from engine.meta_init import record
+
+        return record(lambda: GPT(cfg), seed=seed)
     torch.manual_seed(seed)
-    return GPT(cfg)
+    return GPT(cfg).to(device)
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:

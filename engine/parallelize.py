@@ -5,6 +5,7 @@ The only place that knows the whole config; each technique's entry takes a mesh 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import RunConfig
 from engine.mesh import ParallelDims
+from engine.meta_init import materialize, record_of
 from engine.model import GPT, loss_fn
 
 
@@ -115,21 +117,30 @@ def _tp_and_checkpointing(model: nn.Module, cfg: RunConfig, mesh, device_type: s
 
 def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
                 comm_hook_factory: Callable[[nn.Module, Any], Any] | None = None,
-                saved_split: list[int] | None = None) -> Parallelized:
+                saved_split: list[int] | None = None, init_values: bool = True) -> Parallelized:
     """Apply TP, activation checkpointing, then PP and ZeRO/DP, in that order.
 
     `comm_hook_factory(ddp_module, dp_group)` registers the comm hook (compression, link emulation,
     recording) on a DDP module (engine/compose.py keeps what it returns). `saved_split`: the
     layers per stage a resumed layer_split=auto run's checkpoint used (timings vary: it is kept).
+    A model built on meta (engine/meta_init.py) gets the layout on meta; then this rank's parts
+    alone are materialised on `device` (before a wrapper that needs values: DDP broadcasts them),
+    with the full seeded build's values; `init_values=False` leaves them uninitialised (dry runs).
     """
     p = cfg.parallel
-    model.to(device)
+
+    def real(*modules: nn.Module) -> None:
+        materialize(list(modules), device=device, values=init_values)
+
+    if record_of([model]) is None:
+        model.to(device)
     if p.pp > 1:
-        return _pipeline(model, cfg, dims, mesh, device=device, saved_split=saved_split)
+        return _pipeline(model, cfg, dims, mesh, device=device, saved_split=saved_split, real=real)
     if p.adaptive_sp and dims.world_size > 1:
         # FlexSP: every rank holds the whole model; each step's groups are set by the trainer
         from engine.parallel.adaptive_sp import sum_gradients
 
+        real(model)
         model.set_activation_checkpointing(cfg.train.activation_checkpointing)
         return Parallelized(modules=[model], forward=model, after_backward=lambda: sum_gradients(model))
     # TP first: ZeRO/FSDP2 then shards the DTensors TP produced (torchtitan's order); checkpointing
@@ -138,12 +149,15 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     experts = _expert_parallel(model, cfg, mesh)
     if dims.dp * dims.cp == 1 or cfg.co2.enabled:
         # one replica, or CO2: each rank keeps a plain module and CO2 synchronises parameters itself
+        real(model)
         return Parallelized(modules=[model], forward=model)
     if p.zero > 1:  # ZeRO-1 is DDP (+ a sharded optimizer): _data_parallel keeps the ddp.* knobs
         from engine.parallel.zero import apply_zero
 
         wrapped = apply_zero(model, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward)
+        real(wrapped)  # after sharding: each rank allocates and fills its shards only
     else:
+        real(model)
         wrapped = _data_parallel(model, cfg, mesh, grad_axis(dims), set(experts.expert_params) if experts else None)
     hooks: dict[str, Any] = {}
     if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
@@ -160,9 +174,11 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
 
 
 def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,
-              saved_split: list[int] | None = None) -> Parallelized:
+              saved_split: list[int] | None = None,
+              real: Callable[..., None] = lambda *modules: None) -> Parallelized:
     """Stages first, then per chunk: TP, checkpointing, ZeRO-2/3 over dp (torchtitan applies its
-    parallelize function per model part); plain dp averages gradients after the schedule."""
+    parallelize function per model part); plain dp averages gradients after the schedule. A meta
+    model's chunks are materialised together once laid out (`real`): only this rank's stages."""
     from engine.parallel.pipeline import allreduce_grads, build_pipeline
 
     p = cfg.parallel
@@ -178,15 +194,18 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
     if p.schedule == "skip":
         from engine.parallel.skippipe import build_skip_pipeline
 
+        real(model)  # SkipPipe cuts a real model (every rank builds it whole, as before)
         _tp_and_checkpointing(model, cfg, mesh, device.type)
         pipe = build_skip_pipeline(model, mesh["pp"], skip_ratio=p.skip_ratio, n_microbatches=cfg.grad_accum,
                                    micro=cfg.batch.micro, loss_fn=loss_fn, device=device)
         skip_dp = mesh["dp"].get_group() if dims.dp > 1 else None
         return Parallelized(modules=list(pipe.modules), forward=None, pipeline=pipe,
                             after_backward=lambda: allreduce_grads(pipe.modules, skip_dp))
-    layer_split = (saved_split or _auto_split(model, cfg, dims, mesh)) if p.layer_split == "auto" else p.layer_split
+    layer_split = (saved_split or _auto_split(model, cfg, dims, mesh, device)) if p.layer_split == "auto" \
+        else p.layer_split
     pipe = build_pipeline(model, mesh["pp"], schedule=p.schedule, virtual=p.virtual, layer_split=layer_split,
-                          n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device, parallelize=per_chunk)
+                          n_microbatches=cfg.grad_accum, loss_fn=loss_fn, device=device, parallelize=per_chunk,
+                          materialize=real)
     dp_group = mesh["dp"].get_group() if dims.dp > 1 and p.zero == 0 else None
 
     def after_backward() -> None:  # the schedule already summed the tied embedding/head gradients
@@ -197,7 +216,7 @@ def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: t
                         layer_split=layer_split)
 
 
-def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh) -> list[int]:
+def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, device: torch.device) -> list[int]:
     """parallel.layer_split=auto: layers per stage by each stage's measured speed (Holmes)."""
     from engine.device import host_group
     from engine.parallel.layer_split import auto_layer_split, layer_seconds
@@ -206,6 +225,10 @@ def _auto_split(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh) -> list[in
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
     block = model.layers["0"]
     with torch.random.fork_rng(devices=[]):  # the probe's dropout leaves the run's random stream alone
+        if record_of([model]) is not None:  # a meta model: time a real copy of the block (values drawn here)
+            block = copy.deepcopy(block).to_empty(device=device)
+            for t in block.parameters():
+                torch.nn.init.normal_(t.data, std=0.02)
         seconds = layer_seconds(block, micro=cfg.batch.micro, seq=m.seq_len, d_model=m.d_model,
                                 n_microbatches=cfg.grad_accum, dp_group=dp_group)
     stage = mesh["pp"].get_local_rank()

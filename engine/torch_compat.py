@@ -70,6 +70,14 @@ ReduceScatter = _private("torch.distributed.fsdp._fully_shard._fsdp_api", "Reduc
 all_to_all_single_autograd = _private("torch.distributed._functional_collectives", "all_to_all_single_autograd")
 
 
+# ---- meta construction (engine/meta_init.py): record a constructor's ops, place a shard in its tensor
+TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
+tree_flatten = _private("torch.utils._pytree", "tree_flatten")
+tree_map_only = _private("torch.utils._pytree", "tree_map_only")
+compute_local_shape_and_global_offset = _private("torch.distributed.tensor._utils",
+                                                 "compute_local_shape_and_global_offset")
+
+
 def rank_operations(schedule_cls: type, fake: Any, rank: int) -> list:
     """torch's own action list of one rank (`Schedule*._calculate_single_rank_operations`), run on
     `fake`, a stand-in carrying the attributes it reads (n_local_stages, pp_group_size,

@@ -1,8 +1,8 @@
 """Pipeline parallelism: stages from a layer split, run by `torch.distributed.pipelining` schedules.
 
-`build_pipeline` cuts a full `GPT` into stage chunks the torchtitan way (deep-copy the model per
-chunk, delete the blocks the chunk does not own, set `tok_emb`/`pos_emb` to None except on the
-first chunk and `ln_f`/`head` to None except on the last), wraps each chunk in a
+`build_pipeline` cuts a `GPT` (usually still on meta: engine/meta_init.py) into stage chunks the
+torchtitan way (a copy per chunk of only the blocks it owns, `tok_emb`/`pos_emb` None except on the
+first chunk and `ln_f`/`head` None except on the last), wraps each chunk in a
 `PipelineStage` and runs the schedule's action list (engine/parallel/schedules.py) on torch's
 `_PipelineScheduleRuntime`. Rank r of the pp group holds chunks r, r + pp, r + 2 pp, ...
 (Narayanan et al. 2021, section 2.2); under zbv / dualpipev chunks r and 2pp-1-r (V shape).
@@ -389,13 +389,16 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
                    layer_split: list[int] | None = None, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    device: torch.device | str = "cpu",
-                   parallelize: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
+                   parallelize: Callable[[nn.Module], nn.Module] | None = None,
+                   materialize: Callable[..., None] | None = None) -> Pipeline:
     """Split `model` into this rank's stage chunks and build the schedule over the pp axis.
 
     `pp_mesh` is the 1-D pp submesh of this rank (`mesh["pp"]`). `parallelize(chunk)`, if
     given, is applied to each chunk before its stage is built (tensor parallel first, then
     DDP/FSDP, as torchtitan applies its parallelize_fn per model part), so the stage calls the
-    wrapped module. Must be called on every rank of the world (it creates the embedding groups).
+    wrapped module. `materialize(*chunks)` then gets this rank's chunks of a meta-built model
+    together (engine/meta_init.py: one replay of the init for all of them). Must be called on
+    every rank of the world (it creates the embedding groups).
     """
     _check_schedule(schedule)
     if schedule == "skip":
@@ -406,12 +409,14 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
     plan = stage_layers(model.cfg.layers, pp, per_rank, layer_split if schedule != "modular" else None)
     num_stages, clock = len(plan), _Clock(device)
     placement = stage_to_rank(schedule, pp, num_stages)
-    stages = []
+    chunks = {}
     for stage_index in sorted(s for s, r in placement.items() if r == pp_rank):
         chunk = _build_chunk(model, plan[stage_index], first=stage_index == 0, last=stage_index == num_stages - 1)
-        if parallelize is not None:
-            chunk = parallelize(chunk)
-        stages.append(_TimedStage(chunk, stage_index, num_stages, torch.device(device), group=group, clock=clock))
+        chunks[stage_index] = parallelize(chunk) if parallelize is not None else chunk
+    if materialize is not None:
+        materialize(*chunks.values())
+    stages = [_TimedStage(chunk, stage_index, num_stages, torch.device(device), group=group, clock=clock)
+              for stage_index, chunk in chunks.items()]
 
     def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # schedules sum micro-batch gradients; 1/m makes them those of the mean loss
@@ -473,18 +478,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _build_chunk(model: GPT, layer_ids: list[int], *, first: bool, last: bool) -> GPT:
-    """A deep copy of `model` holding only `layer_ids` (block names kept) and the ends it owns."""
-    chunk = copy.deepcopy(model)
+    """A copy of `model` holding only `layer_ids` (block names kept) and the ends it owns: the
+    other blocks and ends are never copied (on a meta model nothing is allocated either way). A
+    tied head on a last stage that is not the first is a Parameter of its own (Megatron's embedding
+    group keeps the two equal)."""
     keep = {str(i) for i in layer_ids}
-    for name in list(chunk.layers.keys()):
-        if name not in keep:
-            del chunk.layers[name]
+    dropped = [b for name, b in model.layers.items() if name not in keep]
     if not first:
-        chunk.tok_emb = None
-        chunk.pos_emb = None
+        dropped += [model.tok_emb, model.pos_emb]
     if not last:
-        chunk.ln_f = None
-        chunk.head = None
+        dropped += [model.ln_f, model.head]
+    memo: dict[int, Any] = {id(m): None for m in dropped if m is not None}  # deepcopy: None instead
+    chunk = copy.deepcopy(model, memo)
+    for name in [n for n, b in chunk.layers._modules.items() if b is None]:
+        del chunk.layers[name]
     return chunk
 
 
