@@ -58,23 +58,38 @@ class PublishedRow:
     sequence_parallel: bool = False
     overlap_dp: bool = True
     flash_attention: bool = False  # fused attention kernel (MPT: attn_impl triton/flash)
+    attention: str = ""  # the fused kernel the run called where the source says (NVTE_FUSED_ATTN): fa2 | cudnn
     framework: str = "megatron"  # tuning/sim_framework.py flavour
-    metric: str  # tflops_per_gpu (executed FLOPs, Megatron) | mfu (percent of peak, model FLOPs)
+    # Megatron-core 2024+ rows: norms, experts, context and expert parallelism, TE's tp overlap
+    norm_params: int = 2  # 1 RMSNorm, 2 LayerNorm
+    tied_embeddings: bool = True
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25  # 0 = dropless
+    cp: int = 1
+    cp_impl: str = "ring"  # Megatron-core's context parallelism passes K/V blocks around a ring
+    ep: int = 1
+    tp_comm_overlap: bool = False
+    grad_accum_fp32: int = -1  # 0: NeMo's distributed_fused_adam with grad_sync_dtype bf16 (16-bit gradient buffer)
+    metric: str  # METRICS
     value: float | None = None  # None for a layout that ran out of memory (`oom`)
+    source_mfu: float | None = None  # the source's own MFU (%) of a tokens row: its FLOPs per token for the baseline
     fitted: bool
     memory_gb: float | None = None  # the source's measured peak memory per GPU, where it gives one
     oom: bool = False  # the source says this layout ran out of memory
 
     @property
     def gpus(self) -> int:
-        """dp * tp * pp."""
-        return self.dp * self.tp * self.pp
+        """dp * tp * pp * cp."""
+        return self.dp * self.tp * self.pp * self.cp
 
     def model(self) -> ModelSpec:
         """The model shape as a ModelSpec."""
         return ModelSpec(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq, vocab=self.vocab,
                          kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden, gated_mlp=self.gated_mlp,
-                         biases=self.biases, learned_positions=self.learned_positions, dropout=self.dropout)
+                         biases=self.biases, learned_positions=self.learned_positions, dropout=self.dropout,
+                         norm_params=self.norm_params, tied_embeddings=self.tied_embeddings, experts=self.experts,
+                         top_k=self.top_k, capacity_factor=self.capacity_factor)
 
     def parallel(self) -> ParallelSpec:
         """The published layout as a ParallelSpec (16-bit); FSDP's ZeRO-2 is SHARD_GRAD_OP (per-block
@@ -83,7 +98,9 @@ class PublishedRow:
                             global_batch=self.global_batch, zero=self.zero, recompute=self.recompute,
                             sequence_parallel=self.sequence_parallel, overlap_dp=self.overlap_dp,
                             flash_attention=self.flash_attention, framework=self.framework,
-                            zero2_fsdp=self.framework in ("fsdp", "engine"))
+                            zero2_fsdp=self.framework in ("fsdp", "engine"), attention_kernel=self.attention,
+                            cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, tp_comm_overlap=self.tp_comm_overlap,
+                            moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32)
 
 
 @functools.lru_cache(maxsize=4)
@@ -101,6 +118,10 @@ def _raw(path: str) -> dict[str, Any]:
             raise ValueError(f"{path}: row {r['id']}: source={r['source']!r} is not in sources")
         if bool(r.get("oom")) == ("value" in r):
             raise ValueError(f"{path}: row {r['id']}: a row has a value or oom: true, not both")
+        if r.get("metric") not in METRICS:
+            raise ValueError(f"{path}: row {r['id']}: metric={r.get('metric')!r} must be one of {METRICS}")
+        if r["metric"] == "tokens_per_s_per_gpu" and not r.get("source_mfu"):
+            raise ValueError(f"{path}: row {r['id']}: a tokens_per_s_per_gpu row needs source_mfu (the baseline's FLOPs)")
     return data
 
 
@@ -141,10 +162,29 @@ def strategy_class(tp: Any, pp: Any, virtual: Any, zero: Any) -> Any:
     return out.item() if out.ndim == 0 else out
 
 
+# What a row's value measures: executed TFLOP/s per GPU (recomputation counted, as Megatron-LM and
+# Megatron-DeepSpeed report), model TFLOP/s per GPU (no recomputation: Megatron-core's
+# num_floating_point_operations, NeMo), MFU in percent (model FLOPs, MosaicML), or tokens/s per GPU (the
+# source's step time; free of any FLOP convention).
+METRICS = ("tflops_per_gpu", "model_tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")
+
+
+def metric_of(metric: str, out: Any, gpus: int, peak_flops: float) -> Any:
+    """A row's metric from the simulator's outputs (`evaluate_arrays`' dict or a SimResult's fields)."""
+    get = out.get if isinstance(out, dict) else lambda k: getattr(out, k)
+    if metric == "tflops_per_gpu":
+        return get("tflops_per_gpu")
+    if metric == "model_tflops_per_gpu":
+        return get("mfu") * peak_flops / 1e12
+    if metric == "tokens_per_s_per_gpu":
+        return get("tokens_per_s") / gpus
+    return 100.0 * get("mfu")
+
+
 def simulated_metric(row: PublishedRow, cluster: ClusterSpec | None = None) -> float:
-    """The simulator's value of the row's metric (TFLOP/s per GPU, or MFU in percent)."""
-    res = simulate(row.model(), cluster or load_cluster(row.cluster), row.parallel())
-    return res.tflops_per_gpu if row.metric == "tflops_per_gpu" else 100.0 * res.mfu
+    """The simulator's value of the row's metric (METRICS)."""
+    cl = cluster or load_cluster(row.cluster)
+    return float(metric_of(row.metric, simulate(row.model(), cl, row.parallel()), row.gpus, cl.peak_flops))
 
 
 def group_key(row: PublishedRow) -> str:
@@ -169,7 +209,7 @@ def validation_table(path: str | Path = DATA, *, clusters: dict[str, ClusterSpec
     for r in rows:
         cl = (clusters or {}).get(r.cluster) or load_cluster(r.cluster)
         res = simulate(r.model(), cl, r.parallel())
-        sim = res.tflops_per_gpu if r.metric == "tflops_per_gpu" else 100.0 * res.mfu
+        sim = float(metric_of(r.metric, res, r.gpus, cl.peak_flops))
         out.append({
             "id": r.id, "source": r.source, "paper": srcs[r.source]["paper"].split(",")[0],
             "table": srcs[r.source]["table"].split(",")[0], "group": group_key(r),
@@ -215,6 +255,6 @@ def unvalidated(table: pd.DataFrame) -> dict[str, list[str]]:
 
 
 __all__ = [
-    "DATA", "PublishedRow", "STRATEGY_CLASSES", "calibration_rows", "group_key", "held_out_rows", "memory_facts",
+    "DATA", "METRICS", "PublishedRow", "STRATEGY_CLASSES", "calibration_rows", "metric_of", "group_key", "held_out_rows", "memory_facts",
     "simulated_metric", "sources", "strategy_class", "summarize", "unvalidated", "validation_table",
 ]

@@ -47,13 +47,17 @@ def attention_time(cl: ClusterSpec, flops: Any) -> np.ndarray:
 
 
 def _impls(c: dict[str, np.ndarray], frameworks: Any) -> list[tuple[np.ndarray, str]]:
-    """(rows mask, fused-attention kernel) for each framework flavour among the rows."""
+    """(rows mask, fused-attention kernel) for each kernel among the rows: the row's `attention_kernel`
+    where it names one, else its framework flavour's."""
     from tuning.sim_framework import FRAMEWORK_NAMES, FRAMEWORKS
+    from tuning.sim_spec import ATTENTION_KERNELS
 
     table = frameworks or FRAMEWORKS
     fw = np.asarray(c.get("framework", 0))
-    return [(fw == i, table[name].attention_kernel) for i, name in enumerate(FRAMEWORK_NAMES)
-            if np.any(fw == i)]
+    own = np.asarray(c.get("attention_kernel", 0))
+    out = [((fw == i) & (own == 0), table[name].attention_kernel) for i, name in enumerate(FRAMEWORK_NAMES)]
+    out += [(own == j, kernel) for j, kernel in enumerate(ATTENTION_KERNELS) if j]
+    return [(rows, kernel) for rows, kernel in out if np.any(rows)]
 
 
 def attention_seconds(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], *, seq_q: Any, seq_k: Any,
@@ -136,7 +140,8 @@ def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tup
     return t_dense, 2.0 * t_dense, t_logit, 2.0 * t_logit
 
 
-KERNEL_KEYS = ("micro", "tp", "flash_attention", "framework", "dtype_bytes", "attn_density")  # what kernel times depend on
+KERNEL_KEYS = ("micro", "tp", "flash_attention", "framework", "dtype_bytes", "attn_density",
+               "attention_kernel")  # what kernel times depend on
 
 
 def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
@@ -180,9 +185,34 @@ def _kernel_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], frame
     return per_unique(c, price)
 
 
+def fused_block_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) bytes per layer and micro-batch of the memory-bound kernels of a Megatron-core
+    block built from Transformer Engine's fused modules, on a tp rank: what each kernel reads and writes.
+
+    Forward, per token: the two norms (TE's LayerNormLinear: read x, write the normed input, 2h each),
+    the two bias-dropout-add residuals (megatron/core/fusions/fused_bias_dropout.py: read 2h, write h),
+    rotary embedding of q and k (apply_rope_fusion, TE's fused_apply_rotary_pos_emb: read and write
+    q + kv), the activation (fused bias-SwiGLU / bias-GeGLU, megatron/core/fusions/fused_bias_swiglu.py:
+    read 2f, write f; a plain activation read f, write f). Backward: each norm reads x and dy and
+    writes dx (3h), each residual's gradient sum reads two and writes one (3h), rotary as forward,
+    SwiGLU's backward reads the saved 2f and the f gradient and writes 2f (swiglu_back; GELU 3f).
+    Norms and residuals run on s/t tokens under sequence parallelism, on all s without it; the
+    attention core and the GEMMs are priced apart. Dropout adds its 1-byte masks."""
+    t, el = c["tp"], c["dtype_bytes"]
+    tok = c["micro"] * m.seq
+    h_out = m.hidden * np.where(c["sequence_parallel"], 1.0 / t, 1.0)
+    rope = 0.0 if m.learned_positions else 2.0 * (m.q_dim + m.kv_dim) / t
+    act_f, act_b = ((3.0, 5.0) if m.gated_mlp else (2.0, 3.0))
+    mask = 2.0 * h_out if m.dropout else 0.0  # bytes per token, written forward and read backward
+    fwd = tok * (el * (10.0 * h_out + rope + act_f * m.ffn / t) + mask)
+    bwd = tok * (el * (12.0 * h_out + rope + act_b * m.ffn / t) + mask)
+    return fwd, bwd
+
+
 def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
                   act: dict[str, np.ndarray], frameworks: Any = None) -> dict[str, np.ndarray]:
-    """Per micro-batch on the slowest (last) stage: forward and backward (recompute included) seconds."""
+    """Per micro-batch on the slowest (last) stage: forward and backward (recompute included) seconds,
+    and the dense GEMM seconds (`gemm`, what tensor-parallel traffic can overlap)."""
     from tuning.sim_kernels import memory_bandwidth
 
     k = _kernel_times(m, cl, c, frameworks)
@@ -191,11 +221,21 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     # the framework's fitted GPU costs (host work, kernel fusion) apply on GPU presets; a CPU profile
     # carries its own measured host costs and memory-bound rate
     gpu = 1.0 if cl.kernels else 0.0
-    # memory-bound kernels: the activation bytes the model counts x the framework's traffic per byte
+    # memory-bound kernels: the bytes a Transformer Engine block's fused kernels move (flavours that run
+    # them), else the activation bytes the model counts (Korthikanti et al.), backward twice; x the
+    # framework's traffic per byte
     moved = (gpu * per_row(fw, "elementwise_traffic", frameworks) + (1.0 - gpu)) / hbm
+    fused = gpu * per_row(fw, "fused_kernels", frameworks) > 0
+    if np.any(fused):
+        block_f, block_b = fused_block_bytes(m, c)
+        extra = act.get("moe", 0.0)  # MoE blocks' expert intermediates and token buffers (tuning/sim_moe.py)
+        elem_f = np.where(fused, block_f + extra, act["full"])
+        elem_b = np.where(fused, block_b + NONGEMM_BWD_FACTOR * extra, NONGEMM_BWD_FACTOR * act["full"])
+    else:
+        elem_f, elem_b = act["full"], NONGEMM_BWD_FACTOR * act["full"]
     loss = LOSS_BYTES_PER_LOGIT * c["micro"] * m.seq * m.vocab / c["tp"] / hbm
-    fwd_layer = k["dense_f"] + k["attn_f"] + act["full"] * moved
-    bwd_layer = k["dense_b"] + k["attn_b"] + NONGEMM_BWD_FACTOR * act["full"] * moved
+    fwd_layer = k["dense_f"] + k["attn_f"] + elem_f * moved
+    bwd_layer = k["dense_b"] + k["attn_b"] + elem_b * moved
     rc = c["recompute"]
     re_layer = np.select([rc == 2, rc == 1], [fwd_layer, k["attn_f"] + act["attn"] * moved], 0.0)
     per_stage = m.layers / c["pp"]
@@ -209,6 +249,7 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     return {
         "fwd": per_stage * fwd_layer + k["logit_f"] + 0.5 * loss + ovh / 3.0,
         "bwd": per_stage * (bwd_layer + re_layer) + k["logit_b"] + 0.5 * loss + 2.0 * ovh / 3.0 + re_ovh,
+        "gemm": per_stage * (k["dense_f"] + k["dense_b"] + np.where(rc == 2, k["dense_f"], 0.0)),
     }
 
 

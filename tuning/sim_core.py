@@ -60,6 +60,7 @@ def _extend_activations(model: ModelSpec, local: ModelSpec, c: dict[str, np.ndar
         moe = sim_moe.activation_delta(local, c) * sim_moe.moe_layer_count(
             model.layers, model.experts, model.moe_every) / model.layers
         act["full"] = act["full"] + moe
+        act["moe"] = moe
         act["stored"] = act["stored"] + np.where(c["recompute"] == 2, 0.0, moe)
     return act
 
@@ -119,7 +120,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
     times = windows = compute_times(local, cluster, c, act, frameworks)
     if extended:
         times, windows, a2a_mb, cp_mb = _extend_times(model, local, cluster, gpus, c, times, cp, frameworks)
-    tp = tp_comm_time(local, cluster, gpus, c)
+    tp = tp_comm_time(local, cluster, gpus, c, times.get("gemm"))
     pp = pp_comm_time(local, cluster, gpus, c)
     dp, mem, psi, psi_opt = _states(model, local, cluster, gpus, c, act, windows, cp, frameworks)
     per_mb = times["fwd"] + times["bwd"] + tp + pp["pp"] + a2a_mb + cp_mb

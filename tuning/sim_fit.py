@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from tuning.hardware import ClusterSpec, load_cluster
-from tuning.published import DATA, PublishedRow, calibration_rows, held_out_rows
+from tuning.published import DATA, PublishedRow, calibration_rows, held_out_rows, metric_of
 from tuning.sim_core import evaluate_arrays
 from tuning.sim_framework import FRAMEWORKS, Framework
 from tuning.sim_spec import columns
@@ -56,7 +56,7 @@ def _apply(values: dict[str, np.ndarray], cluster: ClusterSpec,
 def row_metric(row: PublishedRow, cluster: ClusterSpec, frameworks: dict[str, Framework] | None = None) -> np.ndarray:
     """The row's metric with cluster / framework fields that may hold arrays (one vectorised call)."""
     out = evaluate_arrays(row.model(), cluster, row.gpus, columns(row.parallel()), frameworks=frameworks)
-    return out["tflops_per_gpu"] if row.metric == "tflops_per_gpu" else 100.0 * out["mfu"]
+    return metric_of(row.metric, out, row.gpus, cluster.peak_flops)
 
 
 def grid_fit(rows: list[PublishedRow], params: list[Param], *, clusters: dict[str, ClusterSpec],
@@ -86,6 +86,9 @@ def grid_fit(rows: list[PublishedRow], params: list[Param], *, clusters: dict[st
 FRAMEWORK_FITS = {  # flavour: the fields fitted on that flavour's rows
     "megatron": [Param(name="megatron.layer_microbatch_s", lo=0.0, hi=0.02),
                  Param(name="megatron.elementwise_traffic", lo=0.5, hi=16.0, log=True)],
+    "megatron-core": [Param(name="megatron-core.layer_microbatch_s", lo=0.0, hi=0.02),
+                      Param(name="megatron-core.elementwise_traffic", lo=0.5, hi=16.0, log=True),
+                      Param(name="megatron-core.microbatch_s", lo=0.0, hi=0.5)],
     "fsdp": [Param(name="fsdp.layer_microbatch_s", lo=0.0, hi=0.02),
              Param(name="fsdp.elementwise_traffic", lo=0.5, hi=16.0, log=True),
              Param(name="fsdp.zero3_bw_efficiency", lo=0.05, hi=1.0, log=True),

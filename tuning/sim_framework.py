@@ -49,6 +49,12 @@ class Framework:
     # structural: the fused-attention kernel it calls on GPUs that have a measured rate for it
     # (tuning/data/kernels.yaml): "fa2" FlashAttention-2, "cudnn" Transformer Engine's cuDNN attention
     attention_kernel: str = "fa2"
+    # structural: its blocks are Transformer Engine's fused modules (megatron-core): memory-bound traffic is
+    # what those kernels read and write (tuning.sim_compute.fused_block_bytes), not the activation count
+    fused_kernels: bool = False
+    # structural: the distributed optimizer's parameter all-gather overlaps the next forward
+    # (megatron-core --overlap-param-gather, which its recipes set beside --overlap-grad-reduce)
+    overlap_param_gather: bool = False
 
 
 # The fitted fields hold tuning.sim_fit.fit_frameworks() on every published row of the flavour
@@ -59,6 +65,7 @@ FITTED = {
                       zero3_bw_efficiency=0.1046, overlap_interference=0.3652),
     "fsdp": dict(layer_microbatch_s=0.003035, elementwise_traffic=4.262, zero3_bw_efficiency=0.7508,
                  overlap_interference=0.5494),
+    "megatron-core": dict(layer_microbatch_s=0.001193, elementwise_traffic=3.103, microbatch_s=0.01157),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)
@@ -76,6 +83,13 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
               **FITTED["fsdp"]),
     Framework(name="engine", description="the workbench engine on a calibrated host (host costs in the profile)",
               zero2_gather_once=True),
+    # Megatron-core 0.8+ (2024: Megatron-LM's mcore models, NeMo 2, Megatron-Bridge): Transformer Engine
+    # modules with fused norms, rotary, bias-activation and bias-dropout-add; cuDNN fused attention unless a
+    # run names another kernel; the distributed optimizer's gathers under the forward. Its terms are fitted on
+    # its own (H100) rows only: the 2021 Megatron-LM rows keep the "megatron" flavour.
+    Framework(name="megatron-core", description="Megatron-core 2024+ (NeMo, Megatron-Bridge): Transformer Engine "
+              "fused kernels, overlapped distributed optimizer", attention_kernel="cudnn", fused_kernels=True,
+              overlap_param_gather=True, **FITTED["megatron-core"]),
 )}
 FRAMEWORK_NAMES = tuple(FRAMEWORKS)
 

@@ -83,6 +83,7 @@ KEEPS: dict[str, Keeps] = {
     # the engine: fp32 parameters under autocast (DDP, ZeroRedundancyOptimizer, FSDP2)
     "engine": Keeps(weight=4, grad=4, optimizer=8, fsdp=True),
 }
+KEEPS["megatron-core"] = KEEPS["megatron"]  # the same distributed optimizer and buffers (tuning/sim_framework.py)
 FP32 = Keeps(weight=4, grad=4, optimizer=8)
 _FIELDS = ("weight", "grad", "optimizer", "grad_partition", "bucket_elems", "fsdp", "swiglu_bytes")
 _TABLE = {f: np.asarray([float(getattr(KEEPS[n], f)) for n in FRAMEWORK_NAMES]) for f in _FIELDS}
@@ -94,7 +95,8 @@ def keeps(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     fp32 = np.asarray(c["dtype_bytes"]) == 4
     out = {f: _TABLE[f][fw] for f in _FIELDS}
     accum = np.asarray(c.get("grad_accum_fp32", -1))  # -1: the framework's default
-    megatron, deepspeed = fw == FRAMEWORK_NAMES.index("megatron"), fw == FRAMEWORK_NAMES.index("deepspeed")
+    megatron = (fw == FRAMEWORK_NAMES.index("megatron")) | (fw == FRAMEWORK_NAMES.index("megatron-core"))
+    deepspeed = fw == FRAMEWORK_NAMES.index("deepspeed")
     out["grad"] = np.where(megatron & (accum == 0), 2.0, np.where(deepspeed & (accum == 1), 6.0, out["grad"]))
     # FSDP under torch's pipelining syncs gradients only in the last micro-batch's backward: until then
     # each block keeps its unsharded gradient, accumulated in the reduce dtype (fp32), and its gathered

@@ -21,6 +21,9 @@ from engine.shapes import ModelShape, from_hf_config
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev", "skip")
 CP_IMPLS = ("ulysses", "ring")  # codes 0, 1 in evaluate_arrays' columns
+# fused-attention kernel a row calls: "" the framework's own (tuning/sim_framework.py), or one with measured
+# rates in tuning/data/kernels.yaml (NeMo picks with NVTE_FUSED_ATTN / NVTE_FLASH_ATTN); codes 0, 1, 2
+ATTENTION_KERNELS = ("", "fa2", "cudnn")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -211,10 +214,14 @@ class ParallelSpec:
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved | ... (SCHEDULES)
     dtype_bytes: int = 2  # bytes per parameter, gradient and activation (2 = bf16/fp16)
     overlap_dp: bool = True  # overlap gradient collectives with backward (DDP buckets)
+    # Megatron-core --tp-comm-overlap (Transformer Engine userbuffers): each tensor-parallel all-gather /
+    # reduce-scatter runs in chunks under the GEMM it feeds or follows (needs sequence_parallel)
+    tp_comm_overlap: bool = False
     bucket_mb: float = 25.0  # gradient bucket size, MB (the last bucket is never hidden)
     zero1_allreduce: bool = False  # ZeRO-1 as torch's ZeroRedundancyOptimizer: all-reduce, then broadcast shards
     zero2_fsdp: bool = False  # ZeRO-2 as FSDP2 with reshard_after_forward=False: per-block gather in forward, RS in backward
     flash_attention: bool = False  # fused attention: no s x s scores in memory; causal blocks skipped; Q K^T recomputed
+    attention_kernel: str = ""  # which fused kernel (ATTENTION_KERNELS); "" = the framework's
     reshard_after_forward: bool = True  # ZeRO-3: free gathered blocks after forward (False: no backward gather)
     framework: str = "megatron"  # the training framework's flavour (tuning/sim_framework.py FRAMEWORKS)
     # issue 18, MoE (tuning/sim_moe.py)
@@ -283,11 +290,14 @@ def columns(par: ParallelSpec) -> dict[str, np.ndarray]:
 
     plain = {f.name: getattr(par, f.name) for f in dataclasses.fields(par)}
     out = {k: np.asarray(v) for k, v in plain.items()
-           if k not in ("recompute", "schedule", "cp_impl", "framework", "adaptive_sp")}
+           if k not in ("recompute", "schedule", "cp_impl", "framework", "adaptive_sp", "attention_kernel")}
     for key in ("compression_ratio", "bucket_mb", "moe_a2a_ratio", "moe_imbalance", "attn_density", "skip_ratio"):
         out[key] = np.asarray(float(plain[key]))
     out["recompute"] = np.asarray(RECOMPUTE.index(str(par.recompute)))
     out["schedule"] = np.asarray(SCHEDULES.index(par.schedule))
     out["cp_impl"] = np.asarray(CP_IMPLS.index(par.cp_impl) if par.cp_impl in CP_IMPLS else -1)
     out["framework"] = np.asarray(framework_code(par.framework))
+    if par.attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel={par.attention_kernel!r} must be one of {ATTENTION_KERNELS}")
+    out["attention_kernel"] = np.asarray(ATTENTION_KERNELS.index(par.attention_kernel))
     return out

@@ -4,6 +4,12 @@ Each layer does 4 all-reduces of b s h x dtype bytes (2 forward, 2 backward; Sho
 2019), 2 more when full recomputation replays the forward; with sequence parallelism each becomes
 a reduce-scatter + all-gather of the same bytes and twice the latency (Korthikanti et al. 2022).
 The group is on NVLink while t <= gpus_per_node, otherwise across nodes.
+
+With Megatron-core's --tp-comm-overlap (`tp_comm_overlap`, sequence parallelism on), Transformer
+Engine's userbuffers split each all-gather into t ring-exchange chunks consumed by the GEMM it feeds
+and each reduce-scatter into chunks that follow the GEMM producing them (TE's ub_tp_comm_overlap_cfg:
+ring_exchange / pipeline methods; Wang et al. 2023, "Overlap communication with dependent computation
+via decomposition"): one chunk in t stays exposed, and the rest whatever the layer's GEMMs cannot cover.
 """
 from __future__ import annotations
 
@@ -14,8 +20,10 @@ from tuning.sim_comm import collective, link
 from tuning.sim_spec import ModelSpec
 
 
-def tp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> np.ndarray:
-    """Tensor-parallel collective seconds per micro-batch on one stage."""
+def tp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
+                 gemm: np.ndarray | None = None) -> np.ndarray:
+    """Exposed tensor-parallel collective seconds per micro-batch on one stage; `gemm` is the stage's
+    dense GEMM seconds per micro-batch, the window overlapped collectives (`tp_comm_overlap`) run under."""
     t, b = c["tp"], c["micro"]
     act = b * m.seq * m.hidden * c["dtype_bytes"]
     bw, lat = link(cl, gpus, t <= cl.gpus_per_node, np.minimum(t, cl.gpus_per_node))
@@ -23,4 +31,8 @@ def tp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarr
     per_ar = np.where(c["sequence_parallel"],
                       2 * collective(act, (t - 1) / t, bw, lat, t),
                       collective(act, 2 * (t - 1) / t, bw, lat, t))
-    return m.layers / c["pp"] * n_ar * per_ar
+    total = m.layers / c["pp"] * n_ar * per_ar
+    overlap = np.asarray(c.get("tp_comm_overlap", False)) & np.asarray(c["sequence_parallel"]) & (t > 1)
+    if gemm is None or not np.any(overlap):
+        return total
+    return np.where(overlap, np.maximum(total / t, total - gemm), total)

@@ -91,6 +91,10 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
     # after the step: ZeRO-1 and DeepSpeed-style ZeRO-2 gather the updated shards (exposed)
     final_gather = np.where(z1_ar, broadcast, np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0))
+    # Megatron-core's --overlap-param-gather: the updated shards' all-gather runs bucket by bucket under
+    # the next step's first forward (megatron/core/distributed/param_and_grad_buffer.py), the first exposed
+    param_overlap = (per_row(fw, "overlap_param_gather", frameworks) > 0) & (zero == 1) & ~z1_ar
+    final_exposed = np.where(param_overlap, hide(final_gather, times["fwd"], last_bucket), final_gather)
     z3 = (zero == 3) & ~z3_kept
     # the engine's ZeRO-2 gathers each block once per step, before the first micro-batch's forward
     # (engine/parallel/zero.py keep_gathered); FSDP1 as Composer runs it re-gathers every micro-batch
@@ -100,7 +104,7 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
                       [nmb * (2 * layer_gather + layer_rs), nmb * (layer_gather + layer_rs),
                        layer_gather + nmb * layer_rs, nmb * reduce_scatter], sync)
     z2_once = hide_blocks(layer_gather, times["fwd"]) + nmb * hide_blocks(layer_rs, times["bwd"])
-    exposed = grad_exposed + final_gather + np.select([z3, blockwise, once_z2], [nmb * z3_mb, nmb * z2f_mb, z2_once], 0.0)
+    exposed = grad_exposed + final_exposed + np.select([z3, blockwise, once_z2], [nmb * z3_mb, nmb * z2f_mb, z2_once], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
 
 

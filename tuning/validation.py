@@ -101,10 +101,14 @@ def memory_check(rows: list[Any]) -> pd.DataFrame:
 BASELINE_MFU = 0.5  # the flat baseline: FLOPs / (GPUs x peak x 0.5), llm-analysis's recommended efficiency
 
 
-def baseline_metric(metric: str, peak_flops: float) -> float:
+def baseline_metric(metric: str, peak_flops: float, *, value: float | None = None,
+                    source_mfu: float | None = None) -> float:
     """The flat-MFU baseline's value of a row's metric: its FLOPs (as the source counts them) over
-    GPUs x peak x 0.5 is a time whose rate is half the peak: 0.5 peak in TFLOP/s per GPU, 50% MFU."""
-    return BASELINE_MFU * peak_flops / 1e12 if metric == "tflops_per_gpu" else 100.0 * BASELINE_MFU
+    GPUs x peak x 0.5 is a time whose rate is half the peak: 0.5 peak in TFLOP/s per GPU, 50% MFU; for
+    tokens/s, the source's FLOPs per token (its MFU x peak / its tokens/s) at half the peak."""
+    if metric == "tokens_per_s_per_gpu":
+        return float(value) * 100.0 * BASELINE_MFU / float(source_mfu)
+    return BASELINE_MFU * peak_flops / 1e12 if metric.endswith("tflops_per_gpu") else 100.0 * BASELINE_MFU
 
 
 def _cache(path: Path) -> Path:
@@ -150,7 +154,7 @@ def loso(path: str | Path | None = None, *, zooms: int = 6) -> pd.DataFrame:
         refit = tuple(sorted({r.framework for r in mine} & set(FRAMEWORK_FITS)))
         fws = with_terms(fit_frameworks(path, exclude_source=source, zooms=zooms, only=refit)) if refit else FRAMEWORKS
         for r, inside, outside in zip(mine, _price(mine, FRAMEWORKS), _price(mine, fws)):
-            base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops)
+            base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops, value=r.value, source_mfu=r.source_mfu)
             out.append({"id": r.id, "source": source, "published": r.value, "in_sample": inside, "loso": outside,
                         "baseline": base, "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
                         "loso_error_pct": 100.0 * (outside / r.value - 1.0),
