@@ -174,7 +174,9 @@ def test_memory_facts_trained_layouts_fit(table) -> None:
     facts = memory_check(memory_facts())
     trained, oom = facts[~facts["oom"]], facts[facts["oom"]]
     assert trained["fits"].all() and len(oom) == 3 and (~oom["fits"]).sum() >= 2
-    # nvidia-smi's peak includes the allocator cache and reads MiB: the chronicles' "GB" are GiB (1.074 GB)
+    # nvidia-smi's peak includes the allocator cache and reads MiB: the chronicles' "GB" are GiB (1.074 GB).
+    # The 02-25 table lists DP 8 TP 4 PP 12 MBS 2 twice, "44GB" and "38GB" (a snapshot, not a peak): the larger counts
+    trained = trained[trained["id"] != "bloom-0225-72x14336-dp8tp4pp12-mb2-b2048-2"]
     assert (trained["ratio"].dropna() < 2**30 / 1e9).all()
 
 
@@ -258,7 +260,7 @@ def test_simulate_a_hugging_face_config_json(tmp_path, config, published) -> Non
     data = json.loads(out.stdout)
     assert abs(data["model_params"] / published - 1) < 0.01
     assert "(8 kv)" in data["model"] and "SwiGLU" in data["model"] and "untied" in data["model"]
-    assert 1.0 < data["memory_per_gpu_gb"] < 80.0 and set(data["memory_breakdown_gb"]) >= {"params", "activations"}
+    assert 1.0 < data["memory_per_gpu_gb"] < 85.9 and set(data["memory_breakdown_gb"]) >= {"params", "activations"}
     text = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--model", str(path), "--gpus", "64",
                            "--config", "dp=8,tp=8,zero=1,micro=1,global_batch=64"], capture_output=True, text=True,
                           timeout=300)

@@ -23,6 +23,7 @@ import numpy as np
 import yaml
 
 GB = 1e9
+GIB = 2**30 / GB  # GB per GiB
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -66,7 +67,12 @@ class ClusterSpec:
     attention_max_efficiency: float = 0.0
     # measured fused attention (one of its two GEMMs' FLOPs, FLOP/s); empty = attention at the GEMM rate
     attention_table: tuple[tuple[float, float], ...] = ()
-    usable_memory_fraction: float = 0.95  # share of memory_gb usable (context, allocator slack)
+    usable_memory_fraction: float = 0.95  # share of memory_gb usable; 1 where the runtime below is modelled
+    # What a process holds beyond its tensors (tuning/sim_memory.py, category `runtime`): the CUDA context
+    # with the kernels loaded (GB, measured per GPU and software generation) and NCCL's channels per
+    # communicator (its buffers: channels x 2 connections x NCCL's default FIFOs); 0 = not modelled
+    cuda_context_gb: float = 0.0
+    nccl_channels: int = 0
     # Achieved share of hbm_gb_s in memory-bound kernels (norms, softmax, dropout, GeLU, Adam): they
     # read and write more than the activation bytes the model counts; fitted on GPU presets
     # (tuning/published.py), 1 on measured hosts whose hbm_gb_s is itself a kernel measurement.
@@ -180,6 +186,13 @@ _A100 = ClusterSpec(
     inter_bw_gb_s=22.5,
     inter_latency_s=20e-6,  # assumed IB round through the fat tree
     kernels="a100",  # GEMM, attention and memory-bound rates as measured (tuning/data/kernels.yaml)
+    # CUDA context + PyTorch's kernels on an A100 80GB, pytorch 1.13.1, all kernels loaded: 0.90 GiB
+    # (stas00/ml-engineering training/performance/README.md, "Preloaded CUDA kernels memory usage")
+    cuda_context_gb=0.90 * GIB,
+    # NCCL on an NVSwitch A100 node: 12 rings found, doubled to 24 channels ("Pattern 4, crossNic 0,
+    # nChannels 12 ... Channel 00/24" in NCCL_DEBUG=INFO logs; src/graph/search.cc dupChannels)
+    nccl_channels=24,
+    usable_memory_fraction=1.0,  # context and NCCL are terms of the model, not an allowance
 )
 
 _H100 = ClusterSpec(
@@ -195,6 +208,13 @@ _H100 = ClusterSpec(
     inter_bw_gb_s=45.0,
     inter_latency_s=20e-6,
     kernels="h100",
+    # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch 2's default), pytorch 2.1.1+cu121:
+    # 0.47 GiB; loading every kernel eagerly takes 0.92 GiB, "the actual memory ... will be somewhere between"
+    # (stas00/ml-engineering training/performance/README.md): the lazy floor, since a training step loads
+    # only its own kernels
+    cuda_context_gb=0.47 * GIB,
+    nccl_channels=32,  # NCCL on an NVSwitch H100 node: "32 coll channels" (NCCL_DEBUG=INFO; NVIDIA/nccl#1685)
+    usable_memory_fraction=1.0,
 )
 
 _FRONTIER = ClusterSpec(
@@ -221,7 +241,11 @@ _A100_40 = dataclasses.replace(_A100, name="dgx-a100-40gb", memory_gb=42.9, hbm_
 # (the GEMM curve fitted on DGX rows), 8 per node on NVLink (assumed switched as in a DGX), and
 # "4 OmniPath links" of 100 Gb/s per node (bigscience train/tr11-176B-ml/README.md, Hardware):
 # 4 x 12.5 GB/s shared by 8 GPUs = 6.25 GB/s per GPU; assumed 90%.
-_JEAN_ZAY = dataclasses.replace(_A100, name="jean-zay-a100", inter_bw_gb_s=5.625)
+_JEAN_ZAY = dataclasses.replace(_A100, name="jean-zay-a100", inter_bw_gb_s=5.625,
+                                # BigScience's own reading in 2022 (PyTorch 1.11, every kernel loaded):
+                                # "40GB A100 takes 1573MiB for cuda kernels (probably about the same for
+                                # 80GB?)" (train/tr11-176B-ml/chronicles-prequel.md)
+                                cuda_context_gb=1573 * 2**20 / 1e9)
 
 PRESETS: dict[str, ClusterSpec] = {c.name: c for c in (_A100, _A100_40, _H100, _FRONTIER, _JEAN_ZAY)}
 

@@ -6,6 +6,13 @@ measured `memory_gb` or `oom: true`; read through `tuning.published`) and tuning
 tables, BLOOM's 02-28 layout search). `walk()` prices all of them with `tuning.simulator.simulate` and
 says, for each, whether the model predicts it fits, the predicted GB, its largest term and the measured
 GB where the source gives one. Nothing is fitted on them.
+
+A measured figure says what it measured (`memory_kind`, per source): `nvidia-smi` (the device memory in use:
+tensors, the caching allocator's free cached blocks, the CUDA context, NCCL), `reserved` (torch's
+max_memory_reserved: tensors and cached blocks) or `allocated` (max_memory_allocated: tensors). `walk()`
+sets beside it the model's matching figure (`predicted_kind_gb`: the total for nvidia-smi, the tensor
+categories for the other two; the allocator's cached blocks are in neither, so a reading at or above it is
+consistent and the gap is that cache).
 """
 from __future__ import annotations
 
@@ -18,13 +25,13 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from tuning.hardware import ClusterSpec, load_cluster
+from tuning.hardware import GIB, ClusterSpec, load_cluster
 from tuning.sim_spec import ModelSpec, ParallelSpec
 
 DATA = Path(__file__).with_name("data") / "memory_facts.yaml"
-GIB = 2**30 / 1e9  # GB per GiB
 _MODEL_KEYS = ("model", "heads", "seq")
 _FACT_KEYS = ("id", "row", "outcome", "memory_gb", "memory_unit", "cluster", "cluster_memory_gb")
+MEMORY_KINDS = ("nvidia-smi", "reserved", "allocated")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +46,7 @@ class MemoryFact:
     cluster: ClusterSpec
     outcome: str
     memory_gb: float | None = None  # measured peak per GPU in GB (1e9 B), converted from the source's unit
+    memory_kind: str = ""  # what memory_gb measured: one of MEMORY_KINDS ("" where there is no figure)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,6 +62,14 @@ def _raw(path: str) -> dict[str, Any]:
 def sources(path: str | Path = DATA) -> dict[str, dict[str, Any]]:
     """The `sources` block of the memory-facts file."""
     return _raw(str(path))["sources"]
+
+
+def memory_kind(source: str, path: str | Path = DATA) -> str:
+    """What the source's memory figures measured (the file's `memory_kinds`, by source key)."""
+    kind = _raw(str(path)).get("memory_kinds", {}).get(source, "")
+    if kind and kind not in MEMORY_KINDS:
+        raise ValueError(f"{path}: memory_kinds[{source}]={kind!r} must be one of {MEMORY_KINDS}")
+    return kind
 
 
 def _model(models: dict[str, Any], name: str, seq: int, heads: int | None) -> ModelSpec:
@@ -85,7 +101,8 @@ def facts(path: str | Path = DATA) -> list[MemoryFact]:
             out.append(MemoryFact(id=r["id"], source=block["source"], row=r["row"],
                                   model=_model(data["models"], r["model"], int(r["seq"]), r.get("heads")),
                                   parallel=par, cluster=_cluster(r["cluster"], r.get("cluster_memory_gb")),
-                                  outcome=r["outcome"], memory_gb=measured))
+                                  outcome=r["outcome"], memory_gb=measured,
+                                  memory_kind=memory_kind(block["source"], path) if measured is not None else ""))
     return out
 
 
@@ -101,24 +118,28 @@ def published_facts() -> list[MemoryFact]:
         seen.add(r.id)
         out.append(MemoryFact(id=r.id, source=r.source, row=r.row, model=r.model(), parallel=r.parallel(),
                               cluster=load_cluster(r.cluster), outcome="oom" if r.oom else "ran",
-                              memory_gb=r.memory_gb))
+                              memory_gb=r.memory_gb, memory_kind=memory_kind(r.source) if r.memory_gb else ""))
     return out
 
 
 def walk(path: str | Path = DATA) -> pd.DataFrame:
     """Every memory fact priced: outcome, predicted GB and fit, usable GB, measured GB, the largest term,
     the pipeline rank priced, the categories; `agrees` is True where the prediction matches the outcome."""
+    from tuning.sim_memory import TENSORS
     from tuning.simulator import simulate
 
     rows = []
     for f in published_facts() + facts(path):
         res = simulate(f.model, f.cluster, f.parallel)
         usable = f.cluster.memory_gb * f.cluster.usable_memory_fraction
+        tensors = sum(res.memory_breakdown_gb[k] for k in TENSORS)
+        kind = {"nvidia-smi": res.memory_per_gpu_gb, "reserved": tensors, "allocated": tensors}.get(f.memory_kind)
         rows.append({"id": f.id, "source": f.source, "outcome": f.outcome, "predicted_gb": res.memory_per_gpu_gb,
                      "usable_gb": usable, "fits": res.fits, "agrees": res.fits == (f.outcome == "ran"),
-                     "measured_gb": f.memory_gb, "dominant": res.extra["memory_dominant"],
-                     "stage": res.extra["memory_stage"], **{f"{k}_gb": v for k, v in res.memory_breakdown_gb.items()}})
+                     "measured_gb": f.memory_gb, "memory_kind": f.memory_kind, "predicted_kind_gb": kind,
+                     "dominant": res.extra["memory_dominant"], "stage": res.extra["memory_stage"],
+                     **{f"{k}_gb": v for k, v in res.memory_breakdown_gb.items()}})
     return pd.DataFrame(rows)
 
 
-__all__ = ["DATA", "MemoryFact", "facts", "published_facts", "sources", "walk"]
+__all__ = ["DATA", "MEMORY_KINDS", "MemoryFact", "facts", "memory_kind", "published_facts", "sources", "walk"]

@@ -17,6 +17,15 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | activations | `act_logits` | the 16-bit logits and fp32 softmax the loss keeps for its backward (last stage) |
 | activations | `act_recompute` | one layer's full set replayed in backward under full recomputation |
 | temp | `temp_buckets` | DeepSpeed ZeRO-1/2's gradient reduce bucket |
+| runtime | `cuda_context` | the CUDA context and the kernels loaded (measured per GPU and software generation) |
+| runtime | `nccl_buffers` | NCCL's FIFOs: communicators x channels x 2 connections x the default buffers |
+
+The `runtime` category is what a process holds beyond its tensors: torch's trackers do not see it, nvidia-smi
+does. `fits` compares everything with the device's memory (`ClusterSpec.memory_gb`). The caching allocator's
+reserve (blocks cached but free) is not a term: before it raises an out-of-memory error it frees its cached
+segments and retries (c10/cuda/CUDACachingAllocator.cpp, release_cached_blocks), so what it holds at an
+nvidia-smi reading (GMLake, Guo et al. 2024: 15% of the reserved memory on average, up to 33%, on A100-80GB
+LLM training) is not what it needs; docs/simulator.md compares the readings with the model.
 
 Sources:
 - Model states by framework: Rajbhandari et al. 2020 (ZeRO, sec. 3: 2 + 2 + K=12 bytes per parameter,
@@ -32,6 +41,13 @@ Sources:
   L_r / v layers each (Megatron-core's interleaved warm-up; on rank 0 this is Korthikanti et al.'s
   L/p * p (1 + (p - 1)/(p v))); zero-bubble and V schedules as 1F1B (Qi et al. 2023: ZB-H1 and ZB-V
   keep 1F1B's peak).
+- Runtime: CUDA context per preset (`ClusterSpec.cuda_context_gb`); NCCL's buffers per connection are its
+  defaults, Simple 4 MiB + LL128 4.6875 MiB + LL 0.5 MiB (NVIDIA/nccl src/init.cc DEFAULT_BUFFSIZE,
+  DEFAULT_LL128_BUFFSIZE, DEFAULT_LL_BUFFSIZE), 10 MiB in 2 MiB pages, per channel two connections (a ring
+  receives from one peer and sends to one: "Ring uses a limited amount of memory as it only has 2 connections
+  regardless of the scale", NVIDIA/nccl#864), one communicator per group a rank talks in (tp, the ZeRO / data-
+  parallel group, cp, ep) and one per pipeline neighbour (ProcessGroupNCCL keys a send/recv communicator by
+  the pair of ranks).
 - Embedding on the first stage, the output layer (or the tied embedding's copy) on the last; with
   `account_for_embedding_and_loss` each of them takes a layer's place in the split (Megatron-core's
   --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split; Llama 3's "one
@@ -48,14 +64,27 @@ from tuning.hardware import GB, ClusterSpec
 from tuning.sim_framework import FRAMEWORK_NAMES
 from tuning.sim_spec import SCHEDULES, ModelSpec
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temp")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
+TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
 TERMS = {
     "params": ("params_weights", "params_gathered"),
     "grads": ("grads_main", "grads_partition", "grads_gathered"),
     "optimizer": ("optimizer",),
     "activations": ("act_layers", "act_logits", "act_recompute"),
     "temp": ("temp_buckets",),
+    "runtime": ("cuda_context", "nccl_buffers"),
 }
+NCCL_CONNECTION_BYTES = 10 * 2**20  # Simple 4 MiB + LL128 4.6875 MiB + LL 0.5 MiB, in 2 MiB pages
+NCCL_CONNECTIONS_PER_CHANNEL = 2
+# The categories as torch.distributed._tools name them (MemTracker's _MemRefType; FSDPMemTracker's
+# _FSDPRefType for FSDP2, the engine's ZeRO-2/3), each the sum of these terms, for comparing a dry run
+MEMTRACKER = {"Parameter": ("params_weights", "params_gathered"),
+              "Gradient": ("grads_main", "grads_partition", "grads_gathered"), "Optstate": ("optimizer",),
+              "Activation": ("act_layers", "act_logits", "act_recompute"), "Temp": ("temp_buckets",)}
+FSDP_MEMTRACKER = {"Sharded Param": ("params_weights",), "Unsharded Param": ("params_gathered",),
+                   "Sharded Grad": ("grads_main", "grads_partition"), "Unsharded Grad": ("grads_gathered",),
+                   "OptState": ("optimizer",), "Activation": ("act_layers", "act_logits", "act_recompute"),
+                   "Temp": ("temp_buckets",)}
 LOGIT_BYTES_KEPT = 4.0  # + the 16-bit logits: the loss keeps an fp32 softmax per logit for its backward
 
 
@@ -199,6 +228,11 @@ def _activations(m: ModelSpec, c: dict[str, np.ndarray], act: dict[str, np.ndarr
     if m.gated_mlp:  # the framework's SwiGLU (activation_bytes counts eager's 8 f/h inside the tp region)
         sbh = m.seq * c["micro"] * m.hidden * c["dtype_bytes"] / 2.0
         stored = stored - np.where(c["recompute"] == 2, 0.0, (8.0 - k["swiglu_bytes"]) * m.ffn / m.hidden * sbh / t)
+    if np.any(c.get("free_stage_input", False)):  # the chunk's input, spread over its layers (Llama 3)
+        slots = (m.layers + 2.0 * np.asarray(c.get("account_for_embedding_and_loss", False))) / p
+        received = m.seq * c["micro"] * m.hidden * c["dtype_bytes"] / np.where(c["sequence_parallel"], t, 1)
+        freed = np.asarray(c["free_stage_input"]) & (p > 1) & (c["recompute"] != 2)
+        stored = stored - np.where(freed, received * c["virtual"] / slots, 0.0)
     all_m = (c["schedule"] == SCHEDULES.index("gpipe")) | (c["schedule"] == SCHEDULES.index("looped_bfs"))
     logits = (c["dtype_bytes"] + LOGIT_BYTES_KEPT) * c["micro"] * m.seq * m.vocab / t
     logits = logits * np.where(all_m & (p > 1), c["num_mb"], 1)  # GPipe keeps every micro-batch's until backward
@@ -234,8 +268,28 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     _, r, s_psi, held, last = best
     out = {name: s_psi * rate + f for name, (rate, f) in rates.items()}
     out.update(temp_buckets=_bucket(s_psi, c, k), act_layers=held * stored,
-               act_logits=np.where(last, logits, 0.0), act_recompute=recompute, stage=r)
+               act_logits=np.where(last, logits, 0.0), act_recompute=recompute, stage=r, **runtime(c, cl))
     return finish(out, cl)
+
+
+def communicators(c: dict[str, np.ndarray]) -> np.ndarray:
+    """NCCL communicators a rank holds buffers in: one per group it talks in (tp, the ZeRO / data-parallel
+    group `c["dp"]`, cp, ep) and one per pipeline neighbour."""
+    one = lambda key: (np.asarray(c.get(key, 1)) > 1).astype(float)  # noqa: E731
+    return one("tp") + one("dp") + one("cp") + one("ep") + 2.0 * one("pp")
+
+
+def runtime(c: dict[str, np.ndarray], cl: ClusterSpec) -> dict[str, Any]:
+    """The `runtime` terms: the CUDA context and NCCL's buffers (0 where the cluster does not model them)."""
+    nccl = communicators(c) * cl.nccl_channels * NCCL_CONNECTIONS_PER_CHANNEL * NCCL_CONNECTION_BYTES
+    return {"cuda_context": cl.cuda_context_gb * GB + np.zeros_like(nccl), "nccl_buffers": nccl}
+
+
+def tracker_categories(terms: dict[str, float], fsdp: bool) -> dict[str, float]:
+    """One configuration's tensor terms in torch's tracker categories: FSDPMemTracker's for FSDP2
+    (`fsdp`), MemTracker's otherwise; the runtime is not a tensor and is not among them."""
+    table = FSDP_MEMTRACKER if fsdp else MEMTRACKER
+    return {name: float(sum(terms.get(t, 0.0) for t in names)) for name, names in table.items()}
 
 
 def _embedding_share(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:

@@ -247,6 +247,11 @@ class ParallelSpec:
     # a gated MLP's activation function fused (-1 the framework's default: Megatron-core's bias-SwiGLU keeps
     # fc1's output and fc2's input, 6 f/h; eager PyTorch also keeps silu(gate) and up apart, 8 f/h), 0 no, 1 yes
     fused_swiglu: int = -1
+    # the tensor a pipeline stage receives is freed once its forward has run (Llama 3, sec. 3.3.2: "we
+    # proactively deallocate tensors that will not be used for future computation, including the input and
+    # output tensors of each pipeline stage"): the chunk's first layer keeps no copy of it (its norm saves
+    # its output instead, as Apex's memory_efficient norms do); without full recomputation, which needs it
+    free_stage_input: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):

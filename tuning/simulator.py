@@ -28,7 +28,7 @@ from tuning.hardware import ClusterSpec
 from tuning.sim_compute import NONGEMM_BWD_FACTOR
 from tuning.sim_core import OPTIMIZER_BYTES_PER_PARAM, evaluate_arrays
 from tuning.sim_framework import FRAMEWORK_NAMES
-from tuning.sim_memory import CATEGORIES, dominant
+from tuning.sim_memory import CATEGORIES, dominant, tracker_categories
 from tuning.sim_memory import TERMS as MEMORY_TERMS
 from tuning.sim_spec import RECOMPUTE, SCHEDULES, ModelSpec, ParallelSpec, SimResult, columns, format_count
 
@@ -141,7 +141,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
         num_microbatches=int(r["num_microbatches"]), bubble_fraction=r["bubble_fraction"],
         dp_comm_total_s=r["dp_comm_total_s"],
         extra={"params_per_gpu": r["params_per_gpu"], "params_total": model.params,
-               **_memory_extra(r)},
+               **_memory_extra(r, par)},
     )
     if model.experts:  # issue 18: the MoE all_to_all as its own entry, active vs total parameters
         result.breakdown["all_to_all"] = r["all_to_all_s"]
@@ -151,10 +151,15 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
     return result
 
 
-def _memory_extra(r: dict[str, Any]) -> dict[str, Any]:
-    """The memory model's per-term breakdown (GB), its largest term and the pipeline rank it prices."""
+def _memory_extra(r: dict[str, Any], par: ParallelSpec) -> dict[str, Any]:
+    """The memory model's per-term breakdown (GB), its largest term, the pipeline rank it prices and its
+    tensors in the categories torch's trackers report (FSDPMemTracker's where the layout is FSDP2-style
+    sharding: the engine or FSDP at ZeRO-2/3; MemTracker's otherwise), for comparing a dry run."""
     terms = {name: r[f"mem_{name}_gb"] for names in MEMORY_TERMS.values() for name in names}
-    return {"memory_terms_gb": terms, "memory_dominant": dominant(terms), "memory_stage": int(r["memory_stage"])}
+    fsdp = par.framework in ("engine", "fsdp") and par.zero >= 2
+    return {"memory_terms_gb": terms, "memory_dominant": dominant(terms), "memory_stage": int(r["memory_stage"]),
+            "memory_tracker": "FSDPMemTracker" if fsdp else "MemTracker",
+            "memory_tracker_gb": tracker_categories(terms, fsdp)}
 
 
 # ---------------------------------------------------------------- run config mapping
