@@ -42,10 +42,15 @@ def render(home: Path, page: str, monkeypatch: pytest.MonkeyPatch, setup=None):
 
 
 def chart_titles(at) -> list[str]:
+    """The title of every chart on the page: Plotly figures and Vega-Lite specs (the Run page's)."""
     out = []
     for chart in at.get("plotly_chart"):
         layout = json.loads(chart.proto.spec)["layout"]
         out.append(layout["title"]["text"])
+    for chart in at.get("arrow_vega_lite_chart") + at.get("vega_lite_chart"):
+        spec = json.loads(chart.proto.spec)
+        if "title" in spec:  # st.bar_chart's (the Hardware page's cores) has none
+            out.append(spec["title"]["text"])
     return out
 
 
@@ -92,7 +97,7 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
     if page == "run":
         assert {"Loss", "Throughput and MFU", "Collective bus bandwidth by message size",
                 "Memory per rank (peak)"} <= set(titles)
-        assert any(t.startswith("Step-time breakdown per rank, step 29") for t in titles)
+        assert {"Step-time breakdown per rank (latest step)", "Step-time breakdown over the run (mean of ranks)"} <= set(titles)
         assert any(t.startswith("Host timeline (%)") for t in titles)
     if page == "tune":
         assert titles[:3] == ["Optimisation history", "Parallel coordinates (tokens/s)",
@@ -483,3 +488,51 @@ def test_the_dashboard_opens_a_study_database_under_the_tuners_schema_lock(tmp_p
         threading.Thread(target=lambda: (open_storage(url), opened.set()), daemon=True).start()
         assert not opened.wait(5), "the dashboard opened the database while a worker held the schema lock"
     assert opened.wait(60)
+
+
+def test_live_run_chart_specs_do_not_change_with_their_data(tmp_path):
+    """Issue 52 item 6: Streamlit swaps new data into a drawn Vega-Lite view only while its spec is the
+    same; a spec that named the step (the old "Step-time breakdown per rank, step 29") redrew from blank."""
+    import streamlit as st
+
+    from workbench.app_pages.common import run_chart_list, run_data
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "grow-1", steps=5, ranks=2, status="running")
+    st.cache_data.clear()
+    early = run_chart_list(run_data(str(tmp_path), "grow-1"))
+    write_run(store, "grow-2", steps=40, ranks=2, status="running", seed=1)  # as grow-1 later: more steps
+    later = run_chart_list(run_data(str(tmp_path), "grow-2"))
+    assert [c.title for c in early] == [c.title for c in later] and len(early) >= 9
+    assert [c.spec for c in early] == [c.spec for c in later]
+    assert any(len(a.data) != len(b.data) for a, b in zip(early, later))
+    for chart in later:  # every chart: a title, and each quantitative axis its unit
+        assert chart.spec["title"]["text"] == chart.title
+        axes = [enc for layer in chart.spec.get("layer", [chart.spec]) for enc in layer.get("encoding", {}).values()
+                if isinstance(enc, dict) and enc.get("type") == "quantitative" and "title" in enc]
+        assert all("(" in a["title"] or a["title"] == "step" for a in axes), (chart.title, axes)
+    store.close()
+
+
+def test_adaptive_sp_run_page_says_why_the_milp_was_skipped_and_why_measured_is_off(tmp_path, monkeypatch):
+    """Issue 52 item 8: the plan table read "MILP skipped" and measured/predicted ~2x with no reason."""
+    from profilers.records import Record
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "asp-1", steps=3, ranks=2)
+    recs = []
+    for step in range(3):
+        for name, value in (("predicted(s)", 0.5), ("measured(s)", 1.0 + 0.05 * step), ("groups", 2),
+                            ("solver", 1), ("milp_vars", 0 if step else 24), ("token_cap", 512)):
+            recs.append(Record("asp-1", 0, step, "flexsp", name, value, 0.0))
+        recs += [Record("asp-1", 0, step, "flexsp_group", f"g0_{k}", v, 0.0)
+                 for k, v in (("size", 2), ("first_rank", 0), ("sequences", 3), ("tokens", 900),
+                              ("predicted(s)", 0.5), ("measured(s)", 1.0))]
+    store.write(recs)
+    store.close()
+    at = render(tmp_path, "run", monkeypatch)
+    notes = " ".join(i.value for i in at.info)
+    # old code: no note at all (only "Measured over predicted, median of the steps: 2.1x")
+    assert "MILP skipped at 2 of 3 steps" in notes and "within 5%" in notes and "lower bound" in notes
+    assert "2.10x the prediction" in notes and "fitted once" in notes
+    assert "Adaptive SP groups per step" in chart_titles(at)

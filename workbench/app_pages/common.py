@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from profilers.store import RunStore, default_home
-from workbench import fmt, plots, report
+from workbench import fmt, live_charts, plots, report
 
 LIVE_TTL_S = 1.0
 BREAKDOWN_STEPS = 500  # steps drawn in the breakdown-over-the-run chart (evenly spaced, last kept)
@@ -154,17 +154,13 @@ UNIT_LABELS = {"%": "percent (%)", "GiB": "memory (GiB)", "B/s": "throughput (B/
                "C": "temperature (°C)", "MHz": "clock (MHz)"}
 
 
-def timeline_figures(samples: pd.DataFrame, what: str) -> list[Any]:
+def timeline_charts(samples: pd.DataFrame, what: str) -> list[live_charts.Chart]:
     """One timeline per unit (names carry their unit, e.g. ``cpu(%)``): never mixed axes."""
     if samples.empty:
         return []
     units = samples["name"].str.extract(r"\(([^()]*)\)$")[0].fillna("")
-    figs = []
-    for unit in sorted(units.unique()):
-        rows = samples[units == unit]
-        figs.append(plots.fig_timeline(rows, f"{what} timeline ({unit or 'no unit'})",
-                                       UNIT_LABELS.get(unit, unit or "value")))
-    return figs
+    return [live_charts.timeline(samples[units == unit], f"{what} timeline ({unit or 'no unit'})",
+                                 UNIT_LABELS.get(unit, unit or "value")) for unit in sorted(units.unique())]
 
 
 def _no_breakdown_reason(data: dict[str, Any]) -> str:
@@ -175,34 +171,38 @@ def _no_breakdown_reason(data: dict[str, Any]) -> str:
     return "waiting for the first step" if data["steps"].empty else "no breakdown records yet"
 
 
-def run_charts(data: dict[str, Any], key: str) -> None:
-    """Every chart of one run, two per row; a chart without data says what it waits for."""
+def run_chart_list(data: dict[str, Any]) -> list[live_charts.Chart]:
+    """Every chart of one run (`run_data`), a message in place of each whose data have not come:
+    the fixed ones first, so a chart that arrives later moves no chart drawn before it."""
     steps, table, last = data["steps"], data["breakdown"], data["breakdown_ranks"]
-    charts = [plots.fig_loss(steps, data["evals"]) if len(steps) else
-              plots.empty_figure("Loss", "waiting for the first step"),
-              plots.fig_throughput(steps) if len(steps) else
-              plots.empty_figure("Throughput and MFU", "waiting for the first step")]
-    if len(table):
-        charts += [plots.fig_breakdown_ranks(last, int(last["step"].max())),
-                   plots.fig_breakdown_steps(table)]
-    else:
-        charts.append(plots.empty_figure("Step-time breakdown", _no_breakdown_reason(data)))
-    charts.append(plots.fig_busbw(data["comm"]) if len(data["comm"]) else
-                  plots.empty_figure("Collective bus bandwidth", "no collective records"))
-    charts.append(plots.fig_memory(data["memory"]) if len(data["memory"]) else
-                  plots.empty_figure("Memory per rank", "no memory records yet"))
-    if len(data["host"]):
-        charts += timeline_figures(data["host"], "Host")
-    else:
-        charts.append(plots.empty_figure("Host timeline", "no host samples (profile.host_interval_s)"))
-    charts += timeline_figures(data["gpu"], "GPU")
+    waiting = "waiting for the first step"
+    no_breakdown = _no_breakdown_reason(data)
+    charts = [live_charts.loss(steps, data["evals"]) if len(steps) else live_charts.message("Loss", waiting),
+              live_charts.throughput(steps) if len(steps) else live_charts.message("Throughput and MFU", waiting),
+              live_charts.breakdown_ranks(last) if len(last) else
+              live_charts.message("Step-time breakdown per rank (latest step)", no_breakdown),
+              live_charts.breakdown_steps(table) if len(table) else
+              live_charts.message("Step-time breakdown over the run (mean of ranks)", no_breakdown),
+              live_charts.busbw(data["comm"]) if len(data["comm"]) else
+              live_charts.message("Collective bus bandwidth by message size", "no collective records"),
+              live_charts.memory(data["memory"]) if len(data["memory"]) else
+              live_charts.message("Memory per rank (peak)", "no memory records yet")]
+    charts += timeline_charts(data["host"], "Host") or [
+        live_charts.message("Host timeline", "no host samples (profile.host_interval_s)")]
+    charts += timeline_charts(data["gpu"], "GPU")
     if data["segments"]:
-        charts.append(plots.fig_segments(steps, data["segments"]))
+        charts.append(live_charts.segments(steps, data["segments"]))
+    return charts
+
+
+def run_charts(data: dict[str, Any], key: str) -> None:
+    """Every chart of one run, two per row. Vega-Lite, not Plotly: a live run's charts update in
+    place, where a Plotly chart is remounted (blank until redrawn) whenever its figure changes."""
+    charts = run_chart_list(data)
     for i in range(0, len(charts), 2):
         cols = st.columns(2)
-        for col, fig in zip(cols, charts[i:i + 2]):
-            # keyed by title alone: a chart keeps its element when charts before it come or go
-            col.plotly_chart(fig, width="stretch", key=f"{key}-{fig.layout.title.text}")
+        for col, chart in zip(cols, charts[i:i + 2]):
+            col.vega_lite_chart(chart.data, chart.spec, width="stretch")
 
 
 # -- studies ---------------------------------------------------------------------------------
