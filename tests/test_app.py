@@ -536,3 +536,16 @@ def test_adaptive_sp_run_page_says_why_the_milp_was_skipped_and_why_measured_is_
     assert "MILP skipped at 2 of 3 steps" in notes and "within 5%" in notes and "lower bound" in notes
     assert "2.10x the prediction" in notes and "fitted once" in notes
     assert "Adaptive SP groups per step" in chart_titles(at)
+
+
+def test_the_dashboard_does_not_watch_the_workbench_home():
+    """Issue 52 item 7: Streamlit watched app.py's folder recursively, ./.workbench included ("Inotify
+    queue overflowed", 8,267 lines): `streamlit run app.py` here and `workbench app` anywhere watch nothing."""
+    code = ("from streamlit import config; config.get_config_options(force_reparse=True); "
+            "print(config.get_option('server.fileWatcherType'))")
+    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.split()[-1] == "none", shown.stdout + shown.stderr  # old code: auto
+    from workbench.cli import app_command
+
+    cmd = app_command("127.0.0.1", 8501)
+    assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"

@@ -348,12 +348,17 @@ def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.
     import subprocess
 
     check_number("--port", port, 1, maximum=65535)
-    entry = Path(__file__).resolve().parent.parent / "app.py"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
-           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-           "--client.toolbarMode", "minimal"]  # a local tool: no "Deploy" button
     console.print(f"dashboard on http://{host}:{port}")
-    raise typer.Exit(subprocess.call(cmd))
+    raise typer.Exit(subprocess.call(app_command(host, port)))
+
+
+def app_command(host: str, port: int) -> list[str]:
+    """The streamlit command of `workbench app`: a local tool, so no "Deploy" button, and no file
+    watcher (it watches app.py's folder recursively, the workbench home included: see .streamlit/config.toml)."""
+    entry = Path(__file__).resolve().parent.parent / "app.py"
+    return [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
+            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none"]
 
 
 @app.command()
