@@ -556,3 +556,17 @@ def test_the_dashboard_does_not_watch_the_workbench_home():
 
     cmd = app_command("127.0.0.1", 8501)
     assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"
+
+
+def test_hardware_page_lists_the_export_tools_and_draws_its_facts_without_torch(tmp_path, monkeypatch):
+    """Issue 52 item 7: the Hardware page spun ~6 s (importing torch.distributed before drawing anything)
+    and its versions omitted transformers, accelerate and torchtitan."""
+    at = render(tmp_path, "hardware", monkeypatch)
+    versions = next(d.value for d in at.dataframe if "version" in d.value.columns)
+    # old code: only the runs' KEY_PACKAGES (torch, numpy, ..., pyyaml)
+    assert {"transformers", "accelerate", "torchtitan", "deepspeed", "megatron-core"} <= set(versions.index)
+    assert "Distributed backends: gloo: yes" in " ".join(c.value for c in at.caption)
+    code = ("import sys; from workbench.app_pages.common import machine_facts; f = machine_facts(); "
+            "print('torch' in sys.modules, f['host']['versions']['transformers'] is not None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr  # every fact but the backends: no torch

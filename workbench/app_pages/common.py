@@ -205,6 +205,32 @@ def run_charts(data: dict[str, Any], key: str) -> None:
             col.vega_lite_chart(chart.data, chart.spec, width="stretch")
 
 
+# -- hardware --------------------------------------------------------------------------------
+EXPORT_PACKAGES = ("transformers", "accelerate", "torchtitan", "deepspeed", "megatron-core", "scipy")
+"""Versions the Hardware page lists beyond the runs' own (profilers.host.KEY_PACKAGES): the tools
+the exports and model loading meet (`workbench export`, model.hf)."""
+
+
+def machine_facts() -> dict[str, Any]:
+    """Host, package versions (read from the installed metadata: no import) and the GPU inventory."""
+    from profilers import nvml
+    from profilers.host import KEY_PACKAGES, host_info, software_versions
+
+    host = host_info()
+    host["versions"] = software_versions(KEY_PACKAGES + EXPORT_PACKAGES)
+    return {"host": host, "gpus": nvml.gpu_inventory(), "nvml": nvml.nvml_available(),
+            "nvml_reason": nvml.unavailable_reason()}
+
+
+def distributed_backends() -> dict[str, Any]:
+    """gloo / nccl / mpi available in this torch (imports torch.distributed: seconds the first time)."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        return {"torch": f"not importable: {exc}"}
+    return {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+
+
 # -- studies ---------------------------------------------------------------------------------
 def storage_url(home_path: str) -> str:
     """The Optuna storage of a home (tuning.study.default_storage: SQLite ``studies.db``)."""
