@@ -570,3 +570,51 @@ def test_hardware_page_lists_the_export_tools_and_draws_its_facts_without_torch(
             "print('torch' in sys.modules, f['host']['versions']['transformers'] is not None)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr  # every fact but the backends: no torch
+
+
+def _study_with_a_skipped_draw(home: Path) -> None:
+    """write_study's 12 trials (complete, pruned, failed) plus a draw the tuner skipped (told PRUNED)."""
+    import optuna
+
+    from tuning.objective import SKIPPED_ATTR
+
+    study = write_study(home, "sk", trials=12)
+    skipped = optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, params={}, distributions={},
+                                        user_attrs={SKIPPED_ATTR: True, "reason": "repeat of trial 3's config "
+                                                    + "(batch.micro=4, comm.compressor=none) " * 4})
+    study.add_trial(skipped)
+
+
+def test_skipped_draws_are_not_counted_as_pruned_and_reasons_read_whole(tmp_path, monkeypatch):
+    """Issue 52 item 7: the Overview counted skipped draws as pruned; the Tune table cut reasons off."""
+    _study_with_a_skipped_draw(tmp_path)
+    at = render(tmp_path, "home", monkeypatch)
+    row = at.dataframe[-1].value.iloc[0]
+    assert row["pruned"] == 2, row.to_dict()  # old code: 3, the skipped draw among them
+    assert (row["skipped"], row["trials"]) == (1, 12), row.to_dict()
+    at = render(tmp_path, "tune", monkeypatch)
+    metrics = {m.label: m.value for m in at.metric}
+    assert (metrics["pruned"], metrics["skipped"]) == ("2", "1"), metrics
+    whole = at.table[0].value
+    assert any(r.endswith("comm.compressor=none) ") for r in whole["reason"]) and "SKIPPED" in set(whole["state"])
+
+
+def test_a_pruned_trials_run_says_pruned_not_failed(tmp_path, monkeypatch):
+    """Issue 52 item 7: a pruned trial's run read "Run failed"."""
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "trial-0007", steps=5, ranks=1, status="running")
+    store.finish_run("trial-0007", "pruned", error="pruned by the tuner at step 4")
+    store.close()
+    at = render(tmp_path, "run", monkeypatch)
+    assert not [e.value for e in at.error if "failed" in e.value]  # old code: "Run failed: pruned by ..."
+    assert any(w.value == "Pruned by the tuner: pruned by the tuner at step 4" for w in at.warning)
+
+
+def test_the_tune_page_says_what_its_workers_do():
+    """Issue 52 item 7: "workers running: none · active" read as if something were running."""
+    from workbench.ui_state import workers_line
+
+    assert workers_line([], False).startswith("No worker is running for this study")
+    assert workers_line([11, 12], False).startswith("2 workers (pid 11, 12) running")
+    assert workers_line([11], True).startswith("Paused: 1 worker (pid 11) finish")
+    assert workers_line([], True).startswith("Paused, and no worker is running")

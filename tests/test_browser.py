@@ -313,7 +313,7 @@ def _tune_and_export(url: str, page) -> None:
     # 3 trials are too few for importances: the page says so instead of drawing one bar at 1.00
     page.get_by_text("needs at least 5 complete trials").first.wait_for(timeout=30_000)
     # the workers ended: the page stops listing them (it reruns once they are reaped)
-    page.get_by_text("workers running: none").wait_for(timeout=30_000)
+    page.get_by_text("No worker is running for this study").wait_for(timeout=30_000)
     page.screenshot(path=str(ARTIFACTS / "tune-finished.png"), full_page=True)
 
     # Export page: download the best trial's YAML

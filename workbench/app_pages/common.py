@@ -128,7 +128,12 @@ def run_header(run: dict[str, Any]) -> None:
     if run.get("error"):
         rank = run.get("error_rank")
         where = f" on rank {rank}" if rank is not None else ""
-        st.error(f"Run failed{where}:\n\n```\n{run['error'][-3000:]}\n```")
+        if run["status"] == "pruned":  # the tuner stopped a trial that was behind: not a failure
+            st.warning(f"Pruned by the tuner: {run['error'][-1000:]}", icon=":material/content_cut:")
+        elif run["status"] == "interrupted":
+            st.warning(f"Stopped before the end: {run['error'][-1000:]}", icon=":material/stop_circle:")
+        else:
+            st.error(f"Run failed{where}:\n\n```\n{run['error'][-3000:]}\n```")
 
 
 def headline(data: dict[str, Any]) -> None:
@@ -264,17 +269,17 @@ def study_reader(home_path: str) -> Any:
 
 @st.cache_data(ttl=2.0, show_spinner=False)
 def studies_table(home_path: str) -> pd.DataFrame:
-    """One row per study: name, directions, trials, counts by state, best first objective."""
-    columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "best"]
+    """One row per study: name, directions, trials (run ones), counts by state, draws skipped unrun, best."""
+    columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "skipped", "best"]
     if not _has_studies(home_path):
         return pd.DataFrame(columns=columns)
     rows = []
     for s in study_reader(home_path).summaries():
         c = s["counts"]
         rows.append({"study": s["study"], "directions": " / ".join(s["directions"]),
-                     "trials": sum(c.values()), "complete": c.get("COMPLETE", 0),
+                     "trials": sum(v for k, v in c.items() if k != "SKIPPED"), "complete": c.get("COMPLETE", 0),
                      "running": c.get("RUNNING", 0), "pruned": c.get("PRUNED", 0),
-                     "failed": c.get("FAIL", 0), "best": s["best"]})
+                     "failed": c.get("FAIL", 0), "skipped": c.get("SKIPPED", 0), "best": s["best"]})
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -294,11 +299,13 @@ def study_trials(home_path: str, name: str) -> tuple[list[str], list[Any]]:
 @st.cache_data(ttl=2.0, show_spinner=False)
 def trials_frame(home_path: str, name: str) -> pd.DataFrame:
     """One row per trial: number, state, value(s), params, reason, run id, duration (s)."""
+    from workbench.app_pages.studies import display_state
+
     directions, trials = study_trials(home_path, name)
     rows = []
     for t in trials:
         values = t.values or []
-        row: dict[str, Any] = {"number": t.number, "state": t.state.name,
+        row: dict[str, Any] = {"number": t.number, "state": display_state(t),
                                "tokens/s": values[0] if values else None}
         if len(directions) > 1:
             row["val_loss"] = values[1] if len(values) > 1 else None

@@ -86,8 +86,7 @@ def controls(home: str, name: str, control: Any) -> list[int]:
     storage = common.storage_url(home)
     pids = control.running_workers(name, home=home)
     paused = common.study_reader(home).is_paused(name)
-    st.caption(f"workers running: {', '.join(map(str, pids)) if pids else 'none'} · "
-               f"{'paused' if paused else 'active'}")
+    st.caption(ui_state.workers_line(pids, paused))
     c1, c2, c3 = st.columns(3)
     if c1.button("Pause", disabled=paused or not pids, icon=":material/pause:"):  # nothing to pause once it ended
         control.pause(name, storage)
@@ -175,9 +174,10 @@ def study_panel(home: str, name: str) -> None:
         st.info("No trials yet: workers are starting, or start them above.")
         return
     counts = trials["state"].value_counts()
-    cols = st.columns(5)
-    for col, state in zip(cols, ("COMPLETE", "RUNNING", "PRUNED", "FAIL", "WAITING")):
-        col.metric(state.lower(), int(counts.get(state, 0)))
+    cols = st.columns(6)
+    for col, state in zip(cols, ("COMPLETE", "RUNNING", "PRUNED", "FAIL", "WAITING", "SKIPPED")):
+        col.metric(state.lower(), int(counts.get(state, 0)),
+                   help="draws not run: an invalid point or a repeat of another trial's config" if state == "SKIPPED" else None)
     figs = study_figures(home, name, int(counts.get("COMPLETE", 0)) + int(counts.get("PRUNED", 0)))
     for i in range(0, len(figs), 2):
         for col, fig in zip(st.columns(2), figs[i:i + 2]):
@@ -195,7 +195,23 @@ def study_panel(home: str, name: str) -> None:
         "val_loss": st.column_config.NumberColumn(format="%.4f"),
         "duration(s)": st.column_config.NumberColumn(format="%.1f"),
         "reason": st.column_config.TextColumn(width="large")})
+    reasons_table(shown)
     jobs_panel(home, name)
+
+
+REASON_ROWS = 50
+
+
+def reasons_table(trials: pd.DataFrame) -> None:
+    """The newest pruned, failed and skipped trials with their whole reason (a table wraps its text;
+    the trial table's reason column cuts it at the column's width)."""
+    if "reason" not in trials:
+        return
+    why = trials[trials["reason"].fillna("").astype(str).str.len() > 0][["number", "state", "reason"]]
+    if why.empty:
+        return
+    st.caption(f"Why trials stopped or were not run (newest {min(len(why), REASON_ROWS)} of {len(why)})")
+    st.table(why.head(REASON_ROWS).set_index("number"))
 
 
 def order_panel(home: str, name: str) -> None:
