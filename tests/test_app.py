@@ -124,6 +124,8 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
         assert {"torchtitan", "accelerate"} <= set(FORMATS) and not at.error, [e.value for e in at.error]
     if page == "home":
         assert len(at.dataframe[0].value) == 2
+        best = at.dataframe[1].value["best tokens/s"].iloc[0]  # old code: a float drawn as 4123 (no separator)
+        assert re.fullmatch(r"\d{1,3}(,\d{3})+", best), best
 
 
 def test_failed_emulated_run_shows_its_error_and_badge(finished_home, monkeypatch):

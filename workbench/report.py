@@ -184,7 +184,7 @@ def summary_rows(summ: dict[str, Any]) -> list[list[str]]:
 
 
 def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None:
-    from workbench.fmt import count, layout, num, seconds, size
+    from workbench.fmt import bandwidth, count, layout, num, seconds, size
 
     head = f"[bold]{report['run_id']}[/] {report['status']}  ranks={report['world_size']}  " \
            f"{layout(report.get('layout'), report.get('config'))}"
@@ -218,10 +218,10 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
                           + ", ".join(f"rank {r} {g:+.1%}" for r, g in gaps.items()))
     if report["collectives"]:
         frame = collectives_frame(report["collectives"])
-        body = [[row.axis, row.traffic, row.op, count(row.count), size(row.bytes), seconds(row[5]), num(row[6])]
+        body = [[row.axis, row.traffic, row.op, count(row.count), size(row.bytes), seconds(row[5]), bandwidth(row[6])]
                 for row in frame.itertuples(index=False)]
         fit_table("collectives per mesh axis and type (per rank, whole run)",
-                  ["axis", "traffic", "op", "count", "bytes", "time", "busbw (GB/s)"], body, console, wide=wide)
+                  ["axis", "traffic", "op", "count", "bytes", "time", "busbw"], body, console, wide=wide)
     moe = report.get("moe") or {}
     if moe:
         body = []

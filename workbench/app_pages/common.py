@@ -88,13 +88,6 @@ def collectives_table(home_path: str, run_id: str, version: tuple[Any, ...]) -> 
     return report.collectives_frame(_store(home_path).comm_totals(run_id))
 
 
-def shown(value: Any) -> str:
-    """A value as people read it (`workbench.fmt.num`); empty for a missing one."""
-    if value is None or (isinstance(value, float) and value != value):
-        return ""
-    return fmt.num(value)
-
-
 def empty_runs_message() -> None:
     """What to do when the store holds no run."""
     st.info("No runs yet: launch one on the **Run** page, or from a shell "
@@ -320,4 +313,28 @@ def trials_frame(home_path: str, name: str) -> pd.DataFrame:
 def collectives_shown(frame: pd.DataFrame) -> pd.DataFrame:
     """`report.collectives_frame` for people: whole counts, bytes in KiB/MiB/GiB, durations in their unit."""
     return fmt.frame(frame, {"count": fmt.count, "bytes": fmt.size, "time(s)": fmt.seconds,
-                             "busbw(GB/s)": fmt.num}).rename(columns={"time(s)": "time"})
+                             "busbw(GB/s)": fmt.bandwidth}).rename(columns={"time(s)": "time", "busbw(GB/s)": "busbw"})
+
+
+def shown_by_unit(name: str, value: Any) -> str:
+    """One value of a row named with its unit (`RunStore.run_summary`'s keys) as people read it:
+    ``dp:all_reduce/busbw(GB/s)`` 1.49e-07 -> '149 B/s', ``.../bytes`` -> KiB/MiB, ``(s)`` -> ms/s."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if name.endswith("(GB/s)"):
+        return fmt.bandwidth(value)
+    if name.endswith("/bytes") or name.endswith("_bytes"):
+        return fmt.size(value)
+    if name.endswith("(GiB)"):
+        return fmt.size(value * 2**30)
+    if name.endswith("(s)"):
+        return fmt.seconds(value)
+    return fmt.num(value)
+
+
+def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
+    """`RunStore.compare` for people: each row's values formatted by the unit in its name."""
+    return pd.DataFrame({col: [shown_by_unit(str(name), v) for name, v in table[col].items()] for col in table.columns},
+                        index=table.index)
