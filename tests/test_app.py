@@ -620,3 +620,16 @@ def test_the_tune_page_says_what_its_workers_do():
     assert workers_line([11, 12], False).startswith("2 workers (pid 11, 12) running")
     assert workers_line([11], True).startswith("Paused: 1 worker (pid 11) finish")
     assert workers_line([], True).startswith("Paused, and no worker is running")
+
+
+def test_identical_compare_curves_are_told_apart():
+    """Issue 52 item 7: two identical loss curves (a seeded repeat) drew as one line in Compare."""
+    from workbench import plots
+
+    steps = pd.DataFrame({"step": [0, 1, 2], "loss": [3.0, 2.5, 2.0]})
+    curves = pd.concat([steps.assign(run="a"), steps.assign(run="b"),
+                        steps.assign(run="c", loss=[3.0, 2.4, 2.1])], ignore_index=True)
+    fig = plots.fig_compare_curves(curves, "loss", "loss (nats/token)")
+    names = [t.name for t in fig.data]
+    assert names == ["a", "b (identical to a)", "c"], names  # old code: ["a", "b", "c"], b hidden under a
+    assert fig.data[1].line.dash == "dash" and fig.data[0].line.dash is None

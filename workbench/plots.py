@@ -155,12 +155,25 @@ def fig_memory(memory: pd.DataFrame) -> go.Figure:
     return _figure(traces, "Memory per rank (peak)", "rank", "memory (GiB)", barmode="group")
 
 
+DASHES = ("dash", "dot", "dashdot", "longdash")
+
+
 def fig_compare_curves(curves: pd.DataFrame, metric: str, unit_label: str) -> go.Figure:
-    """One line per run (columns run, step, ``metric``)."""
-    traces = []
-    for run, rows in curves.groupby("run"):
+    """One line per run (columns run, step, ``metric``). A curve identical to an earlier run's (same
+    steps, same values: a seeded repeat) is dashed, marked and named "identical to ..." in the legend,
+    where it would hide exactly under the first."""
+    traces, seen = [], {}
+    for run, rows in curves.groupby("run", sort=False):
         rows = thin(rows.dropna(subset=[metric]))
-        traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines", name=str(run)))
+        curve = (tuple(rows["step"]), tuple(rows[metric]))
+        first = seen.setdefault(curve, str(run))
+        if first == str(run):
+            traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines", name=str(run)))
+            continue
+        twins = sum(1 for t in traces if t.name.endswith(f"(identical to {first})"))
+        traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines+markers",
+                                 name=f"{run} (identical to {first})", line={"dash": DASHES[twins % len(DASHES)]},
+                                 marker={"symbol": "circle-open", "size": 7}))
     what = unit_label.split(" (")[0]
     return _figure(traces, f"{what[:1].upper()}{what[1:]} by run", "step", unit_label)
 
