@@ -633,3 +633,34 @@ def test_identical_compare_curves_are_told_apart():
     names = [t.name for t in fig.data]
     assert names == ["a", "b (identical to a)", "c"], names  # old code: ["a", "b", "c"], b hidden under a
     assert fig.data[1].line.dash == "dash" and fig.data[0].line.dash is None
+
+
+SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+           "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+
+
+def test_whatif_prices_a_config_json_on_this_homes_calibrated_profile(tmp_path, monkeypatch):
+    """Issue 52 item 7: What-if priced only GPT presets on preset clusters; it takes a Hugging Face
+    config.json (upload or path) and lists the home's calibrated profiles (<home>/hardware/, first)."""
+    from tuning.hardware import cpu_profile, save_cluster
+    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+
+    profile = cpu_profile(name="cpu-local-2", gemm_points=[(1e6, 2e10), (1e9, 5e10)], intra=(2e-5, 1.0),
+                          gpus_per_node=2, memory_gb=24.0)
+    save_cluster(profile, tmp_path / "hardware" / "cpu-local-2.yaml")
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    at = render(tmp_path, "whatif", monkeypatch)
+    assert at.selectbox[0].value.startswith("cpu-local-2 (profile:")  # old code: only the presets
+    at.radio(key="whatif_kind").set_value("Hugging Face config.json").run()
+    at.text_input(key="whatif_hf_path").set_value(str(tmp_path / "config.json")).run()
+    assert at.number_input[0].value == 2 and at.number_input[0].max == 2  # the profile's 2 measured ranks
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    model = ModelSpec.from_hf(SMOLLM2, seq=2048)
+    caption = " ".join(c.value for c in at.caption)
+    assert f"llama (config.json) ({model.params / 1e9:.3g}B parameters) on 2 GPUs of cpu-local-2" in caption
+    metrics = {m.label: m.value for m in at.metric}  # the sliders' defaults: tp 1 (2 divides no 9 heads), pp 2
+    par = ParallelSpec(dp=1, tp=1, pp=2, micro=1, global_batch=512, zero=1, recompute="selective")
+    assert metrics["iteration (s)"] == f"{simulate(model, profile, par).iteration_time_s:.3f}"
+    next(b for b in at.button if b.label == "Search").click().run()  # every configuration of it, on that profile
+    assert not at.exception and any("valid configurations" in m.value for m in at.markdown), [m.value for m in at.markdown]
