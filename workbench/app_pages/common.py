@@ -316,6 +316,25 @@ def collectives_shown(frame: pd.DataFrame) -> pd.DataFrame:
                              "busbw(GB/s)": fmt.bandwidth}).rename(columns={"time(s)": "time", "busbw(GB/s)": "busbw"})
 
 
+DIAGNOSIS_EVERY = 20  # a live run's diagnosis is read again every this many steps (it scans the whole run)
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def run_diagnosis(home_path: str, run_id: str, version: tuple[Any, ...]) -> dict[str, Any] | None:
+    """`tuning.diagnose.diagnose` of the run as plain data, read again only when `version` moves."""
+    from dataclasses import asdict
+
+    from tuning.diagnose import diagnose
+
+    found = diagnose(_store(home_path), run_id, home=home_path)
+    return asdict(found) if found is not None else None
+
+
+def diagnosis_version(data: dict[str, Any]) -> tuple[Any, ...]:
+    """The run's status and its step count in blocks of DIAGNOSIS_EVERY."""
+    return data["run"]["status"], len(data["steps"]) // DIAGNOSIS_EVERY
+
+
 def shown_by_unit(name: str, value: Any) -> str:
     """One value of a row named with its unit (`RunStore.run_summary`'s keys) as people read it:
     ``dp:all_reduce/busbw(GB/s)`` 1.49e-07 -> '149 B/s', ``.../bytes`` -> KiB/MiB, ``(s)`` -> ms/s."""

@@ -148,6 +148,8 @@ def live_panel(run_id: str, shown_status: str) -> None:
     with st.container():
         stop_button(run)
     common.headline(data)
+    with st.container():  # what bounds the run and what to try (tuning/diagnose.py)
+        diagnosis_panel(run, data)
     common.run_charts(data, key=f"run-{run_id}")
     with st.container():  # TP/SP, DP/FSDP and pipeline traffic per collective type
         collectives = common.collectives_table(home, run_id, common.run_version(data))
@@ -166,6 +168,32 @@ def live_panel(run_id: str, shown_status: str) -> None:
     if shown_status == "running" and run["status"] != "running":  # the picker still says running
         common.runs_table.clear()
         st.rerun(scope="app")  # the run ended: leave polling mode
+
+
+def diagnosis_panel(run: dict[str, Any], data: dict[str, Any]) -> None:
+    """The run's diagnosis: each finding, its best priced suggestions with their command, and a button
+    that launches the run again with the change."""
+    from engine.config import apply_overrides
+
+    home = str(common.home())
+    diag = common.run_diagnosis(home, run["run_id"], common.diagnosis_version(data))
+    if diag is None:
+        return
+    with st.container(border=True):
+        st.markdown(f"**{report.diagnosis_title(diag)}**")
+        if not diag["findings"]:
+            st.caption(report.diagnosis_lines(diag)[1].strip())
+        for i, finding in enumerate(diag["findings"][:report.DIAGNOSIS_FINDINGS]):
+            st.markdown(f"{i + 1}. {finding['headline']}")
+            for j, sug in enumerate(finding["suggestions"][:report.DIAGNOSIS_SUGGESTIONS]):
+                left, right = st.columns([6, 1], vertical_alignment="center")
+                left.caption(report.suggestion_line(sug, diag["step_s"]))
+                left.code(sug["command"], language="bash")
+                if sug["overrides"]:
+                    changed = apply_overrides(run.get("config") or {}, list(sug["overrides"]))
+                    changed["name"] = f"{changed.get('name', 'run')}-try"
+                    right.button("Run it", key=f"try-{run['run_id']}-{i}-{j}", icon=":material/rocket_launch:",
+                                 on_click=launch, args=(changed,), help="launch this run's config with the change")
 
 
 def schedule_panel(run_id: str, status: str) -> None:
