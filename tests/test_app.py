@@ -54,6 +54,18 @@ def chart_titles(at) -> list[str]:
     return out
 
 
+def chart_messages(at) -> list[str]:
+    """The messages of the charts drawn in place of a chart whose data have not come (Vega-Lite text marks)."""
+    import pyarrow as pa
+
+    out = []
+    for chart in at.get("vega_lite_chart"):
+        frame = pa.ipc.open_stream(chart.proto.data.data).read_all().to_pandas() if chart.proto.data.data else None
+        if frame is not None and "message" in frame:
+            out += list(frame["message"])
+    return out
+
+
 @pytest.fixture(scope="module")
 def finished_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("finished")
