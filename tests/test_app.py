@@ -180,26 +180,30 @@ def test_invalid_yaml_config_shows_inline_errors_and_disables_launch(tmp_path, m
 
 
 def test_every_figure_has_a_title_and_axis_units():
-    from workbench import plots
+    from workbench import live_charts, plots
 
     steps = pd.DataFrame({"step": [0, 1, 2], "loss": [3.0, 2.5, 2.0], "tokens_per_s": [10.0, 12.0, 11.0],
                           "mfu": [0.01, 0.02, 0.02]})
     table = pd.DataFrame({"step": [0, 0], "rank": [0, 1], "forward": [0.1, 0.1], "backward": [0.2, 0.3],
                           "total": [0.3, 0.4]})
     samples = pd.DataFrame({"time": [1.0, 2.0], "name": ["cpu(%)"] * 2, "value": [5.0, 6.0], "rank": [0, 0]})
-    figs = [plots.fig_loss(steps), plots.fig_throughput(steps), plots.fig_breakdown_ranks(table, 0),
-            plots.fig_breakdown_steps(table),
-            plots.fig_busbw(pd.DataFrame({"op": ["all_reduce"], "size(B)": [1024.0], "busbw(GB/s)": [1.0]})),
-            plots.fig_timeline(samples, "Host CPU", "percent (%)"),
-            plots.fig_memory(pd.DataFrame({"rank": [0], "name": ["rss(GiB)"], "value": [1.0]})),
-            plots.fig_compare_curves(steps.assign(run="a"), "loss", "loss (nats/token)"),
+    figs = [plots.fig_compare_curves(steps.assign(run="a"), "loss", "loss (nats/token)"),
             plots.fig_sim_memory({"params": 1.0}, 80.0)]
     for fig in figs:
         assert fig.layout.title.text
         assert fig.layout.yaxis.title.text and "(" in fig.layout.yaxis.title.text
-    stacked = plots.fig_breakdown_ranks(table, 0)
-    assert [tr.name for tr in stacked.data] == ["forward", "backward"]
-    assert list(stacked.data[1].y) == [0.2, 0.3]
+    charts = [live_charts.loss(steps), live_charts.throughput(steps), live_charts.breakdown_ranks(table),
+              live_charts.breakdown_steps(table),
+              live_charts.busbw(pd.DataFrame({"op": ["all_reduce"], "size(B)": [1024.0], "busbw(GB/s)": [1.0]})),
+              live_charts.timeline(samples, "Host CPU", "percent (%)"),
+              live_charts.memory(pd.DataFrame({"rank": [0], "name": ["rss(GiB)"], "value": [1.0]}))]
+    for chart in charts:
+        layers = chart.spec.get("layer", [chart.spec])
+        ys = [layer["encoding"]["y"]["title"] for layer in layers]
+        assert chart.spec["title"]["text"] == chart.title and all("(" in y for y in ys), (chart.title, ys)
+    stacked = live_charts.breakdown_ranks(table)
+    assert list(stacked.data["phase"].unique()) == ["forward", "backward"]
+    assert list(stacked.data[stacked.data["phase"] == "backward"]["seconds"]) == [0.2, 0.3]
 
 
 def test_thin_keeps_first_and_last_rows():

@@ -10,7 +10,7 @@ import streamlit as st
 import yaml
 
 from engine.errors import ConfigError
-from workbench import plots, ui_state
+from workbench import live_charts, plots, ui_state
 from workbench.app_pages import common
 
 DEFAULT_SPACE = """\
@@ -283,8 +283,8 @@ def segments_panel(home: str, name: str) -> None:
         return
     run_id = st.selectbox("In-job run", shared, key="segments_run")
     data = common.run_data(home, run_id)
-    st.plotly_chart(plots.fig_segments(data["steps"], data["segments"]), width="stretch",
-                    key=f"segments-{run_id}")
+    chart = live_charts.segments(data["steps"], data["segments"])
+    st.vega_lite_chart(chart.data, chart.spec, width="stretch")
     st.dataframe(pd.DataFrame(data["segments"]), hide_index=True, width="stretch")
 
 
