@@ -680,3 +680,19 @@ def test_whatif_prices_a_config_json_on_this_homes_calibrated_profile(tmp_path, 
     assert metrics["iteration (s)"] == f"{simulate(model, profile, par).iteration_time_s:.3f}"
     next(b for b in at.button if b.label == "Search").click().run()  # every configuration of it, on that profile
     assert not at.exception and any("valid configurations" in m.value for m in at.markdown), [m.value for m in at.markdown]
+
+
+def test_a_live_runs_per_rank_breakdown_draws_the_last_step_every_rank_reported(tmp_path):
+    """Seen in the live-charts screenshot: the newest step had only rank 1's report, so the chart drew one bar."""
+    import streamlit as st
+
+    from profilers.records import Record
+    from workbench.app_pages.common import run_data
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "part-1", steps=3, ranks=2, status="running")
+    store.write([Record("part-1", 1, 3, "breakdown", "forward(s)", 0.03, 0.0)])  # step 3: rank 1 only, so far
+    store.close()
+    st.cache_data.clear()
+    last = run_data(str(tmp_path), "part-1")["breakdown_ranks"]
+    assert list(last["rank"]) == [0, 1] and set(last["step"]) == {2}

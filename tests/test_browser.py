@@ -179,11 +179,19 @@ def test_a_live_runs_charts_stay_drawn_between_refreshes(server, page):
     step counter moves between them."""
     url, home = server
     env = {**os.environ, "WORKBENCH_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    log = open(home / "livecharts.log", "w")
     run = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", *(a for kv in LIVE for a in ("--set", kv))],
-                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        from profilers.store import RunStore
+
+        def registered() -> bool:  # the page lists the runs of its load: it must come after the run's
+            with RunStore.open_home(home) as store:
+                return any(r["name"] == "livecharts" and r["status"] == "running" for r in store.runs(limit=20))
+
+        _wait_for(registered, 180, "the live run to register")
         page.goto(f"{url}/run")
-        _wait_for(lambda: "livecharts" in _selectboxes(page), 120, "the live run in the picker")
+        _wait_for(lambda: "livecharts" in _selectboxes(page), 60, "the live run in the picker")
         _wait_for(lambda: _step(page) >= 3, 180, "the live run's third step")
         _settle(page)
         shots = []

@@ -60,12 +60,13 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
     (bounded size whatever the run's length): steps, evals, breakdown, comm, host, ..."""
     s = _store(home_path)
     evals = s.series(run_id, "eval", max_points=plots.MAX_POINTS)
+    run = s.run(run_id)
     return {
-        "run": s.run(run_id),
+        "run": run,
         "steps": s.step_frame(run_id),
         "evals": evals[(evals["name"] == "val_loss") & (evals["rank"] == 0)],
         "breakdown": s.breakdown_steps(run_id, max_steps=BREAKDOWN_STEPS),  # mean over ranks
-        "breakdown_ranks": s.breakdown_ranks(run_id),  # the last step, per rank
+        "breakdown_ranks": _whole_last_step(s, run_id, (run or {}).get("world_size") or 1),
         "comm": s.comm_points(run_id, max_steps=COMM_STEPS),
         "gpu": s.series(run_id, "gpu", max_points=plots.MAX_POINTS),
         "host": s.series(run_id, "host", max_points=plots.MAX_POINTS),
@@ -73,6 +74,17 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
         "segments": s.segments(run_id),
         "read_at": time.time(),
     }
+
+
+def _whole_last_step(s: RunStore, run_id: str, world: int) -> pd.DataFrame:
+    """The per-rank breakdown of the last step, or of the one before while the last has only some
+    ranks' reports (a live run: the chart would show one bar, then two)."""
+    last = s.breakdown_ranks(run_id)
+    if len(last) and last["rank"].nunique() < world and int(last["step"].max()) > 0:
+        before = s.breakdown_ranks(run_id, int(last["step"].max()) - 1)
+        if before["rank"].nunique() > last["rank"].nunique():
+            return before
+    return last
 
 
 def run_version(data: dict[str, Any]) -> tuple[Any, ...]:
