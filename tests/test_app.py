@@ -42,10 +42,27 @@ def render(home: Path, page: str, monkeypatch: pytest.MonkeyPatch, setup=None):
 
 
 def chart_titles(at) -> list[str]:
+    """The title of every chart on the page: Plotly figures and Vega-Lite specs (the Run page's)."""
     out = []
     for chart in at.get("plotly_chart"):
         layout = json.loads(chart.proto.spec)["layout"]
         out.append(layout["title"]["text"])
+    for chart in at.get("arrow_vega_lite_chart") + at.get("vega_lite_chart"):
+        spec = json.loads(chart.proto.spec)
+        if "title" in spec:  # st.bar_chart's (the Hardware page's cores) has none
+            out.append(spec["title"]["text"])
+    return out
+
+
+def chart_messages(at) -> list[str]:
+    """The messages of the charts drawn in place of a chart whose data have not come (Vega-Lite text marks)."""
+    import pyarrow as pa
+
+    out = []
+    for chart in at.get("vega_lite_chart"):
+        frame = pa.ipc.open_stream(chart.proto.data.data).read_all().to_pandas() if chart.proto.data.data else None
+        if frame is not None and "message" in frame:
+            out += list(frame["message"])
     return out
 
 
@@ -92,7 +109,7 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
     if page == "run":
         assert {"Loss", "Throughput and MFU", "Collective bus bandwidth by message size",
                 "Memory per rank (peak)"} <= set(titles)
-        assert any(t.startswith("Step-time breakdown per rank, step 29") for t in titles)
+        assert {"Step-time breakdown per rank (latest step)", "Step-time breakdown over the run (mean of ranks)"} <= set(titles)
         assert any(t.startswith("Host timeline (%)") for t in titles)
     if page == "tune":
         assert titles[:3] == ["Optimisation history", "Parallel coordinates (tokens/s)",
@@ -108,11 +125,20 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
     if page == "export":
         buttons = at.get("download_button")
         labels = [b.proto.label for b in buttons]
-        assert len(labels) == 7 and "DeepSpeed JSON" in labels and "YAML config" in labels
+        assert "DeepSpeed JSON" in labels and "YAML config" in labels
         assert {b.proto.icon for b in buttons} == {":material/download:"}
         assert any(i.value.startswith("this trial ran a stand-in (") for i in at.info)  # 2 CPU ranks
+        # issue 52 item 7: every format `workbench export --format` takes, one button each, none failing
+        # (old code: no torchtitan or accelerate button)
+        from tuning.export import FORMATS
+
+        keys = {b.key for b in buttons}
+        assert {f"dl-{f}" for f in FORMATS} <= keys, sorted(keys)
+        assert {"torchtitan", "accelerate"} <= set(FORMATS) and not at.error, [e.value for e in at.error]
     if page == "home":
         assert len(at.dataframe[0].value) == 2
+        best = at.dataframe[1].value["best tokens/s"].iloc[0]  # old code: a float drawn as 4123 (no separator)
+        assert re.fullmatch(r"\d{1,3}(,\d{3})+", best), best
 
 
 def test_failed_emulated_run_shows_its_error_and_badge(finished_home, monkeypatch):
@@ -155,26 +181,30 @@ def test_invalid_yaml_config_shows_inline_errors_and_disables_launch(tmp_path, m
 
 
 def test_every_figure_has_a_title_and_axis_units():
-    from workbench import plots
+    from workbench import live_charts, plots
 
     steps = pd.DataFrame({"step": [0, 1, 2], "loss": [3.0, 2.5, 2.0], "tokens_per_s": [10.0, 12.0, 11.0],
                           "mfu": [0.01, 0.02, 0.02]})
     table = pd.DataFrame({"step": [0, 0], "rank": [0, 1], "forward": [0.1, 0.1], "backward": [0.2, 0.3],
                           "total": [0.3, 0.4]})
     samples = pd.DataFrame({"time": [1.0, 2.0], "name": ["cpu(%)"] * 2, "value": [5.0, 6.0], "rank": [0, 0]})
-    figs = [plots.fig_loss(steps), plots.fig_throughput(steps), plots.fig_breakdown_ranks(table, 0),
-            plots.fig_breakdown_steps(table),
-            plots.fig_busbw(pd.DataFrame({"op": ["all_reduce"], "size(B)": [1024.0], "busbw(GB/s)": [1.0]})),
-            plots.fig_timeline(samples, "Host CPU", "percent (%)"),
-            plots.fig_memory(pd.DataFrame({"rank": [0], "name": ["rss(GiB)"], "value": [1.0]})),
-            plots.fig_compare_curves(steps.assign(run="a"), "loss", "loss (nats/token)"),
+    figs = [plots.fig_compare_curves(steps.assign(run="a"), "loss", "loss (nats/token)"),
             plots.fig_sim_memory({"params": 1.0}, 80.0)]
     for fig in figs:
         assert fig.layout.title.text
         assert fig.layout.yaxis.title.text and "(" in fig.layout.yaxis.title.text
-    stacked = plots.fig_breakdown_ranks(table, 0)
-    assert [tr.name for tr in stacked.data] == ["forward", "backward"]
-    assert list(stacked.data[1].y) == [0.2, 0.3]
+    charts = [live_charts.loss(steps), live_charts.throughput(steps), live_charts.breakdown_ranks(table),
+              live_charts.breakdown_steps(table),
+              live_charts.busbw(pd.DataFrame({"op": ["all_reduce"], "size(B)": [1024.0], "busbw(GB/s)": [1.0]})),
+              live_charts.timeline(samples, "Host CPU", "percent (%)"),
+              live_charts.memory(pd.DataFrame({"rank": [0], "name": ["rss(GiB)"], "value": [1.0]}))]
+    for chart in charts:
+        layers = chart.spec.get("layer", [chart.spec])
+        ys = [layer["encoding"]["y"]["title"] for layer in layers]
+        assert chart.spec["title"]["text"] == chart.title and all("(" in y for y in ys), (chart.title, ys)
+    stacked = live_charts.breakdown_ranks(table)
+    assert list(stacked.data["phase"].unique()) == ["forward", "backward"]
+    assert list(stacked.data[stacked.data["phase"] == "backward"]["seconds"]) == [0.2, 0.3]
 
 
 def test_thin_keeps_first_and_last_rows():
@@ -484,3 +514,186 @@ def test_the_dashboard_opens_a_study_database_under_the_tuners_schema_lock(tmp_p
         threading.Thread(target=lambda: (open_storage(url), opened.set()), daemon=True).start()
         assert not opened.wait(5), "the dashboard opened the database while a worker held the schema lock"
     assert opened.wait(60)
+
+
+def test_live_run_chart_specs_do_not_change_with_their_data(tmp_path):
+    """Issue 52 item 6: Streamlit swaps new data into a drawn Vega-Lite view only while its spec is the
+    same; a spec that named the step (the old "Step-time breakdown per rank, step 29") redrew from blank."""
+    import streamlit as st
+
+    from workbench.app_pages.common import run_chart_list, run_data
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "grow-1", steps=5, ranks=2, status="running")
+    st.cache_data.clear()
+    early = run_chart_list(run_data(str(tmp_path), "grow-1"))
+    write_run(store, "grow-2", steps=40, ranks=2, status="running", seed=1)  # as grow-1 later: more steps
+    later = run_chart_list(run_data(str(tmp_path), "grow-2"))
+    assert [c.title for c in early] == [c.title for c in later] and len(early) >= 9
+    assert [c.spec for c in early] == [c.spec for c in later]
+    assert any(len(a.data) != len(b.data) for a, b in zip(early, later))
+    for chart in later:  # every chart: a title, and each quantitative axis its unit
+        assert chart.spec["title"]["text"] == chart.title
+        axes = [enc for layer in chart.spec.get("layer", [chart.spec]) for enc in layer.get("encoding", {}).values()
+                if isinstance(enc, dict) and enc.get("type") == "quantitative" and "title" in enc]
+        assert all("(" in a["title"] or a["title"] == "step" for a in axes), (chart.title, axes)
+    store.close()
+
+
+def test_adaptive_sp_run_page_says_why_the_milp_was_skipped_and_why_measured_is_off(tmp_path, monkeypatch):
+    """Issue 52 item 8: the plan table read "MILP skipped" and measured/predicted ~2x with no reason."""
+    from profilers.records import Record
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "asp-1", steps=3, ranks=2)
+    recs = []
+    for step in range(3):
+        for name, value in (("predicted(s)", 0.5), ("measured(s)", 1.0 + 0.05 * step), ("groups", 2),
+                            ("solver", 1), ("milp_vars", 0 if step else 24), ("token_cap", 512)):
+            recs.append(Record("asp-1", 0, step, "flexsp", name, value, 0.0))
+        recs += [Record("asp-1", 0, step, "flexsp_group", f"g0_{k}", v, 0.0)
+                 for k, v in (("size", 2), ("first_rank", 0), ("sequences", 3), ("tokens", 900),
+                              ("predicted(s)", 0.5), ("measured(s)", 1.0))]
+    store.write(recs)
+    store.close()
+    at = render(tmp_path, "run", monkeypatch)
+    notes = " ".join(i.value for i in at.info)
+    # old code: no note at all (only "Measured over predicted, median of the steps: 2.1x")
+    assert "MILP skipped at 2 of 3 steps" in notes and "within 5%" in notes and "lower bound" in notes
+    assert "2.10x the prediction" in notes and "fitted once" in notes
+    assert "Adaptive SP groups per step" in chart_titles(at)
+
+
+def test_the_dashboard_does_not_watch_the_workbench_home():
+    """Issue 52 item 7: Streamlit watched app.py's folder recursively, ./.workbench included ("Inotify
+    queue overflowed", 8,267 lines): `streamlit run app.py` here and `workbench app` anywhere watch nothing."""
+    code = ("from streamlit import config; config.get_config_options(force_reparse=True); "
+            "print(config.get_option('server.fileWatcherType'))")
+    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.split()[-1] == "none", shown.stdout + shown.stderr  # old code: auto
+    from workbench.cli import app_command
+
+    cmd = app_command("127.0.0.1", 8501)
+    assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"
+
+
+def test_hardware_page_lists_the_export_tools_and_draws_its_facts_without_torch(tmp_path, monkeypatch):
+    """Issue 52 item 7: the Hardware page spun ~6 s (importing torch.distributed before drawing anything)
+    and its versions omitted transformers, accelerate and torchtitan."""
+    at = render(tmp_path, "hardware", monkeypatch)
+    versions = next(d.value for d in at.dataframe if "version" in d.value.columns)
+    # old code: only the runs' KEY_PACKAGES (torch, numpy, ..., pyyaml)
+    assert {"transformers", "accelerate", "torchtitan", "deepspeed", "megatron-core"} <= set(versions.index)
+    assert "Distributed backends: gloo: yes" in " ".join(c.value for c in at.caption)
+    code = ("import sys; from workbench.app_pages.common import machine_facts; f = machine_facts(); "
+            "print('torch' in sys.modules, f['host']['versions']['transformers'] is not None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr  # every fact but the backends: no torch
+
+
+def _study_with_a_skipped_draw(home: Path) -> None:
+    """write_study's 12 trials (complete, pruned, failed) plus a draw the tuner skipped (told PRUNED)."""
+    import optuna
+
+    from tuning.objective import SKIPPED_ATTR
+
+    study = write_study(home, "sk", trials=12)
+    skipped = optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, params={}, distributions={},
+                                        user_attrs={SKIPPED_ATTR: True, "reason": "repeat of trial 3's config "
+                                                    + "(batch.micro=4, comm.compressor=none) " * 4})
+    study.add_trial(skipped)
+
+
+def test_skipped_draws_are_not_counted_as_pruned_and_reasons_read_whole(tmp_path, monkeypatch):
+    """Issue 52 item 7: the Overview counted skipped draws as pruned; the Tune table cut reasons off."""
+    _study_with_a_skipped_draw(tmp_path)
+    at = render(tmp_path, "home", monkeypatch)
+    row = at.dataframe[-1].value.iloc[0]
+    assert row["pruned"] == 2, row.to_dict()  # old code: 3, the skipped draw among them
+    assert (row["skipped"], row["trials"]) == (1, 12), row.to_dict()
+    at = render(tmp_path, "tune", monkeypatch)
+    metrics = {m.label: m.value for m in at.metric}
+    assert (metrics["pruned"], metrics["skipped"]) == ("2", "1"), metrics
+    whole = at.table[0].value
+    assert any(r.endswith("comm.compressor=none) ") for r in whole["reason"]) and "SKIPPED" in set(whole["state"])
+
+
+def test_a_pruned_trials_run_says_pruned_not_failed(tmp_path, monkeypatch):
+    """Issue 52 item 7: a pruned trial's run read "Run failed"."""
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "trial-0007", steps=5, ranks=1, status="running")
+    store.finish_run("trial-0007", "pruned", error="pruned by the tuner at step 4")
+    store.close()
+    at = render(tmp_path, "run", monkeypatch)
+    assert not [e.value for e in at.error if "failed" in e.value]  # old code: "Run failed: pruned by ..."
+    assert any(w.value == "Pruned by the tuner: pruned by the tuner at step 4" for w in at.warning)
+
+
+def test_the_tune_page_says_what_its_workers_do():
+    """Issue 52 item 7: "workers running: none · active" read as if something were running."""
+    from workbench.ui_state import workers_line
+
+    assert workers_line([], False).startswith("No worker is running for this study")
+    assert workers_line([11, 12], False).startswith("2 workers (pid 11, 12) running")
+    assert workers_line([11], True).startswith("Paused: 1 worker (pid 11) finish")
+    assert workers_line([], True).startswith("Paused, and no worker is running")
+
+
+def test_identical_compare_curves_are_told_apart():
+    """Issue 52 item 7: two identical loss curves (a seeded repeat) drew as one line in Compare."""
+    from workbench import plots
+
+    steps = pd.DataFrame({"step": [0, 1, 2], "loss": [3.0, 2.5, 2.0]})
+    curves = pd.concat([steps.assign(run="a"), steps.assign(run="b"),
+                        steps.assign(run="c", loss=[3.0, 2.4, 2.1])], ignore_index=True)
+    fig = plots.fig_compare_curves(curves, "loss", "loss (nats/token)")
+    names = [t.name for t in fig.data]
+    assert names == ["a", "b (identical to a)", "c"], names  # old code: ["a", "b", "c"], b hidden under a
+    assert fig.data[1].line.dash == "dash" and fig.data[0].line.dash is None
+
+
+SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+           "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+
+
+def test_whatif_prices_a_config_json_on_this_homes_calibrated_profile(tmp_path, monkeypatch):
+    """Issue 52 item 7: What-if priced only GPT presets on preset clusters; it takes a Hugging Face
+    config.json (upload or path) and lists the home's calibrated profiles (<home>/hardware/, first)."""
+    from tuning.hardware import cpu_profile, save_cluster
+    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+
+    profile = cpu_profile(name="cpu-local-2", gemm_points=[(1e6, 2e10), (1e9, 5e10)], intra=(2e-5, 1.0),
+                          gpus_per_node=2, memory_gb=24.0)
+    save_cluster(profile, tmp_path / "hardware" / "cpu-local-2.yaml")
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    at = render(tmp_path, "whatif", monkeypatch)
+    assert at.selectbox[0].value.startswith("cpu-local-2 (profile:")  # old code: only the presets
+    at.radio(key="whatif_kind").set_value("Hugging Face config.json").run()
+    at.text_input(key="whatif_hf_path").set_value(str(tmp_path / "config.json")).run()
+    assert at.number_input[0].value == 2 and at.number_input[0].max == 2  # the profile's 2 measured ranks
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    model = ModelSpec.from_hf(SMOLLM2, seq=2048)
+    caption = " ".join(c.value for c in at.caption)
+    assert f"llama (config.json) ({model.params / 1e9:.3g}B parameters) on 2 GPUs of cpu-local-2" in caption
+    metrics = {m.label: m.value for m in at.metric}  # the sliders' defaults: tp 1 (2 divides no 9 heads), pp 2
+    par = ParallelSpec(dp=1, tp=1, pp=2, micro=1, global_batch=512, zero=1, recompute="selective")
+    assert metrics["iteration (s)"] == f"{simulate(model, profile, par).iteration_time_s:.3f}"
+    next(b for b in at.button if b.label == "Search").click().run()  # every configuration of it, on that profile
+    assert not at.exception and any("valid configurations" in m.value for m in at.markdown), [m.value for m in at.markdown]
+
+
+def test_a_live_runs_per_rank_breakdown_draws_the_last_step_every_rank_reported(tmp_path):
+    """Seen in the live-charts screenshot: the newest step had only rank 1's report, so the chart drew one bar."""
+    import streamlit as st
+
+    from profilers.records import Record
+    from workbench.app_pages.common import run_data
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "part-1", steps=3, ranks=2, status="running")
+    store.write([Record("part-1", 1, 3, "breakdown", "forward(s)", 0.03, 0.0)])  # step 3: rank 1 only, so far
+    store.close()
+    st.cache_data.clear()
+    last = run_data(str(tmp_path), "part-1")["breakdown_ranks"]
+    assert list(last["rank"]) == [0, 1] and set(last["step"]) == {2}

@@ -71,3 +71,34 @@ def test_schedule_grid_hides_labels_that_do_not_fit_their_bar():
               "ranks": {0: [["0F0", 0.0, 0.010], ["0B0", 0.010, 0.0102]]}, "paths": {}}
     fig = schedule_figure(report)
     assert fig.layout.uniformtext.mode == "hide" and fig.layout.uniformtext.minsize >= 8
+
+
+def test_bandwidths_read_with_their_unit_in_every_table():
+    """Issue 52 item 7: busbw read `1.49e-07` (GB/s) on the Run page, in Compare and in `workbench show`."""
+    from workbench.app_pages.common import collectives_shown
+    from workbench.report import collectives_frame
+
+    shown = collectives_shown(collectives_frame({"dp:all_reduce": {"count": 3.0, "bytes": 1536.0, "time(s)": 0.01,
+                                                                   "busbw(GB/s)": 1.49e-07}}))
+    assert list(shown.iloc[:, -1]) == ["149 B/s"]  # old code: ['1.49e-07']
+    from workbench.app_pages.common import side_by_side
+
+    assert fmt.bandwidth(0.0227) == "22.7 MB/s" and fmt.bandwidth(1.908) == "1.908 GB/s"
+    table = pd.DataFrame({"run-a": [1.49e-07, 2585806560.0, 0.0042, 29395.4, "completed"]},
+                         index=["dp:all_reduce/busbw(GB/s)", "dp:all_reduce/bytes", "median_step_time(s)",
+                                "mean_tokens_per_s", "status"])
+    assert list(side_by_side(table)["run-a"]) == ["149 B/s", "2.408 GiB", "4.2 ms", "29,395", "completed"]
+
+
+def test_show_prints_bandwidth_with_its_unit(tmp_path):
+    from profilers.records import Record
+    from profilers.store import RunStore
+
+    store = RunStore.open_home(tmp_path)
+    store.create_run("bw-1", name="bw", config={"parallel": {"dp": 2}}, world_size=2,
+                     layout={"dp": 2, "tp": 1, "pp": 1, "world_size": 2}, host={}, versions={}, emulated=False, parent=None)
+    store.write([Record("bw-1", r, 0, "comm", f"dp:all_reduce/{k}", v, 0.0) for r in (0, 1)
+                 for k, v in (("bytes", 1536.0), ("count", 3.0), ("time(s)", 0.01), ("busbw(GB/s)", 1.49e-07))])
+    store.close()
+    out = _cli("show", "bw-1", home=tmp_path, columns=200).stdout
+    assert "149 B/s" in out and "e-07" not in out, out

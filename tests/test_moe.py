@@ -199,18 +199,18 @@ def test_moe_report_figures_and_text():
 
     from rich.console import Console
 
-    from workbench import plots
+    from workbench import live_charts
     from workbench.report import print_report
 
     per_step = [{"step": s, "rank": r, "tokens_per_expert": [10.0 * (r + 1), 5.0, 0.0, 1.0], "drop_rate": 0.25 * r,
                  "imbalance": 2.0} for s in range(2) for r in range(2)]
-    load = plots.fig_moe_load(per_step)
-    assert [t.name for t in load.data] == ["rank 0", "rank 1"]
-    assert list(load.data[1].y) == [40.0, 10.0, 0.0, 2.0]  # summed over the two steps
-    drops = plots.fig_moe_drops(per_step)
-    assert list(drops.data[1].y) == [0.25, 0.25]
-    for fig in (load, drops):  # the dashboard's rule: a title and a unit on the y axis
-        assert fig.layout.title.text and "(" in fig.layout.yaxis.title.text
+    load = live_charts.moe_load(per_step)
+    assert list(load.data["rank"].unique()) == ["rank 0", "rank 1"]
+    assert list(load.data[load.data["rank"] == "rank 1"]["tokens"]) == [40.0, 10.0, 0.0, 2.0]  # summed over 2 steps
+    drops = live_charts.moe_drops(per_step)
+    assert list(drops.data[drops.data["rank"] == "rank 1"]["dropped"]) == [0.25, 0.25]
+    for chart in (load, drops):  # the dashboard's rule: a title and a unit on the y axis
+        assert chart.title and "(" in chart.spec["encoding"]["y"]["title"]
     report = {"run_id": "r", "status": "done", "world_size": 2, "layout": {}, "emulated": False, "error": None,
               "summary": {}, "breakdown": [], "collectives": {}, "memory": {}, "moe": {"per_step": per_step}}
     out = io.StringIO()

@@ -365,9 +365,8 @@ def _check_commbench_memory(world: int, max_mb: float) -> None:
 def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.1 unless you mean it)"),
             port: int = typer.Option(8501)) -> None:
     """Start the Streamlit dashboard."""
-    import subprocess
-
     import socket
+    import subprocess
 
     check_number("--port", port, 1, maximum=65535)
     with socket.socket() as probe:  # before printing the URL: streamlit would only say so after it
@@ -376,12 +375,17 @@ def app_cmd(host: str = typer.Option("127.0.0.1", help="Listen address (127.0.0.
         except OSError as exc:
             fail(f"--port={port}: {host}:{port} cannot be used ({exc.strerror}; another dashboard?); choose "
                  f"another with --port {port + 1} (make app PORT={port + 1})")
-    entry = Path(__file__).resolve().parent.parent / "app.py"
-    cmd = [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
-           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-           "--client.toolbarMode", "minimal"]  # a local tool: no "Deploy" button
     console.print(f"dashboard on http://{host}:{port}")
-    raise typer.Exit(subprocess.call(cmd))
+    raise typer.Exit(subprocess.call(app_command(host, port)))
+
+
+def app_command(host: str, port: int) -> list[str]:
+    """The streamlit command of `workbench app`: a local tool, so no "Deploy" button, and no file
+    watcher (it watches app.py's folder recursively, the workbench home included: see .streamlit/config.toml)."""
+    entry = Path(__file__).resolve().parent.parent / "app.py"
+    return [sys.executable, "-m", "streamlit", "run", str(entry), "--server.address", host,
+            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none"]
 
 
 @app.command()

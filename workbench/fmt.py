@@ -101,3 +101,16 @@ def frame(df: Any, columns: dict[str, Any]) -> Any:
         if column in out:
             out[column] = [formatter(v) for v in out[column]]
     return out
+
+
+def bandwidth(gb_per_s: Any) -> str:
+    """A bandwidth given in GB/s (1e9 B/s, as nccl-tests' busbw) in the decimal unit that reads best:
+    1.49e-07 -> '149 B/s', 0.0227 -> '22.7 MB/s', 1.908 -> '1.908 GB/s'."""
+    if gb_per_s is None or (isinstance(gb_per_s, float) and not math.isfinite(gb_per_s)):
+        return "n/a"
+    value = float(gb_per_s) * 1e9
+    for unit in ("B/s", "kB/s", "MB/s", "GB/s", "TB/s"):
+        if abs(value) < 1000 or unit == "TB/s":
+            break
+        value /= 1000
+    return f"{num(value, 4)} {unit}"

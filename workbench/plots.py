@@ -1,4 +1,5 @@
-"""Every dashboard figure: `fig_*` functions take plain data (DataFrames, dicts) and draw it.
+"""Every Plotly figure of the dashboard: `fig_*` functions take plain data (DataFrames, dicts) and draw it
+(the Run page's charts, redrawn in place while a run is live, are Vega-Lite: workbench/live_charts.py).
 
 Nothing here reads the run store or computes a measurement (STYLE habit 7): the pages build the
 data, these functions only render it. Every figure has a title and axis titles with units.
@@ -53,114 +54,25 @@ def empty_figure(title: str, message: str) -> go.Figure:
                                  "xref": "paper", "yref": "paper", "font": {"size": 14}}])
 
 
-def fig_loss(steps: pd.DataFrame, evals: pd.DataFrame | None = None) -> go.Figure:
-    """Training loss per step (mean over ranks), with validation loss points when present."""
-    traces = []
-    if "loss" in steps:
-        data = thin(steps.dropna(subset=["loss"]))
-        traces.append(go.Scatter(x=data["step"], y=data["loss"], mode="lines+markers", name="train loss",
-                                 marker={"size": 4}))
-    if evals is not None and len(evals):
-        traces.append(go.Scatter(x=evals["step"], y=evals["value"], mode="markers", name="val loss",
-                                 marker={"size": 9, "symbol": "diamond"}))
-    return _figure(traces, "Loss", "step", "loss (nats/token)")
-
-
-def fig_throughput(steps: pd.DataFrame) -> go.Figure:
-    """Tokens/s (left axis) and MFU (right axis, %) per step."""
-    data = thin(steps)
-    traces = []
-    if "tokens_per_s" in data:
-        traces.append(go.Scatter(x=data["step"], y=data["tokens_per_s"], name="tokens/s", mode="lines"))
-    if "mfu" in data and data["mfu"].notna().any():
-        traces.append(go.Scatter(x=data["step"], y=100 * data["mfu"], name="MFU", mode="lines",
-                                 line={"dash": "dot"}, yaxis="y2"))
-    return _figure(traces, "Throughput and MFU", "step", "throughput (tokens/s)",
-                   yaxis2={"title": {"text": "MFU (%)"}, "overlaying": "y", "side": "right", "showgrid": False},
-                   margin={"r": 60}, legend={"orientation": "h", "y": -0.25})
-
-
-def _phases(table: pd.DataFrame) -> list[str]:
-    return [c for c in table.columns if c not in ("step", "rank", "total", "run")]
-
-
-def fig_breakdown_ranks(table: pd.DataFrame, step: int) -> go.Figure:
-    """Stacked step-time phases per rank for one step (`RunStore.breakdown_table` rows)."""
-    rows = table[table["step"] == step].sort_values("rank")
-    labels = [f"rank {r}" for r in rows["rank"]]
-    traces = [go.Bar(x=labels, y=rows[phase], name=phase, marker_color=PHASE_COLORS.get(phase))
-              for phase in _phases(rows)]
-    return _figure(traces, f"Step-time breakdown per rank, step {step}", "rank", "time (s)", barmode="stack")
-
-
-def fig_breakdown_steps(table: pd.DataFrame) -> go.Figure:
-    """Stacked phases per step, averaged over ranks: where each step's time went over the run
-    (``table``: one row per step, or per (step, rank) rows that are averaged here)."""
-    mean = table.drop(columns=["rank"]).groupby("step", as_index=False).mean() if "rank" in table else table
-    mean = thin(mean, 500)
-    traces = [go.Bar(x=mean["step"], y=mean[phase], name=phase, marker_color=PHASE_COLORS.get(phase))
-              for phase in _phases(mean)]
-    return _figure(traces, "Step-time breakdown over the run (mean of ranks)", "step", "time (s)",
-                   barmode="stack", bargap=0.05)
-
-
-def fig_busbw(comm: pd.DataFrame) -> go.Figure:
-    """Bus bandwidth against mean message size, one series per collective op.
-
-    ``comm`` has columns op, size(B) (bytes per call) and busbw(GB/s), one row per rank-step.
-    """
-    traces = []
-    for op, rows in comm.groupby("op"):
-        rows = thin(rows.sort_values("size(B)"))
-        traces.append(go.Scatter(x=rows["size(B)"], y=rows["busbw(GB/s)"], mode="markers", name=str(op),
-                                 marker={"size": 6, "opacity": 0.7}))
-    return _figure(traces, "Collective bus bandwidth by message size", "message size (bytes, log)",
-                   "bus bandwidth (GB/s)", xaxis={"type": "log"})
-
-
-def fig_moe_load(per_step: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """Tokens each rank routed to each expert (summed over steps), one bar group per expert."""
-    totals: dict[int, list[float]] = {}
-    for row in per_step:
-        acc = totals.setdefault(int(row["rank"]), [0.0] * len(row["tokens_per_expert"]))
-        for e, n in enumerate(row["tokens_per_expert"]):
-            acc[e] += n
-    traces = [go.Bar(name=f"rank {rank}", x=[f"e{e}" for e in range(len(v))], y=v) for rank, v in sorted(totals.items())]
-    return _figure(traces, "Tokens per expert per rank (whole run)", "expert", "tokens (count)", barmode="stack")
-
-
-def fig_moe_drops(per_step: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """Drop rate per step and rank."""
-    ranks = sorted({int(r["rank"]) for r in per_step})
-    traces = [go.Scatter(name=f"rank {rank}", mode="lines+markers",
-                         x=[r["step"] for r in per_step if r["rank"] == rank],
-                         y=[r.get("drop_rate", 0.0) for r in per_step if r["rank"] == rank]) for rank in ranks]
-    return _figure(traces, "MoE token drop rate", "step", "dropped share (fraction)")
-
-
-def fig_timeline(samples: pd.DataFrame, title: str, unit_label: str) -> go.Figure:
-    """Sampled values (columns time, name, value, rank) against wall-clock time, one line each."""
-    traces = []
-    for (name, rank), rows in samples.groupby(["name", "rank"]):
-        rows = thin(rows.sort_values("time"))
-        traces.append(go.Scatter(x=pd.to_datetime(rows["time"], unit="s"), y=rows["value"], mode="lines",
-                                 name=f"{name} r{rank}"))
-    return _figure(traces, title, "time (UTC)", unit_label)
-
-
-def fig_memory(memory: pd.DataFrame) -> go.Figure:
-    """Peak memory per rank (columns rank, name, value in GiB), grouped by what it measures."""
-    traces = [go.Bar(x=[f"rank {r}" for r in rows["rank"]], y=rows["value"], name=str(name))
-              for name, rows in memory.groupby("name")]
-    return _figure(traces, "Memory per rank (peak)", "rank", "memory (GiB)", barmode="group")
+DASHES = ("dash", "dot", "dashdot", "longdash")
 
 
 def fig_compare_curves(curves: pd.DataFrame, metric: str, unit_label: str) -> go.Figure:
-    """One line per run (columns run, step, ``metric``)."""
-    traces = []
-    for run, rows in curves.groupby("run"):
+    """One line per run (columns run, step, ``metric``). A curve identical to an earlier run's (same
+    steps, same values: a seeded repeat) is dashed, marked and named "identical to ..." in the legend,
+    where it would hide exactly under the first."""
+    traces, seen = [], {}
+    for run, rows in curves.groupby("run", sort=False):
         rows = thin(rows.dropna(subset=[metric]))
-        traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines", name=str(run)))
+        curve = (tuple(rows["step"]), tuple(rows[metric]))
+        first = seen.setdefault(curve, str(run))
+        if first == str(run):
+            traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines", name=str(run)))
+            continue
+        twins = sum(1 for t in traces if t.name.endswith(f"(identical to {first})"))
+        traces.append(go.Scatter(x=rows["step"], y=rows[metric], mode="lines+markers",
+                                 name=f"{run} (identical to {first})", line={"dash": DASHES[twins % len(DASHES)]},
+                                 marker={"symbol": "circle-open", "size": 7}))
     what = unit_label.split(" (")[0]
     return _figure(traces, f"{what[:1].upper()}{what[1:]} by run", "step", unit_label)
 
@@ -201,28 +113,6 @@ def fig_search_scatter(configs: pd.DataFrame) -> go.Figure:
                   zip(rows["tp"], rows["pp"], rows["dp"], rows["micro"], rows["zero"])]))
     return _figure(traces, "Searched configurations", "memory per GPU (GB)", "iteration time (s, log)",
                    yaxis={"type": "log"})
-
-
-def fig_segments(steps: pd.DataFrame, segments: Sequence[Mapping[str, Any]],
-                 metric: str = "tokens_per_s") -> go.Figure:
-    """A live in-job study: one metric over the run's steps with each trial's segment shaded."""
-    traces = []
-    if metric in steps:
-        data = thin(steps.dropna(subset=[metric]))
-        traces.append(go.Scatter(x=data["step"], y=data[metric], mode="lines", name=metric))
-    shapes, notes = [], []
-    for i, seg in enumerate(segments):
-        end = seg.get("end_step")
-        end = end if end is not None else (steps["step"].max() if len(steps) else seg["start_step"])
-        x0 = seg["start_step"] - 0.5
-        shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": x0, "x1": end + 0.5, "y0": 0,
-                       "y1": 1, "opacity": 0.12, "line": {"width": 0},
-                       "fillcolor": "#1f77b4" if i % 2 == 0 else "#ff7f0e", "layer": "below"})
-        notes.append({"xref": "x", "yref": "paper", "x": x0, "y": 1, "xanchor": "left", "yanchor": "top",
-                      "showarrow": False, "text": f"trial {seg.get('trial_number')}"})
-    return _figure(traces, "Live tuning: segments over the run", "step",
-                   f"{metric} (tokens/s)" if metric == "tokens_per_s" else metric,
-                   shapes=shapes, annotations=notes)
 
 
 MIN_TREND_TRIALS = 5

@@ -62,7 +62,53 @@ def run_report(run_id: str, store: RunStore | None = None) -> dict[str, Any] | N
         "breakdown_unexplained": _unexplained(breakdown, store.metrics(run_id, kind="step", name="wall_time(s)")),
         "moe": moe_report(store, run_id),
         "schedule": _schedule(store, run_id),
+        "diagnosis": _diagnosis(store, run_id),
     }
+
+
+def _diagnosis(store: RunStore, run_id: str) -> dict[str, Any] | None:
+    """What bounds the run and what to try (tuning/diagnose.py), as plain data."""
+    from dataclasses import asdict
+
+    from tuning.diagnose import diagnose
+
+    found = diagnose(store, run_id)
+    return asdict(found) if found is not None else None
+
+
+DIAGNOSIS_FINDINGS, DIAGNOSIS_SUGGESTIONS = 3, 2  # shown of each: a short diagnosis
+
+
+def diagnosis_lines(diag: dict[str, Any], *, findings: int = DIAGNOSIS_FINDINGS,
+                    suggestions: int = DIAGNOSIS_SUGGESTIONS) -> list[str]:
+    """The diagnosis in a few lines of text: each finding, then its best priced suggestions with
+    their command (`workbench show` opens with them)."""
+    step = diag["step_s"]
+    lines = [diagnosis_title(diag) + ":"]
+    if not diag["findings"]:
+        lines.append("  nothing stands out: no exposed communication, bubble, optimizer or data loading above "
+                     "its threshold, and no rank slower than its peers")
+    for i, finding in enumerate(diag["findings"][:findings], 1):
+        lines.append(f"  {i}. {finding['headline']}")
+        for sug in finding["suggestions"][:suggestions]:
+            lines.append(f"     {suggestion_line(sug, step)}")
+            lines.append(f"       $ {sug['command']}")
+    return lines
+
+
+def diagnosis_title(diag: dict[str, Any]) -> str:
+    return (f"What bounds this run (steady steps: {diag['step_s'] * 1e3:.3g} ms a step; suggestions priced on "
+            f"{diag['profile']})")
+
+
+def suggestion_line(sug: dict[str, Any], step_s: float) -> str:
+    """'try ACTION: 112 ms a step (-42%), 9,129 tokens/s [simulator]': a suggestion and its price."""
+    from workbench.fmt import num
+
+    pred = sug["predicted_step_s"]
+    change = f"{pred * 1e3:.3g} ms a step ({(pred - step_s) / step_s:+.0%}), " if pred else ""
+    tps = f"{num(sug['predicted_tokens_per_s'])} tokens/s" if sug["predicted_tokens_per_s"] else "tokens/s n/a"
+    return f"try {sug['action']}: {change}{tps} [{sug['basis']}]"
 
 
 def moe_report(store: RunStore, run_id: str) -> dict[str, Any]:
@@ -184,7 +230,7 @@ def summary_rows(summ: dict[str, Any]) -> list[list[str]]:
 
 
 def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None:
-    from workbench.fmt import count, layout, num, seconds, size
+    from workbench.fmt import bandwidth, count, layout, num, seconds, size
 
     head = f"[bold]{report['run_id']}[/] {report['status']}  ranks={report['world_size']}  " \
            f"{layout(report.get('layout'), report.get('config'))}"
@@ -193,6 +239,9 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
     console.print(head)
     if report.get("model"):
         console.print(f"model: {report['model']}", markup=False, highlight=False)
+    if report.get("diagnosis"):
+        for line in diagnosis_lines(report["diagnosis"]):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     if report.get("schedule"):
         sched = report["schedule"]
         cells = "  ".join(f"rank {r}: {v['measured']:.1%}" + (f" (predicted {v['predicted']:.1%})"
@@ -218,10 +267,10 @@ def print_report(report: dict[str, Any], console, *, wide: bool = False) -> None
                           + ", ".join(f"rank {r} {g:+.1%}" for r, g in gaps.items()))
     if report["collectives"]:
         frame = collectives_frame(report["collectives"])
-        body = [[row.axis, row.traffic, row.op, count(row.count), size(row.bytes), seconds(row[5]), num(row[6])]
+        body = [[row.axis, row.traffic, row.op, count(row.count), size(row.bytes), seconds(row[5]), bandwidth(row[6])]
                 for row in frame.itertuples(index=False)]
         fit_table("collectives per mesh axis and type (per rank, whole run)",
-                  ["axis", "traffic", "op", "count", "bytes", "time", "busbw (GB/s)"], body, console, wide=wide)
+                  ["axis", "traffic", "op", "count", "bytes", "time", "busbw"], body, console, wide=wide)
     moe = report.get("moe") or {}
     if moe:
         body = []

@@ -197,3 +197,15 @@ def stop_job(job: Job, *, store: RunStore | None = None, grace_s: float = 8.0) -
 def running_jobs(home: Path | None = None) -> list[Job]:
     """Registry entries whose launcher is still alive."""
     return [j for j in load_jobs(home) if is_alive(j.pid)]
+
+
+def workers_line(pids: list[int], paused: bool) -> str:
+    """What the study's workers are doing, in words (it read "workers running: none · active")."""
+    listed = f"{len(pids)} worker{'s' if len(pids) != 1 else ''} (pid {', '.join(map(str, pids))})" if pids else ""
+    if pids and not paused:
+        return f"{listed} running: each runs a trial, then asks the study for the next"
+    if pids:
+        return f"Paused: {listed} finish their current trial, then wait for Resume"
+    if paused:
+        return "Paused, and no worker is running: Resume, then start workers to continue the study"
+    return "No worker is running for this study: start or continue it above (Search space, base config and start)"

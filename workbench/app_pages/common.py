@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from profilers.store import RunStore, default_home
-from workbench import fmt, plots, report
+from workbench import fmt, live_charts, plots, report
 
 LIVE_TTL_S = 1.0
 BREAKDOWN_STEPS = 500  # steps drawn in the breakdown-over-the-run chart (evenly spaced, last kept)
@@ -60,12 +60,13 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
     (bounded size whatever the run's length): steps, evals, breakdown, comm, host, ..."""
     s = _store(home_path)
     evals = s.series(run_id, "eval", max_points=plots.MAX_POINTS)
+    run = s.run(run_id)
     return {
-        "run": s.run(run_id),
+        "run": run,
         "steps": s.step_frame(run_id),
         "evals": evals[(evals["name"] == "val_loss") & (evals["rank"] == 0)],
         "breakdown": s.breakdown_steps(run_id, max_steps=BREAKDOWN_STEPS),  # mean over ranks
-        "breakdown_ranks": s.breakdown_ranks(run_id),  # the last step, per rank
+        "breakdown_ranks": _whole_last_step(s, run_id, (run or {}).get("world_size") or 1),
         "comm": s.comm_points(run_id, max_steps=COMM_STEPS),
         "gpu": s.series(run_id, "gpu", max_points=plots.MAX_POINTS),
         "host": s.series(run_id, "host", max_points=plots.MAX_POINTS),
@@ -73,6 +74,17 @@ def run_data(home_path: str, run_id: str) -> dict[str, Any]:
         "segments": s.segments(run_id),
         "read_at": time.time(),
     }
+
+
+def _whole_last_step(s: RunStore, run_id: str, world: int) -> pd.DataFrame:
+    """The per-rank breakdown of the last step, or of the one before while the last has only some
+    ranks' reports (a live run: the chart would show one bar, then two)."""
+    last = s.breakdown_ranks(run_id)
+    if len(last) and last["rank"].nunique() < world and int(last["step"].max()) > 0:
+        before = s.breakdown_ranks(run_id, int(last["step"].max()) - 1)
+        if before["rank"].nunique() > last["rank"].nunique():
+            return before
+    return last
 
 
 def run_version(data: dict[str, Any]) -> tuple[Any, ...]:
@@ -86,13 +98,6 @@ def collectives_table(home_path: str, run_id: str, version: tuple[Any, ...]) -> 
     """`report.collectives_frame` of the run's `comm_totals` (a scan of its whole run), read again
     only when `version` (`run_version`) changes, so a live run still updates."""
     return report.collectives_frame(_store(home_path).comm_totals(run_id))
-
-
-def shown(value: Any) -> str:
-    """A value as people read it (`workbench.fmt.num`); empty for a missing one."""
-    if value is None or (isinstance(value, float) and value != value):
-        return ""
-    return fmt.num(value)
 
 
 def empty_runs_message() -> None:
@@ -128,7 +133,12 @@ def run_header(run: dict[str, Any]) -> None:
     if run.get("error"):
         rank = run.get("error_rank")
         where = f" on rank {rank}" if rank is not None else ""
-        st.error(f"Run failed{where}:\n\n```\n{run['error'][-3000:]}\n```")
+        if run["status"] == "pruned":  # the tuner stopped a trial that was behind: not a failure
+            st.warning(f"Pruned by the tuner: {run['error'][-1000:]}", icon=":material/content_cut:")
+        elif run["status"] == "interrupted":
+            st.warning(f"Stopped before the end: {run['error'][-1000:]}", icon=":material/stop_circle:")
+        else:
+            st.error(f"Run failed{where}:\n\n```\n{run['error'][-3000:]}\n```")
 
 
 def headline(data: dict[str, Any]) -> None:
@@ -154,17 +164,13 @@ UNIT_LABELS = {"%": "percent (%)", "GiB": "memory (GiB)", "B/s": "throughput (B/
                "C": "temperature (°C)", "MHz": "clock (MHz)"}
 
 
-def timeline_figures(samples: pd.DataFrame, what: str) -> list[Any]:
+def timeline_charts(samples: pd.DataFrame, what: str) -> list[live_charts.Chart]:
     """One timeline per unit (names carry their unit, e.g. ``cpu(%)``): never mixed axes."""
     if samples.empty:
         return []
     units = samples["name"].str.extract(r"\(([^()]*)\)$")[0].fillna("")
-    figs = []
-    for unit in sorted(units.unique()):
-        rows = samples[units == unit]
-        figs.append(plots.fig_timeline(rows, f"{what} timeline ({unit or 'no unit'})",
-                                       UNIT_LABELS.get(unit, unit or "value")))
-    return figs
+    return [live_charts.timeline(samples[units == unit], f"{what} timeline ({unit or 'no unit'})",
+                                 UNIT_LABELS.get(unit, unit or "value")) for unit in sorted(units.unique())]
 
 
 def _no_breakdown_reason(data: dict[str, Any]) -> str:
@@ -175,34 +181,64 @@ def _no_breakdown_reason(data: dict[str, Any]) -> str:
     return "waiting for the first step" if data["steps"].empty else "no breakdown records yet"
 
 
-def run_charts(data: dict[str, Any], key: str) -> None:
-    """Every chart of one run, two per row; a chart without data says what it waits for."""
+def run_chart_list(data: dict[str, Any]) -> list[live_charts.Chart]:
+    """Every chart of one run (`run_data`), a message in place of each whose data have not come:
+    the fixed ones first, so a chart that arrives later moves no chart drawn before it."""
     steps, table, last = data["steps"], data["breakdown"], data["breakdown_ranks"]
-    charts = [plots.fig_loss(steps, data["evals"]) if len(steps) else
-              plots.empty_figure("Loss", "waiting for the first step"),
-              plots.fig_throughput(steps) if len(steps) else
-              plots.empty_figure("Throughput and MFU", "waiting for the first step")]
-    if len(table):
-        charts += [plots.fig_breakdown_ranks(last, int(last["step"].max())),
-                   plots.fig_breakdown_steps(table)]
-    else:
-        charts.append(plots.empty_figure("Step-time breakdown", _no_breakdown_reason(data)))
-    charts.append(plots.fig_busbw(data["comm"]) if len(data["comm"]) else
-                  plots.empty_figure("Collective bus bandwidth", "no collective records"))
-    charts.append(plots.fig_memory(data["memory"]) if len(data["memory"]) else
-                  plots.empty_figure("Memory per rank", "no memory records yet"))
-    if len(data["host"]):
-        charts += timeline_figures(data["host"], "Host")
-    else:
-        charts.append(plots.empty_figure("Host timeline", "no host samples (profile.host_interval_s)"))
-    charts += timeline_figures(data["gpu"], "GPU")
+    waiting = "waiting for the first step"
+    no_breakdown = _no_breakdown_reason(data)
+    charts = [live_charts.loss(steps, data["evals"]) if len(steps) else live_charts.message("Loss", waiting),
+              live_charts.throughput(steps) if len(steps) else live_charts.message("Throughput and MFU", waiting),
+              live_charts.breakdown_ranks(last) if len(last) else
+              live_charts.message("Step-time breakdown per rank (latest step)", no_breakdown),
+              live_charts.breakdown_steps(table) if len(table) else
+              live_charts.message("Step-time breakdown over the run (mean of ranks)", no_breakdown),
+              live_charts.busbw(data["comm"]) if len(data["comm"]) else
+              live_charts.message("Collective bus bandwidth by message size", "no collective records"),
+              live_charts.memory(data["memory"]) if len(data["memory"]) else
+              live_charts.message("Memory per rank (peak)", "no memory records yet")]
+    charts += timeline_charts(data["host"], "Host") or [
+        live_charts.message("Host timeline", "no host samples (profile.host_interval_s)")]
+    charts += timeline_charts(data["gpu"], "GPU")
     if data["segments"]:
-        charts.append(plots.fig_segments(steps, data["segments"]))
+        charts.append(live_charts.segments(steps, data["segments"]))
+    return charts
+
+
+def run_charts(data: dict[str, Any], key: str) -> None:
+    """Every chart of one run, two per row. Vega-Lite, not Plotly: a live run's charts update in
+    place, where a Plotly chart is remounted (blank until redrawn) whenever its figure changes."""
+    charts = run_chart_list(data)
     for i in range(0, len(charts), 2):
         cols = st.columns(2)
-        for col, fig in zip(cols, charts[i:i + 2]):
-            # keyed by title alone: a chart keeps its element when charts before it come or go
-            col.plotly_chart(fig, width="stretch", key=f"{key}-{fig.layout.title.text}")
+        for col, chart in zip(cols, charts[i:i + 2]):
+            col.vega_lite_chart(chart.data, chart.spec, width="stretch")
+
+
+# -- hardware --------------------------------------------------------------------------------
+EXPORT_PACKAGES = ("transformers", "accelerate", "torchtitan", "deepspeed", "megatron-core", "scipy")
+"""Versions the Hardware page lists beyond the runs' own (profilers.host.KEY_PACKAGES): the tools
+the exports and model loading meet (`workbench export`, model.hf)."""
+
+
+def machine_facts() -> dict[str, Any]:
+    """Host, package versions (read from the installed metadata: no import) and the GPU inventory."""
+    from profilers import nvml
+    from profilers.host import KEY_PACKAGES, host_info, software_versions
+
+    host = host_info()
+    host["versions"] = software_versions(KEY_PACKAGES + EXPORT_PACKAGES)
+    return {"host": host, "gpus": nvml.gpu_inventory(), "nvml": nvml.nvml_available(),
+            "nvml_reason": nvml.unavailable_reason()}
+
+
+def distributed_backends() -> dict[str, Any]:
+    """gloo / nccl / mpi available in this torch (imports torch.distributed: seconds the first time)."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        return {"torch": f"not importable: {exc}"}
+    return {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
 
 
 # -- studies ---------------------------------------------------------------------------------
@@ -238,17 +274,17 @@ def study_reader(home_path: str) -> Any:
 
 @st.cache_data(ttl=2.0, show_spinner=False)
 def studies_table(home_path: str) -> pd.DataFrame:
-    """One row per study: name, directions, trials, counts by state, best first objective."""
-    columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "best"]
+    """One row per study: name, directions, trials (run ones), counts by state, draws skipped unrun, best."""
+    columns = ["study", "directions", "trials", "complete", "running", "pruned", "failed", "skipped", "best"]
     if not _has_studies(home_path):
         return pd.DataFrame(columns=columns)
     rows = []
     for s in study_reader(home_path).summaries():
         c = s["counts"]
         rows.append({"study": s["study"], "directions": " / ".join(s["directions"]),
-                     "trials": sum(c.values()), "complete": c.get("COMPLETE", 0),
+                     "trials": sum(v for k, v in c.items() if k != "SKIPPED"), "complete": c.get("COMPLETE", 0),
                      "running": c.get("RUNNING", 0), "pruned": c.get("PRUNED", 0),
-                     "failed": c.get("FAIL", 0), "best": s["best"]})
+                     "failed": c.get("FAIL", 0), "skipped": c.get("SKIPPED", 0), "best": s["best"]})
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -268,11 +304,13 @@ def study_trials(home_path: str, name: str) -> tuple[list[str], list[Any]]:
 @st.cache_data(ttl=2.0, show_spinner=False)
 def trials_frame(home_path: str, name: str) -> pd.DataFrame:
     """One row per trial: number, state, value(s), params, reason, run id, duration (s)."""
+    from workbench.app_pages.studies import display_state
+
     directions, trials = study_trials(home_path, name)
     rows = []
     for t in trials:
         values = t.values or []
-        row: dict[str, Any] = {"number": t.number, "state": t.state.name,
+        row: dict[str, Any] = {"number": t.number, "state": display_state(t),
                                "tokens/s": values[0] if values else None}
         if len(directions) > 1:
             row["val_loss"] = values[1] if len(values) > 1 else None
@@ -287,4 +325,47 @@ def trials_frame(home_path: str, name: str) -> pd.DataFrame:
 def collectives_shown(frame: pd.DataFrame) -> pd.DataFrame:
     """`report.collectives_frame` for people: whole counts, bytes in KiB/MiB/GiB, durations in their unit."""
     return fmt.frame(frame, {"count": fmt.count, "bytes": fmt.size, "time(s)": fmt.seconds,
-                             "busbw(GB/s)": fmt.num}).rename(columns={"time(s)": "time"})
+                             "busbw(GB/s)": fmt.bandwidth}).rename(columns={"time(s)": "time", "busbw(GB/s)": "busbw"})
+
+
+DIAGNOSIS_EVERY = 20  # a live run's diagnosis is read again every this many steps (it scans the whole run)
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def run_diagnosis(home_path: str, run_id: str, version: tuple[Any, ...]) -> dict[str, Any] | None:
+    """`tuning.diagnose.diagnose` of the run as plain data, read again only when `version` moves."""
+    from dataclasses import asdict
+
+    from tuning.diagnose import diagnose
+
+    found = diagnose(_store(home_path), run_id, home=home_path)
+    return asdict(found) if found is not None else None
+
+
+def diagnosis_version(data: dict[str, Any]) -> tuple[Any, ...]:
+    """The run's status and its step count in blocks of DIAGNOSIS_EVERY."""
+    return data["run"]["status"], len(data["steps"]) // DIAGNOSIS_EVERY
+
+
+def shown_by_unit(name: str, value: Any) -> str:
+    """One value of a row named with its unit (`RunStore.run_summary`'s keys) as people read it:
+    ``dp:all_reduce/busbw(GB/s)`` 1.49e-07 -> '149 B/s', ``.../bytes`` -> KiB/MiB, ``(s)`` -> ms/s."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if name.endswith("(GB/s)"):
+        return fmt.bandwidth(value)
+    if name.endswith("/bytes") or name.endswith("_bytes"):
+        return fmt.size(value)
+    if name.endswith("(GiB)"):
+        return fmt.size(value * 2**30)
+    if name.endswith("(s)"):
+        return fmt.seconds(value)
+    return fmt.num(value)
+
+
+def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
+    """`RunStore.compare` for people: each row's values formatted by the unit in its name."""
+    return pd.DataFrame({col: [shown_by_unit(str(name), v) for name, v in table[col].items()] for col in table.columns},
+                        index=table.index)

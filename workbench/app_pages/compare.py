@@ -40,4 +40,4 @@ if means:
     st.plotly_chart(plots.fig_compare_breakdown(pd.DataFrame(means).T), width="stretch")
 st.subheader("Side by side")
 table = common.store().compare(picked)
-st.dataframe(table.map(common.shown), width="stretch")
+st.dataframe(common.side_by_side(table), width="stretch")

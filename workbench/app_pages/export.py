@@ -1,4 +1,4 @@
-"""Export: the best (or any) trial's config as YAML, torchrun command, JSON, Megatron args, DeepSpeed."""
+"""Export: the best (or any) trial's config in every format of `workbench export` (tuning.export.FORMATS)."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,23 @@ import yaml
 
 from workbench.app_pages import common
 
-FORMATS = {  # format: (label, file suffix, mime)
+LABELS = {  # format: (label, file suffix, mime); every format of tuning.export.FORMATS gets a button
     "yaml": ("YAML config", "yaml", "application/x-yaml"),
     "torchrun": ("torchrun script", "sh", "text/x-shellscript"),  # writes best.yaml, then runs torchrun
     "json": ("JSON config", "json", "application/json"),
     "megatron": ("Megatron-LM launch", "sh", "text/x-shellscript"),
     "deepspeed": ("DeepSpeed JSON", "deepspeed.json", "application/json"),
+    "torchtitan": ("torchtitan job TOML", "torchtitan.toml", "application/toml"),
+    "accelerate": ("accelerate config YAML", "accelerate.yaml", "application/x-yaml"),
 }
+
+
+def formats() -> dict[str, tuple[str, str, str]]:
+    """(label, suffix, mime) of every format `workbench export --format` takes (tuning.export.FORMATS):
+    one the page has no label for yet still gets a button, named after it."""
+    from tuning.export import FORMATS
+
+    return {f: LABELS.get(f, (f"{f} export", "txt", "text/plain")) for f in FORMATS}
 
 
 def _best_numbers(study) -> list[int]:
@@ -54,8 +64,10 @@ def study_export(home: str) -> None:
     stand_in = stand_in_line(trial_config(study, trial), name)
     if stand_in:  # the study tuned a scaled-down model or fewer ranks: the export is that stand-in's
         st.info(stand_in)
-    cols = st.columns(len(FORMATS))
-    for col, (fmt, (label, suffix, mime)) in zip(cols, FORMATS.items()):
+    shown = formats()
+    cols = st.columns(4)
+    for i, (fmt, (label, suffix, mime)) in enumerate(shown.items()):
+        col = cols[i % len(cols)]
         try:
             text = export_trial(study, trial, fmt=fmt)
         except Exception as exc:  # one format failing must not hide the others
@@ -63,10 +75,13 @@ def study_export(home: str) -> None:
             continue
         col.download_button(label, text, file_name=f"{name}-trial{trial}.{suffix}", mime=mime,
                             key=f"dl-{fmt}", icon=":material/download:")
-    notes = {fmt: export_notes(study, trial, fmt) for fmt in ("megatron", "deepspeed")}
-    for fmt, items in notes.items():
+    for fmt, (label, _, _) in shown.items():
+        try:
+            items = export_notes(study, trial, fmt)
+        except Exception:  # the button above already shows this format's error
+            continue
         if items:  # beside the file, never inside it
-            st.caption(f"{FORMATS[fmt][0]}, not mapped: " + "; ".join(items))
+            st.caption(f"{label}, not mapped: " + "; ".join(items))
     with st.expander("Preview (YAML)"):
         st.code(export_trial(study, trial, fmt="yaml"), language="yaml")
 

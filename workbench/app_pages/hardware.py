@@ -9,24 +9,20 @@ import psutil
 import streamlit as st
 
 from profilers import nvml
-from profilers.host import host_info
+from workbench.app_pages import common
 
 GIB = float(1 << 30)
 
 
-@st.cache_resource(show_spinner="Reading the machine's hardware and software versions…")
+@st.cache_resource(show_spinner=False)
 def _static_facts() -> dict[str, Any]:
-    """Facts that do not change while the server runs: host, versions, backends, GPU inventory."""
-    facts: dict[str, Any] = {"host": host_info(), "gpus": nvml.gpu_inventory(),
-                             "nvml": nvml.nvml_available(), "nvml_reason": nvml.unavailable_reason()}
-    try:
-        import torch.distributed as dist
+    """Facts that do not change while the server runs: host, versions, GPU inventory (no torch import)."""
+    return common.machine_facts()
 
-        facts["backends"] = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-                             "mpi": dist.is_mpi_available()}
-    except ImportError as exc:
-        facts["backends"] = {"torch": f"not importable: {exc}"}
-    return facts
+
+@st.cache_resource(show_spinner="Reading torch's distributed backends (imports torch once)…")
+def _backends() -> dict[str, Any]:
+    return common.distributed_backends()
 
 
 @st.cache_resource
@@ -84,6 +80,7 @@ host = dict(FACTS["host"])
 versions = host.pop("versions", {}) or {}
 left, right = st.columns(2)
 left.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in host.items()}}), width="stretch")
-right.dataframe(pd.DataFrame({"version": {k: str(v) for k, v in versions.items()}}), width="stretch")
+right.dataframe(pd.DataFrame({"version": {k: v or "not installed" for k, v in versions.items()}}), width="stretch")
+# last: the one fact that needs torch imported (~3 s the first time on a busy host); the rest is drawn
 st.caption("Distributed backends: " + ", ".join(f"{k}: {'yes' if v is True else ('no' if v is False else v)}"
-                                                 for k, v in FACTS["backends"].items()))
+                                                 for k, v in _backends().items()))

@@ -8,8 +8,7 @@ import streamlit as st
 import yaml
 
 from engine.validate import COMPRESSORS
-from workbench import ui_state
-from workbench import report
+from workbench import fmt, live_charts, report, ui_state
 from workbench.app_pages import common
 
 FORM_KEY = "new_run_open"
@@ -149,6 +148,8 @@ def live_panel(run_id: str, shown_status: str) -> None:
     with st.container():
         stop_button(run)
     common.headline(data)
+    with st.container():  # what bounds the run and what to try (tuning/diagnose.py)
+        diagnosis_panel(run, data)
     common.run_charts(data, key=f"run-{run_id}")
     with st.container():  # TP/SP, DP/FSDP and pipeline traffic per collective type
         collectives = common.collectives_table(home, run_id, common.run_version(data))
@@ -158,28 +159,60 @@ def live_panel(run_id: str, shown_status: str) -> None:
     with st.container():  # Mixture-of-Experts: expert load and dropped tokens (empty for dense runs)
         moe = report.moe_report(common.store(), run_id)
         if moe:
-            from workbench import plots
-
             left, right = st.columns(2)
-            left.plotly_chart(plots.fig_moe_load(moe["per_step"]), key=f"moe-load-{run_id}")
-            right.plotly_chart(plots.fig_moe_drops(moe["per_step"]), key=f"moe-drops-{run_id}")
+            for col, chart in zip((left, right), (live_charts.moe_load(moe["per_step"]),
+                                                  live_charts.moe_drops(moe["per_step"]))):
+                col.vega_lite_chart(chart.data, chart.spec, width="stretch")
     with st.container():  # adaptive sequence parallelism: the plan of each step
         flexsp_panel(run_id)
-    with st.container():  # pipeline runs: the executed schedule as a rank x time grid
-        from workbench.schedule_view import schedule_figure, schedule_report
-
-        sched = schedule_report(common.store(), run_id)
-        if sched is not None:
-            st.caption("Executed pipeline schedule (last recorded step): gaps are the bubble")
-            st.plotly_chart(schedule_figure(sched), key=f"schedule-{run_id}")
     if shown_status == "running" and run["status"] != "running":  # the picker still says running
         common.runs_table.clear()
         st.rerun(scope="app")  # the run ended: leave polling mode
 
 
+def diagnosis_panel(run: dict[str, Any], data: dict[str, Any]) -> None:
+    """The run's diagnosis: each finding, its best priced suggestions with their command, and a button
+    that launches the run again with the change."""
+    from engine.config import apply_overrides
+
+    home = str(common.home())
+    diag = common.run_diagnosis(home, run["run_id"], common.diagnosis_version(data))
+    if diag is None:
+        return
+    with st.container(border=True):
+        st.markdown(f"**{report.diagnosis_title(diag)}**")
+        if not diag["findings"]:
+            st.caption(report.diagnosis_lines(diag)[1].strip())
+        for i, finding in enumerate(diag["findings"][:report.DIAGNOSIS_FINDINGS]):
+            st.markdown(f"{i + 1}. {finding['headline']}")
+            for j, sug in enumerate(finding["suggestions"][:report.DIAGNOSIS_SUGGESTIONS]):
+                left, right = st.columns([6, 1], vertical_alignment="center")
+                left.caption(report.suggestion_line(sug, diag["step_s"]))
+                left.code(sug["command"], language="bash")
+                if sug["overrides"]:
+                    changed = apply_overrides(run.get("config") or {}, list(sug["overrides"]))
+                    changed["name"] = f"{changed.get('name', 'run')}-try"
+                    right.button("Run it", key=f"try-{run['run_id']}-{i}-{j}", icon=":material/rocket_launch:",
+                                 on_click=launch, args=(changed,), help="launch this run's config with the change")
+
+
+def schedule_panel(run_id: str, status: str) -> None:
+    """A pipeline run's executed schedule as a rank x time grid (Plotly). Outside the polled panel:
+    a Plotly chart is redrawn from blank whenever its figure changes, so a live run's grid stays at
+    the step it showed when the page loaded, and the page redraws it when the run ends."""
+    from workbench.schedule_view import schedule_figure, schedule_report
+
+    sched = schedule_report(common.store(), run_id)
+    if sched is None:
+        return
+    live = f" (the run is live: step {sched['step']} as of this page load)" if status == "running" else ""
+    st.caption(f"Executed pipeline schedule (last recorded step){live}: gaps are the bubble")
+    st.plotly_chart(schedule_figure(sched), key=f"schedule-{run_id}")
+
+
 def flexsp_panel(run_id: str) -> None:
     """Adaptive SP (FlexSP): each step's groups (sizes, tokens) and predicted vs measured time."""
-    from workbench.flexsp_view import flexsp_frames
+    from workbench.flexsp_view import flexsp_frames, flexsp_notes
 
     import pandas as pd
 
@@ -189,24 +222,19 @@ def flexsp_panel(run_id: str) -> None:
     steps, groups = flexsp_frames(pd.concat(plans, ignore_index=True))
     if steps.empty:
         return
-    import plotly.express as px
-
     st.caption("Adaptive sequence parallelism: groups per step (ranks, tokens) and the slowest "
                "group's predicted vs measured time")
     if not groups.empty:
-        fig = px.bar(groups, x="step", y="size", color="tokens", hover_data=["first_rank", "sequences",
-                     "predicted(s)", "measured(s)"], labels={"size": "ranks per group"})
-        fig.update_yaxes(dtick=1, tickformat="d")  # whole ranks
-        fig.update_xaxes(dtick=1, tickformat="d")  # whole steps
-        st.plotly_chart(fig, key=f"flexsp-groups-{run_id}")
-    from workbench import fmt
-
+        chart = live_charts.flexsp_groups(groups)
+        st.vega_lite_chart(chart.data, chart.spec, width="stretch")
     seconds_columns = {c: fmt.seconds for c in steps.columns if c.endswith("(s)")}
     counts = {c: fmt.count for c in ("step", "groups", "max_tokens_per_rank", "token_cap") if c in steps}
     ratio = {"measured/predicted": fmt.ratio} if "measured/predicted" in steps else {}
     if ratio:
         st.caption(f"Measured over predicted, median of the steps: {fmt.ratio(steps['measured/predicted'].median())} "
                    "(the cost model is fitted once, when the run starts)")
+    for note in flexsp_notes(steps):
+        st.info(note, icon=":material/info:")
     st.dataframe(fmt.frame(steps, {**seconds_columns, **counts, **ratio}), hide_index=True)
 
 
@@ -229,3 +257,4 @@ labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
 RUN_ID = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="run_pick")
 STATUS = runs.loc[runs["run_id"] == RUN_ID, "status"].iloc[0]
 st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID, STATUS)
+schedule_panel(RUN_ID, STATUS)

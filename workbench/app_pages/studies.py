@@ -101,7 +101,7 @@ class StudyReader:
             cached.absorb(trial)
 
     def summaries(self) -> list[dict[str, Any]]:
-        """Per study: name, directions, trial counts by state and the best first objective."""
+        """Per study: name, directions, trial counts by `display_state` and the best first objective."""
         out = []
         for name in self.names():
             try:
@@ -110,7 +110,8 @@ class StudyReader:
                 continue
             counts: dict[str, int] = {}
             for t in trials:
-                counts[t.state.name] = counts.get(t.state.name, 0) + 1
+                state = display_state(t)
+                counts[state] = counts.get(state, 0) + 1
             firsts = [t.values[0] for t in trials if t.state == TrialState.COMPLETE and t.values]
             best = (max(firsts) if directions[:1] == ["maximize"] else min(firsts)) if firsts else None
             out.append({"study": name, "directions": directions, "counts": counts, "best": best})
@@ -120,6 +121,14 @@ class StudyReader:
         """The ``paused`` study user attribute that tuning.control.pause/resume set."""
         attrs = self.storage.get_study_user_attrs(self.storage.get_study_id_from_name(name))
         return bool(attrs.get("paused", False))
+
+
+def display_state(trial: FrozenTrial) -> str:
+    """A trial's state as the pages count it: a draw the tuner did not run (an invalid point, a repeat of
+    another trial's config) is told to Optuna as PRUNED so its sampler avoids it, and reads SKIPPED here."""
+    from tuning.objective import SKIPPED_ATTR
+
+    return "SKIPPED" if trial.user_attrs.get(SKIPPED_ATTR) else trial.state.name
 
 
 def in_memory(directions: list[str], trials: list[FrozenTrial], name: str) -> optuna.Study:

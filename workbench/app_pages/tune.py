@@ -11,7 +11,7 @@ import yaml
 
 from engine.errors import ConfigError
 from engine.validate import name_error
-from workbench import plots, ui_state
+from workbench import live_charts, plots, ui_state
 from workbench.app_pages import common
 
 DEFAULT_SPACE = """\
@@ -90,8 +90,7 @@ def controls(home: str, name: str, control: Any) -> list[int]:
     storage = common.storage_url(home)
     pids = control.running_workers(name, home=home)
     paused = common.study_reader(home).is_paused(name)
-    st.caption(f"workers running: {', '.join(map(str, pids)) if pids else 'none'} · "
-               f"{'paused' if paused else 'active'}")
+    st.caption(ui_state.workers_line(pids, paused))
     c1, c2, c3 = st.columns(3)
     if c1.button("Pause", disabled=paused or not pids, icon=":material/pause:"):  # nothing to pause once it ended
         control.pause(name, storage)
@@ -179,9 +178,10 @@ def study_panel(home: str, name: str) -> None:
         st.info("No trials yet: workers are starting, or start them above.")
         return
     counts = trials["state"].value_counts()
-    cols = st.columns(5)
-    for col, state in zip(cols, ("COMPLETE", "RUNNING", "PRUNED", "FAIL", "WAITING")):
-        col.metric(state.lower(), int(counts.get(state, 0)))
+    cols = st.columns(6)
+    for col, state in zip(cols, ("COMPLETE", "RUNNING", "PRUNED", "FAIL", "WAITING", "SKIPPED")):
+        col.metric(state.lower(), int(counts.get(state, 0)),
+                   help="draws not run: an invalid point or a repeat of another trial's config" if state == "SKIPPED" else None)
     figs = study_figures(home, name, int(counts.get("COMPLETE", 0)) + int(counts.get("PRUNED", 0)))
     for i in range(0, len(figs), 2):
         for col, fig in zip(st.columns(2), figs[i:i + 2]):
@@ -199,7 +199,23 @@ def study_panel(home: str, name: str) -> None:
         "val_loss": st.column_config.NumberColumn(format="%.4f"),
         "duration(s)": st.column_config.NumberColumn(format="%.1f"),
         "reason": st.column_config.TextColumn(width="large")})
+    reasons_table(shown)
     jobs_panel(home, name)
+
+
+REASON_ROWS = 50
+
+
+def reasons_table(trials: pd.DataFrame) -> None:
+    """The newest pruned, failed and skipped trials with their whole reason (a table wraps its text;
+    the trial table's reason column cuts it at the column's width)."""
+    if "reason" not in trials:
+        return
+    why = trials[trials["reason"].fillna("").astype(str).str.len() > 0][["number", "state", "reason"]]
+    if why.empty:
+        return
+    st.caption(f"Why trials stopped or were not run (newest {min(len(why), REASON_ROWS)} of {len(why)})")
+    st.table(why.head(REASON_ROWS).set_index("number"))
 
 
 def order_panel(home: str, name: str) -> None:
@@ -271,8 +287,8 @@ def segments_panel(home: str, name: str) -> None:
         return
     run_id = st.selectbox("In-job run", shared, key="segments_run")
     data = common.run_data(home, run_id)
-    st.plotly_chart(plots.fig_segments(data["steps"], data["segments"]), width="stretch",
-                    key=f"segments-{run_id}")
+    chart = live_charts.segments(data["steps"], data["segments"])
+    st.vega_lite_chart(chart.data, chart.spec, width="stretch")
     st.dataframe(pd.DataFrame(data["segments"]), hide_index=True, width="stretch")
 
 

@@ -1,13 +1,22 @@
-"""What-if: the simulator with sliders (predicted breakdown and memory) and a full config search."""
+"""What-if: the simulator with sliders (predicted breakdown and memory) and a full config search,
+for a GPT preset or any Hugging Face config.json (uploaded or a path), on a preset cluster or a
+hardware profile (`workbench calibrate` writes this machine's under <home>/hardware/)."""
 from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import streamlit as st
 
+from engine.errors import ConfigError
 from tuning.hardware import PRESETS, load_cluster
 from tuning.search import best_configs, enumerate_configs, sensitivities
 from tuning.simulator import ModelSpec, ParallelSpec, simulate
 from workbench import plots
+from workbench.app_pages import common
 
 # GPT sizes of Narayanan et al. 2021, Table 1 (layers, hidden, heads); seq 2048, vocab 51200.
 MODELS = {
@@ -15,52 +24,115 @@ MODELS = {
     "GPT 39B": (48, 8192, 64), "GPT 76B": (60, 10240, 80), "GPT 146B": (80, 12288, 96),
     "GPT 310B": (96, 16384, 128), "GPT 530B": (105, 20480, 128), "GPT 1T": (128, 25600, 160),
 }
+SEQS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def local_profiles(home: Path) -> dict[str, str]:
+    """Hardware profiles in the home (`workbench calibrate` writes <home>/hardware/cpu-local-WORLD.yaml):
+    label -> path."""
+    folder = home / "hardware"
+    files = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml"), *folder.glob("*.json")]) if folder.is_dir() else []
+    return {f"{f.stem} (profile: {f})": str(f) for f in files}
+
+
+def cluster_picker() -> tuple[str, Any]:
+    """(what to load, the ClusterSpec): a preset, a profile of this home, or a profile path typed in."""
+    profiles = local_profiles(common.home())
+    options = [*sorted(PRESETS), *profiles]
+    default = next(iter(profiles), "frontier")  # this machine's calibrated profile first, when there is one
+    label = st.selectbox("Cluster (preset or calibrated profile)", options, index=options.index(default))
+    typed = st.text_input("or a profile file path", "", placeholder="~/run/hardware/cpu-local-2.yaml")
+    source = str(Path(typed).expanduser()) if typed.strip() else profiles.get(label, label)
+    try:
+        return source, load_cluster(source)
+    except (KeyError, ValueError, OSError, TypeError) as exc:
+        st.error(f"cluster {source!r}: {exc}")
+        st.stop()
+
+
+def hf_config() -> dict[str, Any] | None:
+    """A Hugging Face config.json: uploaded, or read from a path (a file or a folder holding one)."""
+    upload = st.file_uploader("config.json", type=["json"], key="whatif_hf_upload")
+    typed = st.text_input("or its path (a file, or a model folder holding config.json)", "", key="whatif_hf_path")
+    try:
+        if upload is not None:
+            return json.loads(upload.getvalue().decode())
+        if typed.strip():
+            from engine.shapes import read_hf_config
+
+            return dict(read_hf_config(str(Path(typed.strip()).expanduser())))
+    except (ConfigError, OSError, ValueError) as exc:
+        st.error(f"config.json: {exc}")
+        st.stop()
+    return None
+
+
+def model_picker(seq: int, experts: int, top_k: int) -> tuple[str, ModelSpec]:
+    """(a name, the simulator's model) from a GPT preset or a Hugging Face config.json at ``seq`` tokens."""
+    kind = st.radio("Model from", ["GPT preset", "Hugging Face config.json"], horizontal=True, key="whatif_kind")
+    if kind == "GPT preset":
+        name = st.selectbox("Model", list(MODELS), index=2)
+        layers, hidden, heads = MODELS[name]
+        return name, ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=51200,
+                               experts=experts, top_k=top_k)
+    data = hf_config()
+    if data is None:
+        st.info("Upload a Hugging Face config.json (or give its path) to price that model.")
+        st.stop()
+    try:
+        spec = ModelSpec.from_hf(data, seq=seq)
+    except (ConfigError, KeyError, ValueError, TypeError) as exc:
+        st.error(f"config.json: {exc}")
+        st.stop()
+    return f"{data.get('model_type', 'model')} (config.json)", spec
+
+
 @st.cache_data(show_spinner=False, max_entries=4)
-def search(model_key: str, cluster: str, gpus: int, global_batch: int, experts: int = 0, top_k: int = 2,
-           seq: int = 2048) -> pd.DataFrame:
+def search(model_json: str, cluster: str, gpus: int, global_batch: int) -> pd.DataFrame:
     """Every valid configuration priced (vectorised; cached per input), ep and cp included."""
-    layers, hidden, heads = MODELS[model_key]
-    model = ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=51200, experts=experts, top_k=top_k)
-    return enumerate_configs(model, load_cluster(cluster), gpus, global_batch)
+    return enumerate_configs(ModelSpec(**json.loads(model_json)), load_cluster(cluster), gpus, global_batch)
 
 
 st.title("What-if")
 st.caption("Analytical model of one iteration (tuning/simulator.py): predictions, not measurements.")
-c = st.columns(4)
-CLUSTER = c[0].selectbox("Cluster", sorted(PRESETS), index=sorted(PRESETS).index("frontier"))
-MODEL_KEY = c[1].selectbox("Model", list(MODELS), index=2)
-GPUS = int(c[2].number_input("GPUs", 1, 65536, 64, step=8))
-GLOBAL = int(c[3].number_input("Global batch (samples)", 1, 65536, 512, step=8))
-layers, hidden, heads = MODELS[MODEL_KEY]
-MODEL = ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=51200)
-spec = load_cluster(CLUSTER)
+c = st.columns([2, 1, 1])
+with c[0]:
+    CLUSTER, spec = cluster_picker()
+# a calibrated profile has as many "GPUs" as it measured ranks (num_nodes set); a preset as many as asked
+LIMIT = spec.total_gpus if spec.num_nodes else 65536
+GPUS = int(c[1].number_input("GPUs", 1, LIMIT, min(64, LIMIT), step=1 if spec.num_nodes else 8,
+                             key=f"whatif_gpus_{LIMIT}"))
+GLOBAL = int(c[2].number_input("Global batch (samples)", 1, 65536, 512, step=8))
+with st.expander("Mixture-of-Experts (GPT presets) and sequence length"):
+    c = st.columns(3)
+    experts = c[0].select_slider("experts (0 = dense)", [0, 4, 8, 16, 32, 64], value=0)
+    top_k = c[1].select_slider("top-k", [1, 2, 4], value=2)
+    seq = c[2].select_slider("sequence length", SEQS, value=2048)
+MODEL_NAME, MODEL = model_picker(seq, experts, top_k)
 
 st.subheader("One configuration")
 c = st.columns(6)
-tp = c[0].select_slider("tp", _divisors(GPUS), value=min(8, GPUS) if GPUS % min(8, GPUS) == 0 else 1)
+# only degrees the model takes: tp divides the GPUs, the heads and the key/value heads
+kv = MODEL.kv_heads or MODEL.heads
+tp_options = [d for d in _divisors(GPUS) if MODEL.heads % d == 0 and kv % d == 0]
+tp = c[0].select_slider("tp", tp_options, value=max(d for d in tp_options if d <= 8))
 pp_options = _divisors(GPUS // tp)
 pp = c[1].select_slider("pp", pp_options, value=pp_options[min(2, len(pp_options) - 1)])
 micro = c[2].select_slider("micro batch", _divisors(GLOBAL), value=1)
 zero = c[3].select_slider("ZeRO", [0, 1, 2, 3], value=1)
 recompute = c[4].selectbox("recompute", ["none", "selective", "full"], index=1)
 virtual = c[5].select_slider("virtual stages", [1, 2, 4, 8], value=1)
-with st.expander("Mixture-of-Experts and long sequences (context parallelism)"):
-    c = st.columns(6)
-    experts = c[0].select_slider("experts (0 = dense)", [0, 4, 8, 16, 32, 64], value=0)
-    top_k = c[1].select_slider("top-k", [1, 2, 4], value=2)
-    seq = c[2].select_slider("sequence length", [2048, 4096, 8192, 16384, 32768, 65536, 131072], value=2048)
-    cp = c[3].select_slider("cp", _divisors(GPUS // (tp * pp)), value=1)
-    cp_impl = c[4].selectbox("cp implementation", ["ulysses", "ring"])
-    ep_options = [e for e in _divisors(GPUS // (tp * pp * cp)) if experts and experts % e == 0] or [1]
-    ep = c[5].select_slider("ep", ep_options, value=1)
-    hierarchical = st.checkbox("hierarchical all_to_all (inside the node first)")
-MODEL = ModelSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=51200, experts=experts, top_k=top_k)
+with st.expander("Context and expert parallelism"):
+    c = st.columns(4)
+    cp = c[0].select_slider("cp", _divisors(GPUS // (tp * pp)), value=1)
+    cp_impl = c[1].selectbox("cp implementation", ["ulysses", "ring"])
+    ep_options = [e for e in _divisors(GPUS // (tp * pp * cp)) if MODEL.experts and MODEL.experts % e == 0] or [1]
+    ep = c[2].select_slider("ep", ep_options, value=1)
+    hierarchical = c[3].checkbox("hierarchical all_to_all (inside the node first)")
 par = ParallelSpec(dp=GPUS // (tp * pp * cp), tp=tp, pp=pp, micro=micro, global_batch=GLOBAL, zero=zero,
                    recompute=recompute, virtual=virtual, ep=ep, cp=cp, cp_impl=cp_impl,
                    moe_hierarchical=hierarchical)
@@ -93,17 +165,19 @@ else:
     right.plotly_chart(plots.fig_sim_memory(result.memory_breakdown_gb, spec.memory_gb), width="stretch")
 
 st.subheader("Search every configuration")
-st.caption(f"{MODEL_KEY} ({MODEL.params / 1e9:.1f}B parameters) on {GPUS} GPUs of {CLUSTER}, "
+st.caption(f"{MODEL_NAME} ({MODEL.params / 1e9:.3g}B parameters) on {GPUS} GPUs of {spec.name}, "
            f"global batch {GLOBAL}: every valid tp, pp, dp, cp, ep, micro batch, ZeRO stage, recompute, schedule.")
+KEY = (json.dumps(dataclasses.asdict(MODEL), sort_keys=True), CLUSTER, GPUS, GLOBAL)
 if st.button("Search", type="primary", icon=":material/search:"):
-    st.session_state["whatif_search"] = (MODEL_KEY, CLUSTER, GPUS, GLOBAL, experts, top_k, seq)
+    st.session_state["whatif_search"] = KEY
 key = st.session_state.get("whatif_search")
 if key is None:
     st.info("Press **Search** to price every configuration of this model and cluster.")
 else:
     df = search(*key)
     fits = int(df["fits"].sum())
-    st.write(f"{len(df):,} valid configurations, {fits:,} fit in memory ({key[0]}, {key[1]}, {key[2]} GPUs).")
+    stale = " (for the inputs of the last Search)" if key != KEY else ""
+    st.write(f"{len(df):,} valid configurations, {fits:,} fit in memory{stale}.")
     st.plotly_chart(plots.fig_search_scatter(df), width="stretch")
     st.markdown("**Best configurations** (shortest iteration, fitting in memory)")
     st.dataframe(best_configs(df, 10), hide_index=True, width="stretch")
