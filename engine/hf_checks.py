@@ -80,10 +80,10 @@ def _weight_report(weights: str, _mtime: float, spec: Any) -> str:
     level = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()  # its load report is what this function returns
     try:
-        _, info = AutoModelForCausalLM.from_pretrained(
+        _, info = AutoModelForCausalLM.from_pretrained(  # safetensors only: a pickled .bin is never opened here
             weights, config=transformers_config(spec), device_map="meta", ignore_mismatched_sizes=True,
-            output_loading_info=True, local_files_only=True)
-    except OSError as exc:  # no safetensors in the folder, an unreadable file
+            output_loading_info=True, local_files_only=True, use_safetensors=True)
+    except (OSError, ValueError) as exc:  # no safetensors in the folder, an unreadable or damaged file
         return _last_line(exc)
     finally:
         transformers.utils.logging.set_verbosity(level)

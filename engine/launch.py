@@ -218,20 +218,20 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
     validate(cfg)
-    preflight(cfg, device_memory_gib=device_memory_gib)
     if launcher == "slurm":
         from engine.slurm import launch_slurm
 
+        preflight(cfg, device_memory_gib=device_memory_gib)
         return launch_slurm(cfg, home=home, run_id=run_id, timeout_s=timeout_s, on_progress=on_progress,
                             parent=parent, raise_on_failure=raise_on_failure, extra_env=extra_env, on_job=on_job)
     if launcher != "local":
         raise ValueError(f"launcher={launcher!r} must be local or slurm")
-    validate(cfg)
     if cfg.world_size % nnodes:
         raise ValueError(f"world size {cfg.world_size} is not divisible by nnodes={nnodes}")
     from engine.device import check_ranks_fit_gpus
 
-    check_ranks_fit_gpus(cfg.backend, cfg.world_size // nnodes)
+    check_ranks_fit_gpus(cfg.backend, cfg.world_size // nnodes)  # the GPUs there are, before any dry run of them
+    preflight(cfg, device_memory_gib=device_memory_gib)
     store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent, join=nnodes > 1)
     home = run_dir.parent.parent
     server = TelemetryServer(store, run_id=run_id)

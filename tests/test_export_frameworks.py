@@ -50,7 +50,8 @@ def _titan_cfg(name: str, tmp_path: Path) -> RunConfig:
 
     (tmp_path / "config.json").write_text(json.dumps(TITAN_DEBUG))
     extra = ["parallel.virtual=3"] if name == "pp2-interleaved" else []
-    return _cfg(name, f"model.hf={tmp_path / 'config.json'}", *extra)
+    shape_free = [b for b in BASE if not b.startswith(("model.layers", "model.d_model", "model.heads"))]
+    return load_config(None, shape_free + LAYOUTS[name] + [f"model.hf={tmp_path / 'config.json'}", *extra])
 
 
 def _titan(cfg: RunConfig, tmp_path: Path):
@@ -87,7 +88,8 @@ def test_torchtitan_config_manager_reads_the_layout_batch_and_precision(tmp_path
 def test_torchtitan_names_what_it_cannot_map(tmp_path):
     notes = to_torchtitan(_titan_cfg("dp2-ddp", tmp_path))[1]
     assert any(n.startswith("comm.compressor=powersgd") for n in notes)
-    cp = load_config(None, BASE + [f"model.hf={tmp_path / 'config.json'}", "parallel.cp=2", "batch.micro=4"])
+    shape_free = [b for b in BASE if not b.startswith(("model.layers", "model.d_model", "model.heads"))]
+    cp = load_config(None, shape_free + [f"model.hf={tmp_path / 'config.json'}", "parallel.cp=2", "batch.micro=4"])
     assert any("cp_impl=ulysses" in n for n in to_torchtitan(cp)[1])
     assert "# not mapped: comm.compressor=powersgd (no gradient compression hook in torchtitan)" in \
         torchtitan_toml(_titan_cfg("dp2-ddp", tmp_path)).splitlines()
@@ -197,6 +199,9 @@ def test_megatron_export_reads_a_megatron_dataset_by_its_prefix(tmp_path):
     at = args.index("--data-path")
     assert args[at + 1:at + 4] == [str(tmp_path / "corpus"), "--split", "95,5,0"]
     assert any(n.startswith("data order: Megatron-LM shuffles") for n in notes)
+    import numpy as np
+
+    (np.arange(4096) % 256).astype(np.uint16).tofile(tmp_path / "corpus.bin")  # a token file validate() can read
     tokens = load_config(None, BASE + ["data.source=tokens", f"data.path={tmp_path / 'corpus.bin'}"])
     assert "--mock-data" in megatron_args(tokens)[0]
 

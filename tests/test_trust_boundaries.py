@@ -240,6 +240,7 @@ def test_a_weights_folder_that_would_run_code_runs_nothing(tmp_path):
     import torch
 
     from engine.config import load_config
+    from engine.errors import ConfigError
     from engine.hf import build_hf_model
 
     llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -247,8 +248,11 @@ def test_a_weights_folder_that_would_run_code_runs_nothing(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**llama, "auto_map": {"AutoModelForCausalLM": "evil.Model"}}))
     (tmp_path / "evil.py").write_text(f"import os\nos.system('touch {tmp_path / 'ran-py'}')\nclass Model: pass\n")
     torch.save({"model.embed_tokens.weight": _Exploit(tmp_path / "ran-bin")}, tmp_path / "pytorch_model.bin")
-    cfg = load_config(None, [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"]).model
-    with pytest.raises(Exception, match="Weights only load failed"):  # noqa: PT011 (torch's own UnpicklingError)
+    sets = [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"]
+    with pytest.raises(ConfigError, match=r"^model.hf_weights=.*does not match model.hf: .*safetensors"):
+        load_config(None, sets)  # before any rank: transformers' loader, safetensors only (the .bin is not opened)
+    cfg = load_config(None, sets, check=False).model  # and a rank given it anyway refuses the pickle
+    with pytest.raises(Exception, match="Weights only load failed|safetensors"):  # noqa: PT011 (torch's own UnpicklingError)
         build_hf_model(cfg, seed=0)
     assert not (tmp_path / "ran-py").exists() and not (tmp_path / "ran-bin").exists()
 

@@ -53,7 +53,7 @@ def test_workbench_run_refuses_bad_data_in_one_line_with_exit_2(tmp_path, sets, 
 def test_tokenize_refuses_a_missing_dataset_in_one_line(tmp_path):
     out = _workbench("tokenize", str(tmp_path / "none.jsonl"), "--tokenizer", str(tiny_tokenizer(tmp_path)),
                      "-o", str(tmp_path / "t.bin"), home=tmp_path)
-    assert out.returncode == 2 and "data.path" in out.stderr and "does not exist" in out.stderr
+    assert out.returncode == 2 and "SRC=" in out.stderr and "does not exist" in out.stderr  # the argument by name
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
