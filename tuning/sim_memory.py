@@ -10,12 +10,13 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | params | `params_weights` | the trained weights (sharded over dp x cp at ZeRO-3, and at ZeRO-2 in FSDP) |
 | params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding |
 | grads | `grads_main` | the gradient buffer (Megatron: fp32 main grads) |
-| grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard |
+| grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard; Apex DistributedFusedAdam's reduced shard where it outgrows the activations it replaces |
 | grads | `grads_gathered` | one unit's unsharded gradients before its reduce-scatter |
 | optimizer | `optimizer` | fp32 master weights (where the framework keeps them apart) + Adam moments |
 | activations | `act_layers` | the stored activations of the micro-batches in flight on the stage |
 | activations | `act_logits` | the 16-bit logits and fp32 softmax the loss keeps for its backward (last stage) |
 | activations | `act_recompute` | one layer's full set replayed in backward under full recomputation |
+| activations | `act_wgrad_deferred` | the last stage's output-layer inputs and logit gradients kept for the flush (`defer_embedding_wgrad`) |
 | temp | `temp_buckets` | DeepSpeed ZeRO-1/2's gradient reduce bucket |
 | runtime | `cuda_context` | the CUDA context and the kernels loaded (measured per GPU and software generation) |
 | runtime | `nccl_buffers` | NCCL's FIFOs: communicators x channels x 2 connections x the default buffers |
@@ -33,6 +34,10 @@ Sources:
   bf16 weights with fp32 main grads keep 18 bytes per parameter, 6 + 12/d with the distributed
   optimizer); DeepSpeed stage_1_and_2.py (fp32 gradient of the partition, reduce_bucket_size 5e8);
   PyTorch FSDP mixed precision (fp32 sharded flat parameters and gradients, 16-bit unsharded copies).
+- NeMo 24.x's distributed_fused_adam (`dist_adam`, NeMo 24.05/24.09: MegatronBaseModel.setup_optimization,
+  MegatronGPTModel.configure_optimizers; Apex DistributedFusedAdam at apex@810ffae): states in optim.dtype, no
+  master copy where it is the model's dtype, the fp32 master's 16 low bits beside bf16 weights, the gradient
+  buffer in grad_sync_dtype (default: optim.dtype), an fp32 gradient for the word embedding.
 - Activations per layer: Korthikanti et al. 2022, eqs. 1-3 and sec. 4.2.3 (`tuning.sim_compute`), with
   Megatron-core's fused SwiGLU keeping the fc1 output and the fc2 input (6 f/h) instead of eager's four
   tensors (8 f/h).
@@ -70,7 +75,7 @@ TERMS = {
     "params": ("params_weights", "params_gathered"),
     "grads": ("grads_main", "grads_partition", "grads_gathered"),
     "optimizer": ("optimizer",),
-    "activations": ("act_layers", "act_logits", "act_recompute"),
+    "activations": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred"),
     "temp": ("temp_buckets",),
     "runtime": ("cuda_context", "nccl_buffers"),
 }
@@ -80,10 +85,12 @@ NCCL_CONNECTIONS_PER_CHANNEL = 2
 # _FSDPRefType for FSDP2, the engine's ZeRO-2/3), each the sum of these terms, for comparing a dry run
 MEMTRACKER = {"Parameter": ("params_weights", "params_gathered"),
               "Gradient": ("grads_main", "grads_partition", "grads_gathered"), "Optstate": ("optimizer",),
-              "Activation": ("act_layers", "act_logits", "act_recompute"), "Temp": ("temp_buckets",)}
+              "Activation": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred"),
+              "Temp": ("temp_buckets",)}
 FSDP_MEMTRACKER = {"Sharded Param": ("params_weights",), "Unsharded Param": ("params_gathered",),
                    "Sharded Grad": ("grads_main", "grads_partition"), "Unsharded Grad": ("grads_gathered",),
-                   "OptState": ("optimizer",), "Activation": ("act_layers", "act_logits", "act_recompute"),
+                   "OptState": ("optimizer",),
+                   "Activation": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred"),
                    "Temp": ("temp_buckets",)}
 LOGIT_BYTES_KEPT = 4.0  # + the 16-bit logits: the loss keeps an fp32 softmax per logit for its backward
 
@@ -132,11 +139,29 @@ def keeps(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     # weights (torch/distributed/pipelining/stage.py backward_maybe_with_nosync: set_requires_gradient_sync
     # and set_reshard_after_backward False; FSDPParam.to_accumulated_grad_if_needed)
     out["accumulate_unsharded"] = (out["fsdp"] > 0) & (np.asarray(c.get("pp", 1)) > 1) & (accum != 0)
+    dist = np.asarray(c.get("dist_adam", 0))
+    if np.any(dist > 0):
+        out.update(_apex_keeps(dist, accum, np.asarray(c["dtype_bytes"]), out))
     fused = np.asarray(c.get("fused_swiglu", -1))
     out["swiglu_bytes"] = np.where(fused == 1, 6.0, np.where(fused == 0, 8.0, out["swiglu_bytes"]))
     for f in ("weight", "grad", "optimizer", "grad_partition"):
         out[f] = np.where(fp32, float(getattr(FP32, f)), out[f])
     return out
+
+
+def _apex_keeps(dist: np.ndarray, accum: np.ndarray, db: np.ndarray, out: dict[str, Any]) -> dict[str, Any]:
+    """NeMo 24.x's distributed_fused_adam (`dist` = optim.dtype bytes, 0 elsewhere). NeMo's
+    MegatronBaseModel.setup_optimization: optimizer states in optim.dtype; no master copy when it equals the
+    model's dtype (store_params False), bf16 weights with fp32 states keep the 16 low bits of the fp32
+    master (store_param_remainders, int16). Apex DistributedFusedAdam: exp_avg and exp_avg_sq in that dtype,
+    sharded over the data-parallel group; the contiguous gradient buffer in grad_sync_dtype, which defaults
+    to the dtype (grad_accum_fp32 0 / 1: bf16 / fp32); the shard reduced into it is `apex_shard`."""
+    apex = dist > 0
+    grad = np.where(accum == 0, 2.0, np.where(accum == 1, 4.0, dist))
+    master = np.where(dist == db, 0.0, np.where((dist == 4) & (db == 2), 2.0, dist))
+    return {"grad": np.where(apex, grad, out["grad"]),
+            "optimizer": np.where(apex, 2.0 * dist + master, out["optimizer"]),
+            "apex_shard": np.where(apex, grad, 0.0)}
 
 
 def _stage_layers(m: ModelSpec, c: dict[str, np.ndarray], r: Any) -> Any:
@@ -256,20 +281,52 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     ranks = [np.zeros_like(p), p - 1]
     if np.any(c.get("account_for_embedding_and_loss", False)):  # else rank 0 holds rank 1's layers and more in flight
         ranks.append(np.minimum(1, p - 1))
+    nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
     best = None
     for r in ranks:  # the rank with the largest total (its parameters, activations in flight, logits)
         s_psi, held, last = _rank(m, c, r, per_layer)
-        total = s_psi * per_param + fixed + _bucket(s_psi, c, k) + held * stored + np.where(last, logits, 0.0)
+        acts = held * stored + np.where(last, logits, 0.0)
+        extra = _nemo_terms(m, c, k, r, s_psi, acts) if nemo else (0.0, 0.0, 0.0)
+        total = s_psi * per_param + fixed + _bucket(s_psi, c, k) + acts + sum(extra)
         if best is None:
-            best = (total, r, s_psi, held, last)
+            best = (total, r, s_psi, held, last, *extra)
         else:
             more = total > best[0]
-            best = tuple(np.where(more, new, old) for new, old in zip((total, r, s_psi, held, last), best))
-    _, r, s_psi, held, last = best
+            best = tuple(np.where(more, new, old) for new, old in zip((total, r, s_psi, held, last, *extra), best))
+    _, r, s_psi, held, last, fp32_embedding, apex_shard, deferred = best
     out = {name: s_psi * rate + f for name, (rate, f) in rates.items()}
-    out.update(temp_buckets=_bucket(s_psi, c, k), act_layers=held * stored,
+    out["grads_main"] = out["grads_main"] + fp32_embedding
+    out["grads_partition"] = out["grads_partition"] + apex_shard
+    out.update(temp_buckets=_bucket(s_psi, c, k), act_layers=held * stored, act_wgrad_deferred=deferred,
                act_logits=np.where(last, logits, 0.0), act_recompute=recompute, stage=r, **runtime(c, cl))
     return finish(out, cl)
+
+
+def _nemo_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, s_psi: Any,
+                acts: Any) -> tuple[Any, Any, Any]:
+    """What NeMo 24.x keeps beyond Megatron-core's terms on pipeline rank r: (the word embedding's fp32
+    gradient, Apex's reduced gradient shard above the activations, the deferred output-layer wgrad inputs).
+
+    - NeMo's MegatronGPTModel.configure_optimizers (with_fp32_embedding_grads, default True) gives the word
+      embedding (first stage; the last too when tied and pipelined) an fp32 gradient bucket.
+    - Apex's zero_grad drops every reduced shard (`_grads_buckets.clear()`) and the shards are made by the
+      reduce-scatters of each bucket's last backward, which free that backward's activations as they go:
+      the peak holds the larger of the two, so only what the shards exceed the activations by is added.
+    - Megatron-core's output layer with defer_embedding_wgrad_compute keeps, per micro-batch up to the
+      wgrad_deferral_limit, its input (s b h, / t with sequence parallelism) and the logit gradient
+      (s b V / t) until NeMo drains them after the schedule (MegatronGPTModel.training_step); the last
+      stage holds them beside its in-flight activations."""
+    p, t, db = c["pp"], c["tp"], c["dtype_bytes"]
+    apex = np.asarray(c.get("dist_adam", 0)) > 0
+    first, last = r == 0, r == p - 1
+    table = m.vocab * m.hidden / t
+    tied = m.tied_embeddings & (p > 1) & last
+    fp32_embedding = np.where(apex & (first | tied), table * np.maximum(4.0 - k["grad"], 0.0), 0.0)
+    n = np.minimum(np.asarray(c.get("defer_embedding_wgrad", 0)), c.get("num_mb", 1))
+    kept = m.seq * c["micro"] * db * (m.vocab / t + m.hidden / np.where(c["sequence_parallel"], t, 1))
+    deferred = np.where(last & (p > 1), n * kept, 0.0)
+    shard = s_psi * k.get("apex_shard", 0.0) / c["dp"]
+    return fp32_embedding, np.maximum(shard - acts - deferred, 0.0), deferred
 
 
 def communicators(c: dict[str, np.ndarray]) -> np.ndarray:

@@ -252,6 +252,15 @@ class ParallelSpec:
     # output tensors of each pipeline stage"): the chunk's first layer keeps no copy of it (its norm saves
     # its output instead, as Apex's memory_efficient norms do); without full recomputation, which needs it
     free_stage_input: bool = False
+    # NeMo 24.x's optim.name=distributed_fused_adam (Apex DistributedFusedAdam through NeMo's
+    # MegatronDistributedFusedAdam): its optim.dtype in bytes, 4 fp32 (NeMo's default) or 2 bf16; 0 = the
+    # framework's own optimizer. The gradient buffer is in optim.grad_sync_dtype (default: optim.dtype; 0 in
+    # grad_accum_fp32 = bf16); tuning/sim_memory.py
+    dist_adam: int = 0
+    # micro-batches whose output-layer weight gradient the last pipeline stage defers to the flush, keeping
+    # each one's logit gradient and input (Megatron-core defer_embedding_wgrad_compute with its
+    # wgrad_deferral_limit); 0 = not deferred
+    defer_embedding_wgrad: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
