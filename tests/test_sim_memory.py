@@ -216,3 +216,64 @@ def test_tracker_categories_are_torchs_and_travel_in_json():
         assert extra["memory_tracker"] == tracker
         tensors = sum(v for k, v in res.memory_breakdown_gb.items() if k != "runtime")
         assert sum(extra["memory_tracker_gb"].values()) == pytest.approx(tensors)
+
+
+@pytest.mark.parametrize("dtype, grad_sync, per_param", [
+    # NeMo's optim.dtype bf16 (Nemotron-4 340B's recipe): bf16 moments, no master copy, bf16 gradient buffer
+    (2, 0, lambda d: 2 + 2 + 4 / d),
+    # NeMo's default fp32 states with bf16 weights: fp32 moments, the master's 16 low bits (int16), and Apex's
+    # grad_sync_dtype defaulting to the dtype: an fp32 gradient buffer
+    (4, -1, lambda d: 2 + 4 + (2 + 8) / d)])
+def test_nemo_distributed_fused_adam_keeps_its_dtype(dtype, grad_sync, per_param):
+    """NeMo 24.x's distributed_fused_adam (MegatronBaseModel.setup_optimization, Apex DistributedFusedAdam):
+    optimizer states in optim.dtype; store_params off when it equals the model's dtype, store_param_remainders
+    with fp32 states over bf16 weights; the gradient buffer in grad_sync_dtype (default: optim.dtype)."""
+    d = 8
+    par = ParallelSpec(dp=d, micro=1, global_batch=d, zero=1, framework="megatron-core", dist_adam=dtype,
+                       grad_accum_fp32=grad_sync)
+    terms, res = _terms(GPT, par, "dgx-h100")
+    states = terms["params_weights"] + terms["grads_main"] + terms["optimizer"]
+    psi = res.extra["params_per_gpu"]
+    embedding_fp32 = (4 - (2 if grad_sync == 0 else dtype)) * GPT.vocab * GPT.hidden  # with_fp32_embedding_grads
+    assert states * 1e9 == pytest.approx(psi * per_param(d) + embedding_fp32, rel=1e-9)
+    # the reduced shard (grad_sync bytes / d) is made as the last backward frees activations: not above them here
+    assert terms["grads_partition"] == 0.0
+
+
+def test_deferred_output_layer_wgrad_is_kept_on_the_last_stage():
+    """Megatron-core's defer_embedding_wgrad_compute keeps each micro-batch's output-layer input (s b h / t
+    with sequence parallelism) and logit gradient (s b V / t) up to wgrad_deferral_limit, on the last stage."""
+    model = ModelSpec(layers=8, hidden=1024, heads=8, seq=2048, vocab=64000, dropout=False, tied_embeddings=False)
+    base = dict(tp=4, pp=4, dp=1, micro=1, global_batch=16, zero=1, sequence_parallel=True, flash_attention=True,
+                framework="megatron-core")
+    plain, _ = _terms(model, ParallelSpec(**base), "dgx-h100")
+    assert plain["act_wgrad_deferred"] == 0.0
+    per_mb = 2048 * 2 * (64000 / 4 + 1024 / 4)
+    for limit, kept in ((22, 16), (5, 5)):  # 16 micro-batches: all of them, or the limit
+        terms, res = _terms(model, ParallelSpec(**base, defer_embedding_wgrad=limit), "dgx-h100")
+        assert res.extra["memory_stage"] == 3
+        assert terms["act_wgrad_deferred"] * 1e9 == pytest.approx(kept * per_mb)
+        assert res.memory_per_gpu_gb * 1e9 == pytest.approx(sum(plain.values()) * 1e9 + kept * per_mb)
+
+
+def test_nemotron4_340b_on_128_gpus_fits_by_what_nemo_keeps():
+    """dgxc-n340-128 (NVIDIA/dgxc-benchmarking v24.11.1, NeMo 24.09: tp8 pp8 vp12 dp2, GBS 32) ran. Rank 0
+    holds Megatron-core's interleaved warm-up, 2 (p - 1) + (v - 1) p + 1 = 103 one-layer chunks of m v = 192;
+    the last stage 89 and 16 deferred output-layer wgrads; NeMo's optim.dtype bf16 keeps 2 + 2 + 4/2 bytes
+    per parameter (Megatron-core's distributed optimizer would keep 2 + 2 + 12/2)."""
+    from tuning.memory_facts import published_facts
+
+    fact = next(f for f in published_facts() if f.id == "dgxc-n340-128")
+    par = fact.parallel
+    assert (par.dist_adam, par.grad_accum_fp32, par.defer_embedding_wgrad) == (2, 0, 22)
+    res = simulate(fact.model, fact.cluster, par)
+    assert res.fits and res.memory_per_gpu_gb < 0.85 * fact.cluster.memory_gb
+    terms = res.extra["memory_terms_gb"]
+    psi = res.extra["params_per_gpu"]
+    assert terms["optimizer"] * 1e9 == pytest.approx(psi * 4 / 2)
+    c = {"pp": np.asarray(8), "virtual": np.asarray(12), "num_mb": np.asarray(16),
+         "schedule": np.asarray(SCHEDULES.index("interleaved"))}
+    assert float(in_flight_layers(fact.model, c, np.asarray(0))) == pytest.approx(103)
+    assert float(in_flight_layers(fact.model, c, np.asarray(7))) == pytest.approx(89)
+    megatron = simulate(fact.model, fact.cluster, dataclasses.replace(par, dist_adam=0, defer_embedding_wgrad=0))
+    assert not megatron.fits  # Megatron-core's own distributed optimizer at dp 2 would not have fit

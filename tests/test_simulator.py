@@ -284,7 +284,8 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     assert par.zero2_fsdp and par.framework == "engine"
     engine = simulate(model, A100, par)
     z3 = simulate(model, A100, dataclasses.replace(par, zero=3))
-    fsdp1 = simulate(model, A100, dataclasses.replace(par, framework="fsdp"))
+    # the engine's bf16 is autocast over fp32 parameters: FSDP2 moves fp32, as FSDP1 would at fp32
+    fsdp1 = simulate(model, A100, dataclasses.replace(par, framework="fsdp", dtype_bytes=4))
     deepspeed = simulate(model, A100, dataclasses.replace(par, zero2_fsdp=False))
     nmb, layers = 2, 4
     # ZeRO-3 gathers twice per micro-batch, FSDP1 (Composer) ZeRO-2 once: the difference is one gather each
@@ -457,10 +458,13 @@ def test_engine_zero3_without_resharding_skips_the_backward_gather() -> None:
     assert a.dp_comm_total_s - z2_total == pytest.approx((b.dp_comm_total_s - a.dp_comm_total_s) * (nmb - 1) / nmb,
                                                          rel=1e-9)
     assert z2_total < a.dp_comm_total_s < b.dp_comm_total_s
-    # the gathered blocks stay until backward: every block's 16-bit copy at the peak, where resharding
-    # holds two (the current and the prefetched); the fp32 sharded weights are the same
-    psi, unit = model.params, model.dense_layer_params * 2  # tp = pp = 1: the one stage holds every parameter
-    assert (a.memory_breakdown_gb["params"] - b.memory_breakdown_gb["params"]) * 1e9 == pytest.approx(psi * 2 - 2 * unit)
+    # the gathered blocks stay until backward: every block's fp32 copy at the peak (FSDP2 gathers the engine's
+    # fp32 parameters), where resharding holds the current block and the root unit (embedding, head, final
+    # norm: FSDP2 does not reshard the root after forward); the fp32 sharded weights are the same
+    psi, unit = model.params, model.dense_layer_params * 4  # tp = pp = 1: the one stage holds every parameter
+    root = 4 * (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.norm_params * model.hidden)
+    assert (a.memory_breakdown_gb["params"] - b.memory_breakdown_gb["params"]) * 1e9 == pytest.approx(
+        psi * 4 - unit - root)
 
 
 def test_a_few_tokens_per_micro_batch_cost_at_least_streaming_the_weights() -> None:

@@ -167,10 +167,9 @@ def test_zero3_rows_fall_with_gpu_count_as_measured(table) -> None:
 def test_memory_facts_trained_layouts_fit(table) -> None:
     from tuning.validation import memory_check
 
-    # every published row trained, so each must fit; the one the memory model refuses (tuning/sim_memory.py is
-    # another change's): Nemotron-4 340B on 128 H100 (TP 8, PP 8, VP 12, dp 2, selective recomputation), 85 GB
-    # predicted of which 35 GB Adam states sharded over dp 2 only (NeMo's distributed_fused_adam)
-    assert set(table.loc[~table["fits"], "id"]) == {"dgxc-n340-128"}
+    # every published row trained, so each must fit (Nemotron-4 340B on 128 H100 too: NeMo's distributed_fused_adam
+    # with optim.dtype bf16 keeps 4 bytes of Adam state per parameter, tests/test_sim_memory.py)
+    assert not (~table["fits"]).any(), table.loc[~table["fits"], "id"]
     facts = memory_check(memory_facts())
     trained, oom = facts[~facts["oom"]], facts[facts["oom"]]
     assert trained["fits"].all() and len(oom) == 3 and (~oom["fits"]).sum() >= 2

@@ -71,6 +71,8 @@ class PublishedRow:
     ep: int = 1
     tp_comm_overlap: bool = False
     grad_accum_fp32: int = -1  # 0: NeMo's distributed_fused_adam with grad_sync_dtype bf16 (16-bit gradient buffer)
+    dist_adam: int = 0  # NeMo's distributed_fused_adam: its optim.dtype in bytes (4 by default, 2 bf16)
+    defer_embedding_wgrad: int = 0  # defer_embedding_wgrad_compute's wgrad_deferral_limit (pipelined rows)
     metric: str  # METRICS
     value: float | None = None  # None for a layout that ran out of memory (`oom`)
     source_mfu: float | None = None  # the source's own MFU (%) of a tokens row: its FLOPs per token for the baseline
@@ -100,7 +102,8 @@ class PublishedRow:
                             flash_attention=self.flash_attention, framework=self.framework,
                             zero2_fsdp=self.framework in ("fsdp", "engine"), attention_kernel=self.attention,
                             cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, tp_comm_overlap=self.tp_comm_overlap,
-                            moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32)
+                            moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32,
+                            dist_adam=self.dist_adam, defer_embedding_wgrad=self.defer_embedding_wgrad)
 
 
 @functools.lru_cache(maxsize=4)

@@ -20,7 +20,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_framework import per_row
-from tuning.sim_spec import ModelSpec
+from tuning.sim_spec import ModelSpec, engine_rows
 
 # Non-GEMM kernels (norms, softmax, dropout, activations, residuals) are memory-bound: forward moves
 # about the bytes of activations it produces, backward twice that (roofline assumption).
@@ -257,9 +257,13 @@ def stage_params(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
     """Parameters per GPU of the most loaded stage: its blocks (/t) and the embedding (/t), with the
     untied head too when one stage holds the whole model; learned positions and the final norm are
     replicated (at tp = pp = 1 this is `ModelSpec.params`, engine/shapes.py's count)."""
-    vocab = m.vocab * m.hidden / c["tp"] * np.where((c["pp"] == 1) & (not m.tied_embeddings), 2.0, 1.0)
+    # the engine keeps the embedding, the head and the norms' weights replicated over tp (engine/parallel/tensor.py)
+    engine = engine_rows(c) if "framework" in c else False
+    t = np.where(engine, 1, c["tp"])
+    vocab = m.vocab * m.hidden / t * np.where((c["pp"] == 1) & (not m.tied_embeddings), 2.0, 1.0)
     positions = m.seq * m.hidden if m.learned_positions else 0.0
-    return m.layers / c["pp"] * m.dense_layer_params / c["tp"] + vocab + positions + m.norm_params * m.hidden
+    norms = np.where(engine, 2 * m.norm_params * m.hidden * (1 - 1 / c["tp"]), 0.0)
+    return m.layers / c["pp"] * (m.dense_layer_params / c["tp"] + norms) + vocab + positions + m.norm_params * m.hidden
 
 
 def flops(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

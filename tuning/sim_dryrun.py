@@ -1,95 +1,105 @@
 """The simulator's figures beside a dry run of the same config (engine/dryrun.py): per-rank memory by
-category and per-step collective bytes per mesh axis, row by row (`workbench dryrun` prints them).
+category and per-step collective bytes per mesh axis, row by row (`workbench dryrun` prints them;
+tests/test_sim_vs_dryrun.py compares them).
 
-Memory is the simulator's own answer (`simulate(...).memory_breakdown_gb`, the most loaded pipeline
-stage). Collective bytes are the message sizes the simulator prices (nccl-tests sizes: an
-all-gather's output, a reduce-scatter's input, an all-reduce's buffer), one rank, one step:
-
-- tp (tuning/sim_tensor.py): per layer and micro-batch 4 all-reduces of b s h (6 with full
-  recomputation); sequence parallelism makes each a reduce-scatter + all-gather of the same size.
-- pp (tuning/sim_pipeline.py): 2 v messages of b s h / t per micro-batch (activation out, gradient
-  back), plus the once-a-step embedding all-reduce of V h / t (not under V-shaped schedules).
-- dp (tuning/sim_zero.py): ZeRO-0 one all-reduce of the gradients; ZeRO-1 (the engine's
-  ZeroRedundancyOptimizer) that plus a broadcast of the parameters; ZeRO-2 (FSDP2, gathered once)
-  one all-gather plus a reduce-scatter per micro-batch; ZeRO-3 per micro-batch two all-gathers and
-  a reduce-scatter (one all-gather with reshard_after_forward off).
-Those modules fold these sizes into seconds; they are restated here as bytes (issue 49 item 3
-checks the simulator against the dry run).
+Memory is the simulator's own answer (`simulate(...)`, the most loaded pipeline stage, which `stage`
+names), in its categories (params, grads, optimizer, activations, temp; the runtime is not a tensor and no
+tracker sees it); the dry run's tracker categories are summed into the same ones (`SIM_CATEGORY`: FSDP2's
+all-gather and reduce-scatter buffers are temporaries). Collective bytes are the message sizes the
+simulator prices, taken from the modules that price them (nccl-tests sizes: an all-gather's output, a
+reduce-scatter's input, an all-reduce's buffer), one rank, one step: tp `tuning.sim_tensor.tp_messages`, pp
+`tuning.sim_pipeline.pp_messages`, dp `tuning.sim_zero.dp_messages`.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from engine.dryrun import GROUPS, DryRun, RoleResult
-from engine.validate import V_SCHEDULES
+import numpy as np
+
+from engine.dryrun import DryRun, RoleResult
 from tuning.hardware import ClusterSpec
 from tuning.sim_compute import stage_params
+from tuning.sim_pipeline import pp_messages
 from tuning.sim_spec import ModelSpec, ParallelSpec, columns
+from tuning.sim_tensor import tp_messages
+from tuning.sim_zero import dp_messages
 from tuning.simulator import from_run_config, simulate
 
-MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "comm buffers", "other")
+MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "temp", "other")
+# torch's tracker categories (MemTracker, FSDPMemTracker) in the simulator's
+SIM_CATEGORY = {"Sharded Param": "params", "Unsharded Param": "params", "Parameter": "params",
+                "Sharded Grad": "grads", "Unsharded Grad": "grads", "Gradient": "grads",
+                "OptState": "optimizer", "Optstate": "optimizer", "Activation": "activations", "Inputs": "activations",
+                "Temp": "temp", "All Gather": "temp", "Reduce Scatter": "temp", "Buffer": "other", "Other": "other"}
 AXES = ("dp", "tp", "pp", "cp")
 
 
-def simulator_traffic(model: ModelSpec, par: ParallelSpec) -> dict[str, float]:
-    """Bytes one rank of the most loaded stage sends or reduces per step, per mesh axis (see the module
+def simulator_traffic(model: ModelSpec, par: ParallelSpec, stage: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline stage `stage` sends or reduces per step, per mesh axis (the module
     docstring); cp is not priced as bytes here (tuning/sim_context.py prices it as time)."""
-    db, t, p, v = par.dtype_bytes, par.tp, par.pp, par.virtual
     nmb = par.global_batch // (par.dp * par.micro)
-    act = par.micro * model.seq * model.hidden * db
+    c = {**columns(par), "num_mb": np.asarray(nmb), "stage": np.asarray(stage)}
     out = dict.fromkeys(("dp", "tp", "pp"), 0.0)
-    if t > 1:
-        out["tp"] = model.layers / p * (4 + 2 * (par.recompute == "full")) * act * nmb \
-            * (2 if par.sequence_parallel else 1)
-    if p > 1:
-        embedding = 0.0 if par.schedule in V_SCHEDULES else model.vocab * model.hidden / t * db
-        out["pp"] = 2 * v * nmb * act / t + embedding
-    if par.dp > 1:
-        psi = float(stage_params(model, {**columns(par), "num_mb": nmb}))
-        out["dp"] = _dp_bytes(psi * db / par.compression_ratio, psi * db, par, nmb)
+    if par.tp > 1:
+        per_layer = sum(float(np.asarray(n * size)) for n, size in tp_messages(model, c))
+        out["tp"] = model.layers / par.pp * nmb * per_layer * (2 if par.sequence_parallel else 1)
+    if par.pp > 1:
+        msg = pp_messages(model, c)
+        out["pp"] = float(msg["directions"] * par.virtual * nmb * msg["send"] + msg["embedding"])
+    if par.dp * par.cp > 1:
+        cg = {**c, "dp": np.asarray(par.dp * par.cp)}
+        # stage_params prices the most loaded stage; the final norm sits on the last one only
+        last = stage == par.pp - 1
+        psi = float(stage_params(model, cg)) - (0 if last else model.norm_params * model.hidden)
+        out["dp"] = float(sum(np.asarray(v) for v in dp_messages(cg, psi).values()))
     return out
 
 
-def _dp_bytes(grads: float, params: float, par: ParallelSpec, nmb: int) -> float:
-    if par.zero == 3:
-        return nmb * ((2 if par.reshard_after_forward else 1) * params + grads)
-    if par.zero == 2:
-        return params + nmb * grads
-    return grads + (params if par.zero == 1 else 0.0)
-
-
 def simulator_figures(cfg: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
-    """The simulator's per-rank memory (bytes, most loaded stage, its four categories) and per-step
-    collective bytes per axis for the run config `cfg` (a plain dict, engine/config.py keys)."""
+    """The simulator's per-rank memory (bytes by category on its most loaded stage, `stage`) and per-step
+    collective bytes per axis for each pipeline stage (`traffic[stage]`) for the run config `cfg` (a plain
+    dict, engine/config.py keys)."""
     model, par = from_run_config(cfg)
     result = simulate(model, cluster, par)
-    memory = {k: v * 1e9 for k, v in result.memory_breakdown_gb.items()}
-    return {"memory": memory, "traffic": simulator_traffic(model, par), "cluster": cluster.name,
+    memory = {k: v * 1e9 for k, v in result.memory_breakdown_gb.items() if k != "runtime"}
+    return {"memory": memory, "stage": int(result.extra["memory_stage"]),
+            "traffic": {s: simulator_traffic(model, par, s) for s in range(par.pp)}, "cluster": cluster.name,
             "fits": result.fits, "usable_bytes": cluster.memory_gb * cluster.usable_memory_fraction * 1e9}
 
 
+def dry_run_memory(role: RoleResult) -> dict[str, float]:
+    """A dry-run role's tracker categories summed into the simulator's (`SIM_CATEGORY`)."""
+    out: dict[str, float] = {}
+    for category, value in role.memory.items():
+        key = SIM_CATEGORY.get(category, "other")
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def side_by_side(dry: DryRun, cfg: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
-    """Per role: memory rows (category, its tracker parts, dry-run bytes, simulator bytes) and collective
-    rows per axis (ops with calls and bytes, the axis total beside the simulator's)."""
+    """Per role: memory rows (category, its tracker parts, dry-run bytes, simulator bytes: the simulator's
+    most loaded stage) and collective rows per axis (ops with calls and bytes, the axis total beside the
+    simulator's for the role's stage)."""
     sim = simulator_figures(cfg, cluster)
     return {"world": dry.world, "layout": dry.layout, "simulator": sim,
             "roles": [_role_rows(role, sim) for role in dry.roles]}
 
 
 def _role_rows(role: RoleResult, sim: dict[str, Any]) -> dict[str, Any]:
-    grouped = role.grouped()
+    grouped = dry_run_memory(role)
     memory = []
     for group in MEMORY_ROWS:
-        parts = {k: v for k, v in role.memory.items() if GROUPS.get(k, "other") == group and v}
+        parts = {k: v for k, v in role.memory.items() if SIM_CATEGORY.get(k, "other") == group and v}
         if parts or group in sim["memory"]:
             memory.append({"category": group, "dry_run": grouped.get(group, 0.0), "simulator": sim["memory"].get(group),
                            "parts": parts})
     sent = role.axis_bytes()
+    traffic = sim["traffic"].get(role.coords.get("pp", 0), {})
     comm = []
-    for axis in [a for a in AXES if a in sent or sim["traffic"].get(a)] + sorted(set(sent) - set(AXES)):
+    for axis in [a for a in AXES if a in sent or traffic.get(a)] + sorted(set(sent) - set(AXES)):
         ops = {key.rpartition(":")[2]: agg for key, agg in role.collectives.items() if key.rpartition(":")[0] == axis}
         comm.append({"axis": axis or "(other groups)", "dry_run": sent.get(axis, 0.0),
-                     "simulator": sim["traffic"].get(axis), "ops": ops})
+                     "simulator": traffic.get(axis), "ops": ops})
     return {"rank": role.rank, "coords": role.coords, "peak": role.peak, "tracker": role.tracker,
-            "seconds": role.seconds, "memory": memory, "comm": comm,
+            "seconds": role.seconds, "memory": memory, "comm": comm, "simulator_stage": sim["stage"],
             "simulator_total": sum(sim["memory"].values())}

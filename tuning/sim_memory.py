@@ -10,13 +10,17 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | params | `params_weights` | the trained weights (sharded over dp x cp at ZeRO-3, and at ZeRO-2 in FSDP) |
 | params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding |
 | grads | `grads_main` | the gradient buffer (Megatron: fp32 main grads) |
-| grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard |
+| grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard; Apex DistributedFusedAdam's reduced shard where it outgrows the activations it replaces |
 | grads | `grads_gathered` | one unit's unsharded gradients before its reduce-scatter |
 | optimizer | `optimizer` | fp32 master weights (where the framework keeps them apart) + Adam moments |
 | activations | `act_layers` | the stored activations of the micro-batches in flight on the stage |
 | activations | `act_logits` | the 16-bit logits and fp32 softmax the loss keeps for its backward (last stage) |
 | activations | `act_recompute` | one layer's full set replayed in backward under full recomputation |
+| activations | `act_autocast` | the engine: autocast's bf16 copies of the stage's gathered weights, cached until its forward ends |
+| activations | `act_wgrad_deferred` | the last stage's output-layer inputs and logit gradients kept for the flush (`defer_embedding_wgrad`) |
 | temp | `temp_buckets` | DeepSpeed ZeRO-1/2's gradient reduce bucket |
+| temp | `temp_gather` | the engine's FSDP2 all-gather output buffer: one unit, fp32 |
+| temp | `temp_loss` | the engine's loss: the fp32 copy of the logits and their gradient (8 bytes a logit) |
 | runtime | `cuda_context` | the CUDA context and the kernels loaded (measured per GPU and software generation) |
 | runtime | `nccl_buffers` | NCCL's FIFOs: communicators x channels x 2 connections x the default buffers |
 
@@ -33,6 +37,10 @@ Sources:
   bf16 weights with fp32 main grads keep 18 bytes per parameter, 6 + 12/d with the distributed
   optimizer); DeepSpeed stage_1_and_2.py (fp32 gradient of the partition, reduce_bucket_size 5e8);
   PyTorch FSDP mixed precision (fp32 sharded flat parameters and gradients, 16-bit unsharded copies).
+- NeMo 24.x's distributed_fused_adam (`dist_adam`, NeMo 24.05/24.09: MegatronBaseModel.setup_optimization,
+  MegatronGPTModel.configure_optimizers; Apex DistributedFusedAdam at apex@810ffae): states in optim.dtype, no
+  master copy where it is the model's dtype, the fp32 master's 16 low bits beside bf16 weights, the gradient
+  buffer in grad_sync_dtype (default: optim.dtype), an fp32 gradient for the word embedding.
 - Activations per layer: Korthikanti et al. 2022, eqs. 1-3 and sec. 4.2.3 (`tuning.sim_compute`), with
   Megatron-core's fused SwiGLU keeping the fc1 output and the fc2 input (6 f/h) instead of eager's four
   tensors (8 f/h).
@@ -62,7 +70,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_framework import FRAMEWORK_NAMES
-from tuning.sim_spec import SCHEDULES, ModelSpec
+from tuning.sim_spec import SCHEDULES, ModelSpec, comm_bytes, engine_rows
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
 TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
@@ -70,8 +78,8 @@ TERMS = {
     "params": ("params_weights", "params_gathered"),
     "grads": ("grads_main", "grads_partition", "grads_gathered"),
     "optimizer": ("optimizer",),
-    "activations": ("act_layers", "act_logits", "act_recompute"),
-    "temp": ("temp_buckets",),
+    "activations": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast"),
+    "temp": ("temp_buckets", "temp_gather", "temp_loss"),
     "runtime": ("cuda_context", "nccl_buffers"),
 }
 NCCL_CONNECTION_BYTES = 10 * 2**20  # Simple 4 MiB + LL128 4.6875 MiB + LL 0.5 MiB, in 2 MiB pages
@@ -80,11 +88,13 @@ NCCL_CONNECTIONS_PER_CHANNEL = 2
 # _FSDPRefType for FSDP2, the engine's ZeRO-2/3), each the sum of these terms, for comparing a dry run
 MEMTRACKER = {"Parameter": ("params_weights", "params_gathered"),
               "Gradient": ("grads_main", "grads_partition", "grads_gathered"), "Optstate": ("optimizer",),
-              "Activation": ("act_layers", "act_logits", "act_recompute"), "Temp": ("temp_buckets",)}
+              "Activation": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast"),
+              "Temp": ("temp_buckets", "temp_gather", "temp_loss")}
 FSDP_MEMTRACKER = {"Sharded Param": ("params_weights",), "Unsharded Param": ("params_gathered",),
                    "Sharded Grad": ("grads_main", "grads_partition"), "Unsharded Grad": ("grads_gathered",),
-                   "OptState": ("optimizer",), "Activation": ("act_layers", "act_logits", "act_recompute"),
-                   "Temp": ("temp_buckets",)}
+                   "OptState": ("optimizer",),
+                   "Activation": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast"),
+                   "Temp": ("temp_buckets", "temp_gather", "temp_loss")}
 LOGIT_BYTES_KEPT = 4.0  # + the 16-bit logits: the loss keeps an fp32 softmax per logit for its backward
 
 
@@ -132,11 +142,33 @@ def keeps(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     # weights (torch/distributed/pipelining/stage.py backward_maybe_with_nosync: set_requires_gradient_sync
     # and set_reshard_after_backward False; FSDPParam.to_accumulated_grad_if_needed)
     out["accumulate_unsharded"] = (out["fsdp"] > 0) & (np.asarray(c.get("pp", 1)) > 1) & (accum != 0)
+    dist = np.asarray(c.get("dist_adam", 0))
+    if np.any(dist > 0):
+        out.update(_apex_keeps(dist, accum, np.asarray(c["dtype_bytes"]), out))
     fused = np.asarray(c.get("fused_swiglu", -1))
     out["swiglu_bytes"] = np.where(fused == 1, 6.0, np.where(fused == 0, 8.0, out["swiglu_bytes"]))
     for f in ("weight", "grad", "optimizer", "grad_partition"):
         out[f] = np.where(fp32, float(getattr(FP32, f)), out[f])
+    out["engine"] = engine_rows(c)
+    if np.any(out["engine"]):  # zero_grad(set_to_none): at the forward peak only an accumulated gradient exists
+        later = (np.asarray(c.get("num_mb", 1)) > 1) & ~out["accumulate_unsharded"]
+        out["grad"] = np.where(out["engine"] & ~later, 0.0, out["grad"])
     return out
+
+
+def _apex_keeps(dist: np.ndarray, accum: np.ndarray, db: np.ndarray, out: dict[str, Any]) -> dict[str, Any]:
+    """NeMo 24.x's distributed_fused_adam (`dist` = optim.dtype bytes, 0 elsewhere). NeMo's
+    MegatronBaseModel.setup_optimization: optimizer states in optim.dtype; no master copy when it equals the
+    model's dtype (store_params False), bf16 weights with fp32 states keep the 16 low bits of the fp32
+    master (store_param_remainders, int16). Apex DistributedFusedAdam: exp_avg and exp_avg_sq in that dtype,
+    sharded over the data-parallel group; the contiguous gradient buffer in grad_sync_dtype, which defaults
+    to the dtype (grad_accum_fp32 0 / 1: bf16 / fp32); the shard reduced into it is `apex_shard`."""
+    apex = dist > 0
+    grad = np.where(accum == 0, 2.0, np.where(accum == 1, 4.0, dist))
+    master = np.where(dist == db, 0.0, np.where((dist == 4) & (db == 2), 2.0, dist))
+    return {"grad": np.where(apex, grad, out["grad"]),
+            "optimizer": np.where(apex, 2.0 * dist + master, out["optimizer"]),
+            "apex_shard": np.where(apex, grad, 0.0)}
 
 
 def _stage_layers(m: ModelSpec, c: dict[str, np.ndarray], r: Any) -> Any:
@@ -161,9 +193,12 @@ def in_flight_layers(m: ModelSpec, c: dict[str, np.ndarray], r: Any) -> np.ndarr
     return _stage_layers(m, c, r) * np.where(all_m, nmb, held)
 
 
-def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any, unit: Any) -> dict[str, Any]:
+def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any, unit: Any,
+                 root: Any = 0.0) -> dict[str, Any]:
     """Each model-state term as (bytes per parameter, fixed bytes): every term is linear in the stage's
-    parameters but the reduce bucket (min(bucket, psi))."""
+    parameters but the reduce bucket (min(bucket, psi)). The engine's FSDP2 gathers fp32 and holds its root
+    unit (`root` bytes: embedding, head, final norm) gathered from forward to backward (FSDP2 does not
+    reshard the root after forward) beside the current block; others hold the current and the prefetched."""
     z, db = c["zero"], c["dtype_bytes"]
     reshard = np.asarray(c.get("reshard_after_forward", True))
     accumulate = k.get("accumulate_unsharded", False)
@@ -172,12 +207,16 @@ def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any,
     # every block's 16-bit copy from forward to backward (ZeRO-2 as FSDP, no resharding, pipelined FSDP)
     held_all = sharded & ((z == 2) | ~reshard | accumulate)
     by_opt = np.where(z >= 1, group, 1)
+    engine = k.get("engine", False)
     return {
         "params_weights": (k["weight"] / np.where(shard_w, group, 1), 0.0),
-        "params_gathered": (np.where(held_all, db, 0.0), np.where(sharded & ~held_all, 2.0 * unit, 0.0)),
+        "params_gathered": (np.where(held_all, np.where(engine, 4.0, db), 0.0),
+                            np.where(sharded & ~held_all, np.where(engine, unit + root, 2.0 * unit), 0.0)),
         "grads_main": (k["grad"] / np.where(z >= 2, group, 1), 0.0),
         "grads_partition": (k["grad_partition"] / by_opt, 0.0),
-        "grads_gathered": (np.where(accumulate & sharded, 4.0, 0.0), np.where(sharded & ~accumulate, unit, 0.0)),
+        # one unit's unsharded gradient before its reduce-scatter (none at the engine's forward peak)
+        "grads_gathered": (np.where(accumulate & sharded, 4.0, 0.0),
+                           np.where(sharded & ~accumulate & ~np.asarray(engine), unit, 0.0)),
         "optimizer": (k["optimizer"] / by_opt, 0.0),
     }
 
@@ -205,12 +244,13 @@ def _unit(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
 
     largest = max(m.hidden * (m.q_dim + 2 * m.kv_dim), m.hidden * m.ffn * (2 if m.gated_mlp else 1))
     per_param = per_row(c.get("framework", np.asarray(0)), "zero3_per_parameter") > 0
-    return np.where(per_param, largest, m.dense_layer_params) / c["tp"] * c["dtype_bytes"]
+    norms = np.where(engine_rows(c), 2 * m.norm_params * m.hidden * (1 - 1 / c["tp"]), 0.0)  # replicated (engine)
+    return (np.where(per_param, largest, m.dense_layer_params) / c["tp"] + norms) * comm_bytes(c)
 
 
 def _rank(m: ModelSpec, c: dict[str, np.ndarray], r: Any, per_layer: Any) -> tuple[Any, Any, Any]:
     """(parameters, layer x micro-batch activation sets in flight, is-last) of pipeline rank r."""
-    p, t = c["pp"], c["tp"]
+    p, t = c["pp"], _table_tp(c)
     table = m.vocab * m.hidden / t
     head = np.where(p == 1, 0.0 if m.tied_embeddings else table, table)  # the output layer, or the tied copy
     positions = m.seq * m.hidden if m.learned_positions else 0.0
@@ -236,7 +276,39 @@ def _activations(m: ModelSpec, c: dict[str, np.ndarray], act: dict[str, np.ndarr
     all_m = (c["schedule"] == SCHEDULES.index("gpipe")) | (c["schedule"] == SCHEDULES.index("looped_bfs"))
     logits = (c["dtype_bytes"] + LOGIT_BYTES_KEPT) * c["micro"] * m.seq * m.vocab / t
     logits = logits * np.where(all_m & (p > 1), c["num_mb"], 1)  # GPipe keeps every micro-batch's until backward
-    return stored, logits, np.where(c["recompute"] == 2, act["full"], 0.0)
+    recompute = np.where(c["recompute"] == 2, act["full"], 0.0)
+    if np.any(k["engine"]):
+        layer, kept, loss = _engine_activations(m, c)
+        engine = k["engine"]
+        stored = np.where(engine, np.where(c["recompute"] == 2, kept, layer), stored)
+        logits = np.where(engine, loss, logits)
+        recompute = np.where(engine & (c["recompute"] == 2), layer, recompute)
+    return stored, logits, recompute
+
+
+def _engine_activations(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[Any, Any, Any]:
+    """The engine's (bytes a layer keeps per micro-batch, its checkpointed input under activation
+    checkpointing, the last stage's loss and final norm), counted tensor by tensor from what transformers'
+    Llama-family decoder layer saves for backward under autocast over fp32 parameters (torch's CPU and CUDA
+    autocast: matmuls and SDPA in bf16, the rest in the fp32 of their inputs), per token:
+    - fp32 residual stream and norms (RMSNorm computes in fp32): each norm keeps its input and its normalized
+      output, 4 h each (+ 4 bytes of rsqrt), two norms: 16 h + 8;
+    - each projection keeps its own bf16 cast of its input (autocast casts per call): q, k, v and the MLP's
+      input matrices (gate, up), 2 h each: 2 h (3 + mlp_mats - 1);
+    - inside tp: SDPA keeps bf16 q (after the fp32 rotary: cast again), k, v, its output and an fp32
+      log-sum-exp per head; the output projection its contiguous input: 6 q + 4 kv + 4 heads; the MLP keeps
+      gate, silu(gate), up and their product (SwiGLU, 8 f) or the GELU's input and output (4 f);
+    - the loss: fp32 log-softmax of the logits (4 V; the head is replicated over tp in the engine) and the
+      final norm (10 h: input, normalized, bf16 cast for the head).
+    Checked against dry runs of the engine (tests/test_sim_vs_dryrun.py)."""
+    t, sp = c["tp"], c["sequence_parallel"]
+    tokens = m.seq * c["micro"]
+    outside = (16 + 2 * (3 + m.mlp_mats - 1)) * m.hidden
+    inside = 6 * m.q_dim + 4 * m.kv_dim + (4 * m.mlp_mats - 4) * m.ffn + 4 * m.heads
+    layer = tokens * (outside / np.where(sp, t, 1) + inside / t + 8)
+    kept = tokens * 4 * m.hidden / np.where(sp, t, 1)
+    loss = tokens * (4 * m.vocab + 10 * m.hidden)
+    return layer, kept, loss
 
 
 def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndarray,
@@ -249,27 +321,85 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     p = c["pp"]
     k = keeps(c)
     per_layer = psi / (m.layers / p) - _embedding_share(m, c)  # one block (MoE: with its changes, averaged)
-    rates = _state_rates(c, k, c["dp"], _unit(m, c))
+    rates = _state_rates(c, k, c["dp"], _unit(m, c), _root(m, c))
     per_param = sum(rate for rate, _ in rates.values())
     fixed = sum(f for _, f in rates.values())
     stored, logits, recompute = _activations(m, c, act, k)
     ranks = [np.zeros_like(p), p - 1]
     if np.any(c.get("account_for_embedding_and_loss", False)):  # else rank 0 holds rank 1's layers and more in flight
         ranks.append(np.minimum(1, p - 1))
+    nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
+    engine = np.any(k["engine"])
     best = None
     for r in ranks:  # the rank with the largest total (its parameters, activations in flight, logits)
         s_psi, held, last = _rank(m, c, r, per_layer)
-        total = s_psi * per_param + fixed + _bucket(s_psi, c, k) + held * stored + np.where(last, logits, 0.0)
+        acts = held * stored + np.where(last, logits, 0.0)
+        extra = _nemo_terms(m, c, k, r, s_psi, acts) if nemo else (0.0, 0.0, 0.0)
+        extra = extra + (_engine_terms(m, c, k, r) if engine else (0.0, 0.0, 0.0))
+        total = s_psi * per_param + fixed + _bucket(s_psi, c, k) + acts + sum(extra)
         if best is None:
-            best = (total, r, s_psi, held, last)
+            best = (total, r, s_psi, held, last, *extra)
         else:
             more = total > best[0]
-            best = tuple(np.where(more, new, old) for new, old in zip((total, r, s_psi, held, last), best))
-    _, r, s_psi, held, last = best
+            best = tuple(np.where(more, new, old) for new, old in zip((total, r, s_psi, held, last, *extra), best))
+    _, r, s_psi, held, last, fp32_embedding, apex_shard, deferred, autocast, gather, loss = best
     out = {name: s_psi * rate + f for name, (rate, f) in rates.items()}
-    out.update(temp_buckets=_bucket(s_psi, c, k), act_layers=held * stored,
+    out["grads_main"] = out["grads_main"] + fp32_embedding
+    out["grads_partition"] = out["grads_partition"] + apex_shard
+    out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather, temp_loss=loss, act_autocast=autocast,
+               act_layers=held * stored, act_wgrad_deferred=deferred,
                act_logits=np.where(last, logits, 0.0), act_recompute=recompute, stage=r, **runtime(c, cl))
     return finish(out, cl)
+
+
+def _root(m: ModelSpec, c: dict[str, np.ndarray]) -> Any:
+    """Bytes of the engine's FSDP2 root unit without pipelining (the embedding, the untied head, the final norm,
+    fp32, replicated over tp) that it keeps gathered from forward to backward; 0 elsewhere."""
+    if not np.any(engine_rows(c)):
+        return 0.0
+    return 4.0 * (m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + m.norm_params * m.hidden)
+
+
+def _engine_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any) -> tuple[Any, Any, Any]:
+    """The engine's (autocast's weight cache, FSDP2's all-gather buffer, the loss's temporaries) on rank r:
+    autocast caches the bf16 cast of every leaf weight it multiplies by until the forward's autocast region
+    ends (torch autocast's cast cache), so the stage's matmul weights (and a replicated head) at 2 bytes; FSDP2
+    gathers one unit into its own output buffer (fp32); the loss makes an fp32 copy of the logits and their
+    gradient (8 bytes a logit)."""
+    engine, p = k["engine"], c["pp"]
+    last = r == p - 1
+    weights = _stage_layers(m, c, r) * m.layer_matmul_params / c["tp"] + np.where(last, m.vocab * m.hidden, 0.0)
+    shard = (c["zero"] >= 2) & (c["dp"] > 1)
+    tokens = m.seq * c["micro"]
+    return (np.where(engine, 2.0 * weights, 0.0), np.where(engine & shard, _unit(m, c), 0.0),
+            np.where(engine & last, 8.0 * tokens * m.vocab, 0.0))
+
+
+def _nemo_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, s_psi: Any,
+                acts: Any) -> tuple[Any, Any, Any]:
+    """What NeMo 24.x keeps beyond Megatron-core's terms on pipeline rank r: (the word embedding's fp32
+    gradient, Apex's reduced gradient shard above the activations, the deferred output-layer wgrad inputs).
+
+    - NeMo's MegatronGPTModel.configure_optimizers (with_fp32_embedding_grads, default True) gives the word
+      embedding (first stage; the last too when tied and pipelined) an fp32 gradient bucket.
+    - Apex's zero_grad drops every reduced shard (`_grads_buckets.clear()`) and the shards are made by the
+      reduce-scatters of each bucket's last backward, which free that backward's activations as they go:
+      the peak holds the larger of the two, so only what the shards exceed the activations by is added.
+    - Megatron-core's output layer with defer_embedding_wgrad_compute keeps, per micro-batch up to the
+      wgrad_deferral_limit, its input (s b h, / t with sequence parallelism) and the logit gradient
+      (s b V / t) until NeMo drains them after the schedule (MegatronGPTModel.training_step); the last
+      stage holds them beside its in-flight activations."""
+    p, t, db = c["pp"], c["tp"], c["dtype_bytes"]
+    apex = np.asarray(c.get("dist_adam", 0)) > 0
+    first, last = r == 0, r == p - 1
+    table = m.vocab * m.hidden / t
+    tied = m.tied_embeddings & (p > 1) & last
+    fp32_embedding = np.where(apex & (first | tied), table * np.maximum(4.0 - k["grad"], 0.0), 0.0)
+    n = np.minimum(np.asarray(c.get("defer_embedding_wgrad", 0)), c.get("num_mb", 1))
+    kept = m.seq * c["micro"] * db * (m.vocab / t + m.hidden / np.where(c["sequence_parallel"], t, 1))
+    deferred = np.where(last & (p > 1), n * kept, 0.0)
+    shard = s_psi * k.get("apex_shard", 0.0) / c["dp"]
+    return fp32_embedding, np.maximum(shard - acts - deferred, 0.0), deferred
 
 
 def communicators(c: dict[str, np.ndarray]) -> np.ndarray:
@@ -295,10 +425,15 @@ def tracker_categories(terms: dict[str, float], fsdp: bool) -> dict[str, float]:
 def _embedding_share(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
     """The embedding, head, positions and final norm `tuning.sim_compute.stage_params` adds to a
     stage's blocks, spread over its L/p layers (psi / (L/p) less this is one block)."""
-    p, t = c["pp"], c["tp"]
+    p, t = c["pp"], _table_tp(c)
     table = m.vocab * m.hidden / t * np.where((p == 1) & (not m.tied_embeddings), 2.0, 1.0)
     positions = m.seq * m.hidden if m.learned_positions else 0.0
     return (table + positions + m.norm_params * m.hidden) / (m.layers / p)
+
+
+def _table_tp(c: dict[str, np.ndarray]) -> Any:
+    """The tp degree the embedding and head are split over: 1 for the engine, which keeps them replicated."""
+    return np.where(engine_rows(c), 1, c["tp"]) if "framework" in c else c["tp"]
 
 
 def finish(terms: dict[str, Any], cl: ClusterSpec) -> dict[str, Any]:

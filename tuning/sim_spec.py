@@ -252,6 +252,15 @@ class ParallelSpec:
     # output tensors of each pipeline stage"): the chunk's first layer keeps no copy of it (its norm saves
     # its output instead, as Apex's memory_efficient norms do); without full recomputation, which needs it
     free_stage_input: bool = False
+    # NeMo 24.x's optim.name=distributed_fused_adam (Apex DistributedFusedAdam through NeMo's
+    # MegatronDistributedFusedAdam): its optim.dtype in bytes, 4 fp32 (NeMo's default) or 2 bf16; 0 = the
+    # framework's own optimizer. The gradient buffer is in optim.grad_sync_dtype (default: optim.dtype; 0 in
+    # grad_accum_fp32 = bf16); tuning/sim_memory.py
+    dist_adam: int = 0
+    # micro-batches whose output-layer weight gradient the last pipeline stage defers to the flush, keeping
+    # each one's logit gradient and input (Megatron-core defer_embedding_wgrad_compute with its
+    # wgrad_deferral_limit); 0 = not deferred
+    defer_embedding_wgrad: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
@@ -306,3 +315,18 @@ def columns(par: ParallelSpec) -> dict[str, np.ndarray]:
         raise ValueError(f"attention_kernel={par.attention_kernel!r} must be one of {ATTENTION_KERNELS}")
     out["attention_kernel"] = np.asarray(ATTENTION_KERNELS.index(par.attention_kernel))
     return out
+
+
+def engine_rows(c: dict[str, np.ndarray]) -> np.ndarray:
+    """Which rows price the workbench engine (`framework="engine"`): its fp32 parameters under autocast
+    move fp32 and keep autocast's 16-bit copies (tuning/sim_zero.py, sim_tensor.py, sim_pipeline.py,
+    sim_memory.py); False for a column set without a framework (the search's default flavour)."""
+    from tuning.sim_framework import FRAMEWORK_NAMES
+
+    return np.asarray(c.get("framework", -1)) == FRAMEWORK_NAMES.index("engine")
+
+
+def comm_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
+    """Bytes per element of the gradient and parameter collectives: the row's dtype, but 4 for the engine
+    (autocast over fp32 parameters: FSDP2 gathers and reduce-scatters fp32, DDP all-reduces fp32 grads)."""
+    return np.where(engine_rows(c) if engine is None else engine, 4, c["dtype_bytes"])

@@ -5,6 +5,14 @@ Each layer does 4 all-reduces of b s h x dtype bytes (2 forward, 2 backward; Sho
 a reduce-scatter + all-gather of the same bytes and twice the latency (Korthikanti et al. 2022).
 The group is on NVLink while t <= gpus_per_node, otherwise across nodes.
 
+The engine (engine/parallel/tensor.py: q, k, v, gate and up column-parallel, o and down row-parallel, DTensor
+plans, bf16 by autocast over fp32 parameters) reduces in forward the two row-parallel outputs in bf16 and in
+backward each column-parallel projection's input gradient on its own, in fp32 (autocast casts the gradient
+back to its fp32 input): 3 + (MLP matrices - 1) of them. Under activation checkpointing torch's non-reentrant
+checkpoint replays the layer only until its saved tensors are back (early stop), which redoes the attention
+output's all-reduce and not the MLP's: one more bf16 all-reduce (a 1-layer tp2 dry run: 2 + 5 without, 3 + 5
+with, `tests/test_sim_vs_dryrun.py`).
+
 With Megatron-core's --tp-comm-overlap (`tp_comm_overlap`, sequence parallelism on), Transformer
 Engine's userbuffers split each all-gather into t ring-exchange chunks consumed by the GEMM it feeds
 and each reduce-scatter into chunks that follow the GEMM producing them (TE's ub_tp_comm_overlap_cfg:
@@ -17,22 +25,35 @@ import numpy as np
 
 from tuning.hardware import ClusterSpec
 from tuning.sim_comm import collective, link
-from tuning.sim_spec import ModelSpec
+from tuning.sim_spec import ModelSpec, engine_rows
 
 
 def tp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
                  gemm: np.ndarray | None = None) -> np.ndarray:
     """Exposed tensor-parallel collective seconds per micro-batch on one stage; `gemm` is the stage's
     dense GEMM seconds per micro-batch, the window overlapped collectives (`tp_comm_overlap`) run under."""
-    t, b = c["tp"], c["micro"]
-    act = b * m.seq * m.hidden * c["dtype_bytes"]
+    t = c["tp"]
     bw, lat = link(cl, gpus, t <= cl.gpus_per_node, np.minimum(t, cl.gpus_per_node))
-    n_ar = 4 + 2 * (c["recompute"] == 2)
-    per_ar = np.where(c["sequence_parallel"],
-                      2 * collective(act, (t - 1) / t, bw, lat, t),
-                      collective(act, 2 * (t - 1) / t, bw, lat, t))
-    total = m.layers / c["pp"] * n_ar * per_ar
+    total = 0.0
+    for n_ar, act in tp_messages(m, c):
+        per_ar = np.where(c["sequence_parallel"],
+                          2 * collective(act, (t - 1) / t, bw, lat, t),
+                          collective(act, 2 * (t - 1) / t, bw, lat, t))
+        total = total + m.layers / c["pp"] * n_ar * per_ar
     overlap = np.asarray(c.get("tp_comm_overlap", False)) & np.asarray(c["sequence_parallel"]) & (t > 1)
     if gemm is None or not np.any(overlap):
         return total
     return np.where(overlap, np.maximum(total / t, total - gemm), total)
+
+
+def tp_messages(m: ModelSpec, c: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(all-reduces per layer and micro-batch, bytes of each: b s h x the element size) on a tp rank; each
+    is a reduce-scatter + all-gather of the same bytes with sequence parallelism (the module docstring)."""
+    act = c["micro"] * m.seq * m.hidden * c["dtype_bytes"]
+    n_ar = 4 + 2 * (c["recompute"] == 2)
+    engine = engine_rows(c)
+    if not np.any(engine):
+        return [(n_ar, act)]
+    forward = np.where(engine, 2 + (c["recompute"] == 2), n_ar)
+    backward_fp32 = np.where(engine, 3 + m.mlp_mats - 1, 0)
+    return [(forward, act), (backward_fp32, c["micro"] * m.seq * m.hidden * 4)]

@@ -11,6 +11,13 @@ FSDP2 runs it) works block by block: one collective per block (FSDP's flat buffe
 parameter tensor (DeepSpeed stage 3, `Framework.zero3_per_parameter`), each with its own latency,
 the next block's prefetched under this block's compute, at the framework's fitted share of the
 link's bandwidth (`Framework.zero3_bw_efficiency`).
+
+Message sizes (`dp_messages`, also what tuning/sim_dryrun.py sets beside a dry run): the row's dtype per
+element, but 4 bytes for the engine, whose bf16 is autocast over fp32 parameters (FSDP2 without a
+MixedPrecisionPolicy gathers and reduce-scatters fp32). Under torch's pipelining the engine's FSDP2 keeps
+each stage unsharded across its micro-batches (`backward_maybe_with_nosync`: no reshard after backward, no
+gradient sync before the last micro-batch): every micro-batch's forward gathers the stage (ZeRO-3), the
+first backward gathers it once more, and the gradients are reduce-scattered once.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import numpy as np
 from tuning.hardware import ClusterSpec
 from tuning.sim_comm import collective, link
 from tuning.sim_framework import per_row
-from tuning.sim_spec import ModelSpec
+from tuning.sim_spec import ModelSpec, comm_bytes, engine_rows
 
 
 def _links(cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -42,19 +49,21 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     fw = c.get("framework", np.asarray(0))
     eff = per_row(fw, "zero3_bw_efficiency", frameworks)
     interference = per_row(fw, "overlap_interference", frameworks)
-    grad_bytes = psi * c["dtype_bytes"] / c["compression_ratio"]
+    engine = engine_rows(c)
+    el = comm_bytes(c, engine)
+    grad_bytes = psi * el / c["compression_ratio"]
     # ZeRO-0/1/2's whole-model collectives at the framework's share of the bus bandwidth (fitted; 1 but
     # for DeepSpeed, whose stage 1/2 reduce in buckets through flatten/copy kernels)
     share = per_row(fw, "dp_bw_efficiency", frameworks)
     all_reduce = collective(grad_bytes, 2 * frac, lk["ar"][0] * share, lk["ar"][1], d)
     reduce_scatter = collective(grad_bytes, frac, lk["rs"][0] * share, lk["rs"][1], d)
-    gather = collective(psi * c["dtype_bytes"], frac, lk["ag"][0] * share, lk["ag"][1], d)
-    broadcast = collective(psi * c["dtype_bytes"], frac, lk["ar"][0] * share, lk["ar"][1], d)  # ZeroRedundancyOptimizer's shards
+    gather = collective(psi * el, frac, lk["ag"][0] * share, lk["ag"][1], d)
+    broadcast = collective(psi * el, frac, lk["ar"][0] * share, lk["ar"][1], d)  # ZeroRedundancyOptimizer's shards
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
     # one alpha per FSDP unit (the blocks and the root), or per parameter tensor (DeepSpeed stage 3)
     units = n_layers * np.where(per_row(fw, "zero3_per_parameter", frameworks) > 0, m.param_tensors_per_layer, 1)
-    layer_gather = collective(psi * c["dtype_bytes"], frac, lk["ag"][0] * eff, lk["ag"][1], d) \
+    layer_gather = collective(psi * el, frac, lk["ag"][0] * eff, lk["ag"][1], d) \
         + units * np.where(d > 1, lk["ag"][1], 0.0)
     layer_rs = collective(grad_bytes, frac, lk["rs"][0] * eff, lk["rs"][1], d) + units * np.where(d > 1, lk["rs"][1], 0.0)
     ovl = c["overlap_dp"]
@@ -96,16 +105,53 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     param_overlap = (per_row(fw, "overlap_param_gather", frameworks) > 0) & (zero == 1) & ~z1_ar
     final_exposed = np.where(param_overlap, hide(final_gather, times["fwd"], last_bucket), final_gather)
     z3 = (zero == 3) & ~z3_kept
+    kept = _pipelined_fsdp(c, engine) & z3  # the engine's ZeRO-3 under pipelining: nmb + 1 gathers, one reduce
     # the engine's ZeRO-2 gathers each block once per step, before the first micro-batch's forward
     # (engine/parallel/zero.py keep_gathered); FSDP1 as Composer runs it re-gathers every micro-batch
     once_z2 = z2_fsdp & (per_row(fw, "zero2_gather_once", frameworks) > 0)
     blockwise = (z2_fsdp & ~once_z2) | z3_kept
-    total = np.select([z3, blockwise, once_z2, zero == 2],
-                      [nmb * (2 * layer_gather + layer_rs), nmb * (layer_gather + layer_rs),
-                       layer_gather + nmb * layer_rs, nmb * reduce_scatter], sync)
+    total = np.select([kept, z3, blockwise, once_z2, zero == 2],
+                      [(nmb + 1) * layer_gather + layer_rs, nmb * (2 * layer_gather + layer_rs),
+                       nmb * (layer_gather + layer_rs), layer_gather + nmb * layer_rs, nmb * reduce_scatter], sync)
     z2_once = hide_blocks(layer_gather, times["fwd"]) + nmb * hide_blocks(layer_rs, times["bwd"])
-    exposed = grad_exposed + final_exposed + np.select([z3, blockwise, once_z2], [nmb * z3_mb, nmb * z2f_mb, z2_once], 0.0)
+    z3_kept_pp = nmb * hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_gather + layer_rs, times["bwd"])
+    exposed = grad_exposed + final_exposed + np.select([kept, z3, blockwise, once_z2],
+                                                       [z3_kept_pp, nmb * z3_mb, nmb * z2f_mb, z2_once], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
+
+
+def _pipelined_fsdp(c: dict[str, np.ndarray], engine: Any) -> Any:
+    """Rows whose FSDP2 runs under torch's pipelining (the engine at pp > 1, ZeRO-2/3)."""
+    if not np.any(engine):
+        return False
+    return engine & (np.asarray(c.get("pp", 1)) > 1) & (c["zero"] >= 2)
+
+
+def dp_messages(c: dict[str, np.ndarray], psi: Any) -> dict[str, Any]:
+    """Bytes one rank of the ZeRO group (`c["dp"]` ranks) moves per step, by collective, in nccl-tests sizes
+    (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer), for `psi` parameters on it:
+    ZeRO-0 all-reduces the gradients once; ZeRO-1 reduce-scatters them and gathers the parameters (torch's
+    ZeroRedundancyOptimizer, `zero1_allreduce`: all-reduce, then broadcast); ZeRO-2 gathers once (FSDP2 with
+    `zero2_gather_once`; FSDP1 under Composer every micro-batch) and reduce-scatters every micro-batch;
+    ZeRO-3 gathers twice per micro-batch (once without resharding) and reduce-scatters every micro-batch;
+    the engine under pipelining as the module docstring says."""
+    zero, nmb = c["zero"], c["num_mb"]
+    engine = engine_rows(c)
+    params = psi * comm_bytes(c, engine)
+    grads = params / c["compression_ratio"]
+    z1_ar = (zero == 1) & np.asarray(c.get("zero1_allreduce", False))
+    z2_fsdp = (zero == 2) & np.asarray(c.get("zero2_fsdp", False))
+    z3_kept = (zero == 3) & ~np.asarray(c.get("reshard_after_forward", True))
+    once_z2 = z2_fsdp & (per_row(c.get("framework", np.asarray(0)), "zero2_gather_once") > 0)
+    pipelined = _pipelined_fsdp(c, engine)
+    gathers = np.select([pipelined & (zero == 3) & ~z3_kept, pipelined, zero == 3, z2_fsdp & ~once_z2, zero >= 1],
+                        [nmb + 1, 1, np.where(z3_kept, 1, 2) * nmb, nmb, np.where(z1_ar, 0, 1)], 0)
+    scatters = np.select([pipelined, zero >= 2, zero == 1], [1, nmb, np.where(z1_ar, 0, 1)], 0)
+    grouped = np.asarray(c["dp"]) > 1
+    return {"all_gather": np.where(grouped, gathers * params, 0.0),
+            "reduce_scatter": np.where(grouped, scatters * grads, 0.0),
+            "all_reduce": np.where(grouped & ((zero == 0) | z1_ar), grads, 0.0),
+            "broadcast": np.where(grouped & z1_ar, params, 0.0)}
 
 
 def state_bytes(m: ModelSpec, c: dict[str, np.ndarray], psi: np.ndarray,
