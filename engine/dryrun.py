@@ -242,20 +242,26 @@ def _materialize(trainer: Any) -> None:
 
 def _static_stage_meta(trainer: Any, x: torch.Tensor) -> None:
     """Each local pipeline stage's input and output shapes, from a no-grad forward of its chunk
-    (a middle stage receives the (micro, seq, d_model) hidden state in fp32), handed to the stage:
-    torch's schedule would otherwise ask its neighbours, which a fake backend cannot answer."""
+    (a middle stage receives the (micro, seq, d_model) hidden state: fp32 under autocast, FSDP2's
+    bf16 under its mixed precision), handed to the stage: torch's schedule would otherwise ask its
+    neighbours, which a fake backend cannot answer."""
     from torch.distributed.fsdp import FSDPModule
 
+    from engine.parallelize import fsdp_mp_policy
     from engine.torch_compat import set_static_stage_meta
 
     cfg, micro = trainer.cfg, trainer.cfg.batch.micro
     for stage in trainer.par.pipeline.stages:
-        inp = x[:micro].contiguous() if stage.is_first else torch.empty(micro, x.shape[1], cfg.model.d_model)
+        policy = fsdp_mp_policy(cfg) if isinstance(stage.submod, FSDPModule) else None
+        hidden = policy.param_dtype if policy is not None else torch.float32
+        inp = x[:micro].contiguous() if stage.is_first else torch.empty(micro, x.shape[1], cfg.model.d_model,
+                                                                         dtype=hidden)
         with torch.no_grad(), trainer._autocast():
             out = stage.submod(inp)
-        if not stage.is_last and (out.shape != inp.shape[:2] + (cfg.model.d_model,) or out.dtype != torch.float32):
-            raise ConfigError("parallel.pp", cfg.parallel.pp, f"the dry run passes (micro, seq, d_model) fp32 hidden "
-                              f"states between stages; stage {stage.stage_index} returns {tuple(out.shape)} {out.dtype}")
+        if not stage.is_last and (out.shape != inp.shape[:2] + (cfg.model.d_model,) or out.dtype != hidden):
+            raise ConfigError("parallel.pp", cfg.parallel.pp, f"the dry run passes (micro, seq, d_model) {hidden} "
+                              f"hidden states between stages; stage {stage.stage_index} returns {tuple(out.shape)} "
+                              f"{out.dtype}")
         # received activations and the outputs are differentiable: their gradients travel back
         set_static_stage_meta(stage, (inp if stage.is_first else inp.requires_grad_(),), (out.requires_grad_(),))
         for module in stage.submod.modules():
