@@ -54,6 +54,18 @@ def test_plan_ranks_layouts_the_target_runs_that_fit(llama, target):
     assert cfg.model.hf == str(LLAMA31_8B) and cfg.model.seq_len == 8192 and cfg.batch.global_ == 512
 
 
+def test_the_workbench_target_ranks_only_layouts_the_engine_runs(llama):
+    """--target yaml exports the workbench's own run config: every ranked layout passes the engine's validate()
+    (the simulator prices context parallelism with ZeRO, which the engine refuses; it ranked 3 such first)."""
+    from engine.config import validate
+
+    model, cluster = llama
+    plan = make_plan(model, cluster, gpus=64, global_batch=512, target="yaml", model_source=str(LLAMA31_8B))
+    assert len(plan.table) == 5
+    for pick in range(1, 6):
+        validate(plan_config(plan, pick))
+
+
 @pytest.mark.slow
 def test_plan_for_llama_3_1_8b_on_64_h100s_exports_to_all_five_formats(tmp_path):
     (tmp_path / "tok").mkdir()

@@ -97,10 +97,33 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch
     if study is not None:
         calibration = _calibrate(df, study)
         rank_by = "corrected_time_s"
-    best = df.nsmallest(top, rank_by).reset_index(drop=True)
     shown = SHOWN + (["correction_factor", "corrected_time_s"] if study is not None else [])
-    return Plan(model=model, model_source=model_source, cluster=cluster, gpus=gpus, global_batch=global_batch,
-                target=target, table=best[shown], base=dict(base or {}), calibration=calibration)
+    ranked = df.sort_values(rank_by, kind="stable").reset_index(drop=True)[shown]
+    plan = Plan(model=model, model_source=model_source, cluster=cluster, gpus=gpus, global_batch=global_batch,
+                target=target, table=ranked, base=dict(base or {}), calibration=calibration)
+    plan.table = _engine_runs(plan, top) if target == "yaml" else ranked.head(top)
+    return plan
+
+
+def _engine_runs(plan: Plan, top: int) -> pd.DataFrame:
+    """The best `top` rows whose run config the engine's validate() accepts: the workbench's own target runs on
+    the engine, which refuses layouts the simulator prices (context parallelism with ZeRO or pp)."""
+    from engine.config import validate
+
+    keep: list[int] = []
+    first_error: ConfigError | None = None
+    for pick in range(1, len(plan.table) + 1):
+        try:
+            validate(plan_config(plan, pick))
+        except ConfigError as exc:
+            first_error = first_error or exc
+            continue
+        keep.append(pick - 1)
+        if len(keep) == top:
+            break
+    if not keep:
+        raise ValueError(f"no layout the simulator ranks is one the engine runs (the first: {first_error})")
+    return plan.table.iloc[keep].reset_index(drop=True)
 
 
 def _calibrate(df: pd.DataFrame, study: Any) -> dict[str, Any]:
@@ -194,7 +217,7 @@ class DryRunCheck:
     simulator's memory per GPU, judged against the device memory (`refusal`: why it does not fit)."""
 
     pick: int
-    judged_by: str  # "dry run", or "estimate" (engine/memory.py) for a layout the dry run cannot play
+    judged_by: str  # "dry run"; "estimate" (engine/memory.py): the dry run cannot play it; "none": the engine cannot
     peaks: list[tuple[str, float]]  # (role, bytes at its peak): "pp 0", ... (dry run); "rank" (the estimate's)
     largest: str  # the category holding the most bytes at the busiest role's peak
     simulator_bytes: float  # the simulator's memory per GPU (the most loaded stage)
@@ -204,8 +227,9 @@ class DryRunCheck:
     seconds: float = 0.0
 
     @property
-    def fits(self) -> bool:
-        return self.refusal is None
+    def fits(self) -> bool | None:
+        """Whether the busiest role fits; None when the layout was not judged."""
+        return None if self.judged_by == "none" else self.refusal is None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__} | {"fits": self.fits}
@@ -229,8 +253,14 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
     checks = []
     for pick in range(1, min(k, len(plan.table)) + 1):
         cfg = plan_config(plan, pick)
-        validate(cfg)
         sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
+        try:
+            validate(cfg)
+        except ConfigError as exc:  # the target framework runs it, the engine does not: nothing to play or estimate
+            checks.append(DryRunCheck(pick=pick, judged_by="none", peaks=[], largest="", simulator_bytes=sim,
+                                      limit_bytes=limit, refusal=None,
+                                      note=f"the engine does not run this layout: {str(exc).splitlines()[0]}"))
+            continue
         start = time.perf_counter()
         try:
             check_playable(cfg)

@@ -89,7 +89,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     _show(result, as_json, checks)
     if output is not None:
         _write_configs(result, output)
-    unfit = [c.refusal for c in checks if c.pick == pick and not c.fits]
+    unfit = [c.refusal for c in checks if c.pick == pick and c.fits is False]
     if formats and unfit:
         fail(f"--pick={pick}: layout {pick} does not fit: {unfit[0]}; export another --pick")
     refused = [fmt for fmt in formats if not _export(result, pick, fmt, output)]
@@ -152,15 +152,16 @@ def _show_dry_runs(result, checks: list) -> None:
     from workbench.fmt import gib
     from workbench.report import fit_table
 
-    rows = [[str(c.pick), "yes" if c.fits else "NO", c.judged_by, ", ".join(f"{role} {gib(b)}" for role, b in c.peaks),
-             gib(c.simulator_bytes), c.largest] for c in checks]
+    verdict = {True: "yes", False: "NO", None: "n/a"}
+    rows = [[str(c.pick), verdict[c.fits], c.judged_by, ", ".join(f"{role} {gib(b)}" for role, b in c.peaks) or "n/a",
+             gib(c.simulator_bytes), c.largest or "n/a"] for c in checks]
     fit_table(f"dry runs at world {result.gpus}: peak per rank role against {gib(checks[0].limit_bytes)} GiB per GPU",
               ["pick", "fits", "judged by", "peak per role (GiB)", "simulator (GiB)", "largest"], rows, console)
     for c in checks:
         if c.note:
-            console.print(f"layout {c.pick} judged by the analytic estimate (engine/memory.py): {c.note}",
-                          markup=False, highlight=False, soft_wrap=True)
-        if not c.fits:
+            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/memory.py)"
+            console.print(f"layout {c.pick} {how}: {c.note}", markup=False, highlight=False, soft_wrap=True)
+        if c.fits is False:
             console.print(f"layout {c.pick} does not fit: {c.refusal}", markup=False, highlight=False, soft_wrap=True)
 
 
