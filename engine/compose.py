@@ -42,10 +42,11 @@ class Composed:
 
 
 def compose(cfg: RunConfig, *, dims: ParallelDims, mesh, device: torch.device, mark: Callable[[], Any],
-            collectives) -> Composed:
+            collectives, init_values: bool = True) -> Composed:
     """Build this rank's parts. `mesh` is the DeviceMesh (a stand-in raising on use in a
     single-process run), `mark` the step timer's clock, `collectives` the CollectiveProfiler the
-    DDP hooks report to."""
+    DDP hooks report to. `init_values=False` allocates this rank's parts without their initial
+    values (the dry run, engine/dryrun.py: the same build, nothing drawn or read)."""
     model, user_dataset, user_step = _model(cfg)
     ddp_monitor: list[CommMonitor | None] = [None]
 
@@ -53,7 +54,8 @@ def compose(cfg: RunConfig, *, dims: ParallelDims, mesh, device: torch.device, m
         ddp_monitor[0] = install_comm(ddp, group, cfg=cfg, mark=mark, collectives=collectives)
 
     par = parallelize(model, cfg, dims, mesh, device=device,
-                      comm_hook_factory=ddp_hooks if dims.world_size > 1 else None, saved_split=_saved_split(cfg))
+                      comm_hook_factory=ddp_hooks if dims.world_size > 1 else None, saved_split=_saved_split(cfg),
+                      init_values=init_values)
     par.optimizer = build_optimizer(par, cfg, mesh)
     dp_group = mesh["dp"].get_group() if dims.dp > 1 else None
     comm = install_fsdp_comm(par, cfg=cfg, dp=dims.dp, dp_group=dp_group, mark=mark) or ddp_monitor[0]

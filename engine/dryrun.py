@@ -131,7 +131,7 @@ def dry_run(cfg: RunConfig, *, world: int | None = None, ranks: list[int] | None
     """Dry-run `cfg` (at `world` ranks, dp rescaled) for each rank of `ranks` (default: one per
     pipeline stage). Needs a process without a process group (it starts and ends fake ones)."""
     cfg = _dry_config(at_world(cfg, world))
-    _check_playable(cfg)
+    check_playable(cfg)
     out = DryRun(world=cfg.world_size, layout=ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
                                                           cfg.world_size, cp=cfg.parallel.cp).describe())
     for rank in ranks if ranks is not None else role_ranks(cfg):
@@ -139,7 +139,7 @@ def dry_run(cfg: RunConfig, *, world: int | None = None, ranks: list[int] | None
     return out
 
 
-def _check_playable(cfg: RunConfig) -> None:
+def check_playable(cfg: RunConfig) -> None:
     """One line for a layout a fake step cannot play (each needs real values or real storage)."""
     p = cfg.parallel
     if p.pp == 1 and p.dp * p.cp > 1 and p.zero < 2 and p.tp == 1 and not cfg.co2.enabled and not p.adaptive_sp:
@@ -168,8 +168,9 @@ def run_role(cfg: RunConfig, rank: int) -> RoleResult:
     with _fake_world(cfg.world_size, rank), warnings.catch_warnings():
         # the engine's saved-activation counter keys parameters by address; fake ones have none (harmless)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        with _built_on_meta():
-            trainer = Trainer(cfg, device=torch.device("cpu"))
+        # the real program's build (engine/compose.py): on meta, laid out, then only this rank's parts
+        # allocated, without values (nothing drawn, no hf_weights read)
+        trainer = Trainer(cfg, device=torch.device("cpu"), init_values=False)
         try:
             x, y = trainer._local_batch(0)  # real token ids, read before the fake mode
             trainer._local_batch = lambda step: (x, y)
@@ -212,33 +213,11 @@ def _fake_world(world: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _built_on_meta() -> Iterator[None]:
-    """The engine's own model build and `parallelize()`, on the meta device (no memory): the model
-    is built under `torch.device("meta")` and laid out there. Stands in until the engine builds on
-    meta itself (issue 50 item 1); `_materialize` then gives each rank its shards under the fake mode."""
-    import engine.compose as compose
-
-    build, lay_out = compose._model, compose.parallelize
-
-    def model_on_meta(cfg: RunConfig):
-        with torch.device("meta"):
-            return build(cfg)
-
-    def parallelize_on_meta(model, cfg, dims, mesh, *, device, **kwargs):
-        return lay_out(model, cfg, dims, mesh, device=torch.device("meta"), **kwargs)
-
-    compose._model, compose.parallelize = model_on_meta, parallelize_on_meta
-    try:
-        yield
-    finally:
-        compose._model, compose.parallelize = build, lay_out
-
-
 def _materialize(trainer: Any) -> None:
-    """Give this rank's meta parameters and buffers fake CPU storage, then build the optimizer over
-    them (fused or not as on a real CPU run). `Module.to_empty` cannot: it swaps tensors, and a
-    plain tensor the fake mode has seen carries a weakref (swap refuses); DTensors (FSDP2, TP) swap."""
+    """Swap this rank's parameters and buffers (allocated by the build, never written: no memory
+    touched) for fake ones of the same shapes, then build the optimizer over them (fused or not as
+    on a real CPU run): the step's autograd leaves must be the fake mode's own tensors. Not
+    `Module._apply`: a plain tensor the fake mode has seen carries a weakref (swap refuses)."""
     from torch.distributed.tensor import DTensor
 
     from engine.comm_setup import build_optimizer
@@ -258,28 +237,31 @@ def _materialize(trainer: Any) -> None:
                     memo[id(tensor)] = nn.Parameter(new, requires_grad=tensor.requires_grad) \
                         if isinstance(tensor, nn.Parameter) else new
                     setattr(sub, name, memo[id(tensor)])
-    if par.pipeline is not None:
-        for stage in par.pipeline.stages:
-            stage.device = torch.device("cpu")  # laid out on meta: receive buffers go to the CPU
     par.optimizer = build_optimizer(par, trainer.cfg, trainer.mesh)
 
 
 def _static_stage_meta(trainer: Any, x: torch.Tensor) -> None:
     """Each local pipeline stage's input and output shapes, from a no-grad forward of its chunk
-    (a middle stage receives the (micro, seq, d_model) hidden state in fp32), handed to the stage:
-    torch's schedule would otherwise ask its neighbours, which a fake backend cannot answer."""
+    (a middle stage receives the (micro, seq, d_model) hidden state: fp32 under autocast, FSDP2's
+    bf16 under its mixed precision), handed to the stage: torch's schedule would otherwise ask its
+    neighbours, which a fake backend cannot answer."""
     from torch.distributed.fsdp import FSDPModule
 
+    from engine.parallelize import fsdp_mp_policy
     from engine.torch_compat import set_static_stage_meta
 
     cfg, micro = trainer.cfg, trainer.cfg.batch.micro
     for stage in trainer.par.pipeline.stages:
-        inp = x[:micro].contiguous() if stage.is_first else torch.empty(micro, x.shape[1], cfg.model.d_model)
+        policy = fsdp_mp_policy(cfg) if isinstance(stage.submod, FSDPModule) else None
+        hidden = policy.param_dtype if policy is not None else torch.float32
+        inp = x[:micro].contiguous() if stage.is_first else torch.empty(micro, x.shape[1], cfg.model.d_model,
+                                                                         dtype=hidden)
         with torch.no_grad(), trainer._autocast():
             out = stage.submod(inp)
-        if not stage.is_last and (out.shape != inp.shape[:2] + (cfg.model.d_model,) or out.dtype != torch.float32):
-            raise ConfigError("parallel.pp", cfg.parallel.pp, f"the dry run passes (micro, seq, d_model) fp32 hidden "
-                              f"states between stages; stage {stage.stage_index} returns {tuple(out.shape)} {out.dtype}")
+        if not stage.is_last and (out.shape != inp.shape[:2] + (cfg.model.d_model,) or out.dtype != hidden):
+            raise ConfigError("parallel.pp", cfg.parallel.pp, f"the dry run passes (micro, seq, d_model) {hidden} "
+                              f"hidden states between stages; stage {stage.stage_index} returns {tuple(out.shape)} "
+                              f"{out.dtype}")
         # received activations and the outputs are differentiable: their gradients travel back
         set_static_stage_meta(stage, (inp if stage.is_first else inp.requires_grad_(),), (out.requires_grad_(),))
         for module in stage.submod.modules():
@@ -401,7 +383,7 @@ def preflight(cfg: RunConfig, *, device_memory_gib: float | None = None) -> DryR
     if sum(estimate_memory(cfg).values()) < 0.5 * limit:
         return None
     try:
-        _check_playable(cfg)
+        check_playable(cfg)
         dry = dry_run_subprocess(cfg)
     except (ConfigError, RuntimeError) as exc:  # a layout the dry run cannot play: the analytic estimate judges
         logger.warning("pre-flight: %s; judging by the analytic memory estimate instead", str(exc).splitlines()[0])

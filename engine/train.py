@@ -59,10 +59,12 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 class Trainer:
-    """One rank's training. Needs an initialised process group when world_size > 1."""
+    """One rank's training. Needs an initialised process group when world_size > 1.
+    `init_values=False` builds the parts without their initial values (engine/dryrun.py)."""
 
     def __init__(self, cfg: RunConfig, *, device: torch.device, emit: Emit | None = None,
-                 flush: Callable[[], object] | None = None, run_dir: Path | None = None) -> None:
+                 flush: Callable[[], object] | None = None, run_dir: Path | None = None,
+                 init_values: bool = True) -> None:
         self.cfg, self.device, self.run_dir = cfg, device, run_dir
         self.emit: Emit = emit or (lambda *a: None)
         # called after each step's records: a killed rank loses no completed step
@@ -89,7 +91,7 @@ class Trainer:
                 self.collectives.name_groups({"dp_cp": self.mesh["dp_cp"].get_group()})
         self.stream = self.val_stream = None  # a real data source read in order (engine/data_sources.py)
         parts = compose(cfg, dims=self.dims, mesh=self.mesh if self.mesh is not None else _NoMesh(), device=device,
-                        mark=self.timer.mark, collectives=self.collectives)
+                        mark=self.timer.mark, collectives=self.collectives, init_values=init_values)
         self.par: Parallelized = parts.par
         self.comm, self.co2 = parts.comm, parts.co2  # gradient traffic's CommMonitor, CO2's rounds
         self.user_dataset, self.user_step = parts.user_dataset, parts.user_step

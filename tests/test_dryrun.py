@@ -53,6 +53,26 @@ def test_fsdp2_gathers_every_parameter_twice_per_micro_batch_in_fp32():
     assert role.peak == pytest.approx(sum(role.memory.values()))
 
 
+def test_bf16_under_fsdp2_gathers_bf16_weights_and_keeps_no_autocast_copy_of_them():
+    """precision=bf16 with ZeRO-3: FSDP2's MixedPrecisionPolicy gathers bf16 copies of the fp32 shards (2 bytes
+    per parameter) and reduce-scatters fp32 gradients; autocast then finds bf16 weights and caches no copy, so the
+    step's activations and temporaries take fewer bytes than in fp32 (autocast over gathered fp32 weights held a
+    bf16 copy of every weight until the forward ended, more than bf16 saved on a small model)."""
+    from engine.dryrun import dry_run
+
+    layout = ("parallel.dp=8", "parallel.zero=3", "batch.global=16")
+    (bf16,) = dry_run(_cfg(*layout, "precision=bf16")).roles
+    (fp32,) = dry_run(_cfg(*layout)).roles
+    params = _transformers_params()
+    gather, scatter = bf16.collectives["dp:all_gather"], bf16.collectives["dp:reduce_scatter"]
+    assert (gather["count"], gather["bytes"]) == (2 * 2 * 5, 2 * 2 * 2 * params)
+    assert (scatter["count"], scatter["bytes"]) == (2 * 5, 2 * 4 * params)
+    assert bf16.memory["Sharded Param"] == fp32.memory["Sharded Param"]  # fp32 shards: the optimizer's master
+    assert bf16.memory["Unsharded Param"] == fp32.memory["Unsharded Param"] / 2
+    step = {name: r.memory["Activation"] + r.memory["Temp"] for name, r in (("bf16", bf16), ("fp32", fp32))}
+    assert step["bf16"] < step["fp32"], step
+
+
 def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
     """One rank, the same config: the fake step's categories at the peak are the real step's bytes."""
     from engine.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
@@ -89,6 +109,27 @@ def test_dry_run_collectives_equal_a_real_runs_telemetry(tmp_path):
     for key in ("dp:all_gather", "dp:reduce_scatter", "dp:all_reduce"):
         assert role.collectives[key]["count"] == recorded[f"{key}/count"], key
         assert role.collectives[key]["bytes"] == recorded[f"{key}/bytes"], key
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("launch")
+def test_a_bf16_pipeline_over_fsdp2_sends_what_a_real_run_sends(tmp_path):
+    """pp2 x dp2, ZeRO-3, bf16 on 4 gloo ranks: the stages pass FSDP2's bf16 hidden states (the dry run's
+    static stage shapes say so) and gather bf16 weights; rank 0's calls and bytes per axis are the real run's."""
+    from engine.dryrun import dry_run
+    from engine.launch import launch
+    from profilers.store import RunStore
+
+    cfg = _cfg("parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "batch.global=4", "precision=bf16")
+    result = launch(cfg, home=tmp_path)
+    recorded = {r.name: r.value for r in RunStore.open_home(tmp_path).metrics(result.run_id, kind="comm", rank=0)
+                if r.step == 1}
+    role = dry_run(cfg).roles[0]
+    assert recorded["pp:send/bytes"] == 2 * 32 * 128 * 2  # 2 micro-batches of a bf16 (1, 32, 128) hidden state
+    for key in ("pp:send", "pp:recv", "dp:all_gather", "dp:reduce_scatter"):
+        vote = key.startswith("pp:")  # the dry step is the schedule's first: its one 4-byte warm-up vote each way
+        assert role.collectives[key]["count"] == recorded[f"{key}/count"] + vote, key
+        assert role.collectives[key]["bytes"] == recorded[f"{key}/bytes"] + 4 * vote, key
 
 
 def test_a_pipeline_reports_each_stage_with_its_sends():

@@ -54,6 +54,18 @@ def test_plan_ranks_layouts_the_target_runs_that_fit(llama, target):
     assert cfg.model.hf == str(LLAMA31_8B) and cfg.model.seq_len == 8192 and cfg.batch.global_ == 512
 
 
+def test_the_workbench_target_ranks_only_layouts_the_engine_runs(llama):
+    """--target yaml exports the workbench's own run config: every ranked layout passes the engine's validate()
+    (the simulator prices context parallelism with ZeRO, which the engine refuses; it ranked 3 such first)."""
+    from engine.config import validate
+
+    model, cluster = llama
+    plan = make_plan(model, cluster, gpus=64, global_batch=512, target="yaml", model_source=str(LLAMA31_8B))
+    assert len(plan.table) == 5
+    for pick in range(1, 6):
+        validate(plan_config(plan, pick))
+
+
 @pytest.mark.slow
 def test_plan_for_llama_3_1_8b_on_64_h100s_exports_to_all_five_formats(tmp_path):
     (tmp_path / "tok").mkdir()
@@ -141,3 +153,61 @@ def test_a_stand_in_study_calibrates_the_plan_and_export_says_it_ran_a_stand_in(
     assert len(lines) == 1 and lines[0].startswith("this trial ran a stand-in (")
     assert "parameters on 2 CPU ranks); for the real model: workbench plan --model CONFIG.json" in lines[0]
     assert "--study stand-in" in lines[0]
+
+
+# a Llama-shaped model small enough to dry-run in seconds; its top layouts on 4 GPUs are DDP (which the dry run
+# cannot play: judged by the analytic estimate) then ZeRO-2 (FSDP2: dry-run)
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512, "tie_word_embeddings": False,
+              "max_position_embeddings": 256}
+TINY_PLAN = ["--gpus", "4", "--target", "yaml", "--seq", "64", "--global-batch", "8", "--set", "data.source=synthetic"]
+
+
+def _playable(row: dict) -> bool:
+    return row["zero"] >= 2 or row["tp"] > 1 or row["pp"] > 1
+
+
+def test_plan_dry_runs_the_top_layouts_and_refuses_one_that_does_not_fit(tmp_path):
+    """--dry-run 3: each top layout's peak per rank role beside the simulator's memory, the dry run of the real
+    program where it can play the layout (the analytic estimate where not, said why); above --device-memory a
+    layout is marked with the one-line refusal and its export is refused."""
+    from engine.config import load_config
+    from engine.dryrun import dry_run
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    out = _workbench("plan", "--model", str(tmp_path / "config.json"), *TINY_PLAN, "--dry-run", "3",
+                     "--device-memory", "0.001", "--json", "-o", "out", "--export", "yaml", "--pick", "3", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    layouts, checks = report["layouts"], report["dry_runs"]
+    assert [c["pick"] for c in checks] == [1, 2, 3]
+    assert any(_playable(row) for row in layouts[:3]), "no layout of the top 3 is one the dry run plays"
+    for row, check in zip(layouts, checks):
+        assert check["simulator_bytes"] == pytest.approx(row["memory_per_gpu_gb"] * 1e9)
+        assert check["limit_bytes"] == 0.001 * 2**30 and check["fits"] is False
+        if _playable(row):
+            assert check["judged_by"] == "dry run" and check["note"] is None
+            assert [role for role, _ in check["peaks"]] == [f"pp {s}" for s in range(row["pp"])]
+            assert ": the dry run of rank 0 (pp 0, " in check["refusal"]
+            # the figure is the dry run of that layout's run config (written for `workbench dryrun`)
+            cfg = load_config(tmp_path / "out" / f"plan-{check['pick']}.yaml")
+            assert check["peaks"][0][1] == dry_run(cfg).roles[0].peak
+        else:
+            assert check["judged_by"] == "estimate" and "the dry run cannot play DDP" in check["note"]
+            assert "the run needs an estimated" in check["refusal"]
+    assert "more than the 0.001 GiB device memory (--device-memory)" in checks[2]["refusal"]
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: --pick=3: layout 3 does not fit: ")
+    assert not (tmp_path / "out" / "config.yaml").exists()
+
+
+def test_plan_prints_the_dry_run_beside_the_simulator_and_exports_a_layout_that_fits(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    out = _workbench("plan", "--model", str(tmp_path / "config.json"), *TINY_PLAN, "--dry-run", "1",
+                     "--export", "yaml", "--pick", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dry runs at world 4: peak per rank role against 79.63 GiB per GPU" in out.stdout
+    row = [line for line in out.stdout.splitlines() if line.startswith("│ 1 ")][-1]  # the dry-run table's
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert cells[1] == "yes" and cells[2] in ("estimate", "dry run") and float(cells[4]) > 0, cells
+    assert "parallel:" in out.stdout  # the yaml export of layout 1, on stdout

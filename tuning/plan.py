@@ -6,13 +6,14 @@ exportable as that framework's launch (tuning/export*.py).
 real world size, the cluster's nodes); `export_plan(plan, pick, fmt)` its export. A tuner study of a stand-in
 (a smaller model or fewer ranks) calibrates the ranking with its measured / predicted factor per strategy
 class (tuning/warmstart.py `refit_correction`), and `stand_in_line` says when a study's trial is a stand-in.
-The dry run of a ranked layout (`workbench dryrun`, issue 50 item 2) takes the run config `plan_config` gives:
-`DRY_RUN` is the call point, `dry_run_top` calls it.
+`dry_run_top(plan, k)` dry-runs the top layouts (engine/dryrun.py: the real program at the real world size, one
+step on torch's fake backend) and judges each against the cluster's device memory.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import pandas as pd
 
 from engine.config import RunConfig, apply_overrides, from_dict
+from engine.errors import ConfigError
 from tuning.hardware import ClusterSpec
 from tuning.simulator import ModelSpec
 
@@ -38,7 +40,6 @@ TARGET_AXES: dict[str, dict[str, list[Any]]] = {
 }
 SHOWN = ["tp", "pp", "dp", "cp", "cp_impl", "ep", "virtual", "micro", "zero", "recompute", "sequence_parallel",
          "schedule", "iteration_time_s", "time_lo_s", "time_hi_s", "tokens_per_s", "mfu", "memory_per_gpu_gb"]
-DRY_RUN: Callable[[RunConfig], Mapping[str, Any]] | None = None  # `workbench dryrun`'s entry, when present
 
 
 @dataclass(slots=True)
@@ -96,10 +97,33 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch
     if study is not None:
         calibration = _calibrate(df, study)
         rank_by = "corrected_time_s"
-    best = df.nsmallest(top, rank_by).reset_index(drop=True)
     shown = SHOWN + (["correction_factor", "corrected_time_s"] if study is not None else [])
-    return Plan(model=model, model_source=model_source, cluster=cluster, gpus=gpus, global_batch=global_batch,
-                target=target, table=best[shown], base=dict(base or {}), calibration=calibration)
+    ranked = df.sort_values(rank_by, kind="stable").reset_index(drop=True)[shown]
+    plan = Plan(model=model, model_source=model_source, cluster=cluster, gpus=gpus, global_batch=global_batch,
+                target=target, table=ranked, base=dict(base or {}), calibration=calibration)
+    plan.table = _engine_runs(plan, top) if target == "yaml" else ranked.head(top)
+    return plan
+
+
+def _engine_runs(plan: Plan, top: int) -> pd.DataFrame:
+    """The best `top` rows whose run config the engine's validate() accepts: the workbench's own target runs on
+    the engine, which refuses layouts the simulator prices (context parallelism with ZeRO or pp)."""
+    from engine.config import validate
+
+    keep: list[int] = []
+    first_error: ConfigError | None = None
+    for pick in range(1, len(plan.table) + 1):
+        try:
+            validate(plan_config(plan, pick))
+        except ConfigError as exc:
+            first_error = first_error or exc
+            continue
+        keep.append(pick - 1)
+        if len(keep) == top:
+            break
+    if not keep:
+        raise ValueError(f"no layout the simulator ranks is one the engine runs (the first: {first_error})")
+    return plan.table.iloc[keep].reset_index(drop=True)
 
 
 def _calibrate(df: pd.DataFrame, study: Any) -> dict[str, Any]:
@@ -187,12 +211,90 @@ def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str,
     raise ValueError(f"format={fmt!r} must be one of {', '.join(TARGETS)}")
 
 
-def dry_run_top(plan: Plan, k: int = 3, run: Callable[[RunConfig], Mapping[str, Any]] | None = None
-                ) -> list[tuple[int, Mapping[str, Any] | None]]:
-    """The dry run (`workbench dryrun`: the real program at the real world size on fake ranks) of the top `k`
-    layouts: (pick, its report), None where no dry run is wired in (`DRY_RUN`)."""
-    run = run or DRY_RUN
-    return [(i, run(plan_config(plan, i)) if run else None) for i in range(1, min(k, len(plan.table)) + 1)]
+@dataclass(slots=True)
+class DryRunCheck:
+    """One ranked layout's dry run: the peak of each rank role (one per pipeline stage) beside the
+    simulator's memory per GPU, judged against the device memory (`refusal`: why it does not fit)."""
+
+    pick: int
+    judged_by: str  # "dry run"; "estimate" (engine/memory.py): the dry run cannot play it; "none": the engine cannot
+    peaks: list[tuple[str, float]]  # (role, bytes at its peak): "pp 0", ... (dry run); "rank" (the estimate's)
+    largest: str  # the category holding the most bytes at the busiest role's peak
+    simulator_bytes: float  # the simulator's memory per GPU (the most loaded stage)
+    limit_bytes: float
+    refusal: str | None  # one line when the busiest role does not fit, else None
+    note: str | None = None  # why the dry run could not play the layout
+    seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the busiest role fits; None when the layout was not judged."""
+        return None if self.judged_by == "none" else self.refusal is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__} | {"fits": self.fits}
+
+
+def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = None,
+                run: Callable[[RunConfig], Any] | None = None,
+                progress: Callable[[int, RunConfig], None] | None = None) -> list[DryRunCheck]:
+    """Dry-run the top `k` layouts (`run`: engine.dryrun.dry_run_subprocess, one process each) and judge each
+    against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP, FlexSP)
+    is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called before
+    each dry run (an 8B one takes minutes)."""
+    from engine.config import validate
+    from engine.dryrun import GIB, check_playable, dry_run_subprocess
+
+    run = run or dry_run_subprocess
+    if device_memory_gib is not None:
+        limit, name = device_memory_gib * GIB, "device memory (--device-memory)"
+    else:
+        limit, name = plan.cluster.memory_gb * 1e9, f"of device memory per GPU of {plan.cluster.name}"
+    checks = []
+    for pick in range(1, min(k, len(plan.table)) + 1):
+        cfg = plan_config(plan, pick)
+        sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
+        try:
+            validate(cfg)
+        except ConfigError as exc:  # the target framework runs it, the engine does not: nothing to play or estimate
+            checks.append(DryRunCheck(pick=pick, judged_by="none", peaks=[], largest="", simulator_bytes=sim,
+                                      limit_bytes=limit, refusal=None,
+                                      note=f"the engine does not run this layout: {str(exc).splitlines()[0]}"))
+            continue
+        start = time.perf_counter()
+        try:
+            check_playable(cfg)
+            if progress is not None:
+                progress(pick, cfg)
+            dry = run(cfg)
+        except (ConfigError, RuntimeError) as exc:  # the launcher's pre-flight falls back the same way
+            note = str(exc) if isinstance(exc, ConfigError) else f"the dry run failed: {str(exc).splitlines()[-1]}"
+            checks.append(_estimated(cfg, pick, sim, limit, name, note=note))
+            continue
+        checks.append(_dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start))
+    return checks
+
+
+def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, name: str,
+                 seconds: float) -> DryRunCheck:
+    from engine.dryrun import fits_error
+
+    busiest = dry.peak_role()
+    error = fits_error(dry, limit_bytes=limit, limit_name=name, cfg=cfg)
+    return DryRunCheck(pick=pick, judged_by="dry run", simulator_bytes=sim, limit_bytes=limit,
+                       peaks=[(f"pp {r.coords.get('pp', 0)}", r.peak) for r in dry.roles],
+                       largest=max(busiest.grouped().items(), key=lambda kv: kv[1])[0],
+                       refusal=str(error) if error else None, seconds=seconds)
+
+
+def _estimated(cfg: RunConfig, pick: int, sim: float, limit: float, name: str, note: str) -> DryRunCheck:
+    from engine.memory import estimate_memory, memory_error
+
+    est = estimate_memory(cfg)
+    error = memory_error(cfg, limit_bytes=limit, ranks_sharing=1, limit_name=name)
+    return DryRunCheck(pick=pick, judged_by="estimate", peaks=[("rank", sum(est.values()))],
+                       largest=max(est.items(), key=lambda kv: kv[1])[0], simulator_bytes=sim, limit_bytes=limit,
+                       refusal=str(error) if error else None, note=note)
 
 
 def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | None = None,

@@ -1,5 +1,5 @@
 """`workbench plan`: the layouts of the real model on the real cluster, ranked by the simulator for a target
-framework, and the export of any of them (tuning/plan.py)."""
+framework, the dry run of the top ones (engine/dryrun.py) and the export of any of them (tuning/plan.py)."""
 from __future__ import annotations
 
 import sys
@@ -52,27 +52,25 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
          export: Optional[list[str]] = typer.Option(None, "--export", help="Export the picked layout: a format "
                                                     "(yaml, megatron, deepspeed, torchtitan, accelerate) or all"),
          pick: int = typer.Option(1, help="Which ranked layout to export (1 = best)"),
+         dry_run: int = typer.Option(0, "--dry-run", help="Dry-run the top K layouts (`workbench dryrun`: minutes "
+                                     "each for an 8B model) and mark those that do not fit the GPU memory"),
+         device_memory: Optional[float] = typer.Option(None, "--device-memory", help="GiB per GPU the dry runs "
+                                                       "are judged against (default: the cluster's)"),
          output: Optional[Path] = typer.Option(None, "-o", "--output", help="Folder for the exports (and the "
                                                "top layouts' run configs, for `workbench dryrun`)"),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """Rank the layouts of the real model on the real cluster for a target framework (simulator: time
-    interval, memory), and export one of them."""
+    interval, memory), dry-run the top ones (--dry-run K), and export one of them."""
     from engine.errors import ConfigError
     from tuning.hardware import load_cluster
-    from tuning.plan import TARGETS, base_config, make_plan
+    from tuning.plan import base_config, make_plan
     from workbench.cli_sim import _model
 
-    check_number("--gpus", gpus, 1)
-    check_number("--global-batch", global_batch, 1)
-    check_number("--top", top, 1)
-    if target not in TARGETS:
-        fail(f"--target={target!r}: must be one of {', '.join(TARGETS)}")
-    formats = list(TARGETS) if export and "all" in export else list(export or [])
-    bad = [f for f in formats if f not in TARGETS]
-    if bad:
-        fail(f"--export={bad[0]!r}: must be one of {', '.join(TARGETS)} or all")
-    if len(formats) > 1 and output is None:
-        fail("--export of several formats needs -o FOLDER")
+    for flag, value, least in (("--gpus", gpus, 1), ("--global-batch", global_batch, 1), ("--top", top, 1),
+                               ("--dry-run", dry_run, 0)):
+        check_number(flag, value, least)
+    check_number("--device-memory", device_memory, 0, exclusive=True)
+    formats = _formats(target, export, output)
     try:
         spec = load_cluster(cluster)
     except (KeyError, ValueError, FileNotFoundError) as exc:
@@ -85,23 +83,53 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
         the_base = base_config(base, set_ or [])
         result = make_plan(mdl, spec, gpus=gpus, global_batch=global_batch, target=target, top=top,
                            model_source=_model_source(model), base=the_base, study=_study(study, storage))
+        checks = _dry_runs(result, dry_run, device_memory) if dry_run else []
     except (ValueError, ConfigError) as exc:
         fail(str(exc))
-    _show(result, as_json)
+    _show(result, as_json, checks)
     if output is not None:
         _write_configs(result, output)
+    unfit = [c.refusal for c in checks if c.pick == pick and c.fits is False]
+    if formats and unfit:
+        fail(f"--pick={pick}: layout {pick} does not fit: {unfit[0]}; export another --pick")
     refused = [fmt for fmt in formats if not _export(result, pick, fmt, output)]
     if refused:
         raise typer.Exit(2)
 
 
-def _show(result, as_json: bool) -> None:
+def _formats(target: str, export: Optional[list[str]], output: Optional[Path]) -> list[str]:
+    """The export formats asked for (`all`: every target), after checking --target and --export."""
+    from tuning.plan import TARGETS
+
+    if target not in TARGETS:
+        fail(f"--target={target!r}: must be one of {', '.join(TARGETS)}")
+    formats = list(TARGETS) if export and "all" in export else list(export or [])
+    bad = [f for f in formats if f not in TARGETS]
+    if bad:
+        fail(f"--export={bad[0]!r}: must be one of {', '.join(TARGETS)} or all")
+    if len(formats) > 1 and output is None:
+        fail("--export of several formats needs -o FOLDER")
+    return formats
+
+
+def _dry_runs(result, k: int, device_memory: Optional[float]) -> list:
+    """The top `k` layouts dry-run and judged (tuning/plan.py `dry_run_top`), saying which runs now."""
+    from tuning.plan import dry_run_top
+
+    def progress(i: int, cfg) -> None:
+        err.print(f"dry-running layout {i} at world {cfg.world_size} (one step of the real program on fake ranks)",
+                  highlight=False, markup=False, soft_wrap=True)
+
+    return dry_run_top(result, k, device_memory_gib=device_memory, progress=progress)
+
+
+def _show(result, as_json: bool, checks: list) -> None:
     from workbench.cli_sim import _shape_text, print_frame
 
     if as_json:
         _print_json({"model": _shape_text(result.model), "params": result.model.params, "cluster": result.cluster.name,
                      "gpus": result.gpus, "target": result.target, "calibration": result.calibration,
-                     "layouts": result.table.to_dict(orient="records")})
+                     "layouts": result.table.to_dict(orient="records"), "dry_runs": [c.to_dict() for c in checks]})
         return
     console.print(f"model {_shape_text(result.model)}; {result.model.params:,} parameters", markup=False,
                   highlight=False, soft_wrap=True)
@@ -115,6 +143,26 @@ def _show(result, as_json: bool) -> None:
                       f"strategy class ({cal['trials']} trials of a stand-in on its own host; they carry the "
                       f"engine's mispricing there, an assumption for {result.cluster.name})", markup=False,
                       highlight=False, soft_wrap=True)
+    if checks:
+        _show_dry_runs(result, checks)
+
+
+def _show_dry_runs(result, checks: list) -> None:
+    """Each dry-run layout's peak per rank role beside the simulator's memory, and why any does not fit."""
+    from workbench.fmt import gib
+    from workbench.report import fit_table
+
+    verdict = {True: "yes", False: "NO", None: "n/a"}
+    rows = [[str(c.pick), verdict[c.fits], c.judged_by, ", ".join(f"{role} {gib(b)}" for role, b in c.peaks) or "n/a",
+             gib(c.simulator_bytes), c.largest or "n/a"] for c in checks]
+    fit_table(f"dry runs at world {result.gpus}: peak per rank role against {gib(checks[0].limit_bytes)} GiB per GPU",
+              ["pick", "fits", "judged by", "peak per role (GiB)", "simulator (GiB)", "largest"], rows, console)
+    for c in checks:
+        if c.note:
+            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/memory.py)"
+            console.print(f"layout {c.pick} {how}: {c.note}", markup=False, highlight=False, soft_wrap=True)
+        if c.fits is False:
+            console.print(f"layout {c.pick} does not fit: {c.refusal}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _write_configs(result, output: Path) -> None:
