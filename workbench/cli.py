@@ -329,7 +329,7 @@ def commbench(world: int = typer.Option(2, help="Ranks"),
               iters: int = typer.Option(5, help="Timed iterations per size"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Sweep collective sizes from 1 KB and print bus bandwidth like nccl-tests."""
-    from profilers.collectives import SWEEP_OPS, format_busbw_table, spawn_commbench, sweep_sizes
+    from profilers.commbench import SWEEP_OPS, format_busbw_table, spawn_commbench, sweep_sizes
 
     if world < 2:
         fail(f"--world={world}: needs at least 2 ranks")
