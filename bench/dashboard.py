@@ -25,8 +25,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from profilers.records import Record  # noqa: E402
-from profilers.store import PHASES, RunStore  # noqa: E402
+from profilers.records import PHASES, Record  # noqa: E402
+from profilers.store import RunStore  # noqa: E402
 
 RUN_GOAL_S = 0.5
 TUNE_GOAL_S = 1.0

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from engine.build import build_model
 from engine.comm_setup import CommMonitor, build_optimizer, install_co2, install_comm, install_fsdp_comm
 from engine.config import RunConfig
 from engine.mesh import ParallelDims
-from engine.meta_init import build_model
 from engine.parallelize import Parallelized, parallelize
 
 

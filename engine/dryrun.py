@@ -189,7 +189,7 @@ def run_role(cfg: RunConfig, rank: int) -> RoleResult:
             events = trainer._step_events
         finally:
             trainer.collectives.disable()
-    from profilers.collectives import aggregate
+    from profilers.bandwidth import aggregate
 
     memory = {getattr(k, "value", str(k)): float(v) for k, v in snapshot.items() if k != "Total"}
     return RoleResult(rank=rank, coords=trainer.coords, memory=memory, peak=sum(memory.values()), tracker=name,

@@ -384,15 +384,3 @@ def _load(record: InitRecord, targets: dict[int, list[_Target]]) -> set[int]:
     return done
 
 
-def build_model(cfg: Any, *, seed: int, device: torch.device | str = "meta") -> nn.Module:
-    """The model `cfg` (an engine ModelConfig) names: a Hugging Face causal LM (`cfg.hf`,
-    engine/hf.py) or the built-in GPT / MoE (engine/model.py), seeded with `seed`. On meta (the
-    default) nothing is allocated: apply the layout, then `materialize()` this rank's parts (the
-    same values as a `device="cpu"` build)."""
-    if cfg.hf is not None:
-        from engine.hf import build_hf_model
-
-        return build_hf_model(cfg, seed=seed, device=device)
-    from engine.model import build_model as build_gpt
-
-    return build_gpt(cfg, seed=seed, device=device)

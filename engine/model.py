@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import ModelConfig
+from engine.mlp import MLP
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
@@ -50,17 +51,6 @@ class Attention(nn.Module):
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         y = self.core(q, k, v, dropout_p=self.dropout if self.training else 0.0, doc_ids=doc_ids)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d_model, bias=False)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.w2(F.gelu(self.w1(x))))
 
 
 class Block(nn.Module):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.mlp import MLP
 
 Exchange = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -87,8 +88,6 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from engine.model import MLP
-
         self.num_experts, self.top_k = cfg.experts, cfg.top_k
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)

@@ -100,7 +100,7 @@ def srun_command(cfg_path: Path, run_dir: Path, *, nodes: int, nproc: int, cpus_
     The step asks for its CPUs itself: since Slurm 22.05 srun no longer inherits sbatch's
     --cpus-per-task, and without it a node's ranks may share one core. With GPUs the one task gets the
     node's `nproc` GPUs and each rank binds the one at its LOCAL_RANK (engine.device)."""
-    from engine.launch import torchrun_command
+    from engine.torchrun import torchrun_command
 
     srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={nproc * cpus_per_rank}",
             "--kill-on-bad-exit=1"]
@@ -321,7 +321,7 @@ def launch_slurm(cfg: RunConfig, *, home: str | Path | None = None, run_id: str 
     """Register the run, submit its job, stream telemetry into the store, follow the job to its end.
     `timeout_s` counts running time only: time in the queue is the cluster's, recorded as queued_s."""
     from engine.errors import RankFailure
-    from engine.launch import finish, register, telemetry_summary
+    from engine.run_record import finish, register, telemetry_summary
     from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
     require_sbatch()
@@ -345,7 +345,7 @@ def launch_slurm(cfg: RunConfig, *, home: str | Path | None = None, run_id: str 
     except BaseException as exc:  # Ctrl-C, a pruned trial, a dead controller: no job may outlive the run
         state = _cancel_or_keep(job_id, None)
         server.stop()
-        from engine.launch import stop_status
+        from engine.run_record import stop_status
 
         status, reason = stop_status(exc)
         store.finish_run(run_id, status, error=reason, summary=state.to_dict() if state else None)
@@ -375,7 +375,7 @@ def _cancel_or_keep(job_id: str, state: JobState | None) -> JobState | None:
 def _outcome(status: str, state: JobState, run_dir: Path, server, timeout_s: float | None):
     """(final status, root cause or None) of a job that has ended."""
     from engine.errors import RankFailure
-    from engine.launch import first_failure
+    from engine.run_record import first_failure
 
     job_id = state.job_id
     if server.error is not None and status != "timeout":

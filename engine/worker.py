@@ -76,7 +76,7 @@ def _finish_external_run(cfg, run_id: str, run_dir: Path, ok: bool) -> None:
     """Rank 0 of an outside torchrun finalises the row like `launch` does: status, summary, root cause.
     It runs after every rank's telemetry is flushed (success: after the barrier; failure: the failing
     rank wrote its error file before exiting, which is what stopped this rank)."""
-    from engine.launch import first_failure, run_summary
+    from engine.run_record import first_failure, run_summary
     from profilers.store import RunStore
 
     failure = None if ok else first_failure(run_dir)

@@ -3,7 +3,7 @@
 `commbench` runs inside an initialised process group (every rank calls it); `spawn_commbench`
 starts ``world`` real processes itself (for ``workbench commbench --world N``) and returns rank
 0's rows; `format_busbw_table` prints them as nccl-tests does. Times are the mean over
-``iters`` of the slowest rank; bandwidths follow the nccl-tests definitions (collectives.py).
+``iters`` of the slowest rank; bandwidths follow the nccl-tests definitions (bandwidth.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from profilers.bandwidth import CANONICAL, algbw, all_gather_flat, busbw, reduce_scatter_flat
 from profilers.rendezvous import hosted_store
 
 SWEEP_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
@@ -44,9 +45,6 @@ def sweep_sizes(min_bytes: int = 1024, max_bytes: int = 256 << 20, factor: int =
 def _bench_call(op: str, size: int, n: int, rank: int, device: torch.device
                 ) -> tuple[Callable[[], None], int]:
     """A closure running one ``op`` of ``size`` bytes (float32), and the bytes it moves."""
-    # imported here: collectives re-exports this module, so a top-level import would be circular
-    from profilers.collectives import all_gather_flat, reduce_scatter_flat
-
     count = max(size // 4 // n, 1) * n  # divisible by n for gathers, scatters and all-to-all
     full = torch.ones(count, dtype=torch.float32, device=device)
     part = torch.ones(count // n, dtype=torch.float32, device=device)
@@ -86,9 +84,6 @@ def commbench(ops: Sequence[str] = SWEEP_OPS, sizes: Sequence[int] | None = None
     (the op "in situ": the ranks' drift apart during compute and the wake-up of idle
     communication threads included, which a back-to-back loop never sees).
     """
-    # imported here: collectives re-exports this module, so a top-level import would be circular
-    from profilers.collectives import CANONICAL, algbw, busbw
-
     if not dist.is_initialized():
         raise RuntimeError("commbench runs inside an initialised process group; "
                            "use spawn_commbench(world=N) to start one")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from profilers.collectives import _nbytes  # the bytes of a tensor or a list of them, defined once
+from profilers.bandwidth import tensor_bytes  # the bytes of a tensor or a list of them, defined once
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class TimedOp(OpProxy):
             op, name_at, size_at, times_size = OPS[self._name]
             group = args[name_at]
             group_size = args[size_at] if size_at is not None else _group_size(group)
-            nbytes = _nbytes(args[0]) * (group_size if times_size else 1)
+            nbytes = tensor_bytes(args[0]) * (group_size if times_size else 1)
             call = profiler.call(op, nbytes, group_size, group, functional=True)
             start, pending = profiler.begin(call, next(iter(_tensors(args[0])), None))
         except Exception as exc:  # never let profiling break a collective

@@ -28,6 +28,9 @@ from typing import Any
 KINDS: tuple[str, ...] = ("step", "breakdown", "comm", "memory", "gpu", "host", "eval", "knob", "moe")
 """The record kinds the dashboard knows; other kinds are stored but not specially drawn."""
 
+PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "comm_exposed", "bubble", "other")
+"""Named phases of a step (`breakdown` records: `{phase}(s)`), in display order; ``other`` is computed, never timed."""
+
 NO_STEP = -1
 """The step of a record not tied to a training step."""
 

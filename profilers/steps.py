@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 
-PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "comm_exposed", "bubble",
-                           "other")
-"""Named phases of a step, in display order; ``other`` is computed, never timed."""
+from profilers.records import PHASES
 
 
 def as_metrics(breakdown: dict[str, float]) -> dict[str, float]:

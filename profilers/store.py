@@ -20,16 +20,15 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import statistics
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from profilers.records import Record
+from profilers.store_queries import RunQueries
 from profilers.store_sql import PostgresBackend, SqliteBackend, is_url
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ _RUN_FIELDS = (
     "name", "status", "config", "world_size", "layout", "host", "versions", "emulated", "parent",
     "created", "started", "ended", "error", "error_rank", "summary",
 )
-PHASES = ("data", "forward", "backward", "optimizer", "comm_exposed", "bubble", "other")
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -170,7 +168,7 @@ def _decode_run(row: Any) -> dict[str, Any]:
     return out
 
 
-class RunStore:
+class RunStore(RunQueries):
     """Runs, metrics and tuning segments in one SQLite file (WAL) or one PostgreSQL database;
     safe across processes (and, on PostgreSQL, across machines)."""
 
@@ -494,84 +492,6 @@ class RunStore:
         columns = ["run_id", "rank", "step", "kind", "name", "value", "time"]
         return pd.DataFrame([r.to_row() for r in records], columns=columns)
 
-    def step_breakdown(self, run_id: str, step: int) -> dict[int, dict[str, float]]:
-        """``{rank: {phase: seconds}}`` of one step (phase names without the ``(s)`` unit)."""
-        rows = self._query("SELECT rank, name, value FROM metrics WHERE run_id = ? AND "
-                           "kind = 'breakdown' AND step = ? ORDER BY rank, rowid", (run_id, step))
-        out: dict[int, dict[str, float]] = defaultdict(dict)
-        for row in rows:
-            out[row["rank"]][_phase(row["name"])] = row["value"]
-        return dict(out)
-
-    def breakdown_table(self, run_id: str) -> pd.DataFrame:
-        """One row per (step, rank): a column per phase in seconds plus ``total``."""
-        import pandas as pd
-
-        rows = self._query("SELECT step, rank, name, value FROM metrics WHERE run_id = ? AND "
-                           "kind = 'breakdown' ORDER BY step, rank", (run_id,))
-        table: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
-        for row in rows:
-            table[(row["step"], row["rank"])][_phase(row["name"])] = row["value"]
-        extra = sorted({p for v in table.values() for p in v} - set(PHASES))
-        columns = ["step", "rank", *PHASES, *extra, "total"]
-        data = [[step, rank, *(v.get(p, 0.0) for p in (*PHASES, *extra)), sum(v.values())]
-                for (step, rank), v in sorted(table.items())]
-        return pd.DataFrame(data, columns=columns)
-
-    def comm_totals(self, run_id: str) -> dict[str, dict[str, float]]:
-        """Per collective op over the whole run: bytes and time per rank, count and busbw.
-
-        ``bytes`` and ``time(s)`` are summed over steps and averaged over ranks; ``busbw(GB/s)``
-        is time-weighted (sum of busbw x time over sum of time), which equals the bus bytes over
-        the total time (nccl-tests definitions, see collectives.py).
-        """
-        rows = self._query("SELECT rank, step, name, value FROM metrics WHERE run_id = ? AND "
-                           "kind = 'comm' AND name LIKE '%/%'", (run_id,))
-        per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        ranks: dict[str, set[int]] = defaultdict(set)
-        cells: dict[tuple[str, int, int], dict[str, float]] = defaultdict(dict)
-        for row in rows:
-            op, _, field = row["name"].partition("/")
-            cells[(op, row["rank"], row["step"])][field] = row["value"]
-            ranks[op].add(row["rank"])
-        for (op, _, _), cell in cells.items():
-            agg = per[op]
-            seconds = cell.get("time(s)", 0.0)
-            agg["bytes"] += cell.get("bytes", 0.0)
-            agg["time(s)"] += seconds
-            agg["count"] += cell.get("count", 1.0)
-            agg["_bus_seconds"] += cell.get("busbw(GB/s)", 0.0) * seconds
-        out = {}
-        for op, agg in per.items():
-            n = max(len(ranks[op]), 1)
-            out[op] = {"bytes": agg["bytes"] / n, "time(s)": agg["time(s)"] / n,
-                       "count": agg["count"] / n, "ranks": float(n),
-                       "busbw(GB/s)": agg["_bus_seconds"] / agg["time(s)"] if agg["time(s)"] else 0.0}
-        return out
-
-    def wire_totals(self, run_id: str) -> dict[str, float]:
-        """Compressed bytes on the wire vs dense bytes over the run (summed over ranks)."""
-        rows = self._query("SELECT name, SUM(value) AS total FROM metrics WHERE run_id = ? AND "
-                           "kind = 'comm' AND name IN ('wire_bytes', 'dense_bytes') GROUP BY name",
-                           (run_id,))
-        totals = {r["name"]: float(r["total"]) for r in rows}
-        wire, dense = totals.get("wire_bytes", 0.0), totals.get("dense_bytes", 0.0)
-        return {"wire_bytes": wire, "dense_bytes": dense,
-                "ratio": wire / dense if dense else 1.0}
-
-    def peak_memory(self, run_id: str) -> dict[int, float]:
-        """``{rank: GiB}``: the highest CUDA peak allocated, else the highest (peak) RSS."""
-        rows = self._query("SELECT rank, name, MAX(value) AS peak FROM metrics WHERE run_id = ? "
-                           "AND kind = 'memory' AND name IN ('peak_allocated(GiB)', "
-                           "'peak_rss(GiB)', 'rss(GiB)') GROUP BY rank, name", (run_id,))
-        preference = {"peak_allocated(GiB)": 0, "peak_rss(GiB)": 1, "rss(GiB)": 2}
-        best: dict[int, tuple[int, float]] = {}
-        for row in rows:
-            rank, rank_pref = row["rank"], preference[row["name"]]
-            if rank not in best or rank_pref < best[rank][0]:
-                best[rank] = (rank_pref, float(row["peak"]))
-        return {rank: value for rank, (_, value) in sorted(best.items())}
-
     def segments(self, run_id: str) -> list[dict[str, Any]]:
         """The live-tuning segments of a run, in step order (params decoded)."""
         rows = self._query("SELECT * FROM segments WHERE run_id = ? ORDER BY start_step, id",
@@ -580,163 +500,3 @@ class RunStore:
         for seg in out:
             seg["params"] = json.loads(seg["params"]) if seg["params"] else {}
         return out
-
-    def run_summary(self, run_id: str) -> dict[str, Any]:
-        """Headline figures of one run (what `compare` puts in a column)."""
-        info = self.run(run_id)
-        if info is None:
-            raise KeyError(f"no run {run_id!r} in {self.path}")
-        steps = self.latest_steps(run_id, n=1_000_000)
-        times = [s["step_time(s)"] for s in steps if "step_time(s)" in s]
-        tput = [s["tokens_per_s"] for s in steps if "tokens_per_s" in s]
-        losses = [s["loss"] for s in steps if "loss" in s]
-        peak = self.peak_memory(run_id)
-        out: dict[str, Any] = {
-            "name": info["name"], "status": info["status"], "world_size": info["world_size"],
-            "emulated": info["emulated"], "steps": len(steps),
-            "duration(s)": (info["ended"] - info["started"]) if info["ended"] and info["started"]
-            else None,
-            "final_loss": losses[-1] if losses else None,
-            # the first step includes warm-up (allocation, DDP bucket rebuild): median is robust
-            "median_step_time(s)": statistics.median(times) if times else None,
-            "mean_tokens_per_s": statistics.fmean(tput) if tput else None,
-            "peak_memory(GiB)": max(peak.values()) if peak else None,
-        }
-        table = self.breakdown_table(run_id)
-        for phase in PHASES:
-            out[f"mean_{phase}(s)"] = float(table[phase].mean()) if len(table) else None
-        for op, agg in self.comm_totals(run_id).items():
-            out[f"{op}/bytes"] = agg["bytes"]
-            out[f"{op}/busbw(GB/s)"] = agg["busbw(GB/s)"]
-        for key, value in _flatten(info.get("config") or {}, "config").items():
-            out[key] = value
-        return out
-
-    def compare(self, run_ids: Sequence[str]) -> pd.DataFrame:
-        """Runs side by side: one column per run id, one row per summary figure/config key."""
-        import pandas as pd
-
-        columns = {rid: self.run_summary(rid) for rid in run_ids}
-        frame = pd.DataFrame(columns)
-        return frame.reindex(list(dict.fromkeys(k for s in columns.values() for k in s)))
-
-
-    # -- bounded readers for charts: aggregated and thinned in SQL, whatever the run's length --
-    def _frame(self, sql: str, params: Sequence[Any], columns: list[str]) -> pd.DataFrame:
-        import pandas as pd
-
-        return pd.DataFrame.from_records([tuple(r) for r in self._query(sql, params)], columns=columns)
-
-    def _step_stride(self, run_id: str, kind: str, max_steps: int | None) -> tuple[str, list[Any]]:
-        """SQL condition keeping about ``max_steps`` evenly spaced steps of ``kind`` (last kept)."""
-        if not max_steps:
-            return "", []
-        lo, hi = self._query("SELECT MIN(step), MAX(step) FROM metrics WHERE run_id = ? AND kind = ?",
-                             (run_id, kind))[0]
-        n = hi - lo + 1 if hi is not None else 0  # steps are numbered without gaps
-        if n <= max_steps:
-            return "", []
-        stride = -(-n // max_steps)
-        return " AND ((step - ?) % ? = 0 OR step = ?)", [lo, stride, hi]
-
-    def step_frame(self, run_id: str) -> pd.DataFrame:
-        """One row per step: ``step``, ``time`` (latest), ``ranks`` (how many reported) and each
-        step metric by its stored name, averaged over ranks (`latest_steps` as a DataFrame)."""
-        long = self._frame("SELECT step, name, AVG(value), MAX(time), COUNT(*) FROM metrics "
-                           "WHERE run_id = ? AND kind = 'step' GROUP BY step, name ORDER BY step",
-                           (run_id,), ["step", "name", "value", "time", "ranks"])
-        if long.empty:
-            return long.drop(columns=["name", "value"])
-        wide = long.pivot(index="step", columns="name", values="value")
-        wide.columns.name = None
-        per_step = long.groupby("step").agg(time=("time", "max"), ranks=("ranks", "max"))
-        return per_step.join(wide).reset_index()
-
-    def breakdown_steps(self, run_id: str, max_steps: int | None = 500) -> pd.DataFrame:
-        """Step-time phases per step, mean over ranks (s): columns ``step``, one per phase and
-        ``total``; at most about ``max_steps`` evenly spaced steps (the last one kept)."""
-        cond, params = self._step_stride(run_id, "breakdown", max_steps)
-        long = self._frame("SELECT step, name, AVG(value) FROM metrics WHERE run_id = ? AND "
-                           f"kind = 'breakdown'{cond} GROUP BY step, name ORDER BY step",
-                           (run_id, *params), ["step", "name", "value"])
-        return _phase_table(long, ["step"])
-
-    def breakdown_ranks(self, run_id: str, step: int | None = None) -> pd.DataFrame:
-        """Step-time phases per rank of one step (default: the last): columns ``step``, ``rank``,
-        one per phase and ``total`` (the rows `breakdown_table` has for that step)."""
-        if step is None:
-            row = self._query("SELECT MAX(step) FROM metrics WHERE run_id = ? AND kind = 'breakdown'",
-                              (run_id,))[0]
-            step = row[0] if row[0] is not None else -1
-        long = self._frame("SELECT step, rank, name, value FROM metrics WHERE run_id = ? AND "
-                           "kind = 'breakdown' AND step = ? ORDER BY rank, rowid", (run_id, step),
-                           ["step", "rank", "name", "value"])
-        return _phase_table(long, ["step", "rank"])
-
-    def comm_points(self, run_id: str, max_steps: int | None = 2000) -> pd.DataFrame:
-        """Per (rank, step, op): ``size(B)`` (bytes per call) and ``busbw(GB/s)``, from the
-        ``OP/bytes``, ``OP/count`` and ``OP/busbw(GB/s)`` comm records; at most about
-        ``max_steps`` evenly spaced steps."""
-        cond, params = self._step_stride(run_id, "comm", max_steps)
-        sql = ("SELECT rank, step, substr(name, 1, instr(name, '/') - 1) AS op, "
-               "SUM(CASE WHEN name LIKE '%/bytes' THEN value END), "
-               "SUM(CASE WHEN name LIKE '%/count' THEN value END), "
-               "SUM(CASE WHEN name LIKE '%/busbw(GB/s)' THEN value END) FROM metrics "
-               f"WHERE run_id = ? AND kind = 'comm' AND instr(name, '/') > 0{cond} "
-               "GROUP BY rank, step, op ORDER BY step, rank")
-        raw = self._frame(sql, (run_id, *params), ["rank", "step", "op", "bytes", "count", "busbw(GB/s)"])
-        raw = raw.dropna(subset=["bytes", "busbw(GB/s)"])
-        raw["size(B)"] = raw["bytes"] / raw["count"].fillna(1.0).clip(lower=1.0)
-        return raw[["rank", "step", "op", "size(B)", "busbw(GB/s)"]].reset_index(drop=True)
-
-    def series(self, run_id: str, kind: str, max_points: int | None = 2000) -> pd.DataFrame:
-        """Sampled values of one kind (host, gpu, ...) as columns ``time``, ``name``, ``value``,
-        ``rank``, ``step``; at most about ``max_points`` evenly spaced samples per (name, rank)."""
-        columns = ["time", "name", "value", "rank", "step"]
-        # INDEXED BY: without it SQLite picks the (run_id, name) index and reads the whole run
-        longest = self._query("SELECT MAX(n) FROM (SELECT COUNT(*) AS n FROM metrics INDEXED BY "
-                              "metrics_kind_step WHERE run_id = ? AND kind = ? GROUP BY name, rank) AS counts",
-                              (run_id, kind))[0][0] or 0
-        if not max_points or longest <= max_points:
-            return self._frame("SELECT time, name, value, rank, step FROM metrics WHERE run_id = ? "
-                               "AND kind = ? ORDER BY time, rowid", (run_id, kind), columns)
-        # window functions (SQLite >= 3.25): number each series' samples, keep every k-th and the last
-        sql = ("SELECT time, name, value, rank, step FROM (SELECT time, name, value, rank, step, "
-               "(ROW_NUMBER() OVER w) - 1 AS i, COUNT(*) OVER (PARTITION BY name, rank) AS n FROM metrics "
-               "INDEXED BY metrics_kind_step WHERE run_id = ? AND kind = ? WINDOW w AS (PARTITION BY name, rank ORDER BY time, rowid)) AS numbered "
-               "WHERE i % ((n + ? - 1) / ?) = 0 OR i = n - 1 ORDER BY time")
-        return self._frame(sql, (run_id, kind, max_points, max_points), columns)
-
-    def memory_peaks(self, run_id: str) -> pd.DataFrame:
-        """The highest value of each memory record per rank: columns ``rank``, ``name``, ``value``."""
-        return self._frame("SELECT rank, name, MAX(value) FROM metrics WHERE run_id = ? AND "
-                           "kind = 'memory' GROUP BY rank, name ORDER BY rank, name", (run_id,),
-                           ["rank", "name", "value"])
-
-
-def _phase_table(long: pd.DataFrame, index: list[str]) -> pd.DataFrame:
-    """Long (index..., name, value) breakdown rows as one column per phase (s) plus ``total``."""
-    import pandas as pd
-
-    if long.empty:
-        return pd.DataFrame(columns=[*index, *PHASES, "total"])
-    long = long.assign(name=long["name"].map(_phase))
-    wide = long.pivot(index=index, columns="name", values="value")  # one row per (index, name) already
-    extra = sorted(set(wide.columns) - set(PHASES))
-    wide = wide.reindex(columns=[*PHASES, *extra]).fillna(0.0)
-    wide.columns.name = None
-    wide["total"] = wide.sum(axis=1)
-    return wide.reset_index()
-
-def _phase(name: str) -> str:
-    return name[:-3] if name.endswith("(s)") else name
-
-
-def _flatten(value: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}"))
-        return out
-    return {prefix: json.dumps(value) if isinstance(value, list) else value}
-

@@ -1,4 +1,4 @@
-"""Runs one cell of the compatibility matrix (engine/compat.py) on real gloo ranks.
+"""Runs one cell of the compatibility matrix (tools/matrix/compat.py) on real gloo ranks.
 
 A cell's runs on its own ranks go through one `run_ranks` call (forkserver ranks, the engine's own
 Trainer on each), in this order: the cell's run (checkpoint at CHECKPOINT_STEP), the same-layout
@@ -9,7 +9,7 @@ it ends, so a run that fails or hangs loses nothing before it. The parity refere
 process when it is one process, on its own ranks otherwise, and once per distinct reference.
 
 `PYTHONPATH=. python tests/matrix_runner.py CELL ...` runs cells and prints their results (nothing recorded;
-`make matrix CELLS=...` records them, engine/compat_results.py `record`, and regenerates docs/compatibility.md).
+`make matrix CELLS=...` records them, tools/matrix/compat_doc.py `record`, and regenerates docs/compatibility.md).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import compat, compat_results
+from tools.matrix import compat, compat_results
 
 _REFERENCES: dict[str, dict[str, Any]] = {}  # reference key -> {"losses", "val"} or {"error"}
 PLANTED_SCALE = 1.001  # planted_entry's loss scale on several ranks (tests/test_matrix.py)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from profilers.collectives import (aggregate, algbw, bus_factor, busbw, format_busbw_table,
-                                   spawn_commbench, sweep_sizes, union_time)
+from profilers.bandwidth import aggregate, algbw, bus_factor, busbw, union_time
+from profilers.commbench import format_busbw_table, spawn_commbench, sweep_sizes
 from profilers.rendezvous import hosted_store
 
 WORLD = 2
@@ -66,7 +66,7 @@ def test_aggregate_and_union_time() -> None:
 
 
 def test_axis_keys_and_blocking_time() -> None:
-    from profilers.collectives import blocking_time, event_key, split_key
+    from profilers.bandwidth import blocking_time, event_key, split_key
 
     def ev(axis: str, scope: str, start: float, end: float, functional: bool = True) -> dict[str, Any]:
         return {"op": "all_reduce", "axis": axis, "scope": scope, "functional": functional, "bytes": 8,

@@ -19,7 +19,7 @@ from parallel_harness import run_ranks
 
 from engine.comm.compress import bucket_wire, step_wire_bytes
 from engine.config import load_config, to_dict
-from profilers.collectives import bus_factor
+from profilers.bandwidth import bus_factor
 from tuning.simulator import compression_wire_bytes, from_run_config
 
 DP = 3

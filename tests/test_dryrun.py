@@ -173,7 +173,7 @@ def test_workbench_dryrun_prints_the_simulators_figures_beside_its_own(tmp_path)
     micro-batch) are the dry run's, less the loss all-reduce; memory rows carry both columns."""
     from types import SimpleNamespace
 
-    from workbench.cli import console
+    from workbench.cli_common import console
     from workbench.cli_dryrun import _print_report
 
     config = tmp_path / "c.yaml"

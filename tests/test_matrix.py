@@ -1,7 +1,7 @@
-"""The compatibility matrix (engine/compat.py): its rules as units, the generated document, and the
+"""The compatibility matrix (tools/matrix/compat.py): its rules as units, the generated document, and the
 cells on real ranks (tests/matrix_runner.py).
 
-`test_cell` runs CI's rotating slice by default (engine/compat_results.py `sample`: cells without a
+`test_cell` runs CI's rotating slice by default (tools/matrix/compat_results.py `sample`: cells without a
 current result first, one of more than 4 ranks, then cells of <= 4 ranks shuffled by the UTC date
 (`MATRIX_SEED` overrides it) within SAMPLE_BUDGET_S of recorded seconds), and records each result
 into docs/data/matrix.json and re-renders docs/compatibility.md (`MATRIX_RECORD=` turns that off,
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import compat, compat_results
-from engine.compat import FEATURES, Cell
-from engine.compat_doc import render
-from engine.compat_results import load_results, status
+from tools.matrix import compat, compat_doc, compat_results
+from tools.matrix.compat import FEATURES, Cell
+from tools.matrix.compat_doc import render
+from tools.matrix.compat_results import load_results, status
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / compat_results.RESULTS_PATH
@@ -46,12 +46,12 @@ _DONE: list[float] = []  # seconds of each cell run so far (the progress line)
 
 @pytest.mark.xdist_group("matrix")  # with test_cell, which rewrites both files
 def test_committed_document_is_the_generated_one() -> None:
-    """docs/compatibility.md is `python -m engine.compat --write` of the recorded results for the code
+    """docs/compatibility.md is `python -m tools.matrix --write` of the recorded results for the code
     as it is: a change to engine/ or profilers/ shows its cells as stale once the page is rendered."""
     committed = (ROOT / compat_results.DOC_PATH).read_text()
     assert committed == render(load_results(RESULTS)), \
         "docs/compatibility.md is not the render of docs/data/matrix.json for the current code: run " \
-        "`python -m engine.compat --write` (renders only, seconds), or `make matrix` (re-runs the stale cells)"
+        "`python -m tools.matrix --write` (renders only, seconds), or `make matrix` (re-runs the stale cells)"
 
 
 @pytest.mark.xdist_group("matrix")
@@ -80,14 +80,14 @@ def test_every_accepted_cell_has_a_passing_current_result() -> None:
 @pytest.mark.xdist_group("matrix")
 @pytest.mark.parametrize("cell", SELECTED)
 def test_cell(cell: str, request: pytest.FixtureRequest) -> None:
-    """Parity with a reference in another layout and both resumes (engine/compat.py's module docstring)."""
+    """Parity with a reference in another layout and both resumes (tools/matrix/compat.py's module docstring)."""
     from matrix_runner import run_cell, summary
 
     result = run_cell(cell)
     target = os.environ.get("MATRIX_RECORD", str(RESULTS))
     if target:
         same = Path(target).resolve() == RESULTS.resolve()
-        compat_results.record(result, target, doc=ROOT / compat_results.DOC_PATH if same else None)
+        compat_doc.record(result, target, doc=ROOT / compat_results.DOC_PATH if same else None)
     _progress(request, cell, result)
     assert result["ok"], f"{summary(result)}\nsample seed {SEED}; re-run: make matrix CELLS={cell}"
 
@@ -290,14 +290,15 @@ def test_the_code_hash_covers_uncommitted_changes(tmp_path: Path) -> None:
     (tmp_path / "profilers").mkdir()
     (tmp_path / "engine" / "a.py").write_text("x = 1\n")
     (tmp_path / "profilers" / "b.py").write_text("y = 1\n")
-    (tmp_path / "engine" / "compat_doc.py").write_text("# renders only\n")
+    (tmp_path / "tools" / "matrix").mkdir(parents=True)  # the matrix runner: outside the hashed code
+    (tmp_path / "tools" / "matrix" / "compat_doc.py").write_text("# renders only\n")
     git = ["git", "-C", str(tmp_path), "-c", "user.email=m@x", "-c", "user.name=m"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "c"], check=True)
     first = compat_results.code_state(tmp_path)
     assert not first["dirty"] and len(first["commit"]) == 12
-    (tmp_path / "engine" / "compat_doc.py").write_text("# renders otherwise\n")
+    (tmp_path / "tools" / "matrix" / "compat_doc.py").write_text("# renders otherwise\n")
     assert compat_results.code_state(tmp_path)["code"] == first["code"]
     (tmp_path / "profilers" / "b.py").write_text("y = 2\n")  # uncommitted
     second = compat_results.code_state(tmp_path)

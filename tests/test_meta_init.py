@@ -41,7 +41,8 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_a_meta_build_materialises_exactly_the_seeded_build(name):
     """Every parameter and buffer bit-equal to the full CPU build, ties kept, the generator where
     that build leaves it (dropout draws after it continue the same stream)."""
-    from engine.meta_init import build_model, materialize
+    from engine.build import build_model
+    from engine.meta_init import materialize
 
     cfg = load_config(None, MODELS[name]).model
     reference = build_model(cfg, seed=5, device="cpu")
@@ -87,8 +88,9 @@ def test_a_draw_nothing_needs_advances_the_generator_in_pieces_as_in_one_call(mo
 def test_hf_weights_are_read_slice_by_slice_as_from_pretrained_loads_them(tmp_path):
     """model.hf_weights on meta: the same tensors (and generator state) as transformers'
     from_pretrained, for Mixtral's per-expert save format and a tied Llama (lm_head not saved)."""
+    from engine.build import build_model
     from engine.hf import reference_model
-    from engine.meta_init import build_model, materialize
+    from engine.meta_init import materialize
 
     for name in ("mixtral", "llama-tied-pad"):
         folder = tmp_path / name
@@ -106,9 +108,10 @@ def test_hf_weights_are_read_slice_by_slice_as_from_pretrained_loads_them(tmp_pa
 def test_a_checkpoint_missing_a_parameter_is_refused_in_one_line(tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from engine.build import build_model
     from engine.errors import ConfigError
     from engine.hf import reference_model
-    from engine.meta_init import build_model, materialize
+    from engine.meta_init import materialize
 
     reference_model(load_config(None, MODELS["llama"]).model, seed=7).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
@@ -123,8 +126,9 @@ def test_a_checkpoint_missing_a_parameter_is_refused_in_one_line(tmp_path):
 
 def _rank_parts(rank: int, world: int, overrides: list[str]) -> dict:
     """This rank's parts after parallelize() of a meta build, against the full CPU build's slices."""
-    from engine.meta_init import _owned, build_model
+    from engine.build import build_model
     from engine.mesh import ParallelDims
+    from engine.meta_init import _owned
     from engine.parallelize import parallelize
 
     torch.set_num_threads(1)
@@ -202,7 +206,7 @@ def test_each_rank_reads_its_own_part_of_hf_weights(tmp_path, model, extra):
 def _losses(rank: int, world: int, overrides: list[str], legacy: bool) -> list[float]:
     """The Trainer's losses, the model built on meta (now) or whole on CPU (`legacy`: e19d228's way)."""
     import engine.compose as compose
-    from engine.meta_init import build_model
+    from engine.build import build_model
     from engine.train import Trainer
 
     torch.set_num_threads(1)
@@ -259,7 +263,7 @@ def _memory_after_layout(rank: int, world: int, overrides: list[str], legacy: bo
 
     torch.set_num_threads(1)
     if legacy:
-        from engine.meta_init import build_model
+        from engine.build import build_model
 
         engine.compose.build_model = lambda cfg, *, seed, device: build_model(cfg, seed=seed, device="cpu")
     cfg = load_config(None, overrides)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import compat
+from tools.matrix import compat
 from parallel_harness import run_ranks
 
 SCHEDULES = ("zbv", "dualpipev")
-TOL = 1e-4  # the matrix's parity tolerance (engine/compat.py PARITY_TOL)
+TOL = 1e-4  # the matrix's parity tolerance (tools/matrix/compat.py PARITY_TOL)
 
 
 def _flat(**knobs) -> dict:

@@ -148,7 +148,7 @@ def test_older_store_is_migrated_by_two_processes_at_once(tmp_path):
 def test_a_run_the_tuner_pruned_reads_pruned_not_interrupted():
     import optuna
 
-    from engine.launch import stop_status
+    from engine.run_record import stop_status
 
     assert stop_status(optuna.TrialPruned(3)) == ("pruned", "pruned by the tuner at step 3")
     assert stop_status(KeyboardInterrupt())[0] == "interrupted"

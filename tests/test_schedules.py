@@ -330,7 +330,7 @@ def test_calibrate_reads_the_costs_off_a_recorded_step():
     Calibrated from it, the walk reproduces the step and its measured bubble in both forms; with
     one shared core, `_ps_step`'s stretched spans are read back as F 1, B 2 of work (plain means:
     stage 0 F 1.5)."""
-    from tuning.sim_schedule import calibrate, measured_bubble, predicted_timeline
+    from tuning.calib_schedule import calibrate, measured_bubble, predicted_timeline
 
     step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
             1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,
@@ -362,7 +362,7 @@ def test_drawn_walks_draw_the_actions_work_and_keep_the_host_work_at_its_mean():
     (`draw_p2p=False`; see `test_host_work_runs_while_the_input_is_in_flight`)."""
     import random
 
-    from tuning.sim_schedule import calibrate, predicted_bubble, predicted_timeline
+    from tuning.calib_schedule import calibrate, predicted_bubble, predicted_timeline
 
     spans = {0: [("0F0", 0.5, 1.5), ("0F1", 1.7, 2.7), ("0B0", 7.8, 9.8), ("0B1", 10.3, 12.3)],
              1: [("1F0", 2.0, 3.0), ("1F1", 3.8, 4.8), ("1B0", 5.3, 7.3), ("1B1", 7.8, 9.8)]}
@@ -431,7 +431,7 @@ def test_calibrate_reads_each_ranks_own_host_work():
     (`per_kind=False`): the kinds' factors pooled over both ranks are not 1 on this step. The form
     tested is the one before 2026-11-24's last change (host work after the input is in,
     `overlap=False`)."""
-    from tuning.sim_schedule import calibrate, predicted_timeline
+    from tuning.calib_schedule import calibrate, predicted_timeline
 
     spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.2, 13.2)],
              1: [("1F0", 2.3, 3.3), ("1F1", 4.1, 5.1), ("1B0", 5.9, 7.9), ("1B1", 8.7, 10.7)]}
@@ -462,7 +462,8 @@ def test_the_walk_charges_each_kinds_host_work():
     from torch.distributed.pipelining.schedules import _Action
 
     from engine.parallel.schedules import with_comms
-    from tuning.sim_schedule import Costs, calibrate, walk
+    from tuning.calib_schedule import calibrate
+    from tuning.sim_schedule import Costs, walk
 
     a = _Action.from_str
     actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
@@ -501,7 +502,8 @@ def test_host_work_runs_while_the_input_is_in_flight():
     from torch.distributed.pipelining.schedules import _Action
 
     from engine.parallel.schedules import with_comms
-    from tuning.sim_schedule import Costs, calibrate, predicted_timeline, walk
+    from tuning.calib_schedule import calibrate, predicted_timeline
+    from tuning.sim_schedule import Costs, walk
 
     a = _Action.from_str
     actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
@@ -629,7 +631,7 @@ def test_show_reads_the_executed_schedule(tmp_path):
 def test_a_step_priced_from_another_runs_costs():
     """Out of sample (issue 36.3): `priced_from` reads the prices off another recorded step, so a
     step can be predicted from an earlier run's costs; pricing a step from itself is the default."""
-    from tuning.sim_schedule import predicted_timeline
+    from tuning.calib_schedule import predicted_timeline
 
     step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
             1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,

@@ -8,12 +8,12 @@ def test_names_and_helpers_are_one_object():
     from engine import validate
     from engine.comm import compress, link
     from engine.parallel import pipeline
-    from profilers import collectives
+    from profilers import bandwidth
     from tuning import simulator, space
 
     assert compress.COMPRESSORS is validate.COMPRESSORS and tuple(compress.HOOKS) == validate.COMPRESSORS
     assert pipeline.SCHEDULES is validate.SCHEDULES
-    assert link.bus_factor is collectives.bus_factor  # profilers owns it: engine imports profilers
+    assert link.bus_factor is bandwidth.bus_factor  # profilers owns it: engine imports profilers
     assert space._divisors is validate.divisors and simulator._divisors is validate.divisors
 
 

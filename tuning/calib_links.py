@@ -21,7 +21,7 @@ def measure_allreduce(world: int, *, max_bytes: int = 16 << 20, iters: int = 20,
     all-reduce and 3.4 ms per FSDP2 collective. The per-size median over `repeats` spawns is fitted
     (each in-situ time is a difference of two noisy loops). `work_s=0`: the back-to-back loop.
     """
-    from profilers.collectives import bus_factor
+    from profilers.bandwidth import bus_factor
 
     return _fit_in_situ("all_reduce", world, bus_factor("all_reduce", world), max_bytes=max_bytes, iters=iters,
                         repeats=repeats, work_s=work_s)
@@ -40,7 +40,7 @@ def measure_fsdp_collectives(world: int, *, max_bytes: int = 4 << 20, iters: int
     (alpha s, busbw GB/s) of all_gather_into_tensor and reduce_scatter_tensor. On gloo they are not the
     all-reduce: at 2 ranks a 1 MB reduce-scatter cost 4.2 ms where the 1 MB all-reduce (twice the bus bytes)
     cost 3.0 ms, and the engine's ZeRO-3 runs recorded about 3.4 ms per FSDP2 collective."""
-    from profilers.collectives import bus_factor
+    from profilers.bandwidth import bus_factor
 
     out = {}
     for op, key in (("all_gather", "allgather"), ("reduce_scatter", "reduce_scatter")):
@@ -54,7 +54,7 @@ def _fit_in_situ(op: str, world: int, factor: float, *, max_bytes: int, iters: i
                  work_s: float) -> tuple[float, float]:
     """(alpha s, GB/s) of `op` at `world` ranks: the per-size median over `repeats` commbench
     spawns (`work_s` of compute before each call), fitted on relative error."""
-    from profilers.collectives import spawn_commbench, sweep_sizes
+    from profilers.commbench import spawn_commbench, sweep_sizes
 
     samples: dict[int, list[float]] = {}
     for _ in range(repeats):

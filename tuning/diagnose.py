@@ -31,7 +31,8 @@ from typing import Any
 
 import pandas as pd
 
-from profilers.store import PHASES, RunStore, default_home
+from profilers.records import PHASES
+from profilers.store import RunStore, default_home
 
 EXPOSED_COMM = 0.20  # a rank's share of the step in exposed communication worth a finding
 BUBBLE = 0.15
@@ -41,7 +42,7 @@ SLOW_RANK = 1.25  # a rank computing this much longer than the other ranks' medi
 SPREAD = 0.20  # exposed-comm shares this far apart between ranks: one rank waits far longer
 PARTS = {"compute": ("forward", "backward", "other"), "comm": ("comm_exposed",), "bubble": ("bubble",),
          "optimizer": ("optimizer",)}
-"""Measured phases (profilers.store.PHASES) per simulated part; data loading has no simulated part."""
+"""Measured phases (profilers.records.PHASES) per simulated part; data loading has no simulated part."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import RunConfig
+from tuning.export_common import engine_only, rope_of, tokenizer_folder
 
 # engine schedule -> torch.distributed.pipelining class name, which torchtitan takes verbatim
 TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
@@ -37,26 +38,6 @@ def _hf(cfg: RunConfig) -> tuple[str | None, str | None]:
 
     path = Path(os.path.abspath(spec))  # the target runs elsewhere: absolute, as given (no symlinks resolved)
     return read_hf_config(path).get("model_type"), str(path if path.is_dir() else path.parent)
-
-
-def engine_only(cfg: RunConfig, target: str) -> list[str]:
-    """Knobs that exist only in this engine (compression, CO2, emulated links, FlexSP, Holmes, live tuning)."""
-    p, out = cfg.parallel, []
-    if cfg.comm.compressor != "none":
-        out.append(f"comm.compressor={cfg.comm.compressor} (no gradient compression hook in {target})")
-    if cfg.co2.enabled:
-        out.append(f"co2.enabled (no CO2 local-update overlap in {target})")
-    if cfg.link.gbps > 0 or cfg.link.groups:
-        out.append("link.* (an emulated link only exists in the workbench)")
-    if p.adaptive_sp:
-        out.append(f"parallel.adaptive_sp (FlexSP's per-step sequence groups have no {target} equivalent)")
-    if p.placement != "naive":
-        out.append(f"parallel.placement={p.placement} ({target} places ranks in mesh order)")
-    if cfg.live.every:
-        out.append("live.every (live in-job tuning is the workbench's)")
-    if cfg.comm.moe_compression != "none" or cfg.comm.moe_hierarchical:
-        out.append(f"comm.moe_* (MoE all_to_all variants of the workbench, not {target}'s)")
-    return out
 
 
 def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
@@ -154,8 +135,6 @@ def _titan_weights(cfg: RunConfig) -> dict[str, Any]:
 def _titan_model(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     """torchtitan's model.name / flavor of exactly the run's model, its tokenizer folder and initial
     weights; ValueError (one line) when no registered flavor has the model's shape."""
-    from tuning.export_megatron import tokenizer_folder
-
     name, flavor = titan_flavor(cfg)
     model: dict[str, Any] = {"name": name, "flavor": flavor}
     _, assets = _hf(cfg)
@@ -201,8 +180,6 @@ def titan_flavor(cfg: RunConfig) -> tuple[str, str]:
 def _hf_fields(data: dict[str, Any], *, block_causal: bool) -> dict[str, Any]:
     """The fields a torchtitan flavor must equal, read from a config.json."""
     from engine.shapes import from_hf_config
-    from tuning.export_megatron import rope_of
-
     shape, rope = from_hf_config(data), rope_of(data)
     scaling = None
     if rope["rope_type"] == "llama3":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import RunConfig
+from tuning.export_common import engine_only, rope_of, tokenizer_folder
 
 # megatron-core's llama3 rope scaling has these fixed (RotaryEmbedding._apply_scaling's defaults)
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -31,15 +32,6 @@ def _num(x: float) -> str:
 
 def _flags(pairs: list[tuple[str, Any]]) -> list[str]:
     return [tok for flag, value in pairs for tok in (flag, _num(value) if isinstance(value, float) else str(value))]
-
-
-def rope_of(data: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and scaling of a config.json in either form (transformers 5's rope_parameters, or the
-    hub's rope_theta + rope_scaling)."""
-    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
-    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-    return rope
 
 
 def _rope_flags(data: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -149,20 +141,6 @@ def model_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
     return args, notes
 
 
-def tokenizer_folder(cfg: RunConfig) -> str | None:
-    """The Hugging Face tokenizer (a folder or a tokenizer.json's folder): data.tokenizer, else the folder
-    of model.hf when it holds one."""
-    if cfg.data.tokenizer:  # absolute: the target runs elsewhere
-        tok = Path(os.path.abspath(cfg.data.tokenizer))
-        return str(tok.parent if tok.suffix == ".json" else tok)
-    if isinstance(cfg.model.hf, str):
-        folder = Path(os.path.abspath(cfg.model.hf))
-        folder = folder if folder.is_dir() else folder.parent
-        if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-            return str(folder)
-    return None
-
-
 def _data_flags(cfg: RunConfig) -> tuple[list[str], list[str], list[str]]:
     """(flags, shell lines to run first, notes): the tokenizer, --data-path and --split."""
     d, m = cfg.data, cfg.model
@@ -244,8 +222,6 @@ def _layout_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
 
 def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """Megatron-LM pretrain_gpt.py arguments (one token each), and what the export does not carry."""
-    from tuning.export_frameworks import engine_only
-
     args, notes = [], []
     for part in (model_flags, _layout_flags, _schedule_flags):
         a, n = part(cfg)

@@ -26,7 +26,8 @@ from optuna.trial import TrialState
 
 from engine.config import RunConfig, replace
 from engine.errors import ConfigError
-from engine.launch import RunResult, launch
+from engine.launch import launch
+from engine.run_record import RunResult
 from engine.live import inert_knobs
 from profilers.store import RunStore, default_home
 from tuning.objective import PARETO, THROUGHPUT

@@ -19,7 +19,8 @@ import optuna
 
 from engine.config import RunConfig, replace
 from engine.errors import ConfigError
-from engine.launch import RunResult, launch
+from engine.launch import launch
+from engine.run_record import RunResult
 from tuning.space import SearchSpace
 
 THROUGHPUT = "throughput"
@@ -223,7 +224,7 @@ class Objective:
         ``comm_by_axis`` gives the recorded traffic per mesh axis (bytes and seconds per step
         per rank), e.g. ``{"tp": {"bytes": ..., "time_s": ...}}``; ``tp_comm_s`` and
         ``pp_comm_s`` are its seconds, named as the simulator's predictions."""
-        from profilers.collectives import split_key
+        from profilers.bandwidth import split_key
         from profilers.store import RunStore
 
         store = RunStore.open_home(self.home)

@@ -5,7 +5,6 @@ rank's traceback is shown with its rank, since that is the user's own error to r
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -14,16 +13,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from engine.errors import ConfigError, JoinTimeout, RankFailure
+from workbench.cli_common import check_launcher, check_number, console, err, fail, print_json, stop_on_sigterm
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Profile and tune distributed deep-learning training.")
-console = Console()
-err = Console(stderr=True)
 
 HOME_HELP = "Workbench home (run store, studies); default $WORKBENCH_HOME or ./.workbench"
 
@@ -47,30 +43,6 @@ def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP),
             fail(f"--runs={runs!r}: must be a postgresql:// URL (e.g. postgresql://USER@HOST:5432/DB); "
                  "the SQLite run store is runs.db under --home")
         os.environ[RUNS_ENV] = runs  # the ranks, tuner workers and the dashboard inherit it
-
-
-def fail(message: str, code: int = 2) -> None:
-    # one line however narrow the terminal (soft_wrap: rich inserts no newlines); the message is not markup
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def check_number(flag: str, value: float | None, minimum: float, *, exclusive: bool = False,
-                 maximum: float | None = None) -> None:
-    """Exit 2 with `--flag=value: must be >= minimum` when a numeric option is out of range
-    (None passes: the option was left unset)."""
-    if value is None:
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        fail(f"{flag}={value}: must be a finite number")
-    if value < minimum or (exclusive and value == minimum):
-        fail(f"{flag}={value}: must be {'>' if exclusive else '>='} {minimum:g}")
-    if maximum is not None and value > maximum:
-        fail(f"{flag}={value}: must be <= {maximum:g}")
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def _load(config: Optional[Path], overrides: list[str]):
@@ -148,33 +120,9 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     except KeyboardInterrupt:
         fail("interrupted: every rank was stopped and the run is marked interrupted in the store", code=130)
     if as_json:
-        _print_json(_run_json(result))
+        print_json(_run_json(result))
     else:
         _print_summary(result)
-
-
-def check_launcher(launcher: str, dry_run: bool, *, multi_node: bool = False) -> None:
-    """--launcher is local or slurm; --dry-run and slurm go together; Slurm sizes its own nodes."""
-    from engine.validate import LAUNCHERS
-
-    if launcher not in LAUNCHERS:
-        fail(f"--launcher={launcher!r}: must be one of {', '.join(LAUNCHERS)}")
-    if dry_run and launcher != "slurm":
-        fail("--dry-run: shows a Slurm job; add --launcher slurm")
-    if multi_node and launcher == "slurm":
-        fail("--nnodes/--rdzv-endpoint: Slurm starts every node itself; set cluster.nodes (--set cluster.nodes=2)")
-    if launcher == "slurm" and not dry_run:
-        check_sbatch()
-
-
-def check_sbatch() -> None:
-    """One line, before any run or study is registered, when Slurm's sbatch is missing."""
-    from engine.slurm import SlurmError, require_sbatch
-
-    try:
-        require_sbatch()
-    except SlurmError as exc:
-        fail(str(exc))
 
 
 def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -> None:
@@ -194,17 +142,7 @@ def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -
         fail(str(exc), code=1)
     except KeyboardInterrupt:
         fail("interrupted: the run's Slurm job was cancelled and the run is marked interrupted", code=130)
-    _print_json(_run_json(result)) if as_json else _print_summary(result)
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM (a dashboard's stop, scancel of an enclosing job) unwinds like Ctrl-C: jobs are cancelled."""
-    import signal
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    print_json(_run_json(result)) if as_json else _print_summary(result)
 
 
 def _launch_slurm_quietly(cfg, timeout: Optional[float]):
@@ -281,7 +219,7 @@ def runs(limit: int = typer.Option(20, help="How many runs, newest first"),
     check_number("--limit", limit, 1)
     rows = RunStore.open_home().runs(limit=limit)
     if as_json:
-        _print_json([{k: r.get(k) for k in ("run_id", "name", "status", "world_size", "layout", "created",
+        print_json([{k: r.get(k) for k in ("run_id", "name", "status", "world_size", "layout", "created",
                                              "ended", "error", "summary")} for r in rows])
         return
     if not rows:
@@ -313,7 +251,7 @@ def show(run_id: str = typer.Argument(..., help="Run id (see `workbench runs`)")
     if report is None:
         fail(f"run_id={run_id!r}: no such run in the store; see `workbench runs`")
     if as_json:
-        _print_json(report)
+        print_json(report)
         return
     from workbench.report import print_report
 
@@ -329,7 +267,7 @@ def commbench(world: int = typer.Option(2, help="Ranks"),
               iters: int = typer.Option(5, help="Timed iterations per size"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Sweep collective sizes from 1 KB and print bus bandwidth like nccl-tests."""
-    from profilers.collectives import SWEEP_OPS, format_busbw_table, spawn_commbench, sweep_sizes
+    from profilers.commbench import SWEEP_OPS, format_busbw_table, spawn_commbench, sweep_sizes
 
     if world < 2:
         fail(f"--world={world}: needs at least 2 ranks")
@@ -342,7 +280,7 @@ def commbench(world: int = typer.Option(2, help="Ranks"),
     _check_commbench_memory(world, max_mb)
     rows = spawn_commbench(world, ops.split(","), sweep_sizes(max_bytes=int(max_mb * 2**20)), iters)
     if as_json:
-        _print_json(rows)
+        print_json(rows)
     else:
         console.print(format_busbw_table(rows), highlight=False, markup=False)
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from workbench.cli import _print_json, check_number, console, fail
+from workbench.cli_common import check_number, console, fail, print_json
 
 DEVICE_MEMORY_HELP = "Device memory per rank in GiB: refuse (exit 2) when the busiest rank's peak is above it"
 
@@ -46,7 +46,7 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
     except ConfigError as exc:
         fail(str(exc))
     if as_json:
-        _print_json({**report, "fits": error is None, "refusal": str(error) if error else None})
+        print_json({**report, "fits": error is None, "refusal": str(error) if error else None})
     else:
         _print_report(cfg, report)
     if error is not None:

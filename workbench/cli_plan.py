@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from workbench.cli import _print_json, check_number, console, err, fail
+from workbench.cli_common import check_number, console, err, fail, print_json
 
 EXPORT_FILES = {"yaml": "config.yaml", "megatron": "megatron.sh", "deepspeed": "deepspeed.json",
                 "torchtitan": "torchtitan.toml", "accelerate": "accelerate.yaml"}
@@ -127,7 +127,7 @@ def _show(result, as_json: bool, checks: list) -> None:
     from workbench.cli_sim import _shape_text, print_frame
 
     if as_json:
-        _print_json({"model": _shape_text(result.model), "params": result.model.params, "cluster": result.cluster.name,
+        print_json({"model": _shape_text(result.model), "params": result.model.params, "cluster": result.cluster.name,
                      "gpus": result.gpus, "target": result.target, "calibration": result.calibration,
                      "layouts": result.table.to_dict(orient="records"), "dry_runs": [c.to_dict() for c in checks]})
         return

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from workbench.cli import _print_json, check_number, console, err, fail
+from workbench.cli_common import check_number, console, err, fail, print_json
 
 MODEL_PRESETS = {  # Narayanan et al. 2021 Table 1 shapes (seq 2048, vocab 51200)
     "22b": "layers=48,hidden=6144,heads=64,seq=2048,vocab=51200",
@@ -176,7 +176,7 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
                 "cluster": spec.name, "gpus": gpus, "framework": par.framework})
     out.update(_interval(result.iteration_time_s, mdl, spec, par))
     if as_json:
-        _print_json(out)
+        print_json(out)
         return
     _print_one(out, mdl, spec, gpus)
 
@@ -259,7 +259,7 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         write_report(report, df, best, sens, title=f"{mdl.params / 1e9:.0f}B on {gpus} GPUs ({spec.name})",
                      domain=top.get("domain"), interval_s=top.get("interval_s"))
     if as_json:
-        _print_json(out)
+        print_json(out)
         return
     console.print(f"{len(df):,} valid configs ({out['fit']:,} fit in memory) in {seconds:.2f} s; "
                   f"{out['extrapolated']:,} lie outside the validated domain (column extrapolated: their "
@@ -297,7 +297,7 @@ def _validate(as_json: bool) -> None:
     summary, missing, memory = summarize(loso_table), unvalidated(loso_table), memory_check(memory_facts())
     pooled = float(out_of_source["in_sample_error_pct"].abs().median())
     if as_json:
-        _print_json({"loso": by_source.to_dict(orient="records"), "fitted_terms": list(FITTED_TERMS),
+        print_json({"loso": by_source.to_dict(orient="records"), "fitted_terms": list(FITTED_TERMS),
                      "fitted_term_count": len(FITTED_TERMS), "in_sample_pooled_median_abs_error_pct": pooled,
                      "tables": tables.to_dict(orient="records"), "sources": srcs,
                      "cited_tables": cited.to_dict(orient="records"), "rows": loso_table.to_dict(orient="records"),
@@ -417,7 +417,7 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
              f"the check with --no-check", code=1)
     path = save_cluster(spec, output or default_home() / "hardware" / f"cpu-local-{world}.yaml")
     if as_json:
-        _print_json({"profile": str(path), **cluster_to_dict(spec), "check": verdict})
+        print_json({"profile": str(path), **cluster_to_dict(spec), "check": verdict})
         return
     console.print(f"GEMM peak {spec.peak_flops / 1e9:.1f} GFLOP/s per rank; all-reduce alpha "
                   f"{spec.intra_latency_s * 1e6:.0f} us, busbw {spec.intra_bw_gb_s:.2f} GB/s; written to {path}")

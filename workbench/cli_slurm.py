@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.cli import console, err, fail
+from workbench.cli_common import console, err, fail
 
 # options of the submitting command that each worker gets afresh (its share, no re-submission)
 _WORKER_FLAGS = ("--workers", "--trials", "--total-trials", "--seed", "--launcher")

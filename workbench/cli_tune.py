@@ -13,7 +13,8 @@ import typer
 from rich.table import Table
 
 from engine.errors import ConfigError
-from workbench.cli import _print_json, check_number, console, err, fail
+from workbench.cli_common import (check_launcher, check_number, check_sbatch, console, err, fail, print_json,
+                                  stop_on_sigterm)
 
 
 def _base_config(base: Optional[Path], overrides: list[str]):
@@ -162,8 +163,6 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
                         trial_timeout_s=trial_timeout, cluster=local_profile(sp.world_size or cfg.world_size),
                         launcher=launcher)
         if launcher == "slurm":  # a cancelled worker job (SIGTERM) cancels its trial's job on the way out
-            from workbench.cli import stop_on_sigterm
-
             stop_on_sigterm()
         children = _spawn_jobs(sys.argv, trials, jobs)
         mine = trials // jobs + (1 if trials % jobs else 0)
@@ -175,7 +174,7 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
     summary = summarize(st, storage or "default sqlite")
     trend = _prediction_trend(st)
     if as_json:
-        _print_json({**summary.to_dict(), **trend})
+        print_json({**summary.to_dict(), **trend})
     else:
         _print_study_table(st, summary, storage)
         _print_prediction_trend(trend)
@@ -188,8 +187,6 @@ def tune(space: Path = typer.Argument(..., help="Search space YAML"),
 
 def _check_slurm_flags(launcher: Optional[str], workers: int, dry_run: bool, *, live: bool, jobs: int) -> None:
     """--launcher, --workers and --dry-run: in range and in agreement, before a study or a job exists."""
-    from workbench.cli import check_launcher
-
     check_launcher(launcher or "local", dry_run)
     check_number("--workers", workers, 0)
     if workers and launcher != "slurm":
@@ -207,8 +204,6 @@ def _study_launcher(st, asked: Optional[str]) -> str:
     except ValueError as exc:
         fail(str(exc))
     if launcher == "slurm":  # a worker following the study's launcher: before its first trial
-        from workbench.cli import check_sbatch
-
         check_sbatch()
     return launcher
 def _prediction_trend(st) -> dict[str, Any]:
@@ -398,7 +393,7 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
 
     rows = _storage_call(list_studies, storage)
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     if not rows:
         console.print("No studies yet: try `workbench tune examples/space.yaml --base examples/tiny.yaml --trials 4`.")

@@ -295,7 +295,7 @@ def collectives_frame(collectives: dict[str, dict[str, float]]):
     count, bytes, time(s), busbw(GB/s), sorted by axis then op."""
     import pandas as pd
 
-    from profilers.collectives import split_key
+    from profilers.bandwidth import split_key
 
     rows = []
     for key, v in sorted(collectives.items(), key=lambda kv: split_key(kv[0])):

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from engine.comm.compress import HookState, OnBytes, _mix_seed, k_for
 from engine.validate import BIDIRECTIONAL_COMPRESSORS
-from profilers.collectives import all_gather_flat, reduce_scatter_flat
+from profilers.bandwidth import all_gather_flat, reduce_scatter_flat
 
 LEGS = ("reduce", "broadcast")
 

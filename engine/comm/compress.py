@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from engine.comm.link import LinkEmulator, bus_factor
 from engine.validate import COMPRESSORS
-from profilers.collectives import all_gather_flat
+from profilers.bandwidth import all_gather_flat
 OnBytes = Callable[[int, int], None]
 Hook = Callable[["CompressionState", dist.GradBucket], torch.futures.Future]
 

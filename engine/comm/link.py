@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine.device import comm_device
 from engine.torch_compat import default_group, rank_not_in_group
-from profilers.collectives import bus_factor  # the one definition (nccl-tests); re-exported here
+from profilers.bandwidth import bus_factor  # the one definition (nccl-tests); re-exported here
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 CostFn = Callable[[Any, dist.GradBucket], float]

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from engine.comm.link import Join, LinkTopology
 from engine.torch_compat import c10d_functional_ops, default_group
-from profilers.collectives import WorkProxy, _nbytes, call_argument  # _nbytes: bytes of a tensor or list, defined once
+from profilers.bandwidth import tensor_bytes  # the bytes of a tensor or a list of them, defined once
+from profilers.collectives import WorkProxy, call_argument
 from profilers.functional import OPS, OpProxy, resolve_group
 
 _COLLECTIVES: dict[str, tuple[str, str, int]] = {  # function -> (op, bytes argument, position)
@@ -111,7 +112,7 @@ class _DelayedOp(OpProxy):
         op, name_at, size_at, times_size = OPS[self._name]
         pg = resolve_group(args[name_at])
         ranks = _group_ranks(pg)
-        nbytes = _nbytes(args[0]) * (len(ranks) if times_size else 1)
+        nbytes = tensor_bytes(args[0]) * (len(ranks) if times_size else 1)
         seconds = topology.delay_for(op, nbytes, ranks)
         joined = Join(start, pg) if seconds > 0 else None
         out = self._packet(*args, **kwargs)
@@ -144,7 +145,7 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
             dst = arg(args, kwargs, "dst")
             if dst is None:
                 dst = dist.get_global_rank(group, arg(args, kwargs, "group_dst"))
-            seconds = topology.p2p_delay(_nbytes(arg(args, kwargs, "tensor")), dist.get_rank(), dst)
+            seconds = topology.p2p_delay(tensor_bytes(arg(args, kwargs, "tensor")), dist.get_rank(), dst)
             if seconds > 0:
                 time.sleep(seconds)
         return original(*args, **kwargs)
@@ -157,7 +158,7 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
             return original(*args, **kwargs)
         start = time.time()
         group = arg(args, kwargs, "group")
-        seconds = topology.delay_for(op, _nbytes(arg(args, kwargs, payload)), _group_ranks(group))
+        seconds = topology.delay_for(op, tensor_bytes(arg(args, kwargs, payload)), _group_ranks(group))
         if seconds <= 0:
             return original(*args, **kwargs)
         joined = Join(start, group)

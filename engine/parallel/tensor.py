@@ -20,7 +20,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from engine.model import GPT, MLP
+from engine.mlp import MLP
+from engine.model import GPT
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, object]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from profilers.store import PHASES
+from profilers.records import PHASES
 from workbench import plots
 from workbench.app_pages import common
 

@@ -1,24 +1,27 @@
-"""docs/compatibility.md, rendered from the matrix (engine/compat.py) and its recorded results.
+"""docs/compatibility.md, rendered from the matrix (tools/matrix/compat.py) and its recorded results.
 
-`python -m engine.compat --write docs/compatibility.md` (make matrix runs it); tests/test_matrix.py
+`python -m tools.matrix --write docs/compatibility.md` (make matrix runs it); tests/test_matrix.py
 checks the committed file equals a fresh render. Torch-free.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine import compat, compat_results
-from engine.compat import FEATURES, Cell
-from engine.compat_results import SYMBOLS, checks, commit_text, load_results
+from tools.matrix import compat, compat_results
+from tools.matrix.compat import FEATURES, Cell
+from tools.matrix.compat_results import SYMBOLS, checks, commit_text, load_results
 
 _METHOD = """\
 Every feature of the engine, every pair of features and the triples people use, each with one
-verdict. The matrix is data (`engine/compat.py`); this page is generated from it and from the
-recorded runs in `docs/data/matrix.json` by `python -m engine.compat --write docs/compatibility.md`
+verdict. The matrix is data (`tools/matrix/compat.py`); this page is generated from it and from the
+recorded runs in `docs/data/matrix.json` by `python -m tools.matrix --write docs/compatibility.md`
 for the code as it is now (`make matrix` re-runs the stale cells and then writes it). Do not edit
 it by hand.
 
@@ -176,7 +179,7 @@ def render(results: Mapping[str, Any], code: str | None = None) -> str:
     stale = Counter(detail.split(";")[0] for kind, detail in statuses.values() if kind == "stale")
     lines = ["# Compatibility matrix", "", method, "## Summary", "",
              f"{len(statuses)} cells ({len(FEATURES)} features alone, every pair, {len(compat.TRIPLES)} triples): "
-             f"{summary}. Code hash `{code}` (`engine/compat_results.py` code_state).", "",
+             f"{summary}. Code hash `{code}` (`tools/matrix/compat_results.py` code_state).", "",
              *_check_totals(statuses, results), "",
              "Stale cells by the commit of their last result: "
              + (", ".join(f"{n} {k}" for k, n in stale.most_common()) or "none") + ".", "",
@@ -196,3 +199,32 @@ def write(doc: str | Path = compat_results.ROOT / compat_results.DOC_PATH,
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(load_results(results)))
     return out
+
+
+def record(result: Mapping[str, Any], path: str | Path, doc: str | Path | None = None) -> None:
+    """Merge one result into the results file, then render `doc` from it. Under a lock on the folder
+    (several processes may record), each file replaced whole (a `make matrix` killed at any point
+    keeps every result recorded before)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        data = load_results(path)
+        data[result["cell"]] = dict(result)
+        _replace(path, json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+        if doc is not None:
+            _replace(Path(doc), render(data))
+    finally:
+        os.close(folder)  # releases the lock
+
+
+def _replace(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -8,7 +8,7 @@ Its verdict is derived, never written by hand:
 - `refused`: `engine.validate.check()` refuses the merged config (its first line is the reason);
 - `pending`: a feature has no fragment yet (named why);
 - `accepted`: then it needs a recorded run (docs/data/matrix.json, tests/matrix_runner.py) of its
-  current plan and code (engine/compat_results.py): `verified` when parity with a reference in a *different*
+  current plan and code (tools/matrix/compat_results.py): `verified` when parity with a reference in a *different*
   layout and both resumes hold, `no reference` when the resumes hold but the cell has no other
   layout to compare with (counted apart), `failed` when a check does not hold, `stale` when the
   result is of another plan or code, `not run` otherwise.
@@ -16,7 +16,7 @@ Its verdict is derived, never written by hand:
 Merging: parallel degrees (`DEGREES`) take the larger value; `set` knobs must agree; `default`
 knobs yield to another feature's `set` (a modifier such as comm.bidirectional defaults to Top-k
 but composes with Rand-k). Each feature says what its parity reference is (`Reference`).
-Torch-free: `python -m engine.compat --write docs/compatibility.md` renders the document.
+Torch-free: `python -m tools.matrix --write docs/compatibility.md` renders the document.
 """
 from __future__ import annotations
 
@@ -520,33 +520,3 @@ def plan(cell: Cell) -> Plan:
 def as_set_args(flat: Mapping[str, Any]) -> list[str]:
     """`--set` style strings of overrides (for messages and `workbench run` commands)."""
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flat.items()]
-
-
-# ---------------------------------------------------------------- the command
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.compat --write [DOC] [--results JSON]` renders the document for the current
-    code; `--sample SEED` prints CI's slice; `--refresh` the cells `make matrix` re-runs."""
-    import argparse
-
-    from engine.compat_doc import write
-    from engine.compat_results import DOC_PATH, RESULTS_PATH, code_state, load_results, sample, to_refresh
-
-    parser = argparse.ArgumentParser(prog="python -m engine.compat", description=main.__doc__)
-    parser.add_argument("--write", nargs="?", const=DOC_PATH, help=f"render the document (default {DOC_PATH})")
-    parser.add_argument("--results", default=RESULTS_PATH, help="recorded results (JSON)")
-    parser.add_argument("--sample", metavar="SEED", help="print the cells of CI's slice for SEED")
-    parser.add_argument("--refresh", action="store_true", help="print the cells without a current passing result")
-    args = parser.parse_args(argv)
-    code = code_state()["code"]
-    if args.sample:
-        print(",".join(sample(args.sample, load_results(args.results), code)))
-    if args.refresh:
-        print(",".join(to_refresh(load_results(args.results), code)))
-    if args.write:
-        print(f"wrote {write(args.write, args.results)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The matrix's recorded results (docs/data/matrix.json): the code they exercised, each cell's status,
 CI's rotating sample and the cells `make matrix` re-runs.
 
-A result is current when it is of the cell's current plan (`engine.compat.plan(...).key`) and of the
+A result is current when it is of the cell's current plan (`tools.matrix.compat.plan(...).key`) and of the
 current code (`code_state`: a content hash of the tracked .py files of engine/ and profilers/ and
 of tests/matrix_runner.py, so uncommitted changes count; the commit is recorded beside it for
 the reader). Any other result is `stale`: shown with the commit it was last verified on, never
@@ -9,25 +9,20 @@ as verified. Torch-free.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import random
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.compat import RESUME_TOL, Cell, cells, merge, plan, verdict, world_of
+from tools.matrix.compat import RESUME_TOL, Cell, cells, merge, plan, verdict, world_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS_PATH = "docs/data/matrix.json"
 DOC_PATH = "docs/compatibility.md"
 CODE_PATHS = ("engine", "profilers", "tests/matrix_runner.py")
-# the plan key covers what compat.py decides for a run; the two others only render and select
-NOT_CODE = ("engine/compat.py", "engine/compat_doc.py", "engine/compat_results.py")
 SAMPLE_BUDGET_S = 180.0  # CI's slice: recorded seconds of the sampled cells (issue 36: at most 4 minutes)
 SAMPLE_MAX_WORLD = 4  # CI's 2 cores: cells of at most 4 ranks, and SAMPLE_BIG above that
 SAMPLE_BIG = 1  # cells of more than SAMPLE_MAX_WORLD ranks in every slice (issue 48)
@@ -49,7 +44,7 @@ def _code_files(root: Path) -> list[str]:
     else:
         names = [str(p.relative_to(root)) for part in CODE_PATHS for p in sorted((root / part).rglob("*.py"))
                  if (root / part).is_dir()] + [p for p in CODE_PATHS if p.endswith(".py")]
-    return sorted(n for n in names if n.endswith(".py") and n not in NOT_CODE and (root / n).is_file())
+    return sorted(n for n in names if n.endswith(".py") and (root / n).is_file())
 
 
 def code_state(root: Path = ROOT) -> dict[str, Any]:
@@ -159,35 +154,3 @@ def to_refresh(results: Mapping[str, Any], code: str) -> list[str]:
     """The accepted cells without a current passing result (stale, not run, failed): `make matrix`."""
     return [c.id for c in cells() if verdict(c).kind == "accepted"
             and status(c, results, code)[0] not in ("verified", "no reference")]
-
-
-
-def record(result: Mapping[str, Any], path: str | Path, doc: str | Path | None = None) -> None:
-    """Merge one result into the results file, then render `doc` from it. Under a lock on the folder
-    (several processes may record), each file replaced whole (a `make matrix` killed at any point
-    keeps every result recorded before)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
-        data = load_results(path)
-        data[result["cell"]] = dict(result)
-        _replace(path, json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
-        if doc is not None:
-            from engine.compat_doc import render
-
-            _replace(Path(doc), render(data))
-    finally:
-        os.close(folder)  # releases the lock
-
-
-def _replace(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
