@@ -114,10 +114,14 @@ def test_a_checkpoint_missing_a_parameter_is_refused_in_one_line(tmp_path):
     from engine.meta_init import materialize
 
     reference_model(load_config(None, MODELS["llama"]).model, seed=7).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"]).model
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    cfg = load_config(None, [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"]).model
+    # validate() refuses it before any rank starts; one that loses the tensor after validation (replaced on disk
+    # before the ranks read it) is refused by materialize itself
+    with pytest.raises(ConfigError, match=r"model\.hf_weights=.*1 tensor\(s\) missing .*layers\.1\.mlp\.up_proj"):
+        load_config(None, [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"])
     with pytest.raises(ConfigError, match=r"model\.hf_weights=.*no tensor for parameter layers\.1\.mlp\.up_proj"):
         materialize([build_model(cfg, seed=0, device="meta")])
 
