@@ -1,7 +1,7 @@
 """This rank's batches: its dp rows of the step's global batch (fixed windows, packed variable-length
 documents, or a real data source's rows read in order), cut to its cp chunk of the sequence.
 
-`RankBatches(...).train(step)` and `.val()` give `Batch` values on the CPU (`Batch.to(device)` moves
+`rank_batches(...)` reads the configured source; `.train(step)` and `.val(n)` give `Batch` values on the CPU (`Batch.to(device)` moves
 them); `cp_shard` is the context-parallel cut alone. The batches are pure functions of the step
 (engine/data.py, engine/lengths.py), except a stream's, which moves on with each call.
 """
@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from engine.data import local_batch, val_batches
+from engine.config import DataConfig, ModelConfig
+from engine.data import build_splits, local_batch, val_batches
+from engine.validate_data import STREAM_SOURCES
 
 
 @dataclass(slots=True)
@@ -120,3 +122,22 @@ class RankBatches:
         # average over dp x cp then gives the global token mean whatever each rank's share
         batch.loss_norm = packed.real_tokens / (self.dp * self.cp)
         return batch
+
+
+def rank_batches(*, data: DataConfig, model: ModelConfig, global_batch: int, seed: int, dp: int = 1, dp_rank: int = 0,
+                 cp: int = 1, cp_rank: int = 0, user_dataset: Any = None) -> RankBatches:
+    """This rank's batches of the configured source: a user's dataset (model.entry; validated on it
+    too: it brings no split, and its samples are fixed), a real data source read in order
+    (engine/data_sources.py), or the built-in token splits (engine/data.py)."""
+    common = dict(global_batch=global_batch, row_len=model.seq_len, seed=seed, dp=dp, dp_rank=dp_rank, cp=cp,
+                  cp_rank=cp_rank, length_mean=data.length_mean, length_sigma=data.length_sigma,
+                  length_max=data.length_max, pack=data.pack)
+    if user_dataset is not None:
+        return RankBatches(train_set=user_dataset, val_set=user_dataset, **common)
+    if data.source in STREAM_SOURCES:
+        from engine.data_sources import build_streams
+
+        stream, val_stream = build_streams(data, model)
+        return RankBatches(stream=stream, val_stream=val_stream, lengths=data.lengths, **common)
+    splits = build_splits(data, model, seed=seed)
+    return RankBatches(train_set=splits.train, val_set=splits.val, lengths=data.lengths, **common)

@@ -20,14 +20,12 @@ from engine import checkpoint as ckpt
 from engine.comm_setup import apply_live_knobs, install_link_groups
 from engine.compose import compose
 from engine.config import RunConfig
-from engine.batches import RankBatches
-from engine.data import Splits, build_splits
+from engine.batches import rank_batches
 from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims
 from engine.loss import global_loss, micro_loss, moe_aux_loss
 from engine.model import flops_per_token, loss_fn
 from engine.parallelize import Parallelized
-from engine.validate_data import STREAM_SOURCES
 from profilers.collectives import CollectiveProfiler
 from profilers.steps import StepTimer
 
@@ -46,6 +44,15 @@ class StepMetrics:
     val_loss: float | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0  # the step by the trainer's own clock, independent of the StepTimer
+
+    def records(self) -> list[tuple[str, str, float]]:
+        """(kind, name, value) records of the step: its own, its val loss, its time breakdown."""
+        out = [("step", name, value) for name, value in (
+            ("loss", self.loss), ("step_time(s)", self.step_time_s), ("wall_time(s)", self.wall_s),
+            ("tokens_per_s", self.tokens_per_s), ("lr", self.lr), ("grad_norm", self.grad_norm))]
+        out += [("step", "mfu", self.mfu)] if self.mfu is not None else []
+        out += [("eval", "val_loss", self.val_loss)] if self.val_loss is not None else []
+        return out + [("breakdown", f"{phase}(s)", seconds) for phase, seconds in self.breakdown.items()]
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -87,33 +94,21 @@ class Trainer:
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
         self._step_events: list[dict[str, Any]] = []
         if self.collectives.enabled:  # records read tp:all_reduce, dp:all_gather, pp:send, ...
-            self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "cp", "tp")
-                                          if getattr(self.dims, axis) > 1})
-            if self.dims.dp > 1 and self.dims.cp > 1:  # the gradient average over dp x cp (engine/mesh.py)
-                self.collectives.name_groups({"dp_cp": self.mesh["dp_cp"].get_group()})
-        self.stream = self.val_stream = None  # a real data source read in order (engine/data_sources.py)
+            self.collectives.name_groups(_axis_groups(self.mesh, self.dims))
         parts = compose(cfg, dims=self.dims, mesh=self.mesh if self.mesh is not None else _NoMesh(), device=device,
                         mark=self.timer.mark, collectives=self.collectives, init_values=init_values)
         self.par: Parallelized = parts.par
         self.comm, self.co2 = parts.comm, parts.co2  # gradient traffic's CommMonitor, CO2's rounds
         self.user_dataset, self.user_step = parts.user_dataset, parts.user_step
         self.live_start_cfg = cfg  # live knobs are judged against what was built
-        self.splits: Splits | None = None
-        if self.user_dataset is not None:
-            # a user's model trains on its own dataset (validated on it too: it brings no split)
-            self.splits = Splits(self.user_dataset, self.user_dataset)
-            self.tokens_per_step = cfg.batch.global_ * self.user_dataset.seq_len
-            self.flops_per_step = None  # unknown architecture: MFU reads n/a
-        else:
-            if cfg.data.source in STREAM_SOURCES:
-                from engine.data_sources import build_streams
-
-                self.stream, self.val_stream = build_streams(cfg.data, cfg.model)
-            else:
-                self.splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
-            self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
-            self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
-        self.batches = self._rank_batches()
+        self.batches = rank_batches(data=cfg.data, model=cfg.model, global_batch=cfg.batch.global_,
+                                    seed=cfg.train.seed, dp=self.dims.dp, dp_rank=self.coords["dp"], cp=self.dims.cp,
+                                    cp_rank=self.coords.get("cp", 0), user_dataset=self.user_dataset)
+        self.stream = self.batches.stream  # a real data source read in order: checkpoints keep its place
+        sample = cfg.model.seq_len if self.user_dataset is None else self.user_dataset.seq_len
+        self.tokens_per_step = cfg.batch.global_ * sample
+        # a user's model is an unknown architecture: MFU reads n/a
+        self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step if self.user_dataset is None else None
         self.peak = peak_flops(device)
         self._fwd_kw: dict[str, torch.Tensor] = {}  # per-sample forward inputs besides tokens (positions, doc_ids)
         self._loss_norm: float | None = None  # packed data: local token-loss sum / this = share of the global mean
@@ -131,15 +126,6 @@ class Trainer:
                               coords=self.coords, rank=self.rank, device=self.device, seed=c.train.seed,
                               dropout=c.model.dropout, data_source=c.data.source, compressor=c.comm.compressor,
                               zero=c.parallel.zero, comm=self.comm, co2=self.co2, stream=self.stream)
-
-    def _rank_batches(self) -> RankBatches:
-        c, d, splits = self.cfg, self.cfg.data, self.splits
-        return RankBatches(train_set=splits.train if splits else None, val_set=splits.val if splits else None,
-                           stream=self.stream, val_stream=self.val_stream, global_batch=c.batch.global_,
-                           row_len=c.model.seq_len, seed=c.train.seed, dp=self.dims.dp, dp_rank=self.coords["dp"],
-                           cp=self.dims.cp, cp_rank=self.coords.get("cp", 0), pack=d.pack,
-                           lengths=d.lengths if self.user_dataset is None else "fixed", length_mean=d.length_mean,
-                           length_sigma=d.length_sigma, length_max=d.length_max)
 
     # ------------------------------------------------------------------ steps
     def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +237,8 @@ class Trainer:
             loss_result = self._reduce_loss(local)
         with self.timer.phase("optimizer"):
             par.after_backward()
-            grad_norm = self._clip()
+            grad_norm = par.clip_grad_norm(c.train.grad_clip, pp_group=self.mesh["pp"].get_group()
+                                           if par.pipeline is not None else None)
             if self.user_step is None:  # a user's step function has updated the parameters itself
                 par.optimizer.step()
             if peak is not None:  # after the step: optimizer state exists
@@ -286,20 +273,6 @@ class Trainer:
         for name, value in model_state_records(self.par.modules, self.par.optimizer, peak=peak,
                                                estimate=estimate).items():
             self.emit(step, "memory", name, value)
-
-    def _clip(self) -> float:
-        from engine.parallel.data import clip_grad_norm
-
-        max_norm = self.cfg.train.grad_clip
-        pipe = self.par.pipeline
-        pp_group = self.mesh["pp"].get_group() if pipe is not None else None
-        # the last stage's head is a copy of the first stage's tok_emb (on one rank under V schedules)
-        tied_copy = [_unwrap(m).head.weight for m in pipe.modules if _unwrap(m).head is not None
-                     and _unwrap(m).tok_emb is None and getattr(_unwrap(m), "tied", True)] if pipe is not None else []
-        ep = self.par.experts  # expert-parallel experts differ per ep rank: their squares sum over ep
-        norm = clip_grad_norm(list(self.par.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy,
-                              sharded=ep.expert_params if ep else (), shard_group=ep.ep_group if ep else None)
-        return float(norm)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -354,40 +327,20 @@ class Trainer:
             self._record(m)
             self.flush()
             if c.train.checkpoint_interval and (step + 1) % c.train.checkpoint_interval == 0:
-                ckpt.save(self.rank_state(), step + 1, self._checkpoint_dir())
+                ckpt.save(self.rank_state(), step + 1, ckpt.checkpoint_folder(self.cfg, self.run_dir))
             yield m
-
-    def _checkpoint_dir(self) -> Path:
-        return ckpt.checkpoint_folder(self.cfg, self.run_dir)
 
     def _record(self, m: StepMetrics) -> None:
         e, s = self.emit, m.step
-        e(s, "step", "loss", m.loss)
-        e(s, "step", "step_time(s)", m.step_time_s)
-        e(s, "step", "wall_time(s)", m.wall_s)
-        e(s, "step", "tokens_per_s", m.tokens_per_s)
-        e(s, "step", "lr", m.lr)
-        e(s, "step", "grad_norm", m.grad_norm)
-        if m.mfu is not None:
-            e(s, "step", "mfu", m.mfu)
-        if m.val_loss is not None:
-            e(s, "eval", "val_loss", m.val_loss)
-        for phase, seconds in m.breakdown.items():
-            e(s, "breakdown", f"{phase}(s)", seconds)
+        for kind, name, value in m.records():
+            e(s, kind, name, value)
         if self.comm is not None:
             self.comm.record(s, e)
         if self.collectives.enabled:
             events, self._step_events = self._step_events + self.collectives.drain(), []
-            for name, value in self.collectives.step_metrics(events).items():
-                if name not in ("wire_bytes", "dense_bytes"):  # the CommMonitor's, per step
-                    e(s, "comm", name, value)
-            if self.comm is None:  # no DDP gradient hook (TP, FSDP2, pipeline): nothing compressed
-                from profilers.collectives import sent_bytes
-
-                # bytes sent (bus factors), the unit of the compressors' wire bytes; not nccl-tests sizes
-                sent = float(sum(sent_bytes(ev) for ev in events if ev["op"] != "ddp_bucket"))
-                e(s, "comm", "wire_bytes", sent)
-                e(s, "comm", "dense_bytes", sent)
+            for name, value in _collective_records(self.collectives.step_metrics(events), events,
+                                                   count_sent=self.comm is None).items():
+                e(s, "comm", name, value)
         if self.cfg.model.experts > 0:  # tokens this rank routed to each expert, and the drop rate
             from engine.moe import step_stats
 
@@ -424,9 +377,28 @@ def emit_schedule(emit: Emit, step: int, pipe: Any) -> None:
         emit(step, "skip_path", f"mb{mb}", float(sum(1 << s for s in path)))
 
 
-def _unwrap(module):
-    """The GPT chunk inside a wrapper (FSDP2 modifies in place; DDP keeps it as .module)."""
-    return getattr(module, "module", module)
+def _axis_groups(mesh, dims: ParallelDims) -> dict[str, Any]:
+    """The process group of each mesh axis wider than 1, by name (and dp_cp, the gradient average
+    over dp x cp under context parallelism: engine/mesh.py)."""
+    groups = {axis: mesh[axis].get_group() for axis in ("pp", "dp", "cp", "tp") if getattr(dims, axis) > 1}
+    if dims.dp > 1 and dims.cp > 1:
+        groups["dp_cp"] = mesh["dp_cp"].get_group()
+    return groups
+
+
+def _collective_records(step_metrics: dict[str, float], events: list[dict[str, Any]], *,
+                        count_sent: bool) -> dict[str, float]:
+    """A step's "comm" records from the collective profiler, less the CommMonitor's own per-step
+    wire and dense bytes; `count_sent` (no DDP gradient hook: TP, FSDP2, pipeline; nothing
+    compressed): both are the bytes sent (bus factors, the unit of the compressors' wire bytes;
+    not nccl-tests sizes)."""
+    out = {name: value for name, value in step_metrics.items() if name not in ("wire_bytes", "dense_bytes")}
+    if count_sent:
+        from profilers.collectives import sent_bytes
+
+        sent = float(sum(sent_bytes(ev) for ev in events if ev["op"] != "ddp_bucket"))
+        out.update(wire_bytes=sent, dense_bytes=sent)
+    return out
 
 
 def _expose_blocking_comm(breakdown: dict[str, float], events: list[dict[str, Any]]) -> None:
