@@ -28,6 +28,7 @@ class Batch:
     loss_norm: float | None = None  # packed: local token-loss sum / this = share of the global mean
 
     def to(self, device: torch.device, *, non_blocking: bool = True) -> Batch:
+        """The batch on `device` (inputs and targets copied `non_blocking`, as a step reads them later)."""
         kw = {k: v.to(device) for k, v in self.fwd_kw.items()}
         return Batch(self.x.to(device, non_blocking=non_blocking), self.y.to(device, non_blocking=non_blocking), kw,
                      self.real_tokens, self.loss_norm)
