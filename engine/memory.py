@@ -220,6 +220,21 @@ def measure_model_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     return {"params": float(params), "grads": float(grads), "optimizer": float(opt)}
 
 
+def model_state_records(modules: list[nn.Module], optimizer: torch.optim.Optimizer, *,
+                        peak: dict[str, float] | None = None,
+                        estimate: dict[str, float] | None = None) -> dict[str, float]:
+    """This rank's measured model state (GiB, record name -> value) over its modules, the optimizer
+    counted once; `peak` (ModelStatePeak) replaces params and grads by their peak during backward;
+    then the analytic `estimate` (estimate_memory) as `estimate_<key>(GiB)`."""
+    measured: dict[str, float] = {}
+    for i, module in enumerate(modules):
+        for key, value in measure_model_state(module, optimizer if i == 0 else None).items():
+            measured[key] = measured.get(key, 0.0) + value
+    measured.update(peak or {})
+    return {**{f"{key}(GiB)": value / 2**30 for key, value in measured.items()},
+            **{f"estimate_{key}(GiB)": value / 2**30 for key, value in (estimate or {}).items()}}
+
+
 def _live_bytes(t: torch.Tensor | None) -> int:
     """Bytes of `t`'s local data while its storage is allocated (FSDP2 frees by resizing to 0)."""
     if t is None:

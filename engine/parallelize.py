@@ -46,6 +46,20 @@ class Parallelized:
         for m in self.modules:
             m.train(mode)
 
+    def clip_grad_norm(self, max_norm: float, *, pp_group=None) -> float:
+        """Clip the gradients to a global 2-norm of `max_norm` (0: only measure); the norm before
+        (engine/parallel/data.py): squares summed over the stages (`pp_group`), without the last
+        stage's tied head (a copy of the first stage's tok_emb, on one rank under V schedules), and
+        over ep for expert-parallel experts (they differ per ep rank)."""
+        from engine.parallel.data import clip_grad_norm
+
+        pipe, ep = self.pipeline, self.experts
+        chunks = [getattr(m, "module", m) for m in pipe.modules] if pipe is not None else []
+        tied_copy = [m.head.weight for m in chunks if m.head is not None and m.tok_emb is None
+                     and getattr(m, "tied", True)]
+        return float(clip_grad_norm(list(self.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy,
+                                    sharded=ep.expert_params if ep else (), shard_group=ep.ep_group if ep else None))
+
 
 def grad_axis(dims: ParallelDims) -> str:
     """The mesh axis gradients are averaged over: dp, or dp x cp flattened under context parallelism."""

@@ -20,12 +20,12 @@ from engine import checkpoint as ckpt
 from engine.comm_setup import apply_live_knobs, install_link_groups
 from engine.compose import compose
 from engine.config import RunConfig
-from engine.data import Splits, build_splits, local_batch, val_batches
+from engine.batches import rank_batches
 from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims
+from engine.loss import global_loss, micro_loss, moe_aux_loss
 from engine.model import flops_per_token, loss_fn
 from engine.parallelize import Parallelized
-from engine.validate_data import STREAM_SOURCES
 from profilers.collectives import CollectiveProfiler
 from profilers.steps import StepTimer
 
@@ -44,6 +44,15 @@ class StepMetrics:
     val_loss: float | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0  # the step by the trainer's own clock, independent of the StepTimer
+
+    def records(self) -> list[tuple[str, str, float]]:
+        """(kind, name, value) records of the step: its own, its val loss, its time breakdown."""
+        out = [("step", name, value) for name, value in (
+            ("loss", self.loss), ("step_time(s)", self.step_time_s), ("wall_time(s)", self.wall_s),
+            ("tokens_per_s", self.tokens_per_s), ("lr", self.lr), ("grad_norm", self.grad_norm))]
+        out += [("step", "mfu", self.mfu)] if self.mfu is not None else []
+        out += [("eval", "val_loss", self.val_loss)] if self.val_loss is not None else []
+        return out + [("breakdown", f"{phase}(s)", seconds) for phase, seconds in self.breakdown.items()]
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -85,37 +94,27 @@ class Trainer:
         self.collectives = CollectiveProfiler(enabled=cfg.profile.enabled and self.dims.world_size > 1)
         self._step_events: list[dict[str, Any]] = []
         if self.collectives.enabled:  # records read tp:all_reduce, dp:all_gather, pp:send, ...
-            self.collectives.name_groups({axis: self.mesh[axis].get_group() for axis in ("pp", "dp", "cp", "tp")
-                                          if getattr(self.dims, axis) > 1})
-            if self.dims.dp > 1 and self.dims.cp > 1:  # the gradient average over dp x cp (engine/mesh.py)
-                self.collectives.name_groups({"dp_cp": self.mesh["dp_cp"].get_group()})
-        self.stream = self.val_stream = None  # a real data source read in order (engine/data_sources.py)
+            self.collectives.name_groups(_axis_groups(self.mesh, self.dims))
         parts = compose(cfg, dims=self.dims, mesh=self.mesh if self.mesh is not None else _NoMesh(), device=device,
                         mark=self.timer.mark, collectives=self.collectives, init_values=init_values)
         self.par: Parallelized = parts.par
         self.comm, self.co2 = parts.comm, parts.co2  # gradient traffic's CommMonitor, CO2's rounds
         self.user_dataset, self.user_step = parts.user_dataset, parts.user_step
         self.live_start_cfg = cfg  # live knobs are judged against what was built
-        if self.user_dataset is not None:
-            # a user's model trains on its own dataset (validated on it too: it brings no split)
-            self.splits = Splits(self.user_dataset, self.user_dataset)
-            self.tokens_per_step = cfg.batch.global_ * self.user_dataset.seq_len
-            self.flops_per_step = None  # unknown architecture: MFU reads n/a
-        else:
-            if cfg.data.source in STREAM_SOURCES:
-                from engine.data_sources import build_streams
-
-                self.stream, self.val_stream = build_streams(cfg.data, cfg.model)
-            else:
-                self.splits = build_splits(cfg.data, cfg.model, seed=cfg.train.seed)
-            self.tokens_per_step = cfg.batch.global_ * cfg.model.seq_len
-            self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
+        self.batches = rank_batches(data=cfg.data, model=cfg.model, global_batch=cfg.batch.global_,
+                                    seed=cfg.train.seed, dp=self.dims.dp, dp_rank=self.coords["dp"], cp=self.dims.cp,
+                                    cp_rank=self.coords.get("cp", 0), user_dataset=self.user_dataset)
+        self.stream = self.batches.stream  # a real data source read in order: checkpoints keep its place
+        sample = cfg.model.seq_len if self.user_dataset is None else self.user_dataset.seq_len
+        self.tokens_per_step = cfg.batch.global_ * sample
+        # a user's model is an unknown architecture: MFU reads n/a
+        self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step if self.user_dataset is None else None
         self.peak = peak_flops(device)
         self._fwd_kw: dict[str, torch.Tensor] = {}  # per-sample forward inputs besides tokens (positions, doc_ids)
         self._loss_norm: float | None = None  # packed data: local token-loss sum / this = share of the global mean
-        self.flexsp = None  # adaptive sequence parallelism: (GroupCache, CostModel, PlanAhead) after calibration
+        self.flexsp = None  # adaptive sequence parallelism (engine/parallel/adaptive_sp.py), after calibration
         if cfg.parallel.adaptive_sp and self.dims.world_size > 1:
-            self._calibrate_flexsp()
+            self.flexsp = self._start_flexsp()
         if cfg.train.resume_from:
             self.start_step = ckpt.load(self.rank_state(), cfg.train.resume_from)
 
@@ -130,64 +129,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        if self.stream is not None:
-            return self._stream_batch()
-        if c.data.lengths != "fixed" and self.user_dataset is None:
-            return self._packed_batch(step)
-        x, y = local_batch(self.splits.train, global_batch=c.batch.global_, dp=self.dims.dp,
-                           dp_rank=self.coords["dp"], seed=c.train.seed, step=step)
-        x, y = self._cp_shard(x, y)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-    def _stream_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the stream's next global batch (the stream moves on: one call per step)."""
-        from engine.data_sources import rank_rows
-
-        rows = rank_rows(self.stream.next_rows(self.cfg.batch.global_), dp=self.dims.dp, dp_rank=self.coords["dp"])
-        packed = (rows.positions, rows.doc_ids) if self.cfg.data.pack else (None, None)
-        x, y = self._cp_shard(rows.x, rows.y, *packed)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-    def _cp_shard(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
-                  doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This cp rank's sequence chunk of a (dp-local) batch; positions and document ids of the
-        chunk go to the forward through `self._fwd_kw` (document ids stay whole: Ulysses attends
-        over the full row)."""
-        from engine.parallel.context import shard_sequence
-
-        cp, r = self.dims.cp, self.coords.get("cp", 0)
-        if positions is None and cp > 1:
-            positions = torch.arange(x.shape[1]).expand_as(x)
-        self._fwd_kw = {}
-        if positions is not None:
-            self._fwd_kw["positions"] = shard_sequence(positions, cp=cp, cp_rank=r).to(self.device)
-        if doc_ids is not None:
-            self._fwd_kw["doc_ids"] = doc_ids.to(self.device)
-        return shard_sequence(x, cp=cp, cp_rank=r), shard_sequence(y, cp=cp, cp_rank=r)
-
-    def _packed_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the packed variable-length global batch (engine/lengths.py)."""
-        from engine.lengths import packed_global_batch
-
-        c, d = self.cfg, self.cfg.data
-        packed = packed_global_batch(self.splits.train.tokens, rows=c.batch.global_, row_len=c.model.seq_len,
-                                     kind=d.lengths, mean=d.length_mean, sigma=d.length_sigma,
-                                     max_len=d.length_max or c.model.seq_len, seed=c.train.seed, step=step)
-        self.tokens_per_step = packed.real_tokens  # tokens/s counts real tokens, not padding
-        # each rank sums its token losses over 1/(dp*cp) of the global real tokens; the gradient
-        # average over dp x cp then gives the global token mean whatever each rank's share
-        self._loss_norm = packed.real_tokens / (self.dims.dp * self.dims.cp)
-        per, r = c.batch.global_ // self.dims.dp, self.coords["dp"]
-        rows = slice(r * per, (r + 1) * per)
-        x, y = self._cp_shard(packed.x[rows], packed.y[rows], packed.positions[rows], packed.doc_ids[rows])
-        return x.to(self.device), y.to(self.device)
-
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, accum: int) -> torch.Tensor:
-        if self._loss_norm is None:
-            return loss_fn(logits, targets) / accum
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                                 reduction="sum") / self._loss_norm
+        """This rank's batch of `step` on the device; its other forward inputs go to `self._fwd_kw`."""
+        batch = self.batches.train(step).to(self.device)
+        self._fwd_kw = batch.fwd_kw
+        if batch.real_tokens is not None:  # packed: tokens/s counts real tokens, the loss sums them
+            self.tokens_per_step, self._loss_norm = batch.real_tokens, batch.loss_norm
+        return batch.x, batch.y
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.precision == "bf16":
@@ -206,9 +153,9 @@ class Trainer:
                 with self.timer.phase("forward"), self.collectives.scope("forward"), self._autocast():
                     xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
                     kw = {k: v[i * micro:(i + 1) * micro] for k, v in self._fwd_kw.items()}
-                    loss = self._loss(par.forward(xs, **kw), ys, accum)
+                    loss = micro_loss(par.forward(xs, **kw), ys, accum=accum, loss_norm=self._loss_norm)
                     if self.cfg.model.experts > 0 or self.cfg.model.hf is not None:  # + MoE load-balancing loss
-                        loss = loss + _moe_aux_loss(par.modules) / accum
+                        loss = loss + moe_aux_loss(par.modules) / accum
                     total += loss.detach().double()
                 if last and self.comm is not None:
                     self.comm.begin_backward()
@@ -233,109 +180,25 @@ class Trainer:
             return torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
         return loss.detach().double().reshape(1)
 
-    # ------------------------------------------------------------------ adaptive SP (FlexSP)
-    def _calibrate_flexsp(self) -> None:
-        from engine.parallel.adaptive_sp import GroupCache, PlanAhead, calibrate
-        from engine.parallel.flexsp import solve
+    def _start_flexsp(self):
+        """Adaptive sequence parallelism (FlexSP): calibrated here, planned a step ahead."""
+        from engine.parallel.adaptive_sp import AdaptiveSP, cost_records
 
-        groups = GroupCache(self.cfg.train.timeout_s,
+        c, p = self.cfg, self.cfg.parallel
+        flexsp = AdaptiveSP(self.par.modules[0], documents=self.batches.documents, world=self.dims.world_size,
+                            rank=self.rank, seq_len=c.model.seq_len, device=self.device, steps=c.train.steps,
+                            timeout_s=c.train.timeout_s, max_tokens=p.adaptive_token_cap, buckets=p.adaptive_buckets,
+                            time_limit_s=p.adaptive_time_limit_s,
                             on_group=lambda g: self.collectives.name_groups({"sp": g}))  # records read sp:...
-        model = self.par.modules[0]
-        cost = calibrate(model, world=self.dims.world_size, groups=groups, seq_len=self.cfg.model.seq_len,
-                         device=self.device)
-        p, world = self.cfg.parallel, self.dims.world_size
-        ahead = PlanAhead(lambda lengths: solve(lengths, n=world, cap=self._flexsp_cap(lengths), cost=cost,
-                                                buckets=p.adaptive_buckets, time_limit_s=p.adaptive_time_limit_s),
-                          rank=self.rank)
-        self.flexsp = (groups, cost, ahead)
-        for name, value in (("a1(s/token^2)", cost.a1), ("a2(s/token)", cost.a2), ("bias(s)", cost.bias),
-                            ("per_seq(s)", cost.per_seq), ("pack_a2(s/token)", cost.pack_a2),
-                            *((f"a2a_g{g}(s/token)", v) for g, v in cost.a2a.items()),
-                            *((f"bias_g{g}(s)", v) for g, v in cost.group_bias.items())):
+        for name, value in cost_records(flexsp.cost):
             self.emit(self.start_step, "flexsp_cost", name, value)
-
-    def _flexsp_cap(self, lengths: list[int]) -> int:
-        return self.cfg.parallel.adaptive_token_cap or 2 * -(-sum(lengths) // self.dims.world_size)
-
-    def _flexsp_docs(self, step: int) -> list[torch.Tensor]:
-        from engine.lengths import budget_documents
-
-        if self._docs_ahead is not None and self._docs_ahead[0] == step:  # drawn last step for the plan
-            return self._docs_ahead[1]
-        c, d = self.cfg, self.cfg.data
-        return budget_documents(self.splits.train.tokens, budget=c.batch.global_ * c.model.seq_len, kind=d.lengths,
-                                mean=d.length_mean, sigma=d.length_sigma, max_len=d.length_max or c.model.seq_len,
-                                seed=c.train.seed, step=step)
-
-    def _adaptive_step(self, step: int) -> torch.Tensor:
-        """FlexSP: this step's plan (solved during the previous step), then step t+1's plan starts
-        solving in the background (rank 0) while this rank runs its group; the plan is recorded."""
-        from engine.parallel.adaptive_sp import run_step
-
-        c = self.cfg
-        groups, cost, ahead = self.flexsp
-        with self.timer.phase("data"):
-            docs = self._flexsp_docs(step)
-            lengths = [doc.numel() - 1 for doc in docs]
-            cap = self._flexsp_cap(lengths)
-            plan = ahead.take(step, lengths)
-            if self.rank == 0 and step + 1 < c.train.steps:  # documents are a pure function of the step
-                self._docs_ahead = (step + 1, self._flexsp_docs(step + 1))
-                ahead.submit(step + 1, [doc.numel() - 1 for doc in self._docs_ahead[1]])
-        self.tokens_per_step = sum(lengths)
-        share, report = run_step(self.par.modules[0], docs, plan, groups, rank=self.rank,
-                                 total_tokens=sum(lengths), cost=cost, device=self.device,
-                                 autocast=self._autocast(), phase=self.timer.phase)  # forward, backward apart
-        if self.rank == 0:
-            self._record_plan(step, report, cap)
-        # _reduce_loss averages over the dp x cp ranks; the shares add up to the mean
-        return (share * self.dims.world_size).double().reshape(1)
-
-    def _record_plan(self, step: int, report, cap: int) -> None:
-        from engine.parallel.flexsp import SOLVERS
-
-        e, plan = self.emit, report.plan
-        for name, value in (("solve(s)", plan.solve_s), ("solve_exposed(s)", plan.exposed_s),
-                            ("milp_vars", plan.milp_size[0]), ("predicted(s)", max(report.predicted_group_s)),
-                            ("measured(s)", max(report.measured_group_s)), ("groups", len(report.group_ranks)),
-                            ("max_tokens_per_rank", report.max_tokens_per_rank), ("token_cap", cap),
-                            ("solver", SOLVERS.index(plan.solver))):
-            e(step, "flexsp", name, float(value))
-        order = sorted(range(len(plan.sizes)), key=lambda j: -plan.sizes[j])
-        for j, (ranks, pred, meas) in enumerate(zip(report.group_ranks, report.predicted_group_s,
-                                                    report.measured_group_s)):
-            members = plan.members[order[j]]
-            for name, value in (("size", len(ranks)), ("first_rank", ranks[0]), ("sequences", len(members)),
-                                ("tokens", sum(report.lengths[i] for i in members)),
-                                ("predicted(s)", pred), ("measured(s)", meas)):
-                e(step, "flexsp_group", f"g{j}_{name}", float(value))
+        return flexsp
 
     def _reduce_loss(self, local: torch.Tensor) -> Callable[[], float]:
-        """Launch the global-batch loss reduction (mean over dp of the last pipeline stage's loss)
-        without waiting; the returned function waits and gives the Python float.
-
-        `local` is a float64 tensor of shape (1,) on `self.device`, the device of the mesh groups.
-        """
-        if not dist.is_initialized() or self.dims.world_size == 1:
-            return lambda: local.item()
-        work = None
-        if self.dims.pp > 1:
-            src_is_last = self.par.pipeline.is_last  # V schedules: the last stage is on pp rank 0
-            local = local if src_is_last else torch.zeros_like(local)
-            work = dist.all_reduce(local, group=self.mesh["pp"].get_group(), async_op=True)
-        replicas = self.dims.dp * self.dims.cp  # cp ranks hold equal chunks: their mean is the batch's
-        if replicas > 1:
-            if work is not None:
-                work.wait()  # on NCCL a stream wait, not a host one
-            axis = "dp_cp" if self.dims.cp > 1 else "dp"
-            work = dist.all_reduce(local, group=self.mesh[axis].get_group(), async_op=True)
-
-        def result() -> float:
-            if work is not None:
-                work.wait()
-            return local.item() / replicas if replicas > 1 else local.item()
-
-        return result
+        """The global-batch loss of `local` (engine/loss.py), launched; the function waits for it."""
+        d, pipe = self.dims, self.par.pipeline
+        return global_loss(local, mesh=self.mesh, dp=d.dp, cp=d.cp, pp=d.pp,
+                           last_stage=pipe.is_last if d.pp > 1 else True)
 
     def _sync_loss(self, local: float | torch.Tensor) -> float:
         """The global-batch loss of a local loss (Python float or device tensor), waited for."""
@@ -355,8 +218,11 @@ class Trainer:
         lr = lr_at(step, c)
         for group in par.optimizer.param_groups:
             group["lr"] = lr
-        if self.flexsp is not None:
-            local = self._adaptive_step(step)
+        if self.flexsp is not None:  # its plan's records (rank 0) before the step's own
+            local, self.tokens_per_step, records = self.flexsp.step(step, autocast=self._autocast(),
+                                                                     phase=self.timer.phase)
+            for kind, name, value in records:
+                self.emit(step, kind, name, value)
         else:
             with self.timer.phase("data"):
                 x, y = self._local_batch(step)
@@ -371,7 +237,8 @@ class Trainer:
             loss_result = self._reduce_loss(local)
         with self.timer.phase("optimizer"):
             par.after_backward()
-            grad_norm = self._clip()
+            grad_norm = par.clip_grad_norm(c.train.grad_clip, pp_group=self.mesh["pp"].get_group()
+                                           if par.pipeline is not None else None)
             if self.user_step is None:  # a user's step function has updated the parameters itself
                 par.optimizer.step()
             if peak is not None:  # after the step: optimizer state exists
@@ -399,68 +266,31 @@ class Trainer:
                            grad_norm=grad_norm, mfu=mfu, breakdown=breakdown, wall_s=wall)
 
     def _record_memory_accounting(self, step: int, peak: dict[str, float] | None = None) -> None:
-        """Measured model-state bytes of this rank next to the analytic estimate (GiB); `peak`
-        (ModelStatePeak) gives params and grads at their peak during backward."""
-        from engine.memory import estimate_memory, measure_model_state
+        """Measured model-state bytes of this rank next to the analytic estimate (engine/memory.py)."""
+        from engine.memory import estimate_memory, model_state_records
 
-        measured: dict[str, float] = {}
-        for i, module in enumerate(self.par.modules):
-            for key, value in measure_model_state(module, self.par.optimizer if i == 0 else None).items():
-                measured[key] = measured.get(key, 0.0) + value
-        measured.update(peak or {})
-        estimate = {} if self.user_dataset is not None else estimate_memory(self.cfg, pp_rank=self.coords["pp"])
-        for key, value in measured.items():
-            self.emit(step, "memory", f"{key}(GiB)", value / 2**30)
-        for key, value in estimate.items():
-            self.emit(step, "memory", f"estimate_{key}(GiB)", value / 2**30)
-
-    def _clip(self) -> float:
-        from engine.parallel.data import clip_grad_norm
-
-        max_norm = self.cfg.train.grad_clip
-        pipe = self.par.pipeline
-        pp_group = self.mesh["pp"].get_group() if pipe is not None else None
-        # the last stage's head is a copy of the first stage's tok_emb (on one rank under V schedules)
-        tied_copy = [_unwrap(m).head.weight for m in pipe.modules if _unwrap(m).head is not None
-                     and _unwrap(m).tok_emb is None and getattr(_unwrap(m), "tied", True)] if pipe is not None else []
-        ep = self.par.experts  # expert-parallel experts differ per ep rank: their squares sum over ep
-        norm = clip_grad_norm(list(self.par.parameters()), max_norm, pp_group=pp_group, not_in_norm=tied_copy,
-                              sharded=ep.expert_params if ep else (), shard_group=ep.ep_group if ep else None)
-        return float(norm)
+        estimate = None if self.user_dataset is not None else estimate_memory(self.cfg, pp_rank=self.coords["pp"])
+        for name, value in model_state_records(self.par.modules, self.par.optimizer, peak=peak,
+                                               estimate=estimate).items():
+            self.emit(step, "memory", name, value)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean val loss over fixed validation batches (all ranks take part)."""
-        c, par = self.cfg, self.par
-        par.train(False)
-        batches = self._val_batches()
+        self.par.train(False)
+        batches = self.batches.val(self.cfg.train.eval_batches)
         total = 0.0
-        for x, y, *packed in batches:
-            x, y = self._cp_shard(x, y, *packed)
-            x, y = x.to(self.device), y.to(self.device)
+        for batch in batches:
             with self._autocast():
-                total += self._eval_batch(x, y)
+                total += self._eval_batch(batch.to(self.device, non_blocking=False))
         return self._sync_loss(total / len(batches))
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, ...]]:
-        """This rank's slices of the fixed validation batches (with positions and document ids when packed)."""
-        c = self.cfg
-        if self.val_stream is None:
-            return val_batches(self.splits.val, global_batch=c.batch.global_, n=c.train.eval_batches,
-                               dp=self.dims.dp, dp_rank=self.coords["dp"])
-        from engine.data_sources import rank_rows, val_rows
-
-        out = [rank_rows(b, dp=self.dims.dp, dp_rank=self.coords["dp"])
-               for b in val_rows(self.val_stream, rows=c.batch.global_, n=c.train.eval_batches)]
-        return [(b.x, b.y, b.positions, b.doc_ids) if c.data.pack else (b.x, b.y) for b in out]
-
-    def _eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        pipe, micro = self.par.pipeline, self.cfg.batch.micro
+    def _eval_batch(self, batch) -> float:
+        pipe, micro, x, y, kw = self.par.pipeline, self.cfg.batch.micro, batch.x, batch.y, batch.fwd_kw
         if pipe is not None:
             loss = pipe.evaluate(x if pipe.is_first else None, y if pipe.is_last else None)
             return float(loss) if loss is not None else 0.0
         chunks = range(0, x.shape[0], micro)
-        kw = self._fwd_kw
         return sum(loss_fn(self.par.forward(x[i:i + micro], **{k: v[i:i + micro] for k, v in kw.items()}),
                            y[i:i + micro]).item() for i in chunks) / len(chunks)
 
@@ -482,7 +312,7 @@ class Trainer:
                 trace.close()
             self.collectives.disable()
             if self.flexsp is not None:
-                self.flexsp[2].close()  # the plan thread (rank 0) solving a step that will not run
+                self.flexsp.close()  # the plan thread (rank 0) solving a step that will not run
 
     def _loop(self, on_boundary, trace) -> Iterator[StepMetrics]:
         c = self.cfg
@@ -497,40 +327,20 @@ class Trainer:
             self._record(m)
             self.flush()
             if c.train.checkpoint_interval and (step + 1) % c.train.checkpoint_interval == 0:
-                ckpt.save(self.rank_state(), step + 1, self._checkpoint_dir())
+                ckpt.save(self.rank_state(), step + 1, ckpt.checkpoint_folder(self.cfg, self.run_dir))
             yield m
-
-    def _checkpoint_dir(self) -> Path:
-        return ckpt.checkpoint_folder(self.cfg, self.run_dir)
 
     def _record(self, m: StepMetrics) -> None:
         e, s = self.emit, m.step
-        e(s, "step", "loss", m.loss)
-        e(s, "step", "step_time(s)", m.step_time_s)
-        e(s, "step", "wall_time(s)", m.wall_s)
-        e(s, "step", "tokens_per_s", m.tokens_per_s)
-        e(s, "step", "lr", m.lr)
-        e(s, "step", "grad_norm", m.grad_norm)
-        if m.mfu is not None:
-            e(s, "step", "mfu", m.mfu)
-        if m.val_loss is not None:
-            e(s, "eval", "val_loss", m.val_loss)
-        for phase, seconds in m.breakdown.items():
-            e(s, "breakdown", f"{phase}(s)", seconds)
+        for kind, name, value in m.records():
+            e(s, kind, name, value)
         if self.comm is not None:
             self.comm.record(s, e)
         if self.collectives.enabled:
             events, self._step_events = self._step_events + self.collectives.drain(), []
-            for name, value in self.collectives.step_metrics(events).items():
-                if name not in ("wire_bytes", "dense_bytes"):  # the CommMonitor's, per step
-                    e(s, "comm", name, value)
-            if self.comm is None:  # no DDP gradient hook (TP, FSDP2, pipeline): nothing compressed
-                from profilers.collectives import sent_bytes
-
-                # bytes sent (bus factors), the unit of the compressors' wire bytes; not nccl-tests sizes
-                sent = float(sum(sent_bytes(ev) for ev in events if ev["op"] != "ddp_bucket"))
-                e(s, "comm", "wire_bytes", sent)
-                e(s, "comm", "dense_bytes", sent)
+            for name, value in _collective_records(self.collectives.step_metrics(events), events,
+                                                   count_sent=self.comm is None).items():
+                e(s, "comm", name, value)
         if self.cfg.model.experts > 0:  # tokens this rank routed to each expert, and the drop rate
             from engine.moe import step_stats
 
@@ -542,25 +352,12 @@ class Trainer:
             for name, value in peak_memory(self.device).items():
                 e(s, "memory", name, value)
 
-    _docs_ahead: tuple[int, list[torch.Tensor]] | None = None  # FlexSP: (step, documents) drawn a step early
-
     def apply_knobs(self, knobs: dict[str, Any], step: int = -1) -> None:
         """Change knobs that need no restart, at the boundary before `step`, on every rank alike
         (engine/live.py's KnobChannel calls this); each knob is recorded at `step`."""
         self.cfg = apply_live_knobs(knobs, start=self.live_start_cfg, now=self.cfg, comm=self.comm, co2=self.co2)
         for name, value in knobs.items():
             self.emit(step, "knob", name, float(value))
-
-
-def _moe_aux_loss(modules) -> torch.Tensor | float:
-    from engine.moe import take_aux_loss
-
-    total = 0.0
-    for module in modules:
-        aux = take_aux_loss(module)
-        if aux is not None:
-            total = total + aux
-    return total
 
 
 def emit_schedule(emit: Emit, step: int, pipe: Any) -> None:
@@ -580,9 +377,28 @@ def emit_schedule(emit: Emit, step: int, pipe: Any) -> None:
         emit(step, "skip_path", f"mb{mb}", float(sum(1 << s for s in path)))
 
 
-def _unwrap(module):
-    """The GPT chunk inside a wrapper (FSDP2 modifies in place; DDP keeps it as .module)."""
-    return getattr(module, "module", module)
+def _axis_groups(mesh, dims: ParallelDims) -> dict[str, Any]:
+    """The process group of each mesh axis wider than 1, by name (and dp_cp, the gradient average
+    over dp x cp under context parallelism: engine/mesh.py)."""
+    groups = {axis: mesh[axis].get_group() for axis in ("pp", "dp", "cp", "tp") if getattr(dims, axis) > 1}
+    if dims.dp > 1 and dims.cp > 1:
+        groups["dp_cp"] = mesh["dp_cp"].get_group()
+    return groups
+
+
+def _collective_records(step_metrics: dict[str, float], events: list[dict[str, Any]], *,
+                        count_sent: bool) -> dict[str, float]:
+    """A step's "comm" records from the collective profiler, less the CommMonitor's own per-step
+    wire and dense bytes; `count_sent` (no DDP gradient hook: TP, FSDP2, pipeline; nothing
+    compressed): both are the bytes sent (bus factors, the unit of the compressors' wire bytes;
+    not nccl-tests sizes)."""
+    out = {name: value for name, value in step_metrics.items() if name not in ("wire_bytes", "dense_bytes")}
+    if count_sent:
+        from profilers.collectives import sent_bytes
+
+        sent = float(sum(sent_bytes(ev) for ev in events if ev["op"] != "ddp_bucket"))
+        out.update(wire_bytes=sent, dense_bytes=sent)
+    return out
 
 
 def _expose_blocking_comm(breakdown: dict[str, float], events: list[dict[str, Any]]) -> None:

@@ -169,14 +169,14 @@ def test_packed_rows_attend_within_each_document(tmp_path, arch):
 def _run(overrides: list[str]) -> tuple[list[float], list[torch.Tensor]]:
     trainer = Trainer(_cfg(overrides), device=torch.device("cpu"))
     seen: list[torch.Tensor] = []
-    take = trainer._stream_batch
+    take = trainer._local_batch
 
-    def record():
-        x, y = take()
+    def record(step):
+        x, y = take(step)
         seen.append(x.clone())
         return x, y
 
-    trainer._stream_batch = record
+    trainer._local_batch = record
     return [m.loss for m in trainer.run()], seen
 
 

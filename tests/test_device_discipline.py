@@ -133,12 +133,12 @@ def test_train_step_reads_the_device_twice_whatever_the_accumulation():
     with HostSyncs() as syncs:
         trainer.train_step(0)
     ours = sorted(s for s in syncs.seen if not s.startswith(INPUT_PIPELINE))
-    assert ours == ["engine/parallel/data.py:clip_grad_norm item()", "engine/train.py:<lambda> item()"], syncs.seen
+    assert ours == ["engine/loss.py:<lambda> item()", "engine/parallel/data.py:clip_grad_norm item()"], syncs.seen
 
 
 # what a step must read on the host, and why; every other read of a device tensor is a stall
 NEEDED = {
-    "engine/train.py:result item()": "the step's loss, read after the optimizer step is queued",
+    "engine/loss.py:result item()": "the step's loss, read after the optimizer step is queued",
     "engine/parallel/data.py:clip_grad_norm item()": "the clipping coefficient, a Python float for every grad kind",
     "engine/moe.py:run_experts tolist()": "each expert's rows as Python ints for split (dropless MoE), per layer",
     "engine/parallel/expert.py:__call__ tolist()": "all_to_all_single's split sizes as Python ints, per layer",
@@ -191,7 +191,7 @@ def test_compression_hooks_and_moe_steps_make_only_the_needed_host_syncs():
     for name in SYNC_PATHS:
         for rank, seen in enumerate(r[name] for r in results):
             counts = Counter(s for s in seen if not s.startswith(INPUT_PIPELINE))
-            want = Counter({"engine/train.py:result item()": 1, "engine/parallel/data.py:clip_grad_norm item()": 1})
+            want = Counter({"engine/loss.py:result item()": 1, "engine/parallel/data.py:clip_grad_norm item()": 1})
             layer_reads = sum(counts[k] for k in ("engine/moe.py:run_experts tolist()",
                                                   "engine/parallel/expert.py:__call__ tolist()"))
             if name.startswith("moe") and layer_reads == moe_reads:  # one read per layer, either place

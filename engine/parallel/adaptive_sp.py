@@ -329,3 +329,94 @@ class PlanAhead:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---------------------------------------------------------------- a run's steps
+
+def token_cap(lengths: list[int], *, world: int, cap: int = 0) -> int:
+    """The most tokens a rank may hold in a step: `cap` (parallel.adaptive_token_cap), or twice the
+    step's mean tokens per rank."""
+    return cap or 2 * -(-sum(lengths) // world)
+
+
+def cost_records(cost: CostModel) -> list[tuple[str, float]]:
+    """The calibrated cost model as (record name, value): kind "flexsp_cost"."""
+    return [("a1(s/token^2)", cost.a1), ("a2(s/token)", cost.a2), ("bias(s)", cost.bias),
+            ("per_seq(s)", cost.per_seq), ("pack_a2(s/token)", cost.pack_a2),
+            *((f"a2a_g{g}(s/token)", v) for g, v in cost.a2a.items()),
+            *((f"bias_g{g}(s)", v) for g, v in cost.group_bias.items())]
+
+
+def plan_records(report: StepReport, cap: int) -> list[tuple[str, str, float]]:
+    """One step's plan as (kind, name, value): kind "flexsp" the step's, "flexsp_group" each group's
+    (`g<j>_<name>`, largest group first)."""
+    from engine.parallel.flexsp import SOLVERS
+
+    plan = report.plan
+    out = [("flexsp", name, float(value)) for name, value in (
+        ("solve(s)", plan.solve_s), ("solve_exposed(s)", plan.exposed_s), ("milp_vars", plan.milp_size[0]),
+        ("predicted(s)", max(report.predicted_group_s)), ("measured(s)", max(report.measured_group_s)),
+        ("groups", len(report.group_ranks)), ("max_tokens_per_rank", report.max_tokens_per_rank),
+        ("token_cap", cap), ("solver", SOLVERS.index(plan.solver)))]
+    order = sorted(range(len(plan.sizes)), key=lambda j: -plan.sizes[j])
+    for j, (ranks, pred, meas) in enumerate(zip(report.group_ranks, report.predicted_group_s,
+                                                report.measured_group_s)):
+        members = plan.members[order[j]]
+        out += [("flexsp_group", f"g{j}_{name}", float(value)) for name, value in (
+            ("size", len(ranks)), ("first_rank", ranks[0]), ("sequences", len(members)),
+            ("tokens", sum(report.lengths[i] for i in members)), ("predicted(s)", pred), ("measured(s)", meas))]
+    return out
+
+
+class AdaptiveSP:
+    """FlexSP over a run: the cost model calibrated once at the start, then each step runs the plan
+    solved during the previous step while rank 0 starts solving the next one (`PlanAhead`).
+    `documents(step)` gives a step's documents (a pure function of the step: drawn a step early)."""
+
+    def __init__(self, model: GPT, *, documents: Callable[[int], list[torch.Tensor]], world: int, rank: int,
+                 seq_len: int, device: torch.device, steps: int, timeout_s: float, max_tokens: int, buckets: int,
+                 time_limit_s: float, on_group: Callable[[dist.ProcessGroup], None] | None = None) -> None:
+        self.model, self.documents, self.world, self.rank, self.device = model, documents, world, rank, device
+        self.steps, self.max_tokens = steps, max_tokens
+        self.groups = GroupCache(timeout_s, on_group=on_group)
+        self.cost = calibrate(model, world=world, groups=self.groups, seq_len=seq_len, device=device)
+        self.ahead = PlanAhead(lambda lengths: solve(lengths, n=world, cap=self.cap(lengths), cost=self.cost,
+                                                     buckets=buckets, time_limit_s=time_limit_s), rank=rank)
+        self._docs_ahead: tuple[int, list[torch.Tensor]] | None = None  # (step, documents) drawn a step early
+
+    def cap(self, lengths: list[int]) -> int:
+        return token_cap(lengths, world=self.world, cap=self.max_tokens)
+
+    def _docs(self, step: int) -> list[torch.Tensor]:
+        if self._docs_ahead is not None and self._docs_ahead[0] == step:  # drawn last step for the plan
+            return self._docs_ahead[1]
+        return self.documents(step)
+
+    def plan(self, step: int) -> tuple[list[torch.Tensor], Plan]:
+        """`step`'s documents and plan (rank 0's, solved ahead); rank 0 then starts on step + 1's."""
+        docs = self._docs(step)
+        plan = self.ahead.take(step, [doc.numel() - 1 for doc in docs])
+        if self.rank == 0 and step + 1 < self.steps:
+            self._docs_ahead = (step + 1, self._docs(step + 1))
+            self.ahead.submit(step + 1, [doc.numel() - 1 for doc in self._docs_ahead[1]])
+        return docs, plan
+
+    def step(self, step: int, *, autocast=None,
+             phase: Callable[[str], Any] | None = None) -> tuple[torch.Tensor, int, list[tuple[str, str, float]]]:
+        """Forward and backward of this rank's group in `step`: its loss share times the world (a float64
+        (1,) tensor whose mean over the ranks is the step's loss), the step's tokens, and (rank 0) the
+        plan's records. `phase(name)` (StepTimer.phase) times data, forward and backward apart."""
+        import contextlib
+
+        phase = phase or (lambda name: contextlib.nullcontext())
+        with phase("data"):
+            docs, plan = self.plan(step)
+        lengths = [doc.numel() - 1 for doc in docs]
+        share, report = run_step(self.model, docs, plan, self.groups, rank=self.rank, total_tokens=sum(lengths),
+                                 cost=self.cost, device=self.device, autocast=autocast, phase=phase)
+        records = plan_records(report, self.cap(lengths)) if self.rank == 0 else []
+        return (share * self.world).double().reshape(1), sum(lengths), records
+
+    def close(self) -> None:
+        """Stop the plan thread (rank 0), which may be solving a step that will not run."""
+        self.ahead.close()
