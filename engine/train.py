@@ -394,7 +394,7 @@ def _collective_records(step_metrics: dict[str, float], events: list[dict[str, A
     not nccl-tests sizes)."""
     out = {name: value for name, value in step_metrics.items() if name not in ("wire_bytes", "dense_bytes")}
     if count_sent:
-        from profilers.collectives import sent_bytes
+        from profilers.bandwidth import sent_bytes
 
         sent = float(sum(sent_bytes(ev) for ev in events if ev["op"] != "ddp_bucket"))
         out.update(wire_bytes=sent, dense_bytes=sent)
@@ -405,7 +405,7 @@ def _expose_blocking_comm(breakdown: dict[str, float], events: list[dict[str, An
     """Move the time of functional collectives (tensor/sequence parallel) out of forward and
     backward into comm_exposed: DTensor waits for each before computing on, so it is exposed.
     Under a pipeline schedule forward and backward interleave, so TP time stays in compute there."""
-    from profilers.collectives import blocking_time
+    from profilers.bandwidth import blocking_time
 
     for phase in ("forward", "backward"):
         seconds = min(blocking_time(events, phase), breakdown.get(phase, 0.0))

@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 
 from profilers.bandwidth import CANONICAL, aggregate, algbw, busbw, tensor_bytes
-# engine/train.py reads these two from here (the Trainer's split moves that code; keep them importable)
-from profilers.bandwidth import blocking_time, sent_bytes  # noqa: F401
 
 log = logging.getLogger(__name__)
 
