@@ -74,7 +74,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_framework import FRAMEWORK_NAMES
-from tuning.sim_spec import SCHEDULES, ModelSpec, engine_rows, fsdp_bf16_rows, weight_bytes
+from tuning.sim_spec import SCHEDULES, ModelSpec, comm_bytes, engine_rows, fsdp_bf16_rows, weight_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
 TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
@@ -399,7 +399,7 @@ def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndar
     against dry runs of the engine (tests/test_sim_vs_dryrun.py)."""
     s_psi, held, last = _rank(m, c, r, per_layer)
     layers, nmb, t = _stage_layers(m, c, r), c["num_mb"], c["tp"]
-    tokens, wb = m.seq * c["micro"], weight_bytes(c)
+    tokens, wb, reduced_bytes = m.seq * c["micro"], weight_bytes(c), comm_bytes(c)  # bf16 weights, fp32 reduce
     block = _unit(m, c) / wb  # a block's parameters (with tp's replicated norms)
     pipelined = np.asarray(k["accumulate_unsharded"]) & (c["pp"] > 1)
     io = np.where(pipelined, tokens * wb * (np.where(r > 0, m.hidden, 0.0) + np.where(last, m.vocab, m.hidden)), 0.0)
@@ -412,13 +412,14 @@ def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndar
         mb = held / layers if not later else np.minimum(held / layers, nmb - 1)
         base = {**forward, "act_autocast": none, "act_logits": none, "temp_loss": none,
                 "act_layers": mb * layers * stored, "act_stage_io": mb * io,
-                "temp_grad_accum": np.where(later & pipelined & (nmb > 1), 4.0 * s_psi, 0.0)}
+                "temp_grad_accum": np.where(later & pipelined & (nmb > 1), reduced_bytes * s_psi, 0.0)}
         loss = {**base, "act_logits": forward["act_logits"], "temp_loss": forward["temp_loss"], "act_recompute": none,
                 "params_gathered": forward["params_gathered"] - current_block, "temp_gather": none}
         block_bwd = {**base, "temp_backward": root_grads + mlp_grads}
         reduced = {**block_bwd, "act_layers": block_bwd["act_layers"] - stored,
-                   "temp_reduce": np.where(pipelined, 0.0, 4.0 * block),
-                   "grads_main": np.where(forward["grads_main"] > 0, forward["grads_main"], 4.0 * block / c["dp"])}
+                   "temp_reduce": np.where(pipelined, 0.0, reduced_bytes * block),
+                   "grads_main": np.where(forward["grads_main"] > 0, forward["grads_main"],
+                                          reduced_bytes * block / c["dp"])}
         for moment, valid in ((loss, last), (block_bwd, mb > 0), (reduced, mb > 0)):
             total = np.where(valid, sum(moment.values()), -np.inf)
             if best is None:
