@@ -279,12 +279,12 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     # the structure (which gathers run when), not FSDP's fitted bandwidth share: both flavours at the link's rate
     monkeypatch.setitem(FRAMEWORKS, "fsdp", dataclasses.replace(FRAMEWORKS["fsdp"], zero3_bw_efficiency=1.0))
     cfg = {"model": {"layers": 4, "d_model": 256, "heads": 8, "seq_len": 128, "vocab": 256},
-           "parallel": {"dp": 4, "zero": 2}, "batch": {"global": 16, "micro": 2}, "precision": "bf16"}
+           "parallel": {"dp": 4, "zero": 2}, "batch": {"global": 16, "micro": 2}, "precision": "fp32"}
     model, par = from_run_config(cfg)
     assert par.zero2_fsdp and par.framework == "engine"
     engine = simulate(model, A100, par)
     z3 = simulate(model, A100, dataclasses.replace(par, zero=3))
-    # the engine's bf16 is autocast over fp32 parameters: FSDP2 moves fp32, as FSDP1 would at fp32
+    # the engine's fp32 parameters: FSDP2 moves fp32, as FSDP1 does at fp32
     fsdp1 = simulate(model, A100, dataclasses.replace(par, framework="fsdp", dtype_bytes=4))
     deepspeed = simulate(model, A100, dataclasses.replace(par, zero2_fsdp=False))
     nmb, layers = 2, 4
@@ -297,6 +297,15 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     assert deepspeed.dp_comm_total_s == pytest.approx(
         nmb * (gather - layers * A100.intra_latency_s) + (gather - layers * A100.intra_latency_s),
         rel=1e-9)
+    # at bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (engine/parallelize.py
+    # fsdp_mp_policy) gathers bf16 copies of the fp32 shards and reduce-scatters fp32 gradients
+    from tuning.sim_spec import columns
+    from tuning.sim_zero import dp_messages
+
+    sent = {p.dtype_bytes: dp_messages({**columns(p), "num_mb": np.asarray(nmb)}, model.params)
+            for p in (par, dataclasses.replace(par, dtype_bytes=2))}
+    assert sent[2]["all_gather"] == sent[4]["all_gather"] / 2 == model.params * 2
+    assert sent[2]["reduce_scatter"] == sent[4]["reduce_scatter"] == nmb * model.params * 4
 
 
 def _collective_counts(model: ModelSpec, par: ParallelSpec) -> dict[str, float]:
@@ -458,13 +467,13 @@ def test_engine_zero3_without_resharding_skips_the_backward_gather() -> None:
     assert a.dp_comm_total_s - z2_total == pytest.approx((b.dp_comm_total_s - a.dp_comm_total_s) * (nmb - 1) / nmb,
                                                          rel=1e-9)
     assert z2_total < a.dp_comm_total_s < b.dp_comm_total_s
-    # the gathered blocks stay until backward: every block's fp32 copy at the peak (FSDP2 gathers the engine's
-    # fp32 parameters), where resharding holds the current block and the root unit (embedding, head, final
-    # norm: FSDP2 does not reshard the root after forward); the fp32 sharded weights are the same
-    psi, unit = model.params, model.dense_layer_params * 4  # tp = pp = 1: the one stage holds every parameter
-    root = 4 * (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.norm_params * model.hidden)
+    # the gathered blocks stay until backward: every block's bf16 copy at the peak (at bf16 FSDP2's
+    # MixedPrecisionPolicy gathers bf16 copies of the engine's fp32 shards), where resharding holds the current
+    # block and the root unit (embedding, head, final norm) in the backward; the fp32 sharded weights are the same
+    psi, unit = model.params, model.dense_layer_params * 2  # tp = pp = 1: the one stage holds every parameter
+    root = 2 * (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.norm_params * model.hidden)
     assert (a.memory_breakdown_gb["params"] - b.memory_breakdown_gb["params"]) * 1e9 == pytest.approx(
-        psi * 4 - unit - root)
+        psi * 2 - unit - root)
 
 
 def test_a_few_tokens_per_micro_batch_cost_at_least_streaming_the_weights() -> None:

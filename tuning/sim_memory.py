@@ -8,7 +8,7 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | category | term | what |
 |---|---|---|
 | params | `params_weights` | the trained weights (sharded over dp x cp at ZeRO-3, and at ZeRO-2 in FSDP) |
-| params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding |
+| params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding; the engine's in its weights' dtype (`tuning.sim_spec.weight_bytes`) |
 | grads | `grads_main` | the gradient buffer (Megatron: fp32 main grads) |
 | grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard; Apex DistributedFusedAdam's reduced shard where it outgrows the activations it replaces |
 | grads | `grads_gathered` | one unit's unsharded gradients before its reduce-scatter |
@@ -16,11 +16,15 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | activations | `act_layers` | the stored activations of the micro-batches in flight on the stage |
 | activations | `act_logits` | the 16-bit logits and fp32 softmax the loss keeps for its backward (last stage) |
 | activations | `act_recompute` | one layer's full set replayed in backward under full recomputation |
-| activations | `act_autocast` | the engine: autocast's bf16 copies of the stage's gathered weights, cached until its forward ends |
+| activations | `act_autocast` | the engine: autocast's bf16 copies of the stage's gathered weights, cached until its forward ends (none under FSDP2's mixed precision: its weights are bf16) |
+| activations | `act_stage_io` | the engine under FSDP2's mixed precision and pipelining: each in-flight micro-batch's received input and its output (the logits on the last stage) that torch's schedule keeps until its backward |
 | activations | `act_wgrad_deferred` | the last stage's output-layer inputs and logit gradients kept for the flush (`defer_embedding_wgrad`) |
 | temp | `temp_buckets` | DeepSpeed ZeRO-1/2's gradient reduce bucket |
-| temp | `temp_gather` | the engine's FSDP2 all-gather output buffer: one unit, fp32 |
+| temp | `temp_gather` | the engine's FSDP2 all-gather output buffer: one unit, in its weights' dtype |
 | temp | `temp_loss` | the engine's loss: the fp32 copy of the logits and their gradient (8 bytes a logit) |
+| temp | `temp_backward` | the engine under FSDP2's mixed precision, in the backward: the last stage's root gradients (head, final norm) in bf16 and one block's MLP gradients |
+| temp | `temp_reduce` | the engine under FSDP2's mixed precision: one block's fp32 reduce-scatter input, just after its backward |
+| temp | `temp_grad_accum` | the engine under FSDP2's mixed precision and pipelining: the stage's fp32 accumulated unsharded gradients (FSDP2 keeps them apart from `.grad`, so trackers see them as Temp) |
 | runtime | `cuda_context` | the CUDA context and the kernels loaded (measured per GPU and software generation) |
 | runtime | `nccl_buffers` | NCCL's FIFOs: communicators x channels x 2 connections x the default buffers |
 
@@ -70,7 +74,7 @@ import numpy as np
 
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_framework import FRAMEWORK_NAMES
-from tuning.sim_spec import SCHEDULES, ModelSpec, comm_bytes, engine_rows
+from tuning.sim_spec import SCHEDULES, ModelSpec, comm_bytes, engine_rows, fsdp_bf16_rows, weight_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
 TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
@@ -78,8 +82,8 @@ TERMS = {
     "params": ("params_weights", "params_gathered"),
     "grads": ("grads_main", "grads_partition", "grads_gathered"),
     "optimizer": ("optimizer",),
-    "activations": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast"),
-    "temp": ("temp_buckets", "temp_gather", "temp_loss"),
+    "activations": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast", "act_stage_io"),
+    "temp": ("temp_buckets", "temp_gather", "temp_loss", "temp_backward", "temp_reduce", "temp_grad_accum"),
     "runtime": ("cuda_context", "nccl_buffers"),
 }
 NCCL_CONNECTION_BYTES = 10 * 2**20  # Simple 4 MiB + LL128 4.6875 MiB + LL 0.5 MiB, in 2 MiB pages
@@ -88,13 +92,11 @@ NCCL_CONNECTIONS_PER_CHANNEL = 2
 # _FSDPRefType for FSDP2, the engine's ZeRO-2/3), each the sum of these terms, for comparing a dry run
 MEMTRACKER = {"Parameter": ("params_weights", "params_gathered"),
               "Gradient": ("grads_main", "grads_partition", "grads_gathered"), "Optstate": ("optimizer",),
-              "Activation": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast"),
-              "Temp": ("temp_buckets", "temp_gather", "temp_loss")}
+              "Activation": TERMS["activations"], "Temp": TERMS["temp"]}
 FSDP_MEMTRACKER = {"Sharded Param": ("params_weights",), "Unsharded Param": ("params_gathered",),
                    "Sharded Grad": ("grads_main", "grads_partition"), "Unsharded Grad": ("grads_gathered",),
                    "OptState": ("optimizer",),
-                   "Activation": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast"),
-                   "Temp": ("temp_buckets", "temp_gather", "temp_loss")}
+                   "Activation": TERMS["activations"], "Temp": TERMS["temp"]}
 LOGIT_BYTES_KEPT = 4.0  # + the 16-bit logits: the loss keeps an fp32 softmax per logit for its backward
 
 
@@ -196,7 +198,8 @@ def in_flight_layers(m: ModelSpec, c: dict[str, np.ndarray], r: Any) -> np.ndarr
 def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any, unit: Any,
                  root: Any = 0.0) -> dict[str, Any]:
     """Each model-state term as (bytes per parameter, fixed bytes): every term is linear in the stage's
-    parameters but the reduce bucket (min(bucket, psi)). The engine's FSDP2 gathers fp32 and holds its root
+    parameters but the reduce bucket (min(bucket, psi)). The engine's FSDP2 gathers its weights' dtype
+    (`tuning.sim_spec.weight_bytes`: fp32, or bf16 under its mixed precision) and holds its root
     unit (`root` bytes: embedding, head, final norm) gathered from forward to backward (FSDP2 does not
     reshard the root after forward) beside the current block; others hold the current and the prefetched."""
     z, db = c["zero"], c["dtype_bytes"]
@@ -210,12 +213,13 @@ def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any,
     engine = k.get("engine", False)
     return {
         "params_weights": (k["weight"] / np.where(shard_w, group, 1), 0.0),
-        "params_gathered": (np.where(held_all, np.where(engine, 4.0, db), 0.0),
+        "params_gathered": (np.where(held_all, weight_bytes(c, engine), 0.0),
                             np.where(sharded & ~held_all, np.where(engine, unit + root, 2.0 * unit), 0.0)),
         "grads_main": (k["grad"] / np.where(z >= 2, group, 1), 0.0),
         "grads_partition": (k["grad_partition"] / by_opt, 0.0),
-        # one unit's unsharded gradient before its reduce-scatter (none at the engine's forward peak)
-        "grads_gathered": (np.where(accumulate & sharded, 4.0, 0.0),
+        # one unit's unsharded gradient before its reduce-scatter (none at the engine's forward peak); FSDP2's
+        # fp32 accumulation under its mixed precision is not a `.grad` (`temp_grad_accum`)
+        "grads_gathered": (np.where(accumulate & sharded & ~fsdp_bf16_rows(c), 4.0, 0.0),
                            np.where(sharded & ~accumulate & ~np.asarray(engine), unit, 0.0)),
         "optimizer": (k["optimizer"] / by_opt, 0.0),
     }
@@ -245,7 +249,7 @@ def _unit(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
     largest = max(m.hidden * (m.q_dim + 2 * m.kv_dim), m.hidden * m.ffn * (2 if m.gated_mlp else 1))
     per_param = per_row(c.get("framework", np.asarray(0)), "zero3_per_parameter") > 0
     norms = np.where(engine_rows(c), 2 * m.norm_params * m.hidden * (1 - 1 / c["tp"]), 0.0)  # replicated (engine)
-    return (np.where(per_param, largest, m.dense_layer_params) / c["tp"] + norms) * comm_bytes(c)
+    return (np.where(per_param, largest, m.dense_layer_params) / c["tp"] + norms) * weight_bytes(c)
 
 
 def _rank(m: ModelSpec, c: dict[str, np.ndarray], r: Any, per_layer: Any) -> tuple[Any, Any, Any]:
@@ -300,14 +304,19 @@ def _engine_activations(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[Any, An
       gate, silu(gate), up and their product (SwiGLU, 8 f) or the GELU's input and output (4 f);
     - the loss: fp32 log-softmax of the logits (4 V; the head is replicated over tp in the engine) and the
       final norm (10 h: input, normalized, bf16 cast for the head).
-    Checked against dry runs of the engine (tests/test_sim_vs_dryrun.py)."""
+    Under FSDP2's mixed precision (`tuning.sim_spec.fsdp_bf16_rows`) the weights are bf16 and FSDP2 casts each
+    block's input to bf16: a norm keeps its fp32 upcast input (4 h), its bf16 normalized output (2 h) and the
+    bf16 product with its weight (2 h), which the projections after it keep without a cast of their own: 16 h + 8
+    outside tp, the final norm 8 h; the checkpointed input is bf16. Inside tp nothing changes (SDPA's rotary q is
+    bf16 already). Checked against dry runs of the engine (tests/test_sim_vs_dryrun.py)."""
     t, sp = c["tp"], c["sequence_parallel"]
     tokens = m.seq * c["micro"]
-    outside = (16 + 2 * (3 + m.mlp_mats - 1)) * m.hidden
+    mixed = fsdp_bf16_rows(c)
+    outside = (16 + np.where(mixed, 0.0, 2 * (3 + m.mlp_mats - 1))) * m.hidden
     inside = 6 * m.q_dim + 4 * m.kv_dim + (4 * m.mlp_mats - 4) * m.ffn + 4 * m.heads
     layer = tokens * (outside / np.where(sp, t, 1) + inside / t + 8)
-    kept = tokens * 4 * m.hidden / np.where(sp, t, 1)
-    loss = tokens * (4 * m.vocab + 10 * m.hidden)
+    kept = tokens * weight_bytes(c) * m.hidden / np.where(sp, t, 1)
+    loss = tokens * (4 * m.vocab + np.where(mixed, 8, 10) * m.hidden)
     return layer, kept, loss
 
 
@@ -322,56 +331,127 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     k = keeps(c)
     per_layer = psi / (m.layers / p) - _embedding_share(m, c)  # one block (MoE: with its changes, averaged)
     rates = _state_rates(c, k, c["dp"], _unit(m, c), _root(m, c))
-    per_param = sum(rate for rate, _ in rates.values())
-    fixed = sum(f for _, f in rates.values())
     stored, logits, recompute = _activations(m, c, act, k)
     ranks = [np.zeros_like(p), p - 1]
     if np.any(c.get("account_for_embedding_and_loss", False)):  # else rank 0 holds rank 1's layers and more in flight
         ranks.append(np.minimum(1, p - 1))
-    nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
-    engine = np.any(k["engine"])
+    mixed = fsdp_bf16_rows(c) if np.any(k["engine"]) else False
     best = None
     for r in ranks:  # the rank with the largest total (its parameters, activations in flight, logits)
-        s_psi, held, last = _rank(m, c, r, per_layer)
-        acts = held * stored + np.where(last, logits, 0.0)
-        extra = _nemo_terms(m, c, k, r, s_psi, acts) if nemo else (0.0, 0.0, 0.0)
-        extra = extra + (_engine_terms(m, c, k, r) if engine else (0.0, 0.0, 0.0))
-        total = s_psi * per_param + fixed + _bucket(s_psi, c, k) + acts + sum(extra)
+        terms = _rank_terms(m, c, k, r, per_layer, rates, (stored, logits, recompute))
+        if np.any(mixed):
+            peak = _fsdp_bf16_peak(m, c, k, r, per_layer, rates, terms, stored)
+            terms = {name: np.where(mixed, peak[name], value) for name, value in terms.items()}
+        total = sum(terms.values())
         if best is None:
-            best = (total, r, s_psi, held, last, *extra)
+            best = (total, r, terms)
         else:
             more = total > best[0]
-            best = tuple(np.where(more, new, old) for new, old in zip((total, r, s_psi, held, last, *extra), best))
-    _, r, s_psi, held, last, fp32_embedding, apex_shard, deferred, autocast, gather, loss = best
+            best = (np.where(more, total, best[0]), np.where(more, r, best[1]),
+                    {name: np.where(more, value, best[2][name]) for name, value in terms.items()})
+    return finish({**best[2], "stage": best[1], **runtime(c, cl)}, cl)
+
+
+def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, per_layer: Any,
+                rates: dict[str, Any], activations: tuple[Any, Any, Any]) -> dict[str, Any]:
+    """Every tensor term of TERMS on pipeline rank r at the end of its forward: its parameters' states,
+    the activation sets it holds in flight and the last rank's logits."""
+    stored, logits, recompute = activations
+    s_psi, held, last = _rank(m, c, r, per_layer)
+    acts = held * stored + np.where(last, logits, 0.0)
+    nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
+    fp32_embedding, apex_shard, deferred = _nemo_terms(m, c, k, r, s_psi, acts) if nemo else (0.0, 0.0, 0.0)
+    autocast, gather, loss = _engine_terms(m, c, k, r) if np.any(k["engine"]) else (0.0, 0.0, 0.0)
     out = {name: s_psi * rate + f for name, (rate, f) in rates.items()}
     out["grads_main"] = out["grads_main"] + fp32_embedding
     out["grads_partition"] = out["grads_partition"] + apex_shard
-    out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather, temp_loss=loss, act_autocast=autocast,
-               act_layers=held * stored, act_wgrad_deferred=deferred,
-               act_logits=np.where(last, logits, 0.0), act_recompute=recompute, stage=r, **runtime(c, cl))
-    return finish(out, cl)
+    zero = np.zeros_like(np.asarray(s_psi, dtype=float))
+    out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather + zero, temp_loss=loss + zero,
+               act_autocast=autocast + zero, act_layers=held * stored, act_wgrad_deferred=deferred + zero,
+               act_logits=np.where(last, logits, 0.0), act_recompute=recompute + zero, act_stage_io=zero,
+               temp_backward=zero, temp_reduce=zero, temp_grad_accum=zero)
+    return out
+
+
+def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, per_layer: Any,
+                    rates: dict[str, Any], forward: dict[str, Any], stored: Any) -> dict[str, Any]:
+    """Rank r's terms at its peak under FSDP2's mixed precision (`tuning.sim_spec.fsdp_bf16_rows`), given its
+    terms at the end of the forward (`forward`). Without an autocast cache and with bf16 blocks the forward's
+    end no longer holds the most: the fp32 gradients, reduce-scatter inputs and accumulations of the backward
+    do. The largest of three moments of a backward, each on the micro-batch's sets the rank holds:
+    - the loss's backward (last rank): the forward's activations and the loss's fp32 temporaries; the blocks
+      and the root resharded after forward (ZeRO-3) are not gathered, no layer is recomputed yet;
+    - the last block's backward: its sets and the gathered root and block (FSDP2 re-gathers them), the
+      loss's freed; the last rank's root gradients in bf16 (head and final norm: FSDP2 reduces the root
+      when the whole backward ends) and the block's MLP gradients (its weights' in bf16, and per token the
+      gradients of its 2 mlp_mats - 2 f-wide tensors and of its output, bf16);
+    - just after that block's reduce-scatter: one layer's sets fewer, its fp32 reduce-scatter input, and its
+      gradient shard (fp32) where no gradient exists yet (one micro-batch: zero_grad set them to None).
+    Under torch's pipelining (`accumulate_unsharded`) FSDP2 accumulates every micro-batch's unsharded gradients
+    in fp32 apart from `.grad` (FSDPParam.to_accumulated_grad_if_needed; `temp_grad_accum`, 4 bytes a
+    parameter of the stage) from the second backward on, when the rank holds min(in flight, micro-batches - 1)
+    micro-batches; each micro-batch in flight keeps the stage's received input and its output (the schedule's
+    forward cache: bf16 hidden states, the logits on the last stage); the reduce-scatter input replaces the
+    accumulated gradient it reduces; the whole stage counts as gathered (`_state_rates`), which the last rank
+    at ZeRO-3 overstates: its forwards reshard between its backwards, so its backward holds the root and the
+    blocks it has reached, its loss none (a 2-stage dry run: the root and one block, 0.79 of the 1.08 MB priced;
+    Llama-3.1-8B pp4 peaks at its last stage's loss: none of the 4.2 GiB priced, docs/dryrun.md). Checked
+    against dry runs of the engine (tests/test_sim_vs_dryrun.py)."""
+    s_psi, held, last = _rank(m, c, r, per_layer)
+    layers, nmb, t = _stage_layers(m, c, r), c["num_mb"], c["tp"]
+    tokens, wb, reduced_bytes = m.seq * c["micro"], weight_bytes(c), comm_bytes(c)  # bf16 weights, fp32 reduce
+    block = _unit(m, c) / wb  # a block's parameters (with tp's replicated norms)
+    pipelined = np.asarray(k["accumulate_unsharded"]) & (c["pp"] > 1)
+    io = np.where(pipelined, tokens * wb * (np.where(r > 0, m.hidden, 0.0) + np.where(last, m.vocab, m.hidden)), 0.0)
+    root_grads = np.where(last, wb * (m.vocab * m.hidden + m.norm_params * m.hidden), 0.0)
+    mlp_grads = wb * (m.mlp_mats * m.hidden * m.ffn / t + tokens * ((2 * m.mlp_mats - 2) * m.ffn / t + m.hidden))
+    current_block = rates["params_gathered"][1]  # the block and root gathered for it (0 where all stay gathered)
+    none = np.zeros_like(np.asarray(s_psi, dtype=float))
+    best = None
+    for later in (False, True):  # the first backward; a later one, with the accumulated gradients
+        mb = held / layers if not later else np.minimum(held / layers, nmb - 1)
+        base = {**forward, "act_autocast": none, "act_logits": none, "temp_loss": none,
+                "act_layers": mb * layers * stored, "act_stage_io": mb * io,
+                "temp_grad_accum": np.where(later & pipelined & (nmb > 1), reduced_bytes * s_psi, 0.0)}
+        loss = {**base, "act_logits": forward["act_logits"], "temp_loss": forward["temp_loss"], "act_recompute": none,
+                "params_gathered": forward["params_gathered"] - current_block, "temp_gather": none}
+        block_bwd = {**base, "temp_backward": root_grads + mlp_grads}
+        reduced = {**block_bwd, "act_layers": block_bwd["act_layers"] - stored,
+                   "temp_reduce": np.where(pipelined, 0.0, reduced_bytes * block),
+                   "grads_main": np.where(forward["grads_main"] > 0, forward["grads_main"],
+                                          reduced_bytes * block / c["dp"])}
+        for moment, valid in ((loss, last), (block_bwd, mb > 0), (reduced, mb > 0)):
+            total = np.where(valid, sum(moment.values()), -np.inf)
+            if best is None:
+                best = (total, moment)
+            else:
+                more = total > best[0]
+                best = (np.where(more, total, best[0]), {n: np.where(more, v, best[1][n]) for n, v in moment.items()})
+    return best[1]
 
 
 def _root(m: ModelSpec, c: dict[str, np.ndarray]) -> Any:
     """Bytes of the engine's FSDP2 root unit without pipelining (the embedding, the untied head, the final norm,
-    fp32, replicated over tp) that it keeps gathered from forward to backward; 0 elsewhere."""
+    in its weights' dtype, replicated over tp) gathered beside the current block; 0 elsewhere."""
     if not np.any(engine_rows(c)):
         return 0.0
-    return 4.0 * (m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + m.norm_params * m.hidden)
+    return weight_bytes(c) * (m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + m.norm_params * m.hidden)
 
 
 def _engine_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any) -> tuple[Any, Any, Any]:
     """The engine's (autocast's weight cache, FSDP2's all-gather buffer, the loss's temporaries) on rank r:
     autocast caches the bf16 cast of every leaf weight it multiplies by until the forward's autocast region
-    ends (torch autocast's cast cache), so the stage's matmul weights (and a replicated head) at 2 bytes; FSDP2
-    gathers one unit into its own output buffer (fp32); the loss makes an fp32 copy of the logits and their
-    gradient (8 bytes a logit)."""
+    ends (torch autocast's cast cache), so the stage's matmul weights (and a replicated head) at 2 bytes (none
+    under FSDP2's mixed precision, whose weights are bf16 already); FSDP2 gathers one unit into its own output
+    buffer (in its weights' dtype); the loss makes an fp32 copy of the logits and their gradient (8 bytes a
+    logit)."""
     engine, p = k["engine"], c["pp"]
+    cached = engine & ~fsdp_bf16_rows(c)
     last = r == p - 1
     weights = _stage_layers(m, c, r) * m.layer_matmul_params / c["tp"] + np.where(last, m.vocab * m.hidden, 0.0)
     shard = (c["zero"] >= 2) & (c["dp"] > 1)
     tokens = m.seq * c["micro"]
-    return (np.where(engine, 2.0 * weights, 0.0), np.where(engine & shard, _unit(m, c), 0.0),
+    return (np.where(cached, 2.0 * weights, 0.0), np.where(engine & shard, _unit(m, c), 0.0),
             np.where(engine & last, 8.0 * tokens * m.vocab, 0.0))
 
 

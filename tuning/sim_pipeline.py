@@ -6,8 +6,9 @@ and the micro-batches in flight.
   tp rank; DeepSpeed's PipelineEngine partitions them the same way (`pipe_partitioned`).
 - Once per step: the first and last stage all-reduce the tied embedding gradients (V schedules
   hold both ends on one rank) and the stages all-reduce the gradient norm's squares (one alpha).
-- The engine (torch.distributed.pipelining) sends each stage's whole fp32 hidden state (its parameters
-  are fp32 under autocast; every tp rank sends its own copy, no scatter/gather); the first stage sends
+- The engine (torch.distributed.pipelining) sends each stage's whole hidden state in its dtype
+  (`tuning.sim_spec.weight_bytes`: fp32 under autocast over fp32 parameters, bf16 where FSDP2's mixed
+  precision gathers bf16 weights; every tp rank sends its own copy, no scatter/gather); the first stage sends
   activations only, the last gradients only, a middle stage both; it all-reduces embedding gradients only
   for a tied head. `pp_messages` holds these sizes (tuning/sim_dryrun.py sets them beside a dry run).
 - Bubble: walked from the schedule's action list (tuning/sim_schedule.py).
@@ -22,7 +23,7 @@ from engine.validate import V_SCHEDULES
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_comm import collective, link
 from tuning.sim_schedule import schedule_bubble
-from tuning.sim_spec import SCHEDULES, ModelSpec, engine_rows
+from tuning.sim_spec import SCHEDULES, ModelSpec, engine_rows, weight_bytes
 
 
 def pp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -48,7 +49,7 @@ def pp_messages(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]
         return {"send": act / t, "directions": np.full(np.shape(act), 2.0), "embedding": embedding}
     p, stage = c["pp"], np.asarray(c.get("stage", 0))
     ends = (stage == 0) | (stage == p - 1)
-    return {"send": np.where(engine, c["micro"] * m.seq * m.hidden * 4, act / t),
+    return {"send": np.where(engine, c["micro"] * m.seq * m.hidden * weight_bytes(c, engine), act / t),
             "directions": np.where(engine & ends, 1.0, 2.0),
             "embedding": np.where(engine, m.vocab * m.hidden * 4.0 * m.tied_embeddings, embedding)}
 

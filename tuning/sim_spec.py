@@ -318,15 +318,33 @@ def columns(par: ParallelSpec) -> dict[str, np.ndarray]:
 
 
 def engine_rows(c: dict[str, np.ndarray]) -> np.ndarray:
-    """Which rows price the workbench engine (`framework="engine"`): its fp32 parameters under autocast
-    move fp32 and keep autocast's 16-bit copies (tuning/sim_zero.py, sim_tensor.py, sim_pipeline.py,
+    """Which rows price the workbench engine (`framework="engine"`): fp32 parameters, bf16 by autocast over
+    them, or by FSDP2's mixed precision (`fsdp_bf16_rows`) (tuning/sim_zero.py, sim_tensor.py, sim_pipeline.py,
     sim_memory.py); False for a column set without a framework (the search's default flavour)."""
     from tuning.sim_framework import FRAMEWORK_NAMES
 
     return np.asarray(c.get("framework", -1)) == FRAMEWORK_NAMES.index("engine")
 
 
+def fsdp_bf16_rows(c: dict[str, np.ndarray]) -> np.ndarray:
+    """The engine's rows whose FSDP2 runs `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+    (engine/parallelize.py fsdp_mp_policy: precision bf16 at ZeRO-2/3, applied where the ZeRO group has
+    more than one rank and CO2 is off): FSDP2 gathers bf16 copies of the fp32 shards and the layers compute
+    on them (bf16 hidden states, no autocast cache), gradients are reduced and accumulated in fp32."""
+    return (engine_rows(c) & (np.asarray(c["dtype_bytes"]) == 2) & (np.asarray(c["zero"]) >= 2)
+            & (np.asarray(c.get("dp", 1)) > 1) & ~np.asarray(c.get("co2", False), dtype=bool))
+
+
 def comm_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
-    """Bytes per element of the gradient and parameter collectives: the row's dtype, but 4 for the engine
-    (autocast over fp32 parameters: FSDP2 gathers and reduce-scatters fp32, DDP all-reduces fp32 grads)."""
+    """Bytes per element of the gradient collectives: the row's dtype, but 4 for the engine (fp32
+    parameters: DDP all-reduces fp32 gradients; FSDP2 reduce-scatters fp32, also under its mixed precision,
+    whose reduce dtype is fp32)."""
     return np.where(engine_rows(c) if engine is None else engine, 4, c["dtype_bytes"])
+
+
+def weight_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
+    """Bytes per element of the weights the layers compute with, which is also what their hidden states and
+    input gradients take: the row's dtype; for the engine 4 (autocast over fp32 parameters keeps an fp32
+    residual stream; FSDP2 without a policy gathers fp32), but 2 where FSDP2 gathers bf16 copies
+    (`fsdp_bf16_rows`): its all-gathers, its gathered copies, tp's backward all-reduces, pp's sends."""
+    return np.where(fsdp_bf16_rows(c), 2, comm_bytes(c, engine))

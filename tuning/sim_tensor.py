@@ -6,12 +6,13 @@ a reduce-scatter + all-gather of the same bytes and twice the latency (Korthikan
 The group is on NVLink while t <= gpus_per_node, otherwise across nodes.
 
 The engine (engine/parallel/tensor.py: q, k, v, gate and up column-parallel, o and down row-parallel, DTensor
-plans, bf16 by autocast over fp32 parameters) reduces in forward the two row-parallel outputs in bf16 and in
-backward each column-parallel projection's input gradient on its own, in fp32 (autocast casts the gradient
-back to its fp32 input): 3 + (MLP matrices - 1) of them. Under activation checkpointing torch's non-reentrant
-checkpoint replays the layer only until its saved tensors are back (early stop), which redoes the attention
-output's all-reduce and not the MLP's: one more bf16 all-reduce (a 1-layer tp2 dry run: 2 + 5 without, 3 + 5
-with, `tests/test_sim_vs_dryrun.py`).
+plans) reduces in forward the two row-parallel outputs in the run's dtype and in backward each column-parallel
+projection's input gradient on its own, in its hidden states' dtype (`tuning.sim_spec.weight_bytes`: fp32
+under autocast over fp32 parameters, which casts the gradient back to its fp32 input; bf16 where FSDP2's
+mixed precision computes on bf16 weights): 3 + (MLP matrices - 1) of them. Under activation checkpointing
+torch's non-reentrant checkpoint replays the layer only until its saved tensors are back (early stop), which
+redoes the attention output's all-reduce and not the MLP's: one more forward all-reduce (a 1-layer tp2 dry
+run: 2 + 5 without, 3 + 5 with, `tests/test_sim_vs_dryrun.py`).
 
 With Megatron-core's --tp-comm-overlap (`tp_comm_overlap`, sequence parallelism on), Transformer
 Engine's userbuffers split each all-gather into t ring-exchange chunks consumed by the GEMM it feeds
@@ -25,7 +26,7 @@ import numpy as np
 
 from tuning.hardware import ClusterSpec
 from tuning.sim_comm import collective, link
-from tuning.sim_spec import ModelSpec, engine_rows
+from tuning.sim_spec import ModelSpec, engine_rows, weight_bytes
 
 
 def tp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
@@ -55,5 +56,5 @@ def tp_messages(m: ModelSpec, c: dict[str, np.ndarray]) -> list[tuple[np.ndarray
     if not np.any(engine):
         return [(n_ar, act)]
     forward = np.where(engine, 2 + (c["recompute"] == 2), n_ar)
-    backward_fp32 = np.where(engine, 3 + m.mlp_mats - 1, 0)
-    return [(forward, act), (backward_fp32, c["micro"] * m.seq * m.hidden * 4)]
+    backward = np.where(engine, 3 + m.mlp_mats - 1, 0)
+    return [(forward, act), (backward, c["micro"] * m.seq * m.hidden * weight_bytes(c, engine))]

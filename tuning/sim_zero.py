@@ -13,8 +13,9 @@ the next block's prefetched under this block's compute, at the framework's fitte
 link's bandwidth (`Framework.zero3_bw_efficiency`).
 
 Message sizes (`dp_messages`, also what tuning/sim_dryrun.py sets beside a dry run): the row's dtype per
-element, but 4 bytes for the engine, whose bf16 is autocast over fp32 parameters (FSDP2 without a
-MixedPrecisionPolicy gathers and reduce-scatters fp32). Under torch's pipelining the engine's FSDP2 keeps
+element, but for the engine its parameters' and gradients' (`tuning.sim_spec.weight_bytes`, `comm_bytes`):
+fp32 under autocast (ZeRO-0/1, fp32 runs), and at ZeRO-2/3 with bf16 FSDP2's MixedPrecisionPolicy gathers
+bf16 copies (2 bytes) and reduce-scatters fp32 gradients (4 bytes). Under torch's pipelining the engine's FSDP2 keeps
 each stage unsharded across its micro-batches (`backward_maybe_with_nosync`: no reshard after backward, no
 gradient sync before the last micro-batch): every micro-batch's forward gathers the stage (ZeRO-3), the
 first backward gathers it once more, and the gradients are reduce-scattered once.
@@ -28,7 +29,7 @@ import numpy as np
 from tuning.hardware import ClusterSpec
 from tuning.sim_comm import collective, link
 from tuning.sim_framework import per_row
-from tuning.sim_spec import ModelSpec, comm_bytes, engine_rows
+from tuning.sim_spec import ModelSpec, comm_bytes, engine_rows, weight_bytes
 
 
 def _links(cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -50,20 +51,20 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     eff = per_row(fw, "zero3_bw_efficiency", frameworks)
     interference = per_row(fw, "overlap_interference", frameworks)
     engine = engine_rows(c)
-    el = comm_bytes(c, engine)
+    el, gathered = comm_bytes(c, engine), psi * weight_bytes(c, engine)
     grad_bytes = psi * el / c["compression_ratio"]
     # ZeRO-0/1/2's whole-model collectives at the framework's share of the bus bandwidth (fitted; 1 but
     # for DeepSpeed, whose stage 1/2 reduce in buckets through flatten/copy kernels)
     share = per_row(fw, "dp_bw_efficiency", frameworks)
     all_reduce = collective(grad_bytes, 2 * frac, lk["ar"][0] * share, lk["ar"][1], d)
     reduce_scatter = collective(grad_bytes, frac, lk["rs"][0] * share, lk["rs"][1], d)
-    gather = collective(psi * el, frac, lk["ag"][0] * share, lk["ag"][1], d)
-    broadcast = collective(psi * el, frac, lk["ar"][0] * share, lk["ar"][1], d)  # ZeroRedundancyOptimizer's shards
+    gather = collective(gathered, frac, lk["ag"][0] * share, lk["ag"][1], d)
+    broadcast = collective(gathered, frac, lk["ar"][0] * share, lk["ar"][1], d)  # ZeroRedundancyOptimizer's shards
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
     # one alpha per FSDP unit (the blocks and the root), or per parameter tensor (DeepSpeed stage 3)
     units = n_layers * np.where(per_row(fw, "zero3_per_parameter", frameworks) > 0, m.param_tensors_per_layer, 1)
-    layer_gather = collective(psi * el, frac, lk["ag"][0] * eff, lk["ag"][1], d) \
+    layer_gather = collective(gathered, frac, lk["ag"][0] * eff, lk["ag"][1], d) \
         + units * np.where(d > 1, lk["ag"][1], 0.0)
     layer_rs = collective(grad_bytes, frac, lk["rs"][0] * eff, lk["rs"][1], d) + units * np.where(d > 1, lk["rs"][1], 0.0)
     ovl = c["overlap_dp"]
@@ -137,8 +138,8 @@ def dp_messages(c: dict[str, np.ndarray], psi: Any) -> dict[str, Any]:
     the engine under pipelining as the module docstring says."""
     zero, nmb = c["zero"], c["num_mb"]
     engine = engine_rows(c)
-    params = psi * comm_bytes(c, engine)
-    grads = params / c["compression_ratio"]
+    params = psi * weight_bytes(c, engine)
+    grads = psi * comm_bytes(c, engine) / c["compression_ratio"]
     z1_ar = (zero == 1) & np.asarray(c.get("zero1_allreduce", False))
     z2_fsdp = (zero == 2) & np.asarray(c.get("zero2_fsdp", False))
     z3_kept = (zero == 3) & ~np.asarray(c.get("reshard_after_forward", True))
