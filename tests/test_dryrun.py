@@ -189,7 +189,12 @@ def test_workbench_dryrun_prints_the_simulators_figures_beside_its_own(tmp_path)
     assert dp["dry_run"] - loss == pytest.approx(dp["simulator"], rel=1e-3)
     rows = {row["category"]: row for row in role["memory"]}
     assert set(rows) >= {"params", "grads", "optimizer", "activations"}
-    assert all(rows[c]["simulator"] > 0 for c in ("params", "grads", "optimizer", "activations"))
+    assert all(rows[c]["simulator"] is not None for c in ("params", "grads", "optimizer", "activations", "temp"))
+    assert all(rows[c]["simulator"] > 0 for c in ("params", "optimizer", "activations"))
+    # the simulator prices fp32 ZeRO-3 at the end of the forward (one micro-batch: no gradient yet), the dry run
+    # peaks inside the backward: categories trade places, the totals agree (5.16 against 5.02 MB)
+    simulated, measured = (sum(row[k] or 0.0 for row in rows.values()) for k in ("simulator", "dry_run"))
+    assert simulated == pytest.approx(measured, rel=0.10)
     with console.capture() as captured:
         _print_report(SimpleNamespace(name="c"), report)
     text = captured.get()
