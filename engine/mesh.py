@@ -9,6 +9,11 @@ MESH_AXES = ("pp", "dp", "tp")
 CP_MESH_AXES = ("pp", "dp", "cp", "tp")  # with context parallelism (torchtitan's order: cp inside dp, outside tp)
 
 
+def world_size(*, dp: int, tp: int, pp: int, cp: int = 1) -> int:
+    """The ranks a layout runs on: dp * tp * pp * cp (the one world-size formula; numpy arrays work too)."""
+    return dp * tp * pp * cp
+
+
 def world_product(cp: int = 1) -> str:
     """The world size as messages name it: ``dp*tp*pp``, times ``cp`` only when cp > 1 (as
     `ParallelDims` prints its factors and `describe()` lists cp)."""
@@ -30,8 +35,8 @@ class ParallelDims:
         for name in ("dp", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}", getattr(self, name), "must be >= 1")
-        if self.dp * self.tp * self.pp * self.cp != self.world_size:
-            product = self.dp * self.tp * self.pp * self.cp
+        product = world_size(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        if product != self.world_size:
             raise ConfigError(
                 "parallel", f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "") + f" = {product}",
                 f"must equal world_size({self.world_size})")

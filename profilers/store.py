@@ -17,6 +17,7 @@ refused with a `StoreError`, never written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from profilers.locks import file_lock
 from profilers.records import Record
 from profilers.store_sql import PostgresBackend, SqliteBackend, is_url
 
@@ -122,24 +124,11 @@ def _hint(message: str) -> str:
     return ""
 
 
-@contextmanager
-def _opening(path: Path) -> Iterator[None]:
+def _opening(path: Path) -> contextlib.AbstractContextManager[None]:
     """Hold `<store>.lock` while a connection opens: SQLite answers "database is locked" at once,
     without its busy handler, when processes switch a new file to WAL together (4 processes opening
     a new store at once: 14 of 40 tries failed so); the lock makes them take turns."""
-    import fcntl
-
-    try:
-        handle = open(f"{path}.lock", "a")
-    except OSError:  # a read-only folder: SQLite's own open names the problem
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return file_lock(path)
 
 
 def _dumps(value: Any) -> str | None:

@@ -12,7 +12,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 
 from engine.config import RunConfig
 from engine.validate import name_error
+from profilers.locks import STUDY_LOCK_KEY, advisory_lock, database_lock
 from profilers.store import default_home
 from tuning.objective import PARETO, THROUGHPUT, Objective, TrialOutcome
 from tuning.space import SearchSpace
@@ -133,32 +134,13 @@ def reader_storage(url: str) -> optuna.storages.RDBStorage:
         return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
 
 
-@contextlib.contextmanager
-def _schema_lock(url: str) -> Iterator[None]:
+def _schema_lock(url: str) -> contextlib.AbstractContextManager[None]:
     """Serialize opening one study database (and screening a draw: `_study_lock`) across processes: Optuna
     creates its tables and version row without a lock, and workers started together fail, on SQLite with
     "table ... already exists", on PostgreSQL with UniqueViolation "pg_type_typname_nsp_index" (its CREATE
-    TABLE IF NOT EXISTS is not atomic). SQLite: a lock file; PostgreSQL: a session advisory lock."""
-    if url.startswith("postgresql"):
-        with _advisory_lock(url):
-            yield
-        return
-    if not url.startswith("sqlite:///"):
-        yield
-        return
-    import fcntl
-
-    try:
-        handle = open(url.removeprefix("sqlite:///") + ".lock", "a")
-    except OSError:  # a read-only folder: nobody can create the tables there anyway
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    TABLE IF NOT EXISTS is not atomic). SQLite: a lock file; PostgreSQL: the study's advisory lock
+    (profilers/locks.py, a key of its own: run stores opening meanwhile do not wait)."""
+    return database_lock(url, key=STUDY_LOCK_KEY)
 
 
 def _backend(study: optuna.Study) -> Any:
@@ -175,33 +157,8 @@ def _study_lock(study: optuna.Study) -> contextlib.AbstractContextManager[None]:
     if not isinstance(url, str):
         return contextlib.nullcontext()
     if url.startswith("postgresql"):
-        return _advisory_lock(url, engine=backend.engine)
+        return advisory_lock(url, key=STUDY_LOCK_KEY, on=backend.engine)
     return _schema_lock(url)
-
-
-SCHEMA_LOCK_KEY = 0x776F726B62656E63  # "workbenc": the advisory lock every workbench worker takes to open a study database
-
-
-@contextlib.contextmanager
-def _advisory_lock(url: str, *, engine: Any = None) -> Iterator[None]:
-    """Hold PostgreSQL's session advisory lock SCHEMA_LOCK_KEY on a connection of `engine`, or, before a
-    storage exists (opening the database), of a one-connection engine made for it."""
-    import sqlalchemy
-    from sqlalchemy.pool import NullPool
-
-    own = engine is None
-    if own:
-        engine = sqlalchemy.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 10})
-    try:
-        with engine.connect() as conn:
-            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
-            try:
-                yield
-            finally:
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
-    finally:
-        if own:
-            engine.dispose()
 
 
 def _interrupt_run(home: str | Path | None) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
