@@ -517,11 +517,6 @@ def plan(cell: Cell) -> Plan:
     return Plan(**fields, key=key)
 
 
-def as_set_args(flat: Mapping[str, Any]) -> list[str]:
-    """`--set` style strings of overrides (for messages and `workbench run` commands)."""
-    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flat.items()]
-
-
 # ---------------------------------------------------------------- the command
 
 def main(argv: list[str] | None = None) -> int:

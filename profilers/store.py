@@ -415,12 +415,6 @@ class RunStore:
             conn.execute("UPDATE segments SET end_step = ?, value = ? WHERE id = ?",
                          (int(end_step), value, int(segment_id)))
 
-    def delete_run(self, run_id: str) -> None:
-        """Remove a run with its metrics and segments."""
-        with self._write() as conn:
-            for table in ("metrics", "segments", "runs"):
-                conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
-
     # -- reader API --------------------------------------------------------------------------
     def runs(self, limit: int = 100, status: str | None = None,
              parent: str | None = None) -> list[dict[str, Any]]:

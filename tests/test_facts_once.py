@@ -137,3 +137,16 @@ def test_the_run_store_imports_the_lock_helper() -> None:
     """The run store (however its files are cut) takes its file and advisory locks from profilers/locks.py."""
     stores = [p for p in (ROOT / "profilers").rglob("*.py") if "store" in _rel(p)]
     assert any("profilers.locks" in _imports(p) for p in stores), [_rel(p) for p in stores]
+
+
+# issue 51: functions nothing called (tests included); removed, and kept out
+UNUSED = ("engine/memory.py:_stage_params", "engine/compat.py:as_set_args", "engine/parallel/adaptive_sp.py:plan_step",
+          "engine/parallel/schedules.py:format_actions", "profilers/store.py:delete_run", "tuning/export.py:export_pareto",
+          "tuning/space.py:live_only")
+
+
+def test_the_unused_functions_are_gone() -> None:
+    names = {spec.rsplit(":", 1)[1] for spec in UNUSED}
+    found = [f"{_rel(p)}:{node.name}" for p in _product_files() for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.FunctionDef) and node.name in names]
+    assert found == [], f"unused functions still defined: {found}"
