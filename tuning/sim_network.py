@@ -117,7 +117,7 @@ def search_placements(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec,
     `layouts` defaults to all factorisations; a placement the engine would refuse (holmes with a
     group whose size is not a multiple of tp) is skipped.
     """
-    from engine.validate import PLACEMENTS
+    from engine.placement import PLACEMENTS
 
     gpus = par.gpus
     if layouts is None:
