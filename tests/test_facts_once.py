@@ -109,7 +109,7 @@ CALLERS = {
     "tuning/sim_spec.py": "engine.shapes",
     "engine/device.py": "engine.peaks",
     "tuning/hardware.py": "engine.peaks",
-    "tuning/study.py": "profilers.locks",
+    "tuning/storage.py": "profilers.locks",
     "profilers/store_sql.py": "profilers.locks",
     "engine/config.py": "engine.mesh",
     "tuning/sim_spec.py ": "engine.mesh",
