@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine.errors import ConfigError
+from engine.mesh import world_size
 
 
 @dataclass(kw_only=True, slots=True)
@@ -257,7 +258,8 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp * self.parallel.cp
+        p = self.parallel
+        return world_size(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
 
     @property
     def grad_accum(self) -> int:

@@ -13,18 +13,16 @@ the engine does with it when it trains `model.hf` (engine/hf.py).
 
 tests/test_hf_fields.py walks transformers' config classes of every family: a field that is not
 in `FIELDS` fails it, so a new transformers field is classified before it can change a model
-silently. Torch-free (validate() imports it).
+silently. Torch-free (validate() imports it); `RunConfig` is named in annotations only (config
+imports validation, so validation does not import config: no import circle).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.errors import ConfigError
 from engine.shapes import MOE_FAMILIES
-
-if TYPE_CHECKING:
-    from engine.config import RunConfig
 
 IMPLEMENTED, IRRELEVANT, REFUSED = "implemented", "irrelevant", "refused"
 LAYERS = "transformers' decoder layers (run unmodified)"

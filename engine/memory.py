@@ -80,12 +80,6 @@ def _hf_stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
     return root, block, _stage_layers(cfg)[stage]
 
 
-def _stage_params(cfg: RunConfig, stage: int) -> float:
-    """Parameters one rank of pipeline `stage` holds before ZeRO sharding."""
-    root, block, layers = _stage_parts(cfg, stage)
-    return root + layers * block
-
-
 def _layer_activation_elems(cfg: RunConfig) -> float:
     """Saved activation elements of one block for one micro-batch (fp32, no recomputation).
 

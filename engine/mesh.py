@@ -1,12 +1,34 @@
-"""ParallelDims: the validated (pp, dp, cp, tp) layout of a run, and the device mesh it builds."""
+"""ParallelDims: the validated (pp, dp, cp, tp) layout of a run, and the device mesh it builds; the
+world-size formula and the divisors a degree may take."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
 
 MESH_AXES = ("pp", "dp", "tp")
 CP_MESH_AXES = ("pp", "dp", "cp", "tp")  # with context parallelism (torchtitan's order: cp inside dp, outside tp)
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n in increasing order (O(sqrt n)); [] for n < 1."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n >= 1 else []
+    return sorted(set(small + [n // d for d in small]))
+
+
+def divisor_hint(n: int) -> str:
+    """The hint an error ends with, `; try 1, 2, 4, 8` (the divisors of n; the first 7 and the last of many),
+    or "" when n has none to offer."""
+    ds = [str(d) for d in divisors(n)] if 0 < n <= 100000 else []
+    if len(ds) > 8:
+        ds = ds[:7] + ["…", ds[-1]]
+    return f"; try {', '.join(ds)}" if ds else ""
+
+
+def world_size(*, dp: int, tp: int, pp: int, cp: int = 1) -> int:
+    """The ranks a layout runs on: dp * tp * pp * cp (the one world-size formula; numpy arrays work too)."""
+    return dp * tp * pp * cp
 
 
 def world_product(cp: int = 1) -> str:
@@ -30,8 +52,8 @@ class ParallelDims:
         for name in ("dp", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}", getattr(self, name), "must be >= 1")
-        if self.dp * self.tp * self.pp * self.cp != self.world_size:
-            product = self.dp * self.tp * self.pp * self.cp
+        product = world_size(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        if product != self.world_size:
             raise ConfigError(
                 "parallel", f"dp({self.dp}) * tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "") + f" = {product}",
                 f"must equal world_size({self.world_size})")

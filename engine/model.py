@@ -142,32 +142,17 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:
-    """Analytic parameter counts (tied head counted once).
+    """Analytic parameter counts (tied head counted once), from the model's shape (`engine.shapes`).
 
-    MoE (model.experts > 0): `per_layer` is a dense block; `layers` and `total` hold every
-    expert; `active` counts the top_k experts a token passes through (plus the routers)."""
-    from engine.moe import moe_parameter_counts
-
-    if cfg.hf is not None:  # a Hugging Face model: its config's shape (GQA, SwiGLU, untied head, experts)
-        shape = model_shape(cfg)
-        out = {"per_layer": shape.layer_params(0), "layers": sum(shape.layer_params(i) for i in range(shape.layers)),
-               "embedding": shape.embedding_params, "total": shape.params}
-        if shape.experts:
-            out["active"] = shape.active_params
-        return out
-    h, l = cfg.d_model, cfg.layers
-    mlp = 2 * cfg.mlp_ratio * h * h
-    per_layer = 4 * h * h + mlp + 4 * h  # q,k,v,o + mlp + two LayerNorms
-    embedding = cfg.vocab * h + cfg.seq_len * h
-    moe = moe_parameter_counts(cfg)
-    swapped = moe["moe_layers"] * mlp  # MLPs the MoE blocks replace
-    layers = l * per_layer - swapped + moe["router"] + moe["experts_total"]
-    active = l * per_layer - swapped + moe["router"] + moe["experts_active"]
-    out = {"per_layer": per_layer, "layers": layers, "embedding": embedding,
-           "total": layers + embedding + 2 * h}
-    if cfg.experts > 0:
-        out["active"] = active + embedding + 2 * h
-        out["experts"] = moe["experts_total"]
+    `per_layer` is a dense block; `layers` and `total` hold every expert; with experts, `active`
+    counts the top_k experts a token passes through (plus the routers) and `experts` every routed
+    expert."""
+    shape = model_shape(cfg)
+    out = {"per_layer": shape.dense_layer_params, "layers": sum(shape.layer_params(i) for i in range(shape.layers)),
+           "embedding": shape.embedding_params, "total": shape.params}
+    if shape.experts:
+        out["active"] = shape.active_params
+        out["experts"] = shape.expert_params
     return out
 
 

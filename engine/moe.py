@@ -29,17 +29,18 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.mlp import MLP
+from engine.shapes import moe_layer_indices
 
 Exchange = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Every `moe_every`-th block (1-based: moe_every=2 makes blocks 1, 3, ... MoE, as GShard)."""
-    return cfg.experts > 0 and (layer + 1) % max(cfg.moe_every, 1) == 0
+    """Every `moe_every`-th block (`engine.shapes.moe_layer_indices`)."""
+    return layer in moe_layer_indices(cfg.layers, experts=cfg.experts, moe_every=cfg.moe_every)
 
 
 def moe_layer_count(cfg: ModelConfig) -> int:
-    return sum(is_moe_layer(cfg, i) for i in range(cfg.layers))
+    return len(moe_layer_indices(cfg.layers, experts=cfg.experts, moe_every=cfg.moe_every))
 
 
 def capacity(tokens: int, *, experts: int, top_k: int, factor: float) -> int:
@@ -186,15 +187,3 @@ def step_stats(modules: list[nn.Module]) -> dict[str, float]:
     out["drop_rate"] = (total - total_kept) / total if total else 0.0
     out["imbalance"] = max(per_expert) / (total / len(per_expert)) if total else 0.0  # max / mean load
     return out
-
-
-# ---------------------------------------------------------------- analytic counts
-
-def moe_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters of the MoE layers: `total` holds every expert, `active` the top_k a token uses."""
-    h = cfg.d_model
-    expert = 2 * cfg.mlp_ratio * h * h
-    n = moe_layer_count(cfg)
-    router = h * cfg.experts
-    return {"moe_layers": n, "per_expert": expert, "router": n * router,
-            "experts_total": n * cfg.experts * expert, "experts_active": n * min(cfg.top_k, cfg.experts) * expert}

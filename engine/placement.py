@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.validate import PLACEMENTS
+PLACEMENTS = ("naive", "holmes")  # rank order | pp across link groups, dp/tp inside
 
 
 def rank_order(world: int, *, placement: str = "naive", groups: Sequence[Sequence[int]] | None = None,

@@ -86,13 +86,27 @@ class ModelShape:
         # qwen2_moe: a shared expert MLP and its sigmoid gate (a hidden -> 1 linear)
         return self.mlp_params(self.shared_ffn_hidden) + self.hidden if self.shared_ffn_hidden else 0
 
+    @property
+    def block_norm_params(self) -> int:
+        """The two norms of one block (before attention, before the MLP)."""
+        return 2 * self.hidden * self.norm_params
+
+    @property
+    def dense_layer_params(self) -> int:
+        """Parameters of one dense block: attention, the MLP, norms and biases."""
+        return self.attention_params + self.mlp_params(self.ffn_hidden) + self.block_norm_params
+
+    @property
+    def expert_params(self) -> int:
+        """Every routed expert of every MoE block (no routers, no shared experts)."""
+        return len(self.moe_layers) * self.experts * self.mlp_params(self.moe_ffn_hidden)
+
     def layer_params(self, layer: int, *, active: bool = False) -> int:
         """Parameters of block `layer` (with `active`, only the top_k experts a token uses)."""
-        norms = 2 * self.hidden * self.norm_params
         if layer not in self.moe_layers:
-            return self.attention_params + self.mlp_params(self.ffn_hidden) + norms
+            return self.dense_layer_params
         routed = (self.top_k if active else self.experts) * self.mlp_params(self.moe_ffn_hidden)
-        return self.attention_params + self.router_params + routed + self.shared_expert_params + norms
+        return self.attention_params + self.router_params + routed + self.shared_expert_params + self.block_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -218,11 +232,17 @@ def from_hf_config(source: str | Path | Mapping[str, Any]) -> ModelShape:
     return ModelShape(**common)
 
 
+def moe_layer_indices(layers: int, *, experts: int, moe_every: int) -> tuple[int, ...]:
+    """The MoE blocks of the built-in GPT: every `moe_every`-th block, 1-based (moe_every=2 makes blocks
+    1, 3, ... MoE, as GShard); none without experts."""
+    return tuple(i for i in range(layers) if experts > 0 and (i + 1) % max(moe_every, 1) == 0)
+
+
 def from_gpt(*, layers: int, d_model: int, heads: int, seq_len: int, vocab: int, mlp_ratio: int = 4,
              experts: int = 0, top_k: int = 2, moe_every: int = 1) -> ModelShape:
     """The shape of the engine's built-in GPT (engine/model.py): LayerNorm, GELU MLP, learned
     positions, tied head, no biases on the linear layers."""
-    moe = tuple(i for i in range(layers) if experts > 0 and (i + 1) % max(moe_every, 1) == 0)
+    moe = moe_layer_indices(layers, experts=experts, moe_every=moe_every)
     return ModelShape(family="gpt", layers=layers, hidden=d_model, heads=heads, kv_heads=heads,
                       head_dim=d_model // heads, ffn_hidden=mlp_ratio * d_model, gated_mlp=False, vocab=vocab,
                       tied_embeddings=True, learned_positions=seq_len, norm_params=2, experts=experts,

@@ -2,21 +2,24 @@
 
 Each rule yields a ConfigError naming the field, the value and the rule (with a fix where one
 exists). `validate()` raises them all at once so a user fixes a config in one pass.
+
+The rules are pure: what the files a config names hold (a checkpoint folder, a lengths file, token
+files, tokenizers, model.hf's config.json and weights) is read first by engine/validate_files.py,
+and the rules take those values (`check(cfg, files)`). `RunConfig` (engine/config.py) is named in
+annotations only: config imports this module to validate what it loads, so this module does not
+import config (no import circle).
 """
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError, ConfigErrors
-from engine.mesh import world_product
+from engine.mesh import divisor_hint as _try, divisors, world_product  # noqa: F401  (divisors: tuning's import)
+from engine.placement import PLACEMENTS, pipeline_out_of_order, rank_order
 from engine.validate_data import DATA_SOURCES, STREAM_SOURCES, stream_rules
-
-if TYPE_CHECKING:
-    from engine.config import RunConfig
+from engine.validate_hf import HF_TRAINABLE, hf_rules  # noqa: F401  (HF_TRAINABLE: read by the docs test)
 
 MAX_WORLD_SIZE = 65536
 MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout) overflows far above this
@@ -33,20 +36,6 @@ CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | ou
 MOE_COMPRESSIONS = ("none", "lsh")  # comm.moe_compression: engine/comm/lsh.py
 CP_IMPLS = ("ulysses", "ring")  # engine/parallel/context.py
 LENGTH_KINDS = ("fixed", "lognormal", "pareto")  # engine/lengths.py; any other value names a file
-PLACEMENTS = ("naive", "holmes")  # engine/placement.py: rank order | pp across link groups, dp/tp inside
-
-
-def divisors(n: int) -> list[int]:
-    """The positive divisors of n in increasing order (O(sqrt n)); [] for n < 1."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n >= 1 else []
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _try(n: int) -> str:
-    ds = [str(d) for d in divisors(n)] if 0 < n <= 100000 else []
-    if len(ds) > 8:
-        ds = ds[:7] + ["…", ds[-1]]
-    return f"; try {', '.join(ds)}" if ds else ""
 
 
 def _positive(field: str, value: float, *, allow_zero: bool = False) -> Iterator[ConfigError]:
@@ -61,7 +50,7 @@ def _choice(field: str, value: str, choices: tuple[str, ...]) -> Iterator[Config
         yield ConfigError(field, value, f"must be one of {', '.join(choices)}")
 
 
-def _model_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _model_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     m = cfg.model
     for name in ("layers", "d_model", "heads", "seq_len", "mlp_ratio"):
         yield from _positive(f"model.{name}", getattr(m, name))
@@ -82,7 +71,7 @@ def _model_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("model.vocab", m.vocab, f"must be >= 256 for byte-level data.source={cfg.data.source}")
 
 
-def _data_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _data_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     d = cfg.data
     yield from _choice("data.source", d.source, DATA_SOURCES)
     yield from _choice("data.split", d.split, ("train", "val"))
@@ -91,13 +80,13 @@ def _data_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     if not 0.0 < d.val_fraction <= 0.5:
         yield ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
     if d.source in STREAM_SOURCES:
-        yield from stream_rules(cfg)
+        yield from stream_rules(cfg, files)
     elif d.pack:
         yield ConfigError("data.pack", True, f"needs data.source one of {', '.join(STREAM_SOURCES)} (document "
                           "boundaries come from the data); data.lengths draws packed documents for the others")
 
 
-def _degree_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _degree_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     p, m = cfg.parallel, cfg.model
     for name in ("dp", "tp", "pp", "virtual"):
         yield from _positive(f"parallel.{name}", getattr(p, name))
@@ -120,7 +109,7 @@ def _degree_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("model.seq_len", m.seq_len, f"must be divisible by parallel.tp={p.tp} with sequence_parallel")
 
 
-def _pipeline_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _pipeline_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     p, m = cfg.parallel, cfg.model
     yield from _choice("parallel.schedule", p.schedule, SCHEDULES)
     if p.virtual > 1 and p.schedule not in VIRTUAL_SCHEDULES:
@@ -187,7 +176,7 @@ def _microbatch_rules(cfg: RunConfig, n_micro: int) -> Iterator[ConfigError]:
                           f"gives {n_micro} micro-batches, not a multiple of parallel.pp={p.pp} ({p.schedule})")
 
 
-def _batch_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _batch_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     b, p = cfg.batch, cfg.parallel
     yield from _positive("batch.global", b.global_)
     yield from _positive("batch.micro", b.micro)
@@ -197,7 +186,7 @@ def _batch_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                           f"try a multiple of {p.dp * b.micro}")
 
 
-def _train_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _train_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     t = cfg.train
     yield from _positive("train.steps", t.steps)
     yield from _positive("train.lr", t.lr)
@@ -215,7 +204,7 @@ def _train_rules(cfg: RunConfig) -> Iterator[ConfigError]:
             yield ConfigError(f"train.{name}", getattr(t, name), "must be in [0, 1)")
 
 
-def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _comm_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     c, o, p = cfg.comm, cfg.co2, cfg.parallel
     yield from _choice("comm.compressor", c.compressor, COMPRESSORS)
     if not 0.0 < c.density <= 1.0:
@@ -259,7 +248,7 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _choice("co2.penalty", o.penalty, CO2_PENALTIES)
     yield from _positive("co2.gap_penalty", o.gap_penalty)
     resume = cfg.train.resume_from
-    if resume and not (Path(resume) / ".metadata").is_file():
+    if resume and not files.resume_is_checkpoint:
         # engine/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
         yield ConfigError("train.resume_from", resume, "must be a checkpoint folder (stepNNNNNN/ holding "
                           "a .metadata file) written by train.checkpoint_interval")
@@ -285,7 +274,7 @@ def name_error(field: str, value: object) -> ConfigError | None:
     return ConfigError(field, value, "must be 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
 
 
-def _run_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _run_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     yield from _choice("precision", cfg.precision, ("fp32", "bf16"))
     yield from _choice("backend", cfg.backend, ("auto", "gloo", "nccl"))
     if (error := name_error("name", cfg.name)) is not None:
@@ -304,7 +293,7 @@ SLURM_TIME = re.compile(r"(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\
 LAUNCHERS = ("local", "slurm")  # engine/launch.py (torchrun on this machine) | engine/slurm.py (one job per run)
 
 
-def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _cluster_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     c, world = cfg.cluster, world_product(cfg.parallel.cp)
     yield from _positive("cluster.nodes", c.nodes)
     yield from _positive("cluster.gpus_per_node", c.gpus_per_node, allow_zero=True)
@@ -333,7 +322,7 @@ def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
             yield ConfigError(f"cluster.setup[{i}]", line, "must be one shell line (no line breaks)")
 
 
-def _moe_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _moe_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     """Mixture-of-Experts and expert parallelism (engine/moe.py, engine/parallel/expert.py)."""
     m, p, c = cfg.model, cfg.parallel, cfg.comm
     yield from _positive("model.experts", m.experts, allow_zero=True)
@@ -388,9 +377,9 @@ def _moe_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                               f"must divide parallel.ep={p.ep} for comm.moe_hierarchical{_try(p.ep)}")
 
 
-def _lengths_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _lengths_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     d, p, m = cfg.data, cfg.parallel, cfg.model
-    if d.lengths not in LENGTH_KINDS and not Path(d.lengths).is_file():
+    if d.lengths not in LENGTH_KINDS and not files.lengths_is_file:
         yield ConfigError("data.lengths", d.lengths, f"must be one of {', '.join(LENGTH_KINDS)} or a file of lengths")
     yield from _positive("data.length_mean", d.length_mean)
     yield from _positive("data.length_sigma", d.length_sigma)
@@ -406,7 +395,7 @@ def _lengths_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                           "sequence_parallel (their document ids do not cross stage or SP boundaries)")
 
 
-def _context_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _context_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     p, m = cfg.parallel, cfg.model
     yield from _positive("parallel.cp", p.cp)
     yield from _choice("parallel.cp_impl", p.cp_impl, CP_IMPLS)
@@ -515,8 +504,6 @@ def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
 def _holmes_pipelines(cfg: RunConfig) -> Iterator[ConfigError]:
     """Holmes' pipelines must visit their ranks in increasing order (engine/placement.py: torch
     numbers a group's ranks sorted, and stage i runs on the rank numbered i)."""
-    from engine.placement import pipeline_out_of_order, rank_order
-
     p, groups = cfg.parallel, [list(g.ranks) for g in cfg.link.groups]
     if sorted(r for g in groups for r in g) != list(range(cfg.world_size)) or cfg.world_size % (p.pp * p.tp):
         return  # the rules above name these
@@ -528,73 +515,18 @@ def _holmes_pipelines(cfg: RunConfig) -> Iterator[ConfigError]:
                           "the wrong ranks): list the link groups in increasing rank order")
 
 
-HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py builds and trains these
-
-
-def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
-    """model.hf (engine/hf.py): what a Hugging Face model combines with; the shape rules read its config."""
-    from engine.hf_checks import config_errors, weight_errors
-    from engine.hf_fields import field_errors
-    from engine.shapes import from_hf_config, read_hf_config
-
-    m, p = cfg.model, cfg.parallel
-    if m.hf is None:
-        if m.hf_weights is not None:
-            yield ConfigError("model.hf_weights", m.hf_weights, "needs model.hf (the config the weights belong to)")
-        return
-    try:
-        shape = from_hf_config(m.hf)
-    except ConfigError as exc:
-        yield exc
-        return
-    config_problems = list(config_errors(m.hf))
-    yield from config_problems
-    yield from field_errors(read_hf_config(m.hf), cfg)  # engine/hf_fields.py: what the ranks would not follow
-    if shape.family not in HF_TRAINABLE:
-        yield ConfigError("model.hf", shape.family, f"model_type {shape.family} is priced by the simulator but not "
-                          f"trained by the engine; trainable: {', '.join(HF_TRAINABLE)}")
-    if m.hf_weights is not None and not Path(m.hf_weights).is_dir():
-        yield ConfigError("model.hf_weights", m.hf_weights, "must be a local folder of safetensors (and config.json)")
-    elif m.hf_weights is not None and not config_problems:
-        yield from weight_errors(m.hf_weights, m.hf)
-    for on, name, why in ((m.entry is not None, "model.entry", "a model is either model.hf or model.entry"),
-                          (m.experts > 0, "model.experts", "applies to the built-in GPT; a Hugging Face MoE "
-                           "brings its own experts"),
-                          (m.dropout > 0, "model.dropout", "applies to the built-in GPT; set attention_dropout "
-                           "in model.hf"),
-                          (p.adaptive_sp, "parallel.adaptive_sp", "runs the built-in GPT only"),
-                          (p.schedule == "skip" and p.pp > 1, "parallel.schedule", "skip runs the built-in GPT only"),
-                          (p.layer_split == "auto", "parallel.layer_split", "auto probes a GPT block; give a list")):
-        if on:
-            yield ConfigError(name, getattr(m, name.split(".")[1], None) if name.startswith("model.")
-                              else getattr(p, name.split(".")[1]), f"with model.hf: {why}")
-    if shape.kv_heads % p.tp:
-        yield ConfigError("parallel.tp", p.tp, f"must divide the key/value heads of model.hf "
-                          f"(num_key_value_heads={shape.kv_heads}){_try(shape.kv_heads)}")
-    if p.ep > 1:
-        if shape.experts == 0:
-            yield ConfigError("parallel.ep", p.ep, f"needs a mixture-of-experts model; model.hf is {shape.family} (dense)")
-        elif shape.experts % p.ep:
-            yield ConfigError("parallel.ep", p.ep, f"must divide the experts of model.hf "
-                              f"(num_local_experts={shape.experts}){_try(shape.experts)}")
-        for on, name in ((p.tp > 1, "parallel.tp"), (p.pp > 1, "parallel.pp"), (p.cp > 1, "parallel.cp"),
-                         (cfg.train.activation_checkpointing, "train.activation_checkpointing")):
-            if on:
-                yield ConfigError("parallel.ep", p.ep, f"with model.hf does not combine with {name} here (not wired)")
-    # the fused experts' exchange (engine/parallel/expert_fused.py) is flat and uncompressed
-    for on, name, value in ((cfg.comm.moe_hierarchical, "comm.moe_hierarchical", True),
-                            (cfg.comm.moe_compression != "none", "comm.moe_compression", cfg.comm.moe_compression)):
-        if on:
-            yield ConfigError(name, value, "applies to the built-in GPT's experts, not model.hf's")
-
-
-RULES = (_model_rules, _hf_rules, _data_rules, _degree_rules, _pipeline_rules, _batch_rules, _train_rules,
+RULES = (_model_rules, hf_rules, _data_rules, _degree_rules, _pipeline_rules, _batch_rules, _train_rules,
          _comm_rules, _run_rules, _cluster_rules, _moe_rules, _lengths_rules, _context_rules)
 
 
-def check(cfg: RunConfig) -> list[ConfigError]:
-    """Every rule the config breaks (empty when valid)."""
-    return [err for rule in RULES for err in rule(cfg)]
+def check(cfg: RunConfig, files: Files | None = None) -> list[ConfigError]:
+    """Every rule the config breaks (empty when valid); `files`: what the files it names hold (read
+    here by engine/validate_files.py when not given)."""
+    if files is None:
+        from engine.validate_files import read_files
+
+        files = read_files(cfg)
+    return [err for rule in RULES for err in rule(cfg, files)]
 
 
 def validate(cfg: RunConfig) -> RunConfig:

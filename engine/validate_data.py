@@ -1,26 +1,23 @@
 """The rules of the real data sources (engine/data_sources.py), checked before any process starts:
 the file exists and is whole, the tokenizer exists and fits the model's vocabulary, the source does not
-meet a feature it cannot serve. Torch-free (`tokenizers` is imported only to read a vocabulary size)."""
+meet a feature it cannot serve. Pure: the rules take what engine/validate_files.py read from the files
+(`Files`: sizes, sampled ids, record fields, vocabulary sizes) and open nothing.
+
+`RunConfig` (engine/config.py) and `Files` are named in annotations only: config imports validation,
+so validation does not import config (no import circle)."""
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
-
-if TYPE_CHECKING:
-    from engine.config import RunConfig
 
 DATA_SOURCES = ("text", "synthetic", "files", "tokens", "megatron", "hf")
 STREAM_SOURCES = ("tokens", "megatron", "hf")  # engine/data_sources.py: read in order, position checkpointed
 TOKEN_DTYPE_BYTES = {"uint16": 2, "uint32": 4}  # data.dtype of a token file
-SAMPLE_CHUNKS, SAMPLE_CHUNK_BYTES = 64, 1 << 20  # token ids read before launch: at most 64 MiB, spread over the file
 HF_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 
 
-def stream_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def stream_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     """A token file, a Megatron indexed dataset or local files with a tokenizer (engine/data_sources.py)."""
     d, m, p = cfg.data, cfg.model, cfg.parallel
     for on, name in ((m.entry is not None, "model.entry (it brings its own dataset)"),
@@ -37,33 +34,29 @@ def stream_rules(cfg: RunConfig) -> Iterator[ConfigError]:
         yield ConfigError("data.path", d.path, f"must name the data when data.source={d.source}")
         return
     if d.source == "tokens":
-        yield from _token_file_rules(cfg)
+        yield from _token_file_rules(cfg, files.token_file)
     elif d.source == "megatron":
-        prefix = re.sub(r"\.(bin|idx)$", "", d.path)
-        for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                yield ConfigError("data.path", d.path, f"{prefix}{suffix} does not exist (a Megatron indexed "
-                                  "dataset is prefix.bin + prefix.idx)")
+        for missing in files.megatron_missing:
+            yield ConfigError("data.path", d.path, f"{missing} does not exist (a Megatron indexed "
+                              "dataset is prefix.bin + prefix.idx)")
     else:
-        yield from _hf_data_rules(cfg)
+        yield from _hf_data_rules(cfg, files.hf_data)
 
 
-def _token_file_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _token_file_rules(cfg: RunConfig, file: TokenFile) -> Iterator[ConfigError]:
     d = cfg.data
     if d.dtype not in TOKEN_DTYPE_BYTES:
         yield ConfigError("data.dtype", d.dtype, f"must be one of {', '.join(TOKEN_DTYPE_BYTES)}")
-    path = Path(d.path or "")
-    if not path.is_file():
+    if not file.exists:
         yield ConfigError("data.path", d.path, "no such token file")
-    elif d.dtype in TOKEN_DTYPE_BYTES and path.stat().st_size % TOKEN_DTYPE_BYTES[d.dtype]:
-        size = path.stat().st_size
-        yield ConfigError("data.path", d.path, f"holds {size} bytes, not a multiple of {TOKEN_DTYPE_BYTES[d.dtype]} "
-                          f"(data.dtype={d.dtype}); is it a token file of another dtype?")
+    elif d.dtype in TOKEN_DTYPE_BYTES and file.size % TOKEN_DTYPE_BYTES[d.dtype]:
+        yield ConfigError("data.path", d.path, f"holds {file.size} bytes, not a multiple of "
+                          f"{TOKEN_DTYPE_BYTES[d.dtype]} (data.dtype={d.dtype}); is it a token file of another dtype?")
     elif d.dtype in TOKEN_DTYPE_BYTES:
-        yield from token_count_rules(d.path or "", path.stat().st_size // TOKEN_DTYPE_BYTES[d.dtype],
+        yield from token_count_rules(d.path or "", file.size // TOKEN_DTYPE_BYTES[d.dtype],
                                      seq_len=cfg.model.seq_len, val_fraction=d.val_fraction)
-        yield from token_id_rules(d.path or "", d.dtype, sampled_max_id(path, d.dtype), vocab=cfg.model.vocab,
-                                  max_as_uint16=sampled_max_id(path, "uint16") if d.dtype == "uint32" else None)
+        yield from token_id_rules(d.path or "", d.dtype, file.max_id, vocab=cfg.model.vocab,
+                                  max_as_uint16=file.max_as_uint16)
 
 
 def split_tokens(tokens: int, *, seq_len: int, val_fraction: float) -> tuple[int, int] | None:
@@ -93,39 +86,29 @@ def token_id_rules(path: str, dtype: str, top: int, *, vocab: int,
                       f"model.vocab={vocab}; {hint}")
 
 
-def sampled_max_id(path: Path, dtype: str) -> int:
-    """The largest id in the token file: all of a small file, else SAMPLE_CHUNKS evenly spaced chunks
-    (the ranks check every batch they read as well)."""
-    import numpy as np
-
-    ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
-    if len(ids) == 0:
-        return -1
-    per_chunk = SAMPLE_CHUNK_BYTES // ids.itemsize
-    if len(ids) <= SAMPLE_CHUNKS * per_chunk:
-        return int(ids.max())
-    starts = np.linspace(0, len(ids) - per_chunk, SAMPLE_CHUNKS).astype(np.int64)
-    return max(int(ids[s:s + per_chunk].max()) for s in starts)
+def hf_files_problem(path: str, exists: bool, suffixes: tuple[str, ...]) -> ConfigError | None:
+    """What is wrong with a `data.source=hf` path given its data files' suffixes (None: nothing)."""
+    if not exists:
+        return ConfigError("data.path", path, "does not exist")
+    if not suffixes or suffixes[0] not in HF_SUFFIXES:
+        return ConfigError("data.path", path, f"must be (or hold) {' / '.join(HF_SUFFIXES)} files")
+    if len({HF_SUFFIXES[s] for s in suffixes}) > 1:
+        return ConfigError("data.path", path, "holds files of several formats; give one format per path")
+    return None
 
 
-def _hf_data_rules(cfg: RunConfig) -> Iterator[ConfigError]:
+def _hf_data_rules(cfg: RunConfig, found: HfData) -> Iterator[ConfigError]:
     d = cfg.data
-    path = Path(d.path or "")
-    files = sorted(f for f in path.rglob("*") if f.suffix in HF_SUFFIXES) if path.is_dir() else [path]
-    if not path.exists():
-        yield ConfigError("data.path", d.path, "does not exist")
-    elif not files or files[0].suffix not in HF_SUFFIXES:
-        yield ConfigError("data.path", d.path, f"must be (or hold) {' / '.join(HF_SUFFIXES)} files")
-    elif len({HF_SUFFIXES[f.suffix] for f in files}) > 1:
-        yield ConfigError("data.path", d.path, "holds files of several formats; give one format per path")
+    problem = hf_files_problem(d.path or "", found.exists, found.suffixes)
+    if problem is not None:
+        yield problem
     else:
-        yield from text_field_rules(d.path or "", d.text_field, record_fields(files[0]))
-    tok = Path(d.tokenizer or "")
-    if not d.tokenizer or not tok.exists():
+        yield from text_field_rules(d.path or "", d.text_field, found.first_fields)
+    if not d.tokenizer or not found.tokenizer_exists:
         yield ConfigError("data.tokenizer", d.tokenizer, "must name a tokenizer.json or a tokenizer folder "
                           "when data.source=hf")
         return
-    vocab = tokenizer_vocab(tok)
+    vocab = found.tokenizer_vocab
     if vocab is not None and vocab > cfg.model.vocab:
         yield ConfigError("data.tokenizer", d.tokenizer, f"has {vocab} tokens, more than model.vocab="
                           f"{cfg.model.vocab}; raise model.vocab to at least {vocab}")
@@ -135,44 +118,3 @@ def text_field_rules(path: str, field: str, fields: list[str] | None) -> Iterato
     if fields is not None and field not in fields:
         yield ConfigError("data.text_field", field, f"is not a field of the records in {path} (its first record "
                           f"has {', '.join(fields) or 'no fields'})")
-
-
-def record_fields(file: Path) -> list[str] | None:
-    """The fields of the file's first record, as `datasets` will read them (None: not known cheaply)."""
-    kind = HF_SUFFIXES[file.suffix]
-    if kind == "text":
-        return ["text"]  # datasets' text loader: one record per line, in the field `text`
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.read_schema(file).names)
-    if kind == "arrow":
-        import pyarrow as pa
-
-        with pa.memory_map(str(file)) as source:
-            return list(pa.ipc.open_stream(source).schema.names)
-    return _json_fields(file)
-
-
-def _json_fields(file: Path) -> list[str] | None:
-    import json
-
-    with open(file, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    return None  # a whole-file JSON array: datasets reads it; too costly to parse here
-                return list(record) if isinstance(record, dict) else None
-    return None
-
-
-def tokenizer_vocab(path: Path) -> int | None:
-    """The tokenizer's vocabulary size, added tokens included (None: a folder without tokenizer.json)."""
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer  # Rust, imports in milliseconds; no torch
-
-    return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)

@@ -17,6 +17,7 @@ refused with a `StoreError`, never written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -27,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from profilers.locks import file_lock
 from profilers.records import Record
 from profilers.store_queries import RunQueries
 from profilers.store_sql import PostgresBackend, SqliteBackend, is_url
@@ -120,24 +122,11 @@ def _hint(message: str) -> str:
     return ""
 
 
-@contextmanager
-def _opening(path: Path) -> Iterator[None]:
+def _opening(path: Path) -> contextlib.AbstractContextManager[None]:
     """Hold `<store>.lock` while a connection opens: SQLite answers "database is locked" at once,
     without its busy handler, when processes switch a new file to WAL together (4 processes opening
     a new store at once: 14 of 40 tries failed so); the lock makes them take turns."""
-    import fcntl
-
-    try:
-        handle = open(f"{path}.lock", "a")
-    except OSError:  # a read-only folder: SQLite's own open names the problem
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return file_lock(path)
 
 
 def _dumps(value: Any) -> str | None:
@@ -423,12 +412,6 @@ class RunStore(RunQueries):
         with self._write() as conn:
             conn.execute("UPDATE segments SET end_step = ?, value = ? WHERE id = ?",
                          (int(end_step), value, int(segment_id)))
-
-    def delete_run(self, run_id: str) -> None:
-        """Remove a run with its metrics and segments."""
-        with self._write() as conn:
-            for table in ("metrics", "segments", "runs"):
-                conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
 
     # -- reader API --------------------------------------------------------------------------
     def runs(self, limit: int = 100, status: str | None = None,

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from profilers.locks import RUN_STORE_LOCK_KEY, take_transaction_lock
+
 URL_SCHEMES = ("postgresql://", "postgres://")
-_LOCK_KEY = 0x776F726B62656E63  # pg_advisory_xact_lock key of the run store's schema ("workbenc")
 
 # the newest schema (SQLite's MIGRATIONS end state) in PostgreSQL's types: REAL is float4 there, so
 # DOUBLE PRECISION; metrics get an explicit id for the insertion order SQLite keeps as rowid
@@ -113,7 +114,7 @@ class PostgresBackend:
         conn = psycopg.connect(self.url, autocommit=True, row_factory=_row_factory)
         try:
             with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+                take_transaction_lock(conn, RUN_STORE_LOCK_KEY)
                 if conn.execute("SELECT to_regclass('workbench_schema')").fetchone()[0] is None:
                     conn.execute(PG_SCHEMA)
                     conn.execute("INSERT INTO workbench_schema (version) VALUES (%s)", (schema_version,))

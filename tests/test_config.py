@@ -124,12 +124,13 @@ def test_each_rule_names_field_value_and_rule(overrides, field, pattern):
 def test_every_rule_function_is_exercised():
     """Each rule family in engine.validate has at least one failing case above."""
     from engine import validate as v
+    from engine.validate_files import read_files
 
     hit = set()
     for overrides, _, _ in RULES:
         cfg = from_dict(apply_overrides({}, overrides))
         for rule in v.RULES:
-            if list(rule(cfg)):
+            if list(rule(cfg, read_files(cfg))):
                 hit.add(rule.__name__)
     assert hit == {r.__name__ for r in v.RULES}
 

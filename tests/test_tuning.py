@@ -133,16 +133,17 @@ def test_on_postgresql_screens_hold_the_advisory_lock_on_the_storages_own_pool(t
     import sqlalchemy
 
     from tuning.objective import TrialOutcome
-    from tuning.study import SCHEMA_LOCK_KEY, with_driver
+    from profilers.locks import STUDY_LOCK_KEY
+    from tuning.study import with_driver
 
     other = sqlalchemy.create_engine(with_driver(PG_URL)).connect()  # another worker's session
     held, engines = [], []
 
     class Probe(Objective):
         def screen(self, trial):
-            got = other.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:k)"), {"k": SCHEMA_LOCK_KEY}).scalar()
+            got = other.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:k)"), {"k": STUDY_LOCK_KEY}).scalar()
             if got:
-                other.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": SCHEMA_LOCK_KEY})
+                other.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": STUDY_LOCK_KEY})
             held.append(not got)
             return super().screen(trial)
 
@@ -393,3 +394,30 @@ def test_example_space_says_how_many_ranks_it_needs():
     said = re.search(r"^# .*Needs (\d+) ranks", text, re.M)
     assert said is not None, text.splitlines()[:3]
     assert int(said.group(1)) == yaml.safe_load(text)["world_size"]
+
+
+def test_a_run_store_opens_while_a_study_holds_its_lock(tmp_path):
+    """The study's lock (held while Optuna creates its tables and while a worker screens a draw) and the
+    run store's schema lock are two purposes with two keys: a launcher opening its PostgreSQL run store
+    does not wait for a tuner's screen."""
+    import threading
+
+    from profilers.store import RunStore
+    from tests.pg_schema import pg_schema
+    from tuning.study import _schema_lock, with_driver
+
+    with pg_schema() as url:
+        opened = threading.Event()
+
+        def open_store() -> None:
+            store = RunStore(url)
+            store.create_run("r", name="n", config={}, world_size=1)  # the first statement opens the connection
+            store.close()
+            opened.set()
+
+        with _schema_lock(with_driver(PG_URL)):
+            worker = threading.Thread(target=open_store, daemon=True)
+            worker.start()
+            waited = not opened.wait(timeout=20)
+        worker.join(timeout=60)
+        assert not waited, "the run store waited for the study's lock: the two share one advisory-lock key"

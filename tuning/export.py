@@ -275,8 +275,3 @@ def export_notes(study: optuna.Study, trial_number: int | None = None, fmt: str 
 
         return (to_torchtitan if fmt == "torchtitan" else to_accelerate)(cfg)[1]
     return []
-
-
-def export_pareto(study: optuna.Study, fmt: str = "yaml") -> dict[int, str]:
-    """Every trial of the Pareto front, exported."""
-    return {t.number: export_trial(study, t.number, fmt) for t in study.best_trials}

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from engine.peaks import peak_bf16
+
 GB = 1e9
 GIB = 2**30 / GB  # GB per GiB
 
@@ -175,7 +177,7 @@ class ClusterSpec:
 _A100 = ClusterSpec(
     name="dgx-a100-80gb",
     gpus_per_node=8,
-    peak_flops=312e12,  # A100 SXM datasheet: 312 TFLOP/s dense bf16/fp16
+    peak_flops=peak_bf16("A100 SXM"),  # 312 TFLOP/s dense bf16/fp16 (engine/peaks.py)
     memory_gb=85.9,  # A100 80GB: 80 GiB HBM2e (nvidia-smi: 81920 MiB) = 85.9 GB
     hbm_gb_s=2039.0,  # A100 80GB SXM datasheet: 2,039 GB/s
     # NVLink 3 via NVSwitch: 600 GB/s per GPU bidirectional = 300 GB/s per direction;
@@ -198,7 +200,7 @@ _A100 = ClusterSpec(
 _H100 = ClusterSpec(
     name="dgx-h100",
     gpus_per_node=8,
-    peak_flops=989e12,  # H100 SXM datasheet: ~989 TFLOP/s dense bf16
+    peak_flops=peak_bf16("H100 SXM"),  # ~989 TFLOP/s dense bf16 (engine/peaks.py)
     memory_gb=85.5,  # H100 SXM: 80 GB HBM3 (nvidia-smi: 81559 MiB) = 85.5 GB
     hbm_gb_s=3350.0,  # H100 SXM datasheet: 3.35 TB/s
     # NVLink 4: 900 GB/s per GPU bidirectional = 450 per direction; assumed 80%.
@@ -220,7 +222,7 @@ _H100 = ClusterSpec(
 _FRONTIER = ClusterSpec(
     name="frontier",
     gpus_per_node=8,  # 4 MI250X = 8 GCDs per node; one "GPU" here is one GCD
-    peak_flops=191.5e12,  # MI250X: 383 TFLOP/s fp16/bf16 per package of 2 GCDs
+    peak_flops=peak_bf16("MI250X"),  # 383 TFLOP/s bf16 per package of 2 GCDs: 191.5 per GCD (engine/peaks.py)
     memory_gb=68.7,  # MI250X: 128 GiB HBM2e per package = 64 GiB per GCD = 68.7 GB
     hbm_gb_s=1638.0,  # MI250X: 3.2768 TB/s per package = 1.64 TB/s per GCD
     # Infinity Fabric between GCDs of different packages: 50 GB/s per direction per link

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from engine.mesh import world_size
 from tuning.hardware import ClusterSpec, load_cluster
 from tuning.simulator import ModelSpec, ParallelSpec, format_count, simulate
 
@@ -83,7 +84,7 @@ class PublishedRow:
     @property
     def gpus(self) -> int:
         """dp * tp * pp * cp."""
-        return self.dp * self.tp * self.pp * self.cp
+        return world_size(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     def model(self) -> ModelSpec:
         """The model shape as a ModelSpec."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.mesh import world_size
 from tuning import sim_context, sim_moe
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_compute import activation_bytes, compute_times, flops, stage_params
@@ -141,7 +142,7 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
     if extended:
         for delta in (sim_moe.flops_delta(model, c), sim_context.flops_delta(model, c)):
             executed, model_flops = executed + delta[0], model_flops + delta[1]
-    total_gpus = c["dp"] * c["tp"] * c["pp"] * cp
+    total_gpus = world_size(dp=c["dp"], tp=c["tp"], pp=c["pp"], cp=cp)
     out.update({
         "iteration_time_s": iteration,
         "tokens_per_s": c["global_batch"] * model.seq / iteration,

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.shapes import moe_layer_indices
 from tuning.hardware import GB, ClusterSpec
 from tuning.sim_comm import all_to_all_time
 from tuning.sim_memory import finish, memory
@@ -36,7 +37,7 @@ LSH_A2A_RATIO = 2.0
 
 def moe_layer_count(layers: int, experts: int, moe_every: int) -> int:
     """Blocks with experts: every moe_every-th of `layers` (0 for a dense model)."""
-    return layers // max(moe_every, 1) if experts > 0 else 0
+    return len(moe_layer_indices(layers, experts=experts, moe_every=moe_every))
 
 
 def mlp_params(m: Any, width: int) -> float:

@@ -45,9 +45,10 @@ def placement_links(topology: Any, *, pp: int, dp: int, tp: int, placement: str,
 
     `grad_bytes` / `act_bytes` pick the slowest link when bandwidth and latency disagree.
     """
+    from engine.mesh import world_size
     from engine.placement import mesh_groups, rank_order
 
-    order = rank_order(pp * dp * tp, placement=placement, groups=[g.ranks for g in topology.groups], pp=pp, tp=tp)
+    order = rank_order(world_size(dp=dp, tp=tp, pp=pp), placement=placement, groups=[g.ranks for g in topology.groups], pp=pp, tp=tp)
     sets = mesh_groups(order, pp=pp, dp=dp, tp=tp)
     edges = [(chain[i], chain[i + 1]) for chain in sets["pp"] for i in range(len(chain) - 1)]
     return {
@@ -116,7 +117,7 @@ def search_placements(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec,
     `layouts` defaults to all factorisations; a placement the engine would refuse (holmes with a
     group whose size is not a multiple of tp) is skipped.
     """
-    from engine.validate import PLACEMENTS
+    from engine.placement import PLACEMENTS
 
     gpus = par.gpus
     if layouts is None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.shapes import ModelShape, from_hf_config
+from engine.mesh import world_size
+from engine.shapes import ModelShape, from_hf_config, moe_layer_indices
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev", "skip")
@@ -102,7 +103,7 @@ class ModelSpec:
     @property
     def shape(self) -> ModelShape:
         """The same model as an `engine.shapes.ModelShape` (the one source of counts)."""
-        moe = tuple(i for i in range(self.layers) if self.experts > 0 and (i + 1) % max(self.moe_every, 1) == 0)
+        moe = moe_layer_indices(self.layers, experts=self.experts, moe_every=self.moe_every)
         return ModelShape(
             family=self.family, layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv,
             head_dim=self.hd, ffn_hidden=self.ffn, gated_mlp=self.gated_mlp, vocab=self.vocab,
@@ -127,8 +128,7 @@ class ModelSpec:
     @property
     def dense_layer_params(self) -> int:
         """Parameters of one dense block (attention, MLP, norms, biases)."""
-        s = self.shape
-        return s.attention_params + s.mlp_params(self.ffn) + 2 * self.hidden * self.norm_params
+        return self.shape.dense_layer_params
 
     @property
     def layer_matmul_params(self) -> int:
@@ -271,7 +271,7 @@ class ParallelSpec:
     @property
     def gpus(self) -> int:
         """dp * tp * pp * cp."""
-        return self.dp * self.tp * self.pp * self.cp
+        return world_size(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -284,9 +284,6 @@ class SearchSpace:
                 return False
         return True
 
-    def live_only(self) -> bool:
-        return all(p.key in LIVE_KEYS for p in self.params)
-
     def check_live(self, base: RunConfig, *, loss_aware: bool) -> None:
         """Refuse, before a live run starts, a knob it cannot change, one that cannot act in a run
         started as `base` (engine.live.inert_knobs), or an lr-like knob under a throughput-only

@@ -336,7 +336,7 @@ def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / ar
     from engine.config import from_dict
     from engine.data_sources import write_token_file
     from engine.validate import check
-    from engine.validate_data import tokenizer_vocab
+    from engine.validate_files import tokenizer_vocab
 
     probe = from_dict({"data": {"source": "hf", "path": str(src), "tokenizer": str(tokenizer),
                                 "text_field": text_field}, "model": {"vocab": 1 << 32}})

@@ -283,13 +283,6 @@ def fit_group_overhead(base: CostModel, g: int, measured: dict[int, float]) -> t
     return slope, const
 
 
-def plan_step(lengths: list[int], *, world: int, cap: int, cost: CostModel, buckets: int,
-              time_limit_s: float, rank: int) -> Plan:
-    """Rank 0 solves; every rank gets the same plan."""
-    plan = solve(lengths, n=world, cap=cap, cost=cost, buckets=buckets, time_limit_s=time_limit_s) if rank == 0 else None
-    return broadcast_plan(plan)
-
-
 class PlanAhead:
     """Plans solved one step ahead, as FlexSP overlaps planning with training: rank 0 solves step
     t+1's plan in a background thread while step t runs (a step's documents are known before it

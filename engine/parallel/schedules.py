@@ -134,11 +134,6 @@ def with_comms(actions: dict[int, list[_Action]], stage_rank: dict[int, int]) ->
     return {rank: lowered.get(rank, []) for rank in actions}
 
 
-def format_actions(actions: dict[int, list[_Action]]) -> dict[int, list[str]]:
-    """Per rank, the actions as torch's strings (`0F1`, `(1F2;6B0)OVERLAP_F_B`), for JSON."""
-    return {rank: [str(a) for a in order] for rank, order in actions.items()}
-
-
 def _check(schedule: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel.schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.mesh import world_size
 from engine.validate import COMPRESSORS, CP_IMPLS, FSDP_COMPRESSORS, SCHEDULES, V_SCHEDULES, VIRTUAL_SCHEDULES
 
 PARITY_TOL = 1e-4  # the loss of every step within this of the reference (issue 36)
@@ -249,8 +250,7 @@ def merge(names: Iterable[str]) -> Merged:
 
 def world_of(knobs: Mapping[str, Any]) -> int:
     """The ranks a config of these knobs runs on (dp*tp*pp*cp)."""
-    return knobs.get("parallel.dp", 1) * knobs.get("parallel.tp", 1) * knobs.get("parallel.pp", 1) * \
-        knobs.get("parallel.cp", 1)
+    return world_size(**{axis: knobs.get(f"parallel.{axis}", 1) for axis in ("dp", "tp", "pp", "cp")})
 
 
 def overrides(knobs: Mapping[str, Any]) -> dict[str, Any]:
@@ -517,6 +517,3 @@ def plan(cell: Cell) -> Plan:
     return Plan(**fields, key=key)
 
 
-def as_set_args(flat: Mapping[str, Any]) -> list[str]:
-    """`--set` style strings of overrides (for messages and `workbench run` commands)."""
-    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in flat.items()]

@@ -7,6 +7,7 @@ from typing import Any
 import streamlit as st
 import yaml
 
+from engine.mesh import world_size
 from engine.validate import COMPRESSORS
 from workbench import fmt, live_charts, report, ui_state
 from workbench.app_pages import common
@@ -78,7 +79,8 @@ def launch_panel() -> None:
     for err in errors:
         st.error(f"**{err.field}** = `{err.value!r}`: {err.rule}")
     if config is not None:
-        world = config["parallel"]["dp"] * config["parallel"]["tp"] * config["parallel"]["pp"]
+        par = config["parallel"]
+        world = world_size(dp=par["dp"], tp=par["tp"], pp=par["pp"], cp=par.get("cp", 1))
         st.caption(f"valid · {world} rank(s) · {config['train']['steps']} steps")
     st.button("Launch run", type="primary", disabled=config is None, icon=":material/rocket_launch:",
               on_click=launch, args=(config,))
