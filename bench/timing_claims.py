@@ -164,7 +164,7 @@ def calibration() -> list[Row]:
     from engine.config import load_config
     from engine.train import Trainer
     from test_calibration import BASE
-    from tuning.calibration import (HostProfile, calibrate_local, measure_linear_gemms, measure_nongemm_bandwidth,
+    from tuning.calibrate.calibration import (HostProfile, calibrate_local, measure_linear_gemms, measure_nongemm_bandwidth,
                                     measure_optimizer_rate, measure_overheads, predict_run)
 
     torch.set_num_threads(1)

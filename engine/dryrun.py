@@ -14,7 +14,7 @@ comes back per rank role is what that step would hold and send:
 
 Ranks of one pipeline stage hold equal shards (validate() requires even dp/tp/cp splits), so one
 rank per pp stage is run: rank 0 without pipelining. Nothing here imports the simulator
-(`tuning/sim_dryrun.py` sets its figures beside these).
+(`tuning/sim/dryrun.py` sets its figures beside these).
 """
 from __future__ import annotations
 

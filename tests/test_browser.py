@@ -338,9 +338,9 @@ def _tune_and_export(url: str, page) -> None:
 
 def test_simulator_report_fits_a_laptop_screen(tmp_path, page):
     """`workbench simulate --search --report` is readable at 1500 px: no page-wide scrolling."""
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
     from tuning.search import best_configs, enumerate_configs, sensitivities
-    from tuning.simulator import ModelSpec
+    from tuning.sim.simulator import ModelSpec
     from workbench.sim_report import write_report
 
     model = ModelSpec(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200)

@@ -277,10 +277,10 @@ def test_gqa_model_sends_kv_heads_over_heads_of_the_kv_bytes(cp_bytes_runs):
 
 @pytest.mark.xdist_group("launch")
 def test_simulator_prices_the_cp_bytes_the_profiler_counted(cp_bytes_runs):
-    """tuning/sim_context.py's Ulysses bytes for the same run config are the counted number."""
-    from tuning.sim_context import ulysses_step_bytes
-    from tuning.sim_spec import columns
-    from tuning.simulator import from_run_config
+    """tuning/sim/context.py's Ulysses bytes for the same run config are the counted number."""
+    from tuning.sim.context import ulysses_step_bytes
+    from tuning.sim.spec import columns
+    from tuning.sim.simulator import from_run_config
 
     cfg, metrics = cp_bytes_runs["ulysses"]
     model, spec = from_run_config(cfg.to_dict())

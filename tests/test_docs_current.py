@@ -52,7 +52,7 @@ def test_the_docs_list_the_model_types_the_code_takes():
 
 def test_the_docs_state_no_count_of_published_rows_the_code_does_not_have():
     """Old README: "76 published measurements", while simulate --validate printed 23 + 253 rows."""
-    from tuning.published import calibration_rows, held_out_rows
+    from tuning.sim.published import calibration_rows, held_out_rows
 
     rows = len(calibration_rows()) + len(held_out_rows())
     for page in (ROOT / "README.md", ROOT / "docs" / "cli.md", ROOT / "docs" / "config.md"):

@@ -20,7 +20,7 @@ from optuna.trial import create_trial
 
 from engine.config import RunConfig, load_config
 from engine.train import lr_at
-from tuning.export import export_notes, export_trial, to_deepspeed
+from tuning.export.trial import export_notes, export_trial, to_deepspeed
 
 pytestmark = pytest.mark.xdist_group("launch")
 

@@ -14,9 +14,9 @@ import optuna
 import pytest
 from optuna.trial import create_trial
 
-from tuning.hardware import load_cluster
+from tuning.sim.hardware import load_cluster
 from tuning.plan import TARGETS, make_plan, plan_config
-from tuning.simulator import ModelSpec
+from tuning.sim.simulator import ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

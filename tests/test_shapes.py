@@ -120,15 +120,15 @@ def test_real_config_counts_equal_transformers_on_the_meta_device(name):
     the simulator's model, and the simulator's stage at tp = pp = 1 holds all of them."""
     import numpy as np
 
-    from tuning.sim_compute import stage_params
-    from tuning.sim_spec import ModelSpec
+    from tuning.sim.compute import stage_params
+    from tuning.sim.spec import ModelSpec
 
     config = REAL_CONFIGS[name]
     expected = _meta_params(config)
     spec = ModelSpec.from_hf(config, seq=4096)
     one = {k: np.asarray(v) for k, v in dict(tp=1, pp=1).items()}
     assert (from_hf_config(config).params, spec.params) == (expected, expected)
-    if not spec.experts:  # MoE stages add their experts in tuning/sim_moe.py
+    if not spec.experts:  # MoE stages add their experts in tuning/sim/moe.py
         assert int(stage_params(spec, one)) == expected
 
 
@@ -155,8 +155,8 @@ def test_gpt_flops_per_token_is_narayanans_formula_and_the_simulators():
 
     from engine.config import ModelConfig
     from engine.model import flops_per_token
-    from tuning.sim_compute import flops
-    from tuning.sim_spec import ModelSpec
+    from tuning.sim.compute import flops
+    from tuning.sim.spec import ModelSpec
 
     l, h, s, v = 24, 2048, 2048, 51200
     shape = from_gpt(layers=l, d_model=h, heads=16, seq_len=s, vocab=v)

@@ -25,8 +25,8 @@ SCALARS = 1024
 @pytest.fixture(scope="module")
 def runs():
     from engine.dryrun import dry_run
-    from tuning.hardware import load_cluster
-    from tuning.sim_dryrun import side_by_side
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.dryrun import side_by_side
 
     out = {}
     for name, layout in LAYOUTS.items():
@@ -67,7 +67,7 @@ def test_memory_per_category_is_within_its_tolerance(runs, layout):
     - temp within 50%: the model counts FSDP2's all-gather buffer and the loss's fp32 copies, not the
       backward's transient buffers around the peak;
     - the tensors' total within 20%."""
-    from tuning.sim_dryrun import dry_run_memory
+    from tuning.sim.dryrun import dry_run_memory
 
     dry, report, _ = runs[layout]
     sim = report["simulator"]["memory"]

@@ -22,11 +22,11 @@ import pandas as pd
 
 from engine.config import RunConfig, apply_overrides, from_dict
 from engine.errors import ConfigError
-from tuning.hardware import ClusterSpec
-from tuning.simulator import ModelSpec
+from tuning.sim.hardware import ClusterSpec
+from tuning.sim.simulator import ModelSpec
 
 TARGETS = ("yaml", "megatron", "deepspeed", "torchtitan", "accelerate")
-# the simulator's framework flavour each target is priced as (tuning/sim_framework.py); the engine on GPUs
+# the simulator's framework flavour each target is priced as (tuning/sim/framework.py); the engine on GPUs
 # shards like torchtitan (FSDP2), its "engine" flavour carries a CPU host's costs
 SIM_FRAMEWORK = {"yaml": "fsdp", "megatron": "megatron", "deepspeed": "deepspeed", "torchtitan": "fsdp",
                  "accelerate": "fsdp"}
@@ -79,7 +79,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch
     """The `top` fastest layouts that fit in memory, with the simulator's measured-time interval; ranked by the
     time a stand-in `study` corrects them to when one is given (ValueError: a target or a job nothing fits)."""
     from tuning.search import add_uncertainty, enumerate_configs
-    from tuning.sim_framework import framework_code
+    from tuning.sim.framework import framework_code
 
     if target not in TARGETS:
         raise ValueError(f"target={target!r} must be one of {', '.join(TARGETS)}")
@@ -129,7 +129,7 @@ def _engine_runs(plan: Plan, top: int) -> pd.DataFrame:
 def _calibrate(df: pd.DataFrame, study: Any) -> dict[str, Any]:
     """Correct each row's time by the study's measured / predicted factor of its strategy class (in place), and
     describe the stand-in it was learnt on."""
-    from tuning.published import strategy_class
+    from tuning.sim.published import strategy_class
     from tuning.warmstart import refit_correction
 
     correction = refit_correction(study)
@@ -190,9 +190,9 @@ def base_config(path: str | Path | None, overrides: list[str]) -> dict[str, Any]
 def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str, list[str]]:
     """Ranked layout `pick` exported as `fmt` (default: the plan's target), and what the export does not carry
     (ValueError, one line, where the target cannot take the model: a torchtitan shape with no flavor)."""
-    from tuning.export import to_deepspeed, to_yaml
-    from tuning.export_frameworks import accelerate_yaml, to_accelerate, to_torchtitan, to_toml
-    from tuning.export_megatron import megatron_args, megatron_script
+    from tuning.export.trial import to_deepspeed, to_yaml
+    from tuning.export.frameworks import accelerate_yaml, to_accelerate, to_torchtitan, to_toml
+    from tuning.export.megatron import megatron_args, megatron_script
 
     cfg = plan_config(plan, pick)
     fmt = fmt or plan.target
@@ -312,7 +312,7 @@ def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | 
     fewer = target_gpus is not None and cfg.world_size < target_gpus
     if not (smaller or fewer or (on_cpu and target_params is None and target_gpus is None)):
         return None
-    from tuning.simulator import format_count
+    from tuning.sim.simulator import format_count
 
     ranks = f"{cfg.world_size} {'CPU ' if on_cpu else ''}rank{'s' if cfg.world_size > 1 else ''}"
     return (f"this trial ran a stand-in ({format_count(shape.params)} parameters on {ranks}); for the real model: "

@@ -25,8 +25,8 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
     from engine.config import apply_overrides, from_dict, load_yaml
     from engine.dryrun import GIB, at_world, dry_run, fits_error
     from engine.errors import ConfigError
-    from tuning.hardware import load_cluster
-    from tuning.sim_dryrun import side_by_side
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.dryrun import side_by_side
 
     check_number("--world", world, 1)
     check_number("--device-memory", device_memory, 0, exclusive=True)

@@ -62,7 +62,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     """Rank the layouts of the real model on the real cluster for a target framework (simulator: time
     interval, memory), dry-run the top ones (--dry-run K), and export one of them."""
     from engine.errors import ConfigError
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
     from tuning.plan import base_config, make_plan
     from workbench.cli_sim import _model
 
@@ -167,7 +167,7 @@ def _show_dry_runs(result, checks: list) -> None:
 
 def _write_configs(result, output: Path) -> None:
     """The top layouts' run configs (the real model at the real world size), and their dry-run lines."""
-    from tuning.export import to_yaml
+    from tuning.export.trial import to_yaml
     from tuning.plan import plan_config
 
     output.mkdir(parents=True, exist_ok=True)
@@ -181,7 +181,7 @@ def _write_configs(result, output: Path) -> None:
 
 def _export(result, pick: int, fmt: str, output: Optional[Path]) -> bool:
     """Write (or print) one export and its notes; False where the target refused the model (said in one line)."""
-    from tuning.export_frameworks import write_accelerate_bundle
+    from tuning.export.frameworks import write_accelerate_bundle
     from tuning.plan import export_plan, plan_config
 
     try:

@@ -110,7 +110,7 @@ def _mix_seed(seed: int, bucket_index: int, call: int) -> int:
     return (seed * 1_000_003 + bucket_index * 10_007 + call) % (2**63 - 1)
 
 
-# ---- what each compressor sends (the hooks below and tuning/simulator.py use these) -----------
+# ---- what each compressor sends (the hooks below and tuning/sim/simulator.py use these) -----------
 
 
 @dataclass(frozen=True, slots=True)
