@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_world, timed  # noqa: E402
 
 from engine.config import load_config  # noqa: E402
-from engine.launch import launch  # noqa: E402
+from engine.launch.local import launch  # noqa: E402
 from profilers.store import RunStore  # noqa: E402
 from tuning.calibrate.schedule import executed_steps, measured_bubble, predicted_bubble  # noqa: E402
 from tuning.sim.schedule import peak_in_flight  # noqa: E402
@@ -123,7 +123,7 @@ def alternated_ratios(rank: int, world: int, pairs: int, warmup: int = 3) -> lis
     import torch
     import torch.distributed as dist
 
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     trainers = {}
     for name in ("1f1b", "skip"):

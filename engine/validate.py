@@ -32,7 +32,7 @@ FSDP_COMPRESSORS = ("randk", "topk")  # engine/comm/fsdp_compress.py: FSDP2's cu
 CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | our relative-gap variant
 MOE_COMPRESSIONS = ("none", "lsh")  # comm.moe_compression: engine/comm/lsh.py
 CP_IMPLS = ("ulysses", "ring")  # engine/parallel/context.py
-LENGTH_KINDS = ("fixed", "lognormal", "pareto")  # engine/lengths.py; any other value names a file
+LENGTH_KINDS = ("fixed", "lognormal", "pareto")  # engine/data/lengths.py; any other value names a file
 PLACEMENTS = ("naive", "holmes")  # engine/placement.py: rank order | pp across link groups, dp/tp inside
 
 
@@ -260,7 +260,7 @@ def _comm_rules(cfg: RunConfig) -> Iterator[ConfigError]:
     yield from _positive("co2.gap_penalty", o.gap_penalty)
     resume = cfg.train.resume_from
     if resume and not (Path(resume) / ".metadata").is_file():
-        # engine/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
+        # engine/train/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
         yield ConfigError("train.resume_from", resume, "must be a checkpoint folder (stepNNNNNN/ holding "
                           "a .metadata file) written by train.checkpoint_interval")
     yield from _positive("link.gbps", cfg.link.gbps, allow_zero=True)
@@ -301,7 +301,7 @@ def _run_rules(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 SLURM_TIME = re.compile(r"(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|UNLIMITED|INFINITE)")
-LAUNCHERS = ("local", "slurm")  # engine/launch.py (torchrun on this machine) | engine/slurm.py (one job per run)
+LAUNCHERS = ("local", "slurm")  # engine/launch/local.py (torchrun on this machine) | engine/launch/slurm.py (one job per run)
 
 
 def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
@@ -334,7 +334,7 @@ def _cluster_rules(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 def _moe_rules(cfg: RunConfig) -> Iterator[ConfigError]:
-    """Mixture-of-Experts and expert parallelism (engine/moe.py, engine/parallel/expert.py)."""
+    """Mixture-of-Experts and expert parallelism (engine/model/moe.py, engine/parallel/expert.py)."""
     m, p, c = cfg.model, cfg.parallel, cfg.comm
     yield from _positive("model.experts", m.experts, allow_zero=True)
     yield from _positive("model.moe_every", m.moe_every)
@@ -528,14 +528,14 @@ def _holmes_pipelines(cfg: RunConfig) -> Iterator[ConfigError]:
                           "the wrong ranks): list the link groups in increasing rank order")
 
 
-HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py builds and trains these
+HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/model/hf.py builds and trains these
 
 
 def _hf_rules(cfg: RunConfig) -> Iterator[ConfigError]:
-    """model.hf (engine/hf.py): what a Hugging Face model combines with; the shape rules read its config."""
+    """model.hf (engine/model/hf.py): what a Hugging Face model combines with; the shape rules read its config."""
     from engine.hf_checks import config_errors, weight_errors
     from engine.hf_fields import field_errors
-    from engine.shapes import from_hf_config, read_hf_config
+    from engine.model.shapes import from_hf_config, read_hf_config
 
     m, p = cfg.model, cfg.parallel
     if m.hf is None:

@@ -279,7 +279,7 @@ def _pp4_schedule_grid(url: str, home: Path, page) -> None:
     """A real 2-step pp=4 1f1b run (4 micro-batches) stored in the app's home: the Run page draws
     its last step's executed actions as bars on rows rank 0..3, 4 forwards and 4 backwards each."""
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     launch(load_config(None, PP4), home=home, run_id="pp4grid", timeout_s=240)
     page.goto(f"{url}/run")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import load_config
-from engine.model import count_parameters
+from engine.model.gpt import count_parameters
 from tuning.calibrate.calibration import (
     HostProfile,
     calibrate_local,
@@ -45,7 +45,7 @@ def _predict(*overrides: str, **overheads: float):
 def test_maps_config_fields_and_fp32() -> None:
     cfg, res = _predict("parallel.dp=2", "batch.global=16", "model.layers=3")
     assert res.num_microbatches == cfg.grad_accum == 2
-    # the engine's own count exactly (issue 37: the simulator reads the shape from engine/shapes.py; it
+    # the engine's own count exactly (issue 37: the simulator reads the shape from engine/model/shapes.py; it
     # used to price Megatron's GPT, 9 h per layer of biases the engine's model lacks)
     assert res.extra["params_total"] == count_parameters(cfg.model)["total"]
     assert res.extra["params_per_gpu"] == res.extra["params_total"]  # one stage, no tensor parallelism

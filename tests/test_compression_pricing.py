@@ -70,7 +70,7 @@ def _int8_sums(steps: int = 60) -> torch.Tensor:
 def _run(case: str) -> dict[str, dict[int, float]]:
     """Per step: the engine's reported wire and dense bytes, and the bytes the profiler saw leave
     in the gradient collectives (issued in backward; DDP's per-bucket record excluded) and in all."""
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     out: dict[str, dict[int, float]] = {"wire": {}, "dense": {}, "grads_sent": {}, "all_sent": {}}
 

@@ -128,7 +128,7 @@ def build_gpt_model(args: list[str]):
 
 
 def transformers_params(config: dict | Path) -> int:
-    from engine.hf import hf_config
+    from engine.model.hf import hf_config
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

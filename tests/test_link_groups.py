@@ -198,7 +198,7 @@ TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16
 @pytest.mark.slow
 @pytest.mark.xdist_group("launch")
 def test_holmes_placement_follows_the_naive_loss(tmp_path) -> None:
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     naive = launch(load_config(None, TINY), home=tmp_path)
     holmes = launch(load_config(None, TINY + ["parallel.placement=holmes", "parallel.layer_split=auto"]),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model import build_model, loss_fn
+from engine.model.gpt import build_model, loss_fn
 from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
 from engine.validate import SCHEDULES
 from parallel_harness import counting_batches, run_ranks, single_process_losses

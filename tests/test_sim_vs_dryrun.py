@@ -1,6 +1,6 @@
-"""The simulator's "engine" flavour against a dry run of the engine (engine/dryrun.py) on the same config:
+"""The simulator's "engine" flavour against a dry run of the engine (engine/train/dryrun.py) on the same config:
 per-rank memory by category and per-step collective bytes per mesh axis (issue 49 item 3). A small
-Llama-shaped model (transformers' LlamaForCausalLM through engine/hf.py) on 8 fake ranks, bf16 autocast,
+Llama-shaped model (transformers' LlamaForCausalLM through engine/model/hf.py) on 8 fake ranks, bf16 autocast,
 ZeRO-3 (FSDP2), three of the engine's layouts: fsdp 8, tp 2 x dp 4, pp 2 x dp 4 (1F1B)."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ SCALARS = 1024
 
 @pytest.fixture(scope="module")
 def runs():
-    from engine.dryrun import dry_run
+    from engine.train.dryrun import dry_run
     from tuning.sim.hardware import load_cluster
     from tuning.sim.dryrun import side_by_side
 

@@ -297,7 +297,7 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     assert deepspeed.dp_comm_total_s == pytest.approx(
         nmb * (gather - layers * A100.intra_latency_s) + (gather - layers * A100.intra_latency_s),
         rel=1e-9)
-    # at bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (engine/parallelize.py
+    # at bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (engine/parallel/parallelize.py
     # fsdp_mp_policy) gathers bf16 copies of the fp32 shards and reduce-scatters fp32 gradients
     from tuning.sim.spec import columns
     from tuning.sim.zero import dp_messages
@@ -352,9 +352,9 @@ def test_from_run_config_maps_engine_keys() -> None:
            "batch": {"global": 16, "micro": 2}, "train": {"activation_checkpointing": True},
            "precision": "bf16", "comm": {"compressor": "int8"}, "co2": {"enabled": True}}
     model, par = from_run_config(cfg)
-    from engine.shapes import from_gpt
+    from engine.model.shapes import from_gpt
 
-    # the engine's GPT: no biases on its linear layers, so its count is engine/shapes.py's, not Megatron's
+    # the engine's GPT: no biases on its linear layers, so its count is engine/model/shapes.py's, not Megatron's
     assert (model.layers, model.hidden, model.heads, model.seq, model.vocab, model.biases) == (4, 256, 8, 128, 256, False)
     assert model.params == from_gpt(layers=4, d_model=256, heads=8, seq_len=128, vocab=256).params
     assert (par.dp, par.tp, par.pp, par.zero, par.virtual, par.schedule) == (2, 2, 2, 1, 2, "interleaved")

@@ -302,7 +302,7 @@ def test_the_json_export_carries_the_model_shape() -> None:
     import optuna
 
     from engine.config import load_config
-    from engine.model import count_parameters
+    from engine.model.gpt import count_parameters
     from tuning.export.trial import export_trial
 
     cfg = load_config(None, ["model.layers=3", "model.d_model=64", "model.heads=4", "model.seq_len=32"])

@@ -14,7 +14,7 @@ import yaml
 from optuna.trial import TrialState
 
 from engine.config import from_dict, load_config
-from engine.launch import launch
+from engine.launch.local import launch
 from profilers.store import RunStore
 from tuning.export.trial import export_trial
 from tuning.objective import SKIPPED_ATTR, Objective, median_ci

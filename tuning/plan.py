@@ -6,7 +6,7 @@ exportable as that framework's launch (tuning/export*.py).
 real world size, the cluster's nodes); `export_plan(plan, pick, fmt)` its export. A tuner study of a stand-in
 (a smaller model or fewer ranks) calibrates the ranking with its measured / predicted factor per strategy
 class (tuning/warmstart.py `refit_correction`), and `stand_in_line` says when a study's trial is a stand-in.
-`dry_run_top(plan, k)` dry-runs the top layouts (engine/dryrun.py: the real program at the real world size, one
+`dry_run_top(plan, k)` dry-runs the top layouts (engine/train/dryrun.py: the real program at the real world size, one
 step on torch's fake backend) and judges each against the cluster's device memory.
 """
 from __future__ import annotations
@@ -217,7 +217,7 @@ class DryRunCheck:
     simulator's memory per GPU, judged against the device memory (`refusal`: why it does not fit)."""
 
     pick: int
-    judged_by: str  # "dry run"; "estimate" (engine/memory.py): the dry run cannot play it; "none": the engine cannot
+    judged_by: str  # "dry run"; "estimate" (engine/train/memory.py): the dry run cannot play it; "none": the engine cannot
     peaks: list[tuple[str, float]]  # (role, bytes at its peak): "pp 0", ... (dry run); "rank" (the estimate's)
     largest: str  # the category holding the most bytes at the busiest role's peak
     simulator_bytes: float  # the simulator's memory per GPU (the most loaded stage)
@@ -238,12 +238,12 @@ class DryRunCheck:
 def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = None,
                 run: Callable[[RunConfig], Any] | None = None,
                 progress: Callable[[int, RunConfig], None] | None = None) -> list[DryRunCheck]:
-    """Dry-run the top `k` layouts (`run`: engine.dryrun.dry_run_subprocess, one process each) and judge each
+    """Dry-run the top `k` layouts (`run`: engine.train.dryrun.dry_run_subprocess, one process each) and judge each
     against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP, FlexSP)
     is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called before
     each dry run (an 8B one takes minutes)."""
     from engine.config import validate
-    from engine.dryrun import GIB, check_playable, dry_run_subprocess
+    from engine.train.dryrun import GIB, check_playable, dry_run_subprocess
 
     run = run or dry_run_subprocess
     if device_memory_gib is not None:
@@ -277,7 +277,7 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
 
 def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, name: str,
                  seconds: float) -> DryRunCheck:
-    from engine.dryrun import fits_error
+    from engine.train.dryrun import fits_error
 
     busiest = dry.peak_role()
     error = fits_error(dry, limit_bytes=limit, limit_name=name, cfg=cfg)
@@ -288,7 +288,7 @@ def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, 
 
 
 def _estimated(cfg: RunConfig, pick: int, sim: float, limit: float, name: str, note: str) -> DryRunCheck:
-    from engine.memory import estimate_memory, memory_error
+    from engine.train.memory import estimate_memory, memory_error
 
     est = estimate_memory(cfg)
     error = memory_error(cfg, limit_bytes=limit, ranks_sharing=1, limit_name=name)
@@ -301,7 +301,7 @@ def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | 
                   target_gpus: int | None = None) -> str | None:
     """One line when a tuned trial ran a stand-in: a smaller model than the target, fewer ranks than its GPUs,
     or CPU ranks (no target given); None when it is the real job."""
-    from engine.shapes import from_gpt, from_hf_config
+    from engine.model.shapes import from_gpt, from_hf_config
 
     m = cfg.model
     shape = from_hf_config(m.hf) if m.hf is not None else from_gpt(layers=m.layers, d_model=m.d_model, heads=m.heads,

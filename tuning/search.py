@@ -93,7 +93,7 @@ def _grid(axes: dict[str, list[Any]]) -> dict[str, np.ndarray]:
 
 def _layout_ok(model: ModelSpec, gpus: int, global_batch: int, g: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(valid layout rows, dp) for tp, pp, virtual, micro, schedule, cp, cp_impl: the rules of
-    `validate_parallel` (cp: tuning/sim_context.validate), without duplicates (one cp_impl at cp=1,
+    `validate_parallel` (cp: tuning/sim/context.py validate), without duplicates (one cp_impl at cp=1,
     GPipe = 1F1B without a pipeline)."""
     tp, pp, v, micro, cp = g["tp"], g["pp"], g["virtual"], g["micro"], g["cp"]
     ok = (gpus % (tp * pp * cp) == 0) & (model.heads % tp == 0) & (model.layers % (pp * v) == 0)

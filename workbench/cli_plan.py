@@ -1,5 +1,5 @@
 """`workbench plan`: the layouts of the real model on the real cluster, ranked by the simulator for a target
-framework, the dry run of the top ones (engine/dryrun.py) and the export of any of them (tuning/plan.py)."""
+framework, the dry run of the top ones (engine/train/dryrun.py) and the export of any of them (tuning/plan.py)."""
 from __future__ import annotations
 
 import sys
@@ -159,7 +159,7 @@ def _show_dry_runs(result, checks: list) -> None:
               ["pick", "fits", "judged by", "peak per role (GiB)", "simulator (GiB)", "largest"], rows, console)
     for c in checks:
         if c.note:
-            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/memory.py)"
+            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/train/memory.py)"
             console.print(f"layout {c.pick} {how}: {c.note}", markup=False, highlight=False, soft_wrap=True)
         if c.fits is False:
             console.print(f"layout {c.pick} does not fit: {c.refusal}", markup=False, highlight=False, soft_wrap=True)

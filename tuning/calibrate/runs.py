@@ -76,7 +76,7 @@ def predict_run(cfg: Any, cluster: ClusterSpec) -> SimResult:
 
 def measure_run(cfg: Any, *, home: str | Path | None = None) -> dict[str, Any]:
     """Launch one real run; its median steady step time (s), every step time and the load."""
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     load1 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="calib-") as tmp:
@@ -95,7 +95,7 @@ def measure_overheads(base: ClusterSpec, *, runs: Sequence[tuple[int, int]] = OV
     import torch
 
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     rows, residuals = [], []
     threads = torch.get_num_threads()

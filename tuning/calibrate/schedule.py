@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def executed_steps(records: list[Any]) -> dict[int, dict[int, dict[str, Any]]]:
-    """Records of kind "schedule" / "skip_path" (engine/train.py `emit_schedule`) as
+    """Records of kind "schedule" / "skip_path" (engine/train/trainer.py `emit_schedule`) as
     {step: {rank: {"actions": [(action, start, end)], "total_s", "wall_start", "paths"}}} (and
     "peak_act_bytes" where recorded: the activation bytes autograd held at most)."""
     out: dict[int, dict[int, dict[str, Any]]] = {}

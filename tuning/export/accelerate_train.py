@@ -101,7 +101,7 @@ def batches(s: dict, rank: int, world: int):
             yield chunk[:, :-1], chunk[:, 1:]
         return
     from engine.config import from_dict  # the workbench's own stand-in data (text, files, synthetic)
-    from engine.data import build_splits, local_batch
+    from engine.data.corpus import build_splits, local_batch
 
     cfg = from_dict({"data": s["data"], "model": {"seq_len": seq, "vocab": s["vocab"]}})
     train = build_splits(cfg.data, cfg.model, seed=s["seed"]).train

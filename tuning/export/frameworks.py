@@ -34,7 +34,7 @@ def _hf(cfg: RunConfig) -> tuple[str | None, str | None]:
         return None, None
     if isinstance(spec, dict):
         return spec.get("model_type"), None
-    from engine.shapes import read_hf_config
+    from engine.model.shapes import read_hf_config
 
     path = Path(os.path.abspath(spec))  # the target runs elsewhere: absolute, as given (no symlinks resolved)
     return read_hf_config(path).get("model_type"), str(path if path.is_dir() else path.parent)
@@ -47,7 +47,7 @@ def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
     out = []
     if target == "accelerate" and d.source not in ("tokens", "megatron", "hf"):
         out.append(f"data.source={d.source} (the workbench's own data: the script reads it through the workbench's "
-                   "engine.data, installed beside it)")
+                   "engine.data.corpus, installed beside it)")
     elif target == "torchtitan" and d.source != "hf":
         out.append(f"data.source={d.source} (torchtitan reads Hugging Face datasets; convert {d.path or 'the data'} "
                    "or register a dataset)")
@@ -151,7 +151,7 @@ def titan_flavor(cfg: RunConfig) -> tuple[str, str]:
     """(model.name, flavor) of the torchtitan flavor whose model is the run's: same layers, widths, heads,
     vocabulary, tying, rope, norm epsilon, q/k norm and attention mask, judged on torchtitan's own model
     built on the meta device. Never a nearby flavor: ValueError naming the fields that differ."""
-    from engine.shapes import read_hf_config
+    from engine.model.shapes import read_hf_config
 
     model_type, _ = _hf(cfg)
     if model_type not in TITAN_MODELS:
@@ -179,7 +179,7 @@ def titan_flavor(cfg: RunConfig) -> tuple[str, str]:
 
 def _hf_fields(data: dict[str, Any], *, block_causal: bool) -> dict[str, Any]:
     """The fields a torchtitan flavor must equal, read from a config.json."""
-    from engine.shapes import from_hf_config
+    from engine.model.shapes import from_hf_config
     shape, rope = from_hf_config(data), rope_of(data)
     scaling = None
     if rope["rope_type"] == "llama3":
@@ -344,7 +344,7 @@ def _accelerate_fsdp(cfg: RunConfig, model_type: str | None) -> dict[str, Any]:
 def _accelerate_unmapped(cfg: RunConfig, fsdp: bool) -> list[str]:
     p, out = cfg.parallel, []
     if cfg.model.hf is None:
-        out.append("model: the workbench GPT (engine/model.py) is not a Hugging Face model; the script trains "
+        out.append("model: the workbench GPT (engine/model/gpt.py) is not a Hugging Face model; the script trains "
                    "model.hf configs only")
     if p.pp > 1:
         out.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM plugins)")

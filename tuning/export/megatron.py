@@ -99,7 +99,7 @@ def _moe_flags(cfg: RunConfig, shape: Any, data: dict[str, Any]) -> tuple[list[s
 
 def model_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """The flags of the model's architecture (megatron-core builds the same parameters), and what differs."""
-    from engine.shapes import from_gpt, from_hf_config, read_hf_config
+    from engine.model.shapes import from_gpt, from_hf_config, read_hf_config
 
     m, p = cfg.model, cfg.parallel
     data = read_hf_config(m.hf) if m.hf is not None else {}

@@ -56,7 +56,7 @@ def _clean(x: float) -> float:
 def to_torchrun(cfg: RunConfig, config_path: str = "best.yaml") -> str:
     """The torchrun line that runs `config_path` (a file `torchrun_script` or `write_torchrun_bundle` writes)."""
     p = cfg.parallel
-    return shlex.join(["torchrun", f"--nproc-per-node={cfg.world_size}", "--standalone", "-m", "engine.worker",
+    return shlex.join(["torchrun", f"--nproc-per-node={cfg.world_size}", "--standalone", "-m", "engine.launch.worker",
                        "--config", config_path]) + f"  # dp={p.dp} tp={p.tp} pp={p.pp}"
 
 
@@ -81,7 +81,7 @@ Several machines (N nodes, {world} ranks in all; each node runs {world}/N of the
 --rdzv-id names the run in the store of every node):
 
     torchrun --nproc-per-node={world}/N --nnodes=N --node-rank=I --rdzv-backend=c10d \\
-      --rdzv-endpoint=HOST:PORT --rdzv-id=NAME -m engine.worker --config config.yaml
+      --rdzv-endpoint=HOST:PORT --rdzv-id=NAME -m engine.launch.worker --config config.yaml
 
 Rank 0 records the run in the workbench store ($WORKBENCH_HOME, else ./.workbench): `workbench runs`.
 """
@@ -118,7 +118,7 @@ _CLAMPED = "DeepSpeed stretches warm-ups under 2 steps to 2, so the decay runs s
 
 
 def deepspeed_scheduler(cfg: RunConfig) -> tuple[dict[str, Any] | None, list[str]]:
-    """The DeepSpeed "scheduler" section whose lr per step is the run's (`engine.train.lr_at`), and where
+    """The DeepSpeed "scheduler" section whose lr per step is the run's (`engine.train.trainer.lr_at`), and where
     it cannot be, the difference. DeepSpeed's own schedulers set their start value at construction and
     step after each optimizer step, so its steps 0 and 1 share one lr; torch's schedulers (which
     DeepSpeed builds by name too) take their first step at construction and match exactly."""

@@ -3,13 +3,13 @@
 Sources (docs/simulator.md gives the equations):
 - GEMMs and FLOPs per layer: Narayanan et al. 2021, sec. 5.1, generalised to grouped-query
   attention (keys and values of kv_heads x head_dim) and SwiGLU MLPs (three matrices of width f),
-  read from the model's shape (`ModelSpec`, `engine.shapes`).
+  read from the model's shape (`ModelSpec`, `engine.model.shapes`).
 - Activations per layer: Korthikanti et al. 2022, eqs. 1-3, with the same generalisation (the
   24 sbh/t inside the tensor-parallel region are 4 q/h + 4 kv/h for attention and 4 f/h, or 8 f/h
   gated, for the MLP; 10 sbh outside, 8 without dropout; 5 a s/h of scores, 2 without dropout,
   none when attention is fused).
 - Causal attention: a fused kernel (`flash_attention`) skips the masked blocks, (s + 1) / 2 keys per
-  query on average (`engine.shapes.ModelShape.flops_per_token(causal=True)`); reported FLOPs keep the
+  query on average (`engine.model.shapes.ModelShape.flops_per_token(causal=True)`); reported FLOPs keep the
   convention (full s^2, as Megatron-LM and MosaicML count them).
 """
 from __future__ import annotations
@@ -256,7 +256,7 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
 def stage_params(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
     """Parameters per GPU of the most loaded stage: its blocks (/t) and the embedding (/t), with the
     untied head too when one stage holds the whole model; learned positions and the final norm are
-    replicated (at tp = pp = 1 this is `ModelSpec.params`, engine/shapes.py's count)."""
+    replicated (at tp = pp = 1 this is `ModelSpec.params`, engine/model/shapes.py's count)."""
     # the engine keeps the embedding, the head and the norms' weights replicated over tp (engine/parallel/tensor.py)
     engine = engine_rows(c) if "framework" in c else False
     t = np.where(engine, 1, c["tp"])

@@ -1,4 +1,4 @@
-"""The simulator's figures beside a dry run of the same config (engine/dryrun.py): per-rank memory by
+"""The simulator's figures beside a dry run of the same config (engine/train/dryrun.py): per-rank memory by
 category and per-step collective bytes per mesh axis, row by row (`workbench dryrun` prints them;
 tests/test_sim_vs_dryrun.py compares them).
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.dryrun import DryRun, RoleResult
+from engine.train.dryrun import DryRun, RoleResult
 from tuning.sim.hardware import ClusterSpec
 from tuning.sim.compute import stage_params
 from tuning.sim.pipeline import pp_messages

@@ -5,7 +5,7 @@
 at 2) replaces its MLP by `experts` expert MLPs of width `moe_ffn_hidden` (the dense width by
 default; GELU or SwiGLU as the dense MLP), a softmax router (h x E) and, for Qwen-MoE, an
 always-active shared expert of width `shared_ffn_hidden`. Parameter counts come from the model's
-shape (`engine.shapes`, through `ModelSpec.params`).
+shape (`engine.model.shapes`, through `ModelSpec.params`).
 
 Sources (docs/simulator.md gives the equations):
 - Routing, capacity C = capacity_factor x k x tokens / E, buffers padded to C: Lepikhin et al.

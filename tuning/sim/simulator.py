@@ -32,7 +32,7 @@ from tuning.sim.memory import CATEGORIES, dominant, tracker_categories
 from tuning.sim.memory import TERMS as MEMORY_TERMS
 from tuning.sim.spec import RECOMPUTE, SCHEDULES, ModelSpec, ParallelSpec, SimResult, columns, format_count
 
-_arrays = columns  # the name published.py and sim_network.py have used
+_arrays = columns  # the name published.py and sim/network.py have used
 
 __all__ = [
     "NONGEMM_BWD_FACTOR", "OPTIMIZER_BYTES_PER_PARAM", "RECOMPUTE", "SCHEDULES", "ModelSpec", "ParallelSpec",
@@ -176,7 +176,7 @@ def compression_wire_bytes(cfg: dict[str, Any]) -> tuple[float, float]:
 
     from engine.comm.compress import step_wire_bytes
     from engine.config import ModelConfig
-    from engine.model import GPT
+    from engine.model.gpt import GPT
 
     mdl, comm = cfg.get("model", {}), cfg.get("comm", {})
     keys = ("layers", "d_model", "heads", "seq_len", "vocab", "mlp_ratio")
@@ -201,8 +201,8 @@ def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
     """Map a plain nested run-config dict (engine/config.py key names) to the simulator's inputs.
 
     Reads model.{layers,d_model,heads,seq_len,vocab,mlp_ratio} (the engine's GPT: no biases on its
-    linear layers, `engine.shapes.from_gpt`) or model.hf (a Hugging Face config path or mapping,
-    `engine.shapes.from_hf_config`, at model.seq_len tokens), parallel.{dp,tp,pp,zero,virtual,schedule,
+    linear layers, `engine.model.shapes.from_gpt`) or model.hf (a Hugging Face config path or mapping,
+    `engine.model.shapes.from_hf_config`, at model.seq_len tokens), parallel.{dp,tp,pp,zero,virtual,schedule,
     sequence_parallel,reshard_after_forward}, batch.{global,micro}, train.activation_checkpointing, precision,
     comm.{compressor,density,rank}, co2.enabled, ddp.bucket_cap_mb; missing keys take the
     engine's defaults. Issue 18: model.{experts,moe_every,top_k,capacity_factor}, parallel.ep,
@@ -243,7 +243,7 @@ def _run_model(mdl: dict[str, Any]) -> ModelSpec:
     seq = int(mdl.get("seq_len", 64))
     if mdl.get("hf"):
         return ModelSpec.from_hf(mdl["hf"], seq=seq)
-    from engine.shapes import from_gpt
+    from engine.model.shapes import from_gpt
 
     shape = from_gpt(layers=int(mdl.get("layers", 2)), d_model=int(mdl.get("d_model", 64)), heads=int(mdl.get("heads", 4)),
                      seq_len=seq, vocab=int(mdl.get("vocab", 256)), mlp_ratio=int(mdl.get("mlp_ratio", 4)),
@@ -253,7 +253,7 @@ def _run_model(mdl: dict[str, Any]) -> ModelSpec:
 
 
 def model_shape(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The run config's model as the simulator prices it (engine/shapes.py's fields, the sequence length and
+    """The run config's model as the simulator prices it (engine/model/shapes.py's fields, the sequence length and
     the parameter counts): what an export carries so the shape travels with the layout."""
     import dataclasses
 

@@ -1,6 +1,6 @@
 """The simulator's inputs and result: a model shape, a parallel configuration, a priced iteration.
 
-`ModelSpec` is the simulator's view of `engine.shapes.ModelShape` (the one source of a model's
+`ModelSpec` is the simulator's view of `engine.model.shapes.ModelShape` (the one source of a model's
 shape and counts): parameters and FLOPs per token come from the shape, so a GPT, a Llama-style
 model with grouped-query attention and SwiGLU, or a Mixtral-style MoE are priced from the same
 numbers the engine and the memory estimate use. `ParallelSpec` names follow the run config's
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.shapes import ModelShape, from_hf_config
+from engine.model.shapes import ModelShape, from_hf_config
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev", "skip")
@@ -98,10 +98,10 @@ class ModelSpec:
         """Weight matrices of an MLP: 3 for SwiGLU, 2 for GELU."""
         return 3 if self.gated_mlp else 2
 
-    # ------------------------------------------------------------ counts (engine/shapes.py)
+    # ------------------------------------------------------------ counts (engine/model/shapes.py)
     @property
     def shape(self) -> ModelShape:
-        """The same model as an `engine.shapes.ModelShape` (the one source of counts)."""
+        """The same model as an `engine.model.shapes.ModelShape` (the one source of counts)."""
         moe = tuple(i for i in range(self.layers) if self.experts > 0 and (i + 1) % max(self.moe_every, 1) == 0)
         return ModelShape(
             family=self.family, layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv,
@@ -116,7 +116,7 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Every parameter (each expert once, a tied head once), from `engine.shapes`."""
+        """Every parameter (each expert once, a tied head once), from `engine.model.shapes`."""
         return self.shape.params
 
     @property
@@ -132,7 +132,7 @@ class ModelSpec:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights a token multiplies by in one dense block: q, k, v, o and the MLP matrices (engine/shapes.py)."""
+        """Weights a token multiplies by in one dense block: q, k, v, o and the MLP matrices (engine/model/shapes.py)."""
         return self.shape.layer_matmul_params
 
     @property
@@ -166,7 +166,7 @@ class ModelSpec:
         data = source if isinstance(source, dict) else None
         if seq is None:
             if data is None:
-                from engine.shapes import read_hf_config
+                from engine.model.shapes import read_hf_config
 
                 data = read_hf_config(source)
             seq = min(int(data.get("max_position_embeddings") or 4096), 8192)
@@ -319,8 +319,8 @@ def columns(par: ParallelSpec) -> dict[str, np.ndarray]:
 
 def engine_rows(c: dict[str, np.ndarray]) -> np.ndarray:
     """Which rows price the workbench engine (`framework="engine"`): fp32 parameters, bf16 by autocast over
-    them, or by FSDP2's mixed precision (`fsdp_bf16_rows`) (tuning/sim/zero.py, sim_tensor.py, sim_pipeline.py,
-    sim_memory.py); False for a column set without a framework (the search's default flavour)."""
+    them, or by FSDP2's mixed precision (`fsdp_bf16_rows`) (tuning/sim/zero.py, sim/tensor.py, sim/pipeline.py,
+    sim/memory.py); False for a column set without a framework (the search's default flavour)."""
     from tuning.sim.framework import FRAMEWORK_NAMES
 
     return np.asarray(c.get("framework", -1)) == FRAMEWORK_NAMES.index("engine")
@@ -328,7 +328,7 @@ def engine_rows(c: dict[str, np.ndarray]) -> np.ndarray:
 
 def fsdp_bf16_rows(c: dict[str, np.ndarray]) -> np.ndarray:
     """The engine's rows whose FSDP2 runs `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
-    (engine/parallelize.py fsdp_mp_policy: precision bf16 at ZeRO-2/3, applied where the ZeRO group has
+    (engine/parallel/parallelize.py fsdp_mp_policy: precision bf16 at ZeRO-2/3, applied where the ZeRO group has
     more than one rank and CO2 is off): FSDP2 gathers bf16 copies of the fp32 shards and the layers compute
     on them (bf16 hidden states, no autocast cache), gradients are reduced and accumulated in fp32."""
     return (engine_rows(c) & (np.asarray(c["dtype_bytes"]) == 2) & (np.asarray(c["zero"]) >= 2)

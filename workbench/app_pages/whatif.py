@@ -62,7 +62,7 @@ def hf_config() -> dict[str, Any] | None:
         if upload is not None:
             return json.loads(upload.getvalue().decode())
         if typed.strip():
-            from engine.shapes import read_hf_config
+            from engine.model.shapes import read_hf_config
 
             return dict(read_hf_config(str(Path(typed.strip()).expanduser())))
     except (ConfigError, OSError, ValueError) as exc:

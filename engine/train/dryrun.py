@@ -162,13 +162,13 @@ def _dry_config(cfg: RunConfig) -> RunConfig:
 def run_role(cfg: RunConfig, rank: int) -> RoleResult:
     """One training step of global rank `rank` of `cfg`'s world (see the module docstring)."""
     from engine.torch_compat import fake_tensor_mode, own_sharding_fake_mode
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     start = time.perf_counter()
     with _fake_world(cfg.world_size, rank), warnings.catch_warnings():
         # the engine's saved-activation counter keys parameters by address; fake ones have none (harmless)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        # the real program's build (engine/compose.py): on meta, laid out, then only this rank's parts
+        # the real program's build (engine/train/compose.py): on meta, laid out, then only this rank's parts
         # allocated, without values (nothing drawn, no hf_weights read)
         trainer = Trainer(cfg, device=torch.device("cpu"), init_values=False)
         try:
@@ -220,7 +220,7 @@ def _materialize(trainer: Any) -> None:
     `Module._apply`: a plain tensor the fake mode has seen carries a weakref (swap refuses)."""
     from torch.distributed.tensor import DTensor
 
-    from engine.comm_setup import build_optimizer
+    from engine.train.comm_setup import build_optimizer
 
     par, memo = trainer.par, {}
     for module in par.modules:
@@ -247,7 +247,7 @@ def _static_stage_meta(trainer: Any, x: torch.Tensor) -> None:
     neighbours, which a fake backend cannot answer."""
     from torch.distributed.fsdp import FSDPModule
 
-    from engine.parallelize import fsdp_mp_policy
+    from engine.parallel.parallelize import fsdp_mp_policy
     from engine.torch_compat import set_static_stage_meta
 
     cfg, micro = trainer.cfg, trainer.cfg.batch.micro
@@ -373,8 +373,8 @@ def preflight(cfg: RunConfig, *, device_memory_gib: float | None = None) -> DryR
     """Before any rank starts: dry-run `cfg` in a process of its own and raise ConfigError when its
     busiest rank would not fit the target device memory (`device_memory_target`). Skipped (None)
     when no target is known (a CPU run without --device-memory), or when the analytic estimate
-    (engine/memory.py) is under half the target: a dry run costs seconds (tiny) to minutes (8B)."""
-    from engine.memory import estimate_memory
+    (engine/train/memory.py) is under half the target: a dry run costs seconds (tiny) to minutes (8B)."""
+    from engine.train.memory import estimate_memory
 
     target = device_memory_target(cfg, device_memory_gib)
     if target is None or cfg.model.entry is not None:
@@ -387,7 +387,7 @@ def preflight(cfg: RunConfig, *, device_memory_gib: float | None = None) -> DryR
         dry = dry_run_subprocess(cfg)
     except (ConfigError, RuntimeError) as exc:  # a layout the dry run cannot play: the analytic estimate judges
         logger.warning("pre-flight: %s; judging by the analytic memory estimate instead", str(exc).splitlines()[0])
-        from engine.memory import memory_error
+        from engine.train.memory import memory_error
 
         error = memory_error(cfg, limit_bytes=limit, ranks_sharing=1, limit_name=name)
         if error is not None:
@@ -412,7 +412,7 @@ def dry_run_subprocess(cfg: RunConfig) -> DryRun:
         path = os.path.join(tmp, "config.json")
         with open(path, "w") as f:
             json.dump(cfg.to_dict(), f)
-        proc = subprocess.run([sys.executable, "-m", "engine.dryrun", path], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "engine.train.dryrun", path], capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     if proc.returncode != 0:
         raise RuntimeError(f"the dry run failed: {proc.stderr.strip()[-2000:]}")
@@ -420,7 +420,7 @@ def dry_run_subprocess(cfg: RunConfig) -> DryRun:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m engine.dryrun CONFIG.json [RANK ...]`: the dry run of a saved run config as JSON on
+    """`python -m engine.train.dryrun CONFIG.json [RANK ...]`: the dry run of a saved run config as JSON on
     stdout (the launcher's pre-flight runs it in a process of its own)."""
     import json
     import sys

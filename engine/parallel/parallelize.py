@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import RunConfig
 from engine.mesh import ParallelDims
-from engine.meta_init import materialize, record_of
-from engine.model import GPT, loss_fn
+from engine.model.meta_init import materialize, record_of
+from engine.model.gpt import GPT, loss_fn
 
 
 @dataclass(slots=True)
@@ -146,9 +146,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     """Apply TP, activation checkpointing, then PP and ZeRO/DP, in that order.
 
     `comm_hook_factory(ddp_module, dp_group)` registers the comm hook (compression, link emulation,
-    recording) on a DDP module (engine/compose.py keeps what it returns). `saved_split`: the
+    recording) on a DDP module (engine/train/compose.py keeps what it returns). `saved_split`: the
     layers per stage a resumed layer_split=auto run's checkpoint used (timings vary: it is kept).
-    A model built on meta (engine/meta_init.py) gets the layout on meta; then this rank's parts
+    A model built on meta (engine/model/meta_init.py) gets the layout on meta; then this rank's parts
     alone are materialised on `device` (before a wrapper that needs values: DDP broadcasts them),
     with the full seeded build's values; `init_values=False` leaves them uninitialised (dry runs).
     """

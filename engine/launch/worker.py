@@ -1,4 +1,4 @@
-"""The entry point of one rank, started by torchrun: `python -m engine.worker --config run.json`.
+"""The entry point of one rank, started by torchrun: `python -m engine.launch.worker --config run.json`.
 
 Works under our launcher (which sets WORKBENCH_TELEMETRY and WORKBENCH_RUN_ID) and under an
 external torchrun (multi-node), where rank 0 registers the run in the store itself.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from engine.config import from_dict, load_yaml, validate
 from engine.device import init_distributed, pick_backend, pick_device
 from engine.errors import ConfigError
-from engine.launch import die_with_parent
+from engine.launch.local import die_with_parent
 from engine.mesh import world_product
 
 
@@ -76,7 +76,7 @@ def _finish_external_run(cfg, run_id: str, run_dir: Path, ok: bool) -> None:
     """Rank 0 of an outside torchrun finalises the row like `launch` does: status, summary, root cause.
     It runs after every rank's telemetry is flushed (success: after the barrier; failure: the failing
     rank wrote its error file before exiting, which is what stopped this rank)."""
-    from engine.run_record import first_failure, run_summary
+    from engine.launch.run_record import first_failure, run_summary
     from profilers.store import RunStore
 
     failure = None if ok else first_failure(run_dir)
@@ -116,8 +116,8 @@ def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = la
 def _preemption(cfg, run_dir: Path):
     """In a job that asked for Slurm's warning signal: (the installed handler, the checkpoint to resume from
     or None); else None."""
-    from engine import preempt
-    from engine.checkpoint import checkpoint_folder
+    from engine.launch import preempt
+    from engine.train.checkpoint import checkpoint_folder
 
     if not preempt.enabled():
         return None
@@ -165,7 +165,7 @@ def _finish_outside_run(cfg, run_id: str, run_dir: Path, ok: bool, config_path: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="engine.worker")
+    ap = argparse.ArgumentParser(prog="engine.launch.worker")
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
@@ -195,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         client.emit(-1, "node", "node_rank", float(os.environ.get("WORKBENCH_NODE_RANK", 0)))  # which node ran it
         running = [-1]  # the step in progress: samples taken during it carry its number
         samplers = _samplers(cfg, client, int(os.environ.get("LOCAL_RANK", 0)), lambda: running[0])
-        from engine.train import Trainer
+        from engine.train.trainer import Trainer
 
-        from engine.faults import from_env
+        from engine.launch.faults import from_env
 
-        from engine import checkpoint as ckpt
-        from engine.live import KnobChannel, StopRun
-        from engine.preempt import Preempted, checkpoint_and_leave
+        from engine.train import checkpoint as ckpt
+        from engine.train.live import KnobChannel, StopRun
+        from engine.launch.preempt import Preempted, checkpoint_and_leave
 
         fault = from_env()
         preemption = _preemption(cfg, run_dir)

@@ -1,7 +1,7 @@
 """Wires communication into a run: the DDP comm hook chain (compression -> link emulation ->
 recording), CO2, the optimizer of each layout, and knobs changed live at step boundaries. Each
 function takes the pieces it wires (a DDP module, a group, the config, a clock) and returns what it
-made; engine/compose.py calls them in order.
+made; engine/train/compose.py calls them in order.
 
 Hook order, innermost first: the compressor decides what goes on the wire; the emulated link
 delays that wire traffic; the recorder times what the training thread actually waits for.
@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from engine.config import LIVE_KNOBS, RunConfig
 
 if TYPE_CHECKING:
-    from engine.parallelize import Parallelized
+    from engine.parallel.parallelize import Parallelized
     from profilers.collectives import CollectiveProfiler
 
 Emit = Callable[[int, str, str, float], None]
@@ -251,11 +251,11 @@ def apply_live_knobs(knobs: dict[str, Any], *, start: RunConfig, now: RunConfig,
     with them. `start` is the config the run was built with, `now` the current one. The same dict
     must reach every rank at the same step.
 
-    Refuses (ValueError) a knob that cannot act in this run (engine.live.inert_knobs), so no
+    Refuses (ValueError) a knob that cannot act in this run (engine.train.live.inert_knobs), so no
     measurement is ever attributed to a knob that did nothing.
     """
     from engine.config import replace
-    from engine.live import inert_knobs
+    from engine.train.live import inert_knobs
 
     unknown = set(knobs) - set(LIVE_KNOBS)
     if unknown:

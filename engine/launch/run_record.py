@@ -1,5 +1,5 @@
-"""A run's record in the store, shared by every launcher (engine/launch.py, engine/slurm.py) and by a
-rank of an outside torchrun (engine/worker.py): register the run, find the root cause of a failure,
+"""A run's record in the store, shared by every launcher (engine/launch/local.py, engine/launch/slurm.py) and by a
+rank of an outside torchrun (engine/launch/worker.py): register the run, find the root cause of a failure,
 summarize and finish it (RunResult).
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, par
     from profilers.store import RunStore, default_home
 
     validate(cfg)
-    from engine.checkpoint import check_resume
+    from engine.train.checkpoint import check_resume
 
     check_resume(cfg)  # a wrong or damaged checkpoint: one line here, not a traceback from every rank
     dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.world_size, cp=cfg.parallel.cp)

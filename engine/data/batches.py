@@ -3,7 +3,7 @@ documents, or a real data source's rows read in order), cut to its cp chunk of t
 
 `rank_batches(...)` reads the configured source; `.train(step)` and `.val(n)` give `Batch` values on the CPU (`Batch.to(device)` moves
 them); `cp_shard` is the context-parallel cut alone. The batches are pure functions of the step
-(engine/data.py, engine/lengths.py), except a stream's, which moves on with each call.
+(engine/data/corpus.py, engine/data/lengths.py), except a stream's, which moves on with each call.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engine.config import DataConfig, ModelConfig
-from engine.data import build_splits, local_batch, val_batches
+from engine.data.corpus import build_splits, local_batch, val_batches
 from engine.validate_data import STREAM_SOURCES
 
 
@@ -55,9 +55,9 @@ def cp_shard(x: torch.Tensor, y: torch.Tensor, *, cp_rank: int, cp_size: int, po
 class RankBatches:
     """Where this rank's batches come from and how they are cut."""
 
-    train_set: Any = None  # TokenDataset or a user's MapDataset (engine/data.py); None with a stream
+    train_set: Any = None  # TokenDataset or a user's MapDataset (engine/data/corpus.py); None with a stream
     val_set: Any = None
-    stream: Any = None  # TokenStream (engine/data_sources.py): a real data source read in order
+    stream: Any = None  # TokenStream (engine/data/sources.py): a real data source read in order
     val_stream: Any = None
     global_batch: int  # rows of the global batch
     row_len: int  # tokens per row (model.seq_len)
@@ -88,28 +88,28 @@ class RankBatches:
             return [cp_shard(x, y, cp_rank=self.cp_rank, cp_size=self.cp)
                     for x, y in val_batches(self.val_set, global_batch=self.global_batch, n=n, dp=self.dp,
                                             dp_rank=self.dp_rank)]
-        from engine.data_sources import val_rows
+        from engine.data.sources import val_rows
 
         return [self._rows(rows) for rows in val_rows(self.val_stream, rows=self.global_batch, n=n)]
 
     def documents(self, step: int) -> list[torch.Tensor]:
         """The documents of `step` up to a global batch of tokens (adaptive SP takes them unpacked)."""
-        from engine.lengths import budget_documents
+        from engine.data.lengths import budget_documents
 
         return budget_documents(self.train_set.tokens, budget=self.global_batch * self.row_len, kind=self.lengths,
                                 mean=self.length_mean, sigma=self.length_sigma,
                                 max_len=self.length_max or self.row_len, seed=self.seed, step=step)
 
     def _rows(self, global_rows: Any) -> Batch:
-        from engine.data_sources import rank_rows
+        from engine.data.sources import rank_rows
 
         rows = rank_rows(global_rows, dp=self.dp, dp_rank=self.dp_rank)
         packed = {"positions": rows.positions, "doc_ids": rows.doc_ids} if self.pack else {}
         return cp_shard(rows.x, rows.y, cp_rank=self.cp_rank, cp_size=self.cp, **packed)
 
     def _packed(self, step: int) -> Batch:
-        """The packed variable-length global batch's rows of this rank (engine/lengths.py)."""
-        from engine.lengths import packed_global_batch
+        """The packed variable-length global batch's rows of this rank (engine/data/lengths.py)."""
+        from engine.data.lengths import packed_global_batch
 
         packed = packed_global_batch(self.train_set.tokens, rows=self.global_batch, row_len=self.row_len,
                                      kind=self.lengths, mean=self.length_mean, sigma=self.length_sigma,
@@ -129,14 +129,14 @@ def rank_batches(*, data: DataConfig, model: ModelConfig, global_batch: int, see
                  cp: int = 1, cp_rank: int = 0, user_dataset: Any = None) -> RankBatches:
     """This rank's batches of the configured source: a user's dataset (model.entry; validated on it
     too: it brings no split, and its samples are fixed), a real data source read in order
-    (engine/data_sources.py), or the built-in token splits (engine/data.py)."""
+    (engine/data/sources.py), or the built-in token splits (engine/data/corpus.py)."""
     common = dict(global_batch=global_batch, row_len=model.seq_len, seed=seed, dp=dp, dp_rank=dp_rank, cp=cp,
                   cp_rank=cp_rank, length_mean=data.length_mean, length_sigma=data.length_sigma,
                   length_max=data.length_max, pack=data.pack)
     if user_dataset is not None:
         return RankBatches(train_set=user_dataset, val_set=user_dataset, **common)
     if data.source in STREAM_SOURCES:
-        from engine.data_sources import build_streams
+        from engine.data.sources import build_streams
 
         stream, val_stream = build_streams(data, model)
         return RankBatches(stream=stream, val_stream=val_stream, lengths=data.lengths, **common)

@@ -1,4 +1,4 @@
-"""The feed-forward block: the GPT's MLP and each expert of a Mixture-of-Experts layer (engine/moe.py)."""
+"""The feed-forward block: the GPT's MLP and each expert of a Mixture-of-Experts layer (engine/model/moe.py)."""
 from __future__ import annotations
 
 import torch

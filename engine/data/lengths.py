@@ -4,10 +4,10 @@ Real corpora have long-tail lengths (FlexSP, Wang et al. 2025, fig. 1): most doc
 a few are very long. `draw_lengths` draws them (seeded lognormal or Pareto, or from a file);
 `pack_rows` packs documents into rows of seq_len tokens (first fit, in draw order) where each
 token carries its document id and its position inside the document, so attention stays within a
-document and positions restart at 0 (engine/model.py `causal_attention`). Padding has document
+document and positions restart at 0 (engine/model/gpt.py `causal_attention`). Padding has document
 id -1 and target -100 (ignored by cross-entropy): tokens/s counts only real tokens.
 
-Like engine/data.py, the documents of a step are a pure function of (seed, step).
+Like engine/data/corpus.py, the documents of a step are a pure function of (seed, step).
 """
 from __future__ import annotations
 

@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from engine.model import loss_fn
+from engine.model.gpt import loss_fn
 
 
 def micro_loss(logits: torch.Tensor, targets: torch.Tensor, *, accum: int,
                loss_norm: float | None = None) -> torch.Tensor:
     """One micro-batch's part of the local loss: its mean over `accum` micro-batches, or with packed
-    data (`loss_norm`, engine/batches.py) its token-loss sum over this rank's share of the real tokens."""
+    data (`loss_norm`, engine/data/batches.py) its token-loss sum over this rank's share of the real tokens."""
     if loss_norm is None:
         return loss_fn(logits, targets) / accum
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
@@ -23,7 +23,7 @@ def micro_loss(logits: torch.Tensor, targets: torch.Tensor, *, accum: int,
 
 def moe_aux_loss(modules: Iterable[torch.nn.Module]) -> torch.Tensor | float:
     """The MoE load-balancing losses the modules' forwards left (taken: the next forward starts anew)."""
-    from engine.moe import take_aux_loss
+    from engine.model.moe import take_aux_loss
 
     total = 0.0
     for module in modules:

@@ -16,8 +16,8 @@ from typing import Any
 
 from engine.config import RunConfig, validate
 from engine.errors import JoinTimeout, RankFailure
-from engine.run_record import RunResult, finish, first_failure, register, stop_status, telemetry_summary
-from engine.torchrun import RDZV_TIMEOUT_S, torchrun_command
+from engine.launch.run_record import RunResult, finish, first_failure, register, stop_status, telemetry_summary
+from engine.launch.torchrun import RDZV_TIMEOUT_S, torchrun_command
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -80,16 +80,16 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            on_job: Callable[[Any], None] | None = None, rdzv_timeout_s: float = RDZV_TIMEOUT_S,
            device_memory_gib: float | None = None) -> RunResult:
     """Validate, register the run, start the ranks, stream telemetry into the store, wait.
-    launcher="slurm" submits the run as one Slurm job of cfg.cluster instead (engine/slurm.py);
+    launcher="slurm" submits the run as one Slurm job of cfg.cluster instead (engine/launch/slurm.py);
     `on_job` then hears each change of the job's state (queued, running, done). A run targeting
     GPUs (or `device_memory_gib` per rank) is dry-run first and refused in one line if its busiest
-    rank would not fit (engine/dryrun.py `preflight`), before anything is registered or started."""
-    from engine.dryrun import preflight
+    rank would not fit (engine/train/dryrun.py `preflight`), before anything is registered or started."""
+    from engine.train.dryrun import preflight
     from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
     validate(cfg)
     if launcher == "slurm":
-        from engine.slurm import launch_slurm
+        from engine.launch.slurm import launch_slurm
 
         preflight(cfg, device_memory_gib=device_memory_gib)
         return launch_slurm(cfg, home=home, run_id=run_id, timeout_s=timeout_s, on_progress=on_progress,

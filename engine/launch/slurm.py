@@ -1,8 +1,8 @@
 """The Slurm launcher: one run = one batch job of `cluster.nodes` nodes; srun starts one torchrun per
-node, and torchrun's c10d rendezvous starts `engine.worker` on every rank (torchtitan's
+node, and torchrun's c10d rendezvous starts `engine.launch.worker` on every rank (torchtitan's
 multinode_trainer.slurm does the same).
 
-The launcher process owns the run's row and the telemetry writer, exactly as `engine.launch` does:
+The launcher process owns the run's row and the telemetry writer, exactly as `engine.launch.local` does:
 the ranks stream their records to it over TCP (`cluster.telemetry_host`), so the store is written
 by one process on one machine. Job state comes from `scontrol show job` (falling back to
 `squeue -t all`), not sacct: sacct needs slurmdbd, which many clusters have but a small one may not.
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import RunConfig
-from engine.preempt import ENV as PREEMPTIBLE_ENV
-from engine.preempt import requeue_lines
+from engine.launch.preempt import ENV as PREEMPTIBLE_ENV
+from engine.launch.preempt import requeue_lines
 
 # Slurm job states (squeue(1) "JOB STATE CODES") grouped as the dashboard shows them
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
@@ -100,14 +100,14 @@ def srun_command(cfg_path: Path, run_dir: Path, *, nodes: int, nproc: int, cpus_
     The step asks for its CPUs itself: since Slurm 22.05 srun no longer inherits sbatch's
     --cpus-per-task, and without it a node's ranks may share one core. With GPUs the one task gets the
     node's `nproc` GPUs and each rank binds the one at its LOCAL_RANK (engine.device)."""
-    from engine.torchrun import torchrun_command
+    from engine.launch.torchrun import torchrun_command
 
     srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={nproc * cpus_per_rank}",
             "--kill-on-bad-exit=1"]
     if gpus_per_node:
         srun.append(f"--gpus-per-task={nproc}")
-    if preemptible:  # torchrun would die of Slurm's SIGUSR1: it runs with the signal ignored (engine/preempt.py)
-        srun += [sys.executable, "-m", "engine.preempt"]
+    if preemptible:  # torchrun would die of Slurm's SIGUSR1: it runs with the signal ignored (engine/launch/preempt.py)
+        srun += [sys.executable, "-m", "engine.launch.preempt"]
     if nodes == 1:  # --standalone: torchrun picks a free port, so jobs sharing a node never clash
         return srun + torchrun_command(cfg_path, run_dir, nproc=nproc)
     return srun + torchrun_command(cfg_path, run_dir, nproc=nproc, nnodes=nodes, node_rank=None,
@@ -133,7 +133,7 @@ def sbatch_options(cfg: RunConfig, *, job_name: str, output: Path) -> list[str]:
             f"--cpus-per-task={nproc * c.cpus_per_rank}", f"--output={output}"]
     if c.gpus_per_node:
         opts.append(f"--gpus-per-node={c.gpus_per_node}")
-    if c.signal_s:  # the ranks checkpoint on it and the script requeues the job (engine/preempt.py)
+    if c.signal_s:  # the ranks checkpoint on it and the script requeues the job (engine/launch/preempt.py)
         opts += [f"--signal=USR1@{c.signal_s}", "--requeue", "--open-mode=append"]
     for key in ("partition", "account", "time", "constraint"):
         if getattr(c, key) is not None:
@@ -321,7 +321,7 @@ def launch_slurm(cfg: RunConfig, *, home: str | Path | None = None, run_id: str 
     """Register the run, submit its job, stream telemetry into the store, follow the job to its end.
     `timeout_s` counts running time only: time in the queue is the cluster's, recorded as queued_s."""
     from engine.errors import RankFailure
-    from engine.run_record import finish, register, telemetry_summary
+    from engine.launch.run_record import finish, register, telemetry_summary
     from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
     require_sbatch()
@@ -345,7 +345,7 @@ def launch_slurm(cfg: RunConfig, *, home: str | Path | None = None, run_id: str 
     except BaseException as exc:  # Ctrl-C, a pruned trial, a dead controller: no job may outlive the run
         state = _cancel_or_keep(job_id, None)
         server.stop()
-        from engine.run_record import stop_status
+        from engine.launch.run_record import stop_status
 
         status, reason = stop_status(exc)
         store.finish_run(run_id, status, error=reason, summary=state.to_dict() if state else None)
@@ -375,7 +375,7 @@ def _cancel_or_keep(job_id: str, state: JobState | None) -> JobState | None:
 def _outcome(status: str, state: JobState, run_dir: Path, server, timeout_s: float | None):
     """(final status, root cause or None) of a job that has ended."""
     from engine.errors import RankFailure
-    from engine.run_record import first_failure
+    from engine.launch.run_record import first_failure
 
     job_id = state.job_id
     if server.error is not None and status != "timeout":

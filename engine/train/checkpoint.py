@@ -10,15 +10,15 @@ so a checkpoint saved in one layout resumes in any other valid layout of the sam
 - Model and optimizer: `get_state_dict` / `set_state_dict` with the optimizer state flattened
   per parameter (`state.layers.3.attn.wq.weight.exp_avg`), which is what lets pipeline stages
   reshard (torchtitan's ModelWrapper/OptimizersContainer do the same). Pipeline stages keep the
-  global block names (`layers.3`, engine/model.py), so a pp=2 checkpoint loads into pp=1. The
+  global block names (`layers.3`, engine/model/gpt.py), so a pp=2 checkpoint loads into pp=1. The
   tied embedding/head is one parameter named `tok_emb.weight` in a pp=1 model, two on pipeline
   stages: the last stage's `head.weight` optimizer state is stored under `tok_emb.weight` too.
 - Optimizer hyperparameters (`param_groups`) are saved but the config's values win at resume.
-- Data order: batches are a pure function of (seed, step) (engine/data.py), so the step is the
-  whole data state; a real data source read in order (engine/data_sources.py) saves its position
+- Data order: batches are a pure function of (seed, step) (engine/data/corpus.py), so the step is the
+  whole data state; a real data source read in order (engine/data/sources.py) saves its position
   under `data` (the same on every rank) and resumes from it.
 - Experts keep their global ids under expert parallelism (`experts.2` is expert 2 on every
-  rank that holds it, engine/moe.py), so an ep=2 checkpoint resumes at ep=1 and back.
+  rank that holds it, engine/model/moe.py), so an ep=2 checkpoint resumes at ep=1 and back.
 - RNG: each rank's torch generator states, restored when the layout (dp, tp, pp, cp, ep) is the saved
   one; in another layout dropout masks differ anyway (other shapes per rank), so the seeded
   state stays.
@@ -53,11 +53,11 @@ from engine.errors import ConfigError
 
 if TYPE_CHECKING:
     from engine.config import RunConfig
-    from engine.parallelize import Parallelized
+    from engine.parallel.parallelize import Parallelized
 
 logger = logging.getLogger(__name__)
 
-# engine/model.py ties GPT.head.weight to GPT.tok_emb.weight; a pp=1 model names the pair by the latter
+# engine/model/gpt.py ties GPT.head.weight to GPT.tok_emb.weight; a pp=1 model names the pair by the latter
 _TIED = {"head.weight": "tok_emb.weight"}
 _OPTIM_SECTIONS = ("state", "param_groups")
 _TORCH_SAVE_MAGIC = b"PK\x03\x04"  # DCP writes each item with torch.save: a zip archive
@@ -127,7 +127,7 @@ def save(parts: RankState, step: int, folder: Path) -> Path:
     state["meta"] = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)  # a tensor: read without pickle
     state["rng"] = {f"rank{parts.rank}": _rng_state(parts.device)}
     if parts.stream is not None:
-        from engine.data_sources import encode_state
+        from engine.data.sources import encode_state
 
         state["data"] = encode_state(parts.stream.state_dict())
     dcp.save(state, checkpoint_id=str(path))  # .metadata is written last: a half-written folder does not load
@@ -193,12 +193,12 @@ def load(parts: RankState, path: str | Path) -> int:
 
 
 def _load_data_position(parts: RankState, path: Path, saved: dict[str, Any]) -> None:
-    """Move a real data source's stream to the saved position (engine/data_sources.py)."""
+    """Move a real data source's stream to the saved position (engine/data/sources.py)."""
     if parts.stream is None:
         return
     import torch.distributed.checkpoint as dcp
 
-    from engine.data_sources import decode_state
+    from engine.data.sources import decode_state
 
     if "data" not in saved:
         raise ValueError(f"train.resume_from={path}: the checkpoint has no data position (saved with "
@@ -253,7 +253,7 @@ def _check_shards(path: Path, storage: dict[Any, Any]) -> None:
 
 
 def _check_model_shapes(cfg: RunConfig, path: Path, saved: dict[str, Any]) -> None:
-    from engine.model import GPT
+    from engine.model.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(cfg.model)
@@ -295,7 +295,7 @@ def _train_state(parts: RankState, *, co2: bool) -> tuple[dict[str, Any], Callab
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
     model_names = {k: strip(k) for k in model_sd}
-    # an untied head (most Hugging Face models, engine/hf.py) is its own parameter, never the embedding
+    # an untied head (most Hugging Face models, engine/model/hf.py) is its own parameter, never the embedding
     tied = all(getattr(getattr(m, "module", m), "tied", True) for m in par.modules)
     param_names = _optimizer_names(optim_sd, strip, tied=tied)
     prefix = f"dp{parts.coords['dp']}." if co2 else ""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.mlp import MLP
+from engine.model.mlp import MLP
 
 Exchange = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -159,7 +159,7 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the scaled aux losses of the last forward (then cleared): the GPT's MoE layers, and a
-    Hugging Face model's router loss (engine/hf.py, `has_aux_loss`); None when there is none."""
+    Hugging Face model's router loss (engine/model/hf.py, `has_aux_loss`); None when there is none."""
     total = None
     for layer in [m for m in model.modules() if isinstance(m, MoE) or getattr(m, "has_aux_loss", False)]:
         if layer.aux_loss is not None:

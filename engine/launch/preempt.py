@@ -8,7 +8,7 @@ so all of them stop at the same step), write a checkpoint of the steps done, ran
 `scontrol requeue` for its own job; when the job starts again, `resume_point` hands the newest
 checkpoint to the trainer, which continues at the step after the last one done, nothing lost.
 
-`python -m engine.preempt CMD ...` runs CMD with SIGUSR1 ignored: srun starts torchrun through it,
+`python -m engine.launch.preempt CMD ...` runs CMD with SIGUSR1 ignored: srun starts torchrun through it,
 because Slurm signals every process of the step and torchrun has no handler for SIGUSR1 (its default
 action ends the process, and with it the ranks). The ranks install their own handler over it.
 """
@@ -65,9 +65,9 @@ def enabled() -> bool:
 
 
 def checkpoint_and_leave(state, step: int, folder: Path, run_dir: Path, rank: int) -> None:
-    """Write the checkpoint of the `step` steps done (`state`: engine.checkpoint.RankState), leave the
+    """Write the checkpoint of the `step` steps done (`state`: engine.train.checkpoint.RankState), leave the
     requeue marker (rank 0), raise Preempted."""
-    from engine import checkpoint as ckpt
+    from engine.train import checkpoint as ckpt
 
     path = ckpt.save(state, step, folder)
     if rank == 0:
@@ -77,7 +77,7 @@ def checkpoint_and_leave(state, step: int, folder: Path, run_dir: Path, rank: in
 
 def resume_point(folder: Path) -> Path | None:
     """The newest complete checkpoint in `folder` (the highest step; DCP writes `.metadata` last), or None."""
-    from engine.checkpoint import latest_checkpoint
+    from engine.train.checkpoint import latest_checkpoint
 
     return latest_checkpoint(folder)
 

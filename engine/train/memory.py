@@ -43,7 +43,7 @@ def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
     h, r = m.d_model, m.mlp_ratio
     block = (4 + 2 * r) * h * h / tp + 4 * h  # q,k,v,o + mlp split over tp; two LayerNorms replicated
     if m.experts > 0:  # MoE blocks: router + this rank's experts/ep, replicated over tp (engine/parallel/expert.py)
-        from engine.moe import moe_layer_count
+        from engine.model.moe import moe_layer_count
 
         moe_mlp = h * m.experts + m.experts // max(cfg.parallel.ep, 1) * 2 * r * h * h
         block += moe_layer_count(m) * (moe_mlp - 2 * r * h * h / tp) / max(m.layers, 1)
@@ -57,9 +57,9 @@ def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
 
 
 def _hf_stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
-    """`_stage_parts` of a Hugging Face model from its config's shape (engine/shapes.py): attention and
+    """`_stage_parts` of a Hugging Face model from its config's shape (engine/model/shapes.py): attention and
     dense MLP matrices split over tp, experts over ep (replicated over tp), norms and router replicated."""
-    from engine.shapes import from_hf_config
+    from engine.model.shapes import from_hf_config
 
     sh, p = from_hf_config(cfg.model.hf), cfg.parallel
     norms = 2 * sh.hidden * sh.norm_params
@@ -100,7 +100,7 @@ def _layer_activation_elems(cfg: RunConfig) -> float:
     m, p = cfg.model, cfg.parallel
     s, b, h, a, r, t = m.seq_len, cfg.batch.micro, m.d_model, m.heads, m.mlp_ratio, p.tp
     if m.hf is not None:  # SwiGLU: gate, up and their product take the GELU MLP's two r h tensors' place
-        from engine.shapes import from_hf_config
+        from engine.model.shapes import from_hf_config
 
         sh = from_hf_config(m.hf)
         r = 1.5 * (sh.moe_ffn_hidden * sh.top_k if sh.experts else sh.ffn_hidden) / sh.hidden

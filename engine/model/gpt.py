@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import ModelConfig
-from engine.mlp import MLP
+from engine.model.mlp import MLP
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
@@ -61,8 +61,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg.d_model, cfg.heads, cfg.dropout)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        if moe:  # Mixture-of-Experts block (engine/moe.py)
-            from engine.moe import MoE
+        if moe:  # Mixture-of-Experts block (engine/model/moe.py)
+            from engine.model.moe import MoE
 
             self.mlp: nn.Module = MoE(cfg)
         else:
@@ -89,7 +89,7 @@ class GPT(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        from engine.moe import is_moe_layer
+        from engine.model.moe import is_moe_layer
 
         self.layers = nn.ModuleDict({str(i): Block(cfg, moe=is_moe_layer(cfg, i)) for i in range(cfg.layers)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
@@ -131,10 +131,10 @@ class GPT(nn.Module):
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> GPT:
     """The same initial weights on every rank for the same seed. On `device="meta"` nothing is
-    allocated or drawn: engine/meta_init.py's `materialize` later fills each rank's own part with
+    allocated or drawn: engine/model/meta_init.py's `materialize` later fills each rank's own part with
     exactly these weights."""
     if torch.device(device).type == "meta":
-        from engine.meta_init import record
+        from engine.model.meta_init import record
 
         return record(lambda: GPT(cfg), seed=seed)
     torch.manual_seed(seed)
@@ -146,7 +146,7 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
 
     MoE (model.experts > 0): `per_layer` is a dense block; `layers` and `total` hold every
     expert; `active` counts the top_k experts a token passes through (plus the routers)."""
-    from engine.moe import moe_parameter_counts
+    from engine.model.moe import moe_parameter_counts
 
     if cfg.hf is not None:  # a Hugging Face model: its config's shape (GQA, SwiGLU, untied head, experts)
         shape = model_shape(cfg)
@@ -172,8 +172,8 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
 
 
 def model_shape(cfg: ModelConfig):
-    """The engine/shapes.py ModelShape of `cfg`: model.hf's config, else the built-in GPT."""
-    from engine.shapes import from_gpt, from_hf_config
+    """The engine/model/shapes.py ModelShape of `cfg`: model.hf's config, else the built-in GPT."""
+    from engine.model.shapes import from_gpt, from_hf_config
 
     if cfg.hf is not None:
         return from_hf_config(cfg.hf)
@@ -183,7 +183,7 @@ def model_shape(cfg: ModelConfig):
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward, no recomputation): the model's shape's count
-    (`engine.shapes.ModelShape.flops_per_token`, the one definition: 6 x matmul parameters + 12 l h s,
+    (`engine.model.shapes.ModelShape.flops_per_token`, the one definition: 6 x matmul parameters + 12 l h s,
     Chowdhery et al. 2022 appendix B; Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h)) per
     token at mlp_ratio=4; MoE blocks count the router and the top_k experts a token passes through)."""
     return model_shape(cfg).flops_per_token(cfg.seq_len)

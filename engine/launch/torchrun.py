@@ -30,7 +30,7 @@ def torchrun_command(cfg_path: Path, run_dir: Path, *, nproc: int, nnodes: int =
         cmd += [f"--rdzv-conf={','.join(conf)}"]
         if node_rank is not None and "$" not in rdzv_endpoint:  # the address peers reach this node by
             cmd += [f"--local-addr={route_source(rdzv_endpoint)}"]
-    return cmd + ["-m", "engine.worker", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+    return cmd + ["-m", "engine.launch.worker", "--config", str(cfg_path), "--run-dir", str(run_dir)]
 
 
 def route_source(endpoint: str) -> str:

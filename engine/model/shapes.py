@@ -32,7 +32,7 @@ HF_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 class ModelShape:
     """Everything about a model's architecture that its cost depends on (no weights)."""
 
-    family: str  # "gpt" (engine/model.py) or a Hugging Face model_type
+    family: str  # "gpt" (engine/model/gpt.py) or a Hugging Face model_type
     layers: int
     hidden: int
     heads: int  # query heads
@@ -220,7 +220,7 @@ def from_hf_config(source: str | Path | Mapping[str, Any]) -> ModelShape:
 
 def from_gpt(*, layers: int, d_model: int, heads: int, seq_len: int, vocab: int, mlp_ratio: int = 4,
              experts: int = 0, top_k: int = 2, moe_every: int = 1) -> ModelShape:
-    """The shape of the engine's built-in GPT (engine/model.py): LayerNorm, GELU MLP, learned
+    """The shape of the engine's built-in GPT (engine/model/gpt.py): LayerNorm, GELU MLP, learned
     positions, tied head, no biases on the linear layers."""
     moe = tuple(i for i in range(layers) if experts > 0 and (i + 1) % max(moe_every, 1) == 0)
     return ModelShape(family="gpt", layers=layers, hidden=d_model, heads=heads, kv_heads=heads,

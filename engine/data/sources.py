@@ -13,7 +13,7 @@ Three sources, each a list of documents of token ids read only when asked:
 `global_batch` rows of seq_len + 1 tokens (rows share their boundary token, as nanoGPT's windows
 do), the same on every rank whatever the dp degree, each dp rank taking its contiguous rows. Its
 position (document, offset, epoch) is the whole data state: `state_dict()` goes into the
-checkpoint (engine/checkpoint.py) and a resumed run reads the batch an uninterrupted one would.
+checkpoint (engine/train/checkpoint.py) and a resumed run reads the batch an uninterrupted one would.
 The last `data.val_fraction` of the documents (of the tokens, for a one-document token file) is
 the validation split.
 """

@@ -1,5 +1,5 @@
 """Hugging Face causal LMs (`model.hf`) as engine models: built offline with random weights (or a
-local safetensors checkpoint), laid out like engine/model.py's GPT so every parallelism applies.
+local safetensors checkpoint), laid out like engine/model/gpt.py's GPT so every parallelism applies.
 
 `HFCausalLM` re-parents the transformers model's own modules under the GPT's names: `tok_emb`
 (embed_tokens), `layers` (the decoder layers in a ModuleDict keyed by index, so a pipeline stage
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.config import ModelConfig
 from engine.parallel.context import local_attention
-from engine.shapes import read_hf_config
+from engine.model.shapes import read_hf_config
 
 ATTENTION = "workbench"
 
@@ -83,7 +83,7 @@ def hf_config(spec: str | Mapping[str, Any]):
 class HFCausalLM(nn.Module):
     """A transformers causal LM under the engine's GPT interface (see the module docstring)."""
 
-    has_aux_loss = True  # engine/moe.py's take_aux_loss collects `aux_loss` (None when dense or off)
+    has_aux_loss = True  # engine/model/moe.py's take_aux_loss collects `aux_loss` (None when dense or off)
 
     def __init__(self, cfg: ModelConfig, hf_model: nn.Module) -> None:
         super().__init__()
@@ -235,7 +235,7 @@ def _head_sharded_norm():
 def build_hf_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> HFCausalLM:
     """The model `cfg.hf` names, fp32, identical on every rank for the same seed; the safetensors
     of `cfg.hf_weights` (a local folder) loaded when given. Never reaches the hub. On
-    `device="meta"` nothing is allocated, drawn or read: engine/meta_init.py's `materialize` fills
+    `device="meta"` nothing is allocated, drawn or read: engine/model/meta_init.py's `materialize` fills
     each rank's own part with these weights (the checkpoint's tensors read slice by slice)."""
     import os
 
@@ -245,7 +245,7 @@ def build_hf_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = 
     _register_attention()
     config = hf_config(cfg.hf)
     if torch.device(device).type == "meta":
-        from engine.meta_init import record
+        from engine.model.meta_init import record
 
         paths: dict[str, str] = {}
 
@@ -259,7 +259,7 @@ def build_hf_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = 
 
         model = record(construct, seed=seed)
         if cfg.hf_weights:  # read slice by slice at materialize; like from_pretrained, no draws
-            from engine.hf_weights import checkpoint_reader
+            from engine.model.hf_weights import checkpoint_reader
 
             model.init_record.load = (str(cfg.hf_weights), checkpoint_reader(cfg.hf_weights, model, paths))
         return model

@@ -16,16 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine import checkpoint as ckpt
-from engine.comm_setup import apply_live_knobs, install_link_groups
-from engine.compose import compose
+from engine.train import checkpoint as ckpt
+from engine.train.comm_setup import apply_live_knobs, install_link_groups
+from engine.train.compose import compose
 from engine.config import RunConfig
-from engine.batches import rank_batches
+from engine.data.batches import rank_batches
 from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims
-from engine.loss import global_loss, micro_loss, moe_aux_loss
-from engine.model import flops_per_token, loss_fn
-from engine.parallelize import Parallelized
+from engine.train.loss import global_loss, micro_loss, moe_aux_loss
+from engine.model.gpt import flops_per_token, loss_fn
+from engine.parallel.parallelize import Parallelized
 from profilers.collectives import CollectiveProfiler
 from profilers.steps import StepTimer
 
@@ -69,7 +69,7 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 class Trainer:
     """One rank's training. Needs an initialised process group when world_size > 1.
-    `init_values=False` builds the parts without their initial values (engine/dryrun.py)."""
+    `init_values=False` builds the parts without their initial values (engine/train/dryrun.py)."""
 
     def __init__(self, cfg: RunConfig, *, device: torch.device, emit: Emit | None = None,
                  flush: Callable[[], object] | None = None, run_dir: Path | None = None,
@@ -195,7 +195,7 @@ class Trainer:
         return flexsp
 
     def _reduce_loss(self, local: torch.Tensor) -> Callable[[], float]:
-        """The global-batch loss of `local` (engine/loss.py), launched; the function waits for it."""
+        """The global-batch loss of `local` (engine/train/loss.py), launched; the function waits for it."""
         d, pipe = self.dims, self.par.pipeline
         return global_loss(local, mesh=self.mesh, dp=d.dp, cp=d.cp, pp=d.pp,
                            last_stage=pipe.is_last if d.pp > 1 else True)
@@ -210,7 +210,7 @@ class Trainer:
         par.train(True)
         peak = None
         if step == self.start_step and self.cfg.profile.enabled:  # set up before the step's clocks start
-            from engine.memory import ModelStatePeak
+            from engine.train.memory import ModelStatePeak
 
             peak = ModelStatePeak(par.modules).start()  # peak params + grads during backward
         t0 = time.perf_counter()
@@ -266,8 +266,8 @@ class Trainer:
                            grad_norm=grad_norm, mfu=mfu, breakdown=breakdown, wall_s=wall)
 
     def _record_memory_accounting(self, step: int, peak: dict[str, float] | None = None) -> None:
-        """Measured model-state bytes of this rank next to the analytic estimate (engine/memory.py)."""
-        from engine.memory import estimate_memory, model_state_records
+        """Measured model-state bytes of this rank next to the analytic estimate (engine/train/memory.py)."""
+        from engine.train.memory import estimate_memory, model_state_records
 
         estimate = None if self.user_dataset is not None else estimate_memory(self.cfg, pp_rank=self.coords["pp"])
         for name, value in model_state_records(self.par.modules, self.par.optimizer, peak=peak,
@@ -342,7 +342,7 @@ class Trainer:
                                                    count_sent=self.comm is None).items():
                 e(s, "comm", name, value)
         if self.cfg.model.experts > 0:  # tokens this rank routed to each expert, and the drop rate
-            from engine.moe import step_stats
+            from engine.model.moe import step_stats
 
             for name, value in step_stats(self.par.modules).items():
                 e(s, "moe", name, value)
@@ -354,7 +354,7 @@ class Trainer:
 
     def apply_knobs(self, knobs: dict[str, Any], step: int = -1) -> None:
         """Change knobs that need no restart, at the boundary before `step`, on every rank alike
-        (engine/live.py's KnobChannel calls this); each knob is recorded at `step`."""
+        (engine/train/live.py's KnobChannel calls this); each knob is recorded at `step`."""
         self.cfg = apply_live_knobs(knobs, start=self.live_start_cfg, now=self.cfg, comm=self.comm, co2=self.co2)
         for name, value in knobs.items():
             self.emit(step, "knob", name, float(value))

@@ -80,7 +80,7 @@ class StopRun(Exception):
 
 
 class KnobTarget(Protocol):
-    """What the channel drives at a boundary (engine/train.py's Trainer is one)."""
+    """What the channel drives at a boundary (engine/train/trainer.py's Trainer is one)."""
 
     rank: int
 
