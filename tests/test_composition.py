@@ -54,7 +54,8 @@ def test_no_import_circle_runs_through_the_composition_modules() -> None:
 
 def test_checkpoint_comm_and_live_take_parts_not_the_trainer() -> None:
     takes_trainer = []
-    for name in ("checkpoint", "comm_setup", "live", "compose", "parallelize", "preempt"):
+    for name in ("train/checkpoint", "train/comm_setup", "train/live", "train/compose", "parallel/parallelize",
+                 "launch/preempt"):
         for node in ast.walk(ast.parse((ROOT / "engine" / f"{name}.py").read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 for arg in node.args.args + node.args.kwonlyargs:

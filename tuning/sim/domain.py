@@ -47,7 +47,7 @@ def _cache_file(path: str) -> Path:
     tens of seconds on a busy 2-core host, for each `workbench simulate`)."""
     root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256(Path(path).read_bytes())
-    for source in sorted((root / "tuning").rglob("*.py")) + [root / "engine" / "shapes.py"]:
+    for source in sorted((root / "tuning").rglob("*.py")) + [root / "engine" / "model" / "shapes.py"]:
         digest.update(source.read_bytes())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
     return cache / f"validated-{digest.hexdigest()[:16]}.csv"

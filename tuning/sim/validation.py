@@ -120,7 +120,7 @@ def _cache(path: Path) -> Path:
     root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256(path.read_bytes())
     for source in sorted((root / "tuning").rglob("*.py")) + sorted((root / "tuning" / "data").glob("*.yaml")) \
-            + [root / "engine" / "shapes.py"]:
+            + [root / "engine" / "model" / "shapes.py"]:
         digest.update(source.read_bytes())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
     return cache / f"loso-{digest.hexdigest()[:16]}.csv"
