@@ -35,9 +35,9 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from engine.config import ModelConfig
-    from engine.data import SYNTHETIC_TOKENS
-    from engine.lengths import budget_documents
-    from engine.model import build_model
+    from engine.data.corpus import SYNTHETIC_TOKENS
+    from engine.data.lengths import budget_documents
+    from engine.model.gpt import build_model
     from engine.parallel.adaptive_sp import GroupCache, PlanAhead, calibrate, run_step, sum_gradients
     from engine.parallel.flexsp import powers_of_two, solve, uniform_plan
 

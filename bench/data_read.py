@@ -1,4 +1,4 @@
-"""How fast the real data sources hand out global batches (engine/data_sources.py), next to nothing
+"""How fast the real data sources hand out global batches (engine/data/sources.py), next to nothing
 else: tokens per second of `TokenStream.next_rows` for a token file (memmap), packed and not, and for
 local jsonl tokenized while read. Files are written into a temporary folder and removed.
 
@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import load_config  # noqa: E402
-from engine.data_sources import build_streams  # noqa: E402
+from engine.data.sources import build_streams  # noqa: E402
 
 
 def _tokenizer(folder: Path, texts: list[str]) -> Path:

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from engine.config import load_config  # noqa: E402
-from engine.data import build_splits, local_batch  # noqa: E402
-from engine.model import build_model, loss_fn  # noqa: E402
+from engine.data.corpus import build_splits, local_batch  # noqa: E402
+from engine.model.gpt import build_model, loss_fn  # noqa: E402
 
 # the small GPT of shared/reference/platform.md
 OVERRIDES = ["model.layers=4", "model.d_model=256", "model.heads=4", "model.seq_len=128", "model.vocab=256",
@@ -47,7 +47,7 @@ def minimal_step(model, opt, x, y, micro: int) -> float:
 
 def measure(rank: int, world: int, args) -> dict:
     """Interleaved blocks: engine steps, then hand-written steps, `rounds` times (round 0 warms up)."""
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
     from profilers.telemetry import TelemetryClient
 
     cfg = load_config(None, OVERRIDES + [f"parallel.dp={world}", f"batch.global={args.global_batch}",

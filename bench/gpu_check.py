@@ -72,7 +72,7 @@ def check(rows: list[Row], path: str, where: str, fn: Callable[[], str]) -> None
 def engine_losses(overrides: list[str], device: torch.device, steps: int, **kw) -> list[float]:
     """Losses of `steps` engine steps of the tiny GPT (inside or outside a process group)."""
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(None, TINY + [f"train.steps={steps}"] + overrides)
     trainer = Trainer(cfg, device=device, run_dir=kw.pop("run_dir", None))
@@ -84,7 +84,7 @@ def engine_losses(overrides: list[str], device: torch.device, steps: int, **kw) 
 
 def _tiny_model(device: torch.device):
     from engine.config import load_config
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     cfg = load_config(None, TINY)
     return build_model(cfg.model, seed=0).to(device), cfg
@@ -92,7 +92,7 @@ def _tiny_model(device: torch.device):
 
 def _train(model, optimizer, device: torch.device, steps: int, after_step: Callable[[int], None] = lambda s: None
            ) -> str:
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
 
     g = torch.Generator().manual_seed(0)
     losses = []
@@ -158,11 +158,11 @@ def _zero(device: torch.device, steps: int, stage: int) -> str:
 
 
 def _live_knob(device: torch.device, steps: int, folder: Path) -> str:
-    from engine.live import KnobChannel
+    from engine.train.live import KnobChannel
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "knobs-0.json").write_text(json.dumps({"knobs": {}}))
-    # a knob that acts on one rank (comm.* knobs need dp > 1: engine.live refuses them here)
+    # a knob that acts on one rank (comm.* knobs need dp > 1: engine.train.live refuses them here)
     (folder / "knobs-1.json").write_text(json.dumps({"knobs": {"batch.micro": 1}}))
     losses = engine_losses(["live.every=2"], device, max(steps, 3), run_dir=folder,
                            on_boundary=KnobChannel(folder, 2, 30.0))

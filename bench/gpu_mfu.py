@@ -56,7 +56,7 @@ def wall(device: torch.device, fn: Callable[[], object]) -> float:
 
 def minimal_step(trainer, step: int) -> None:
     """The hand-written loop on the trainer's own module and optimizer (nanoGPT's train.py)."""
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
 
     c, par = trainer.cfg, trainer.par
     x, y = trainer._local_batch(step)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(no_cuda_message("bench/gpu_mfu.py"), file=sys.stderr)
         return 2
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)
     size = DRY if args.cpu_dry_run else QUICK if args.quick else GPT_1B

@@ -4,7 +4,7 @@ of `bench/gpu_mfu.py`'s GPT.
     python bench/gpu_rates.py [--measured-step-s 0.3166] [--json rates.json]
 
 Times the engine's linear GEMMs (x W^T, dy W, dy^T x at h x h, h x 4h, 4h x h, h x vocab) and
-causal `scaled_dot_product_attention` forward + backward with `tuning.calibration`'s probes
+causal `scaled_dot_product_attention` forward + backward with `tuning.calibrate.calibration`'s probes
 (the CPU calibration's own code, here on CUDA in bf16), at d_model 1024-8192 and 512-16384
 tokens. Then prices gpu_mfu's 1.1 B GPT (20 layers, d_model 2048, seq 2048, micro 4, global 8,
 bf16) on one GPU of the `dgx-h100` preset twice: with the preset's fitted GEMM curve, and with
@@ -29,8 +29,8 @@ GPT_1B = {"model": {"layers": 20, "d_model": 2048, "heads": 16, "seq_len": 2048,
 
 def predict(tables: dict[str, list[tuple[float, float]]] | None) -> float:
     """Iteration seconds of GPT_1B on one GPU of dgx-h100, with `tables` replacing its GEMM curve."""
-    from tuning.hardware import PRESETS
-    from tuning.simulator import from_run_config, simulate
+    from tuning.sim.hardware import PRESETS
+    from tuning.sim.simulator import from_run_config, simulate
 
     cluster = PRESETS["dgx-h100"]
     if tables:
@@ -41,7 +41,7 @@ def predict(tables: dict[str, list[tuple[float, float]]] | None) -> float:
 
 
 def measure() -> dict[str, list[tuple[float, float]]]:
-    from tuning.calibration import measure_attention, measure_linear_gemms
+    from tuning.calibrate.calibration import measure_attention, measure_linear_gemms
 
     gemm = measure_linear_gemms(tokens=(512, 2048, 8192, 16384), hiddens=(1024, 2048, 4096, 8192),
                                 vocab=50304, device="cuda", dtype="bfloat16")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     tables = measure()
-    peak = 989e12  # dgx-h100's peak (tuning/hardware.py), for the efficiency column
+    peak = 989e12  # dgx-h100's peak (tuning/sim/hardware.py), for the efficiency column
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, points in tables.items():
         print(f"{name}: FLOPs per GEMM -> TFLOP/s (fraction of 989)")

@@ -9,7 +9,7 @@ setting; the machine's 2 cores run all 4 ranks. The naive placement (rank order)
 the slow link; Holmes puts each stage inside one group and only the pipeline's sends across.
 
 Prints measured tokens/s of each placement (interleaved repeats, medians), their ratio, and the
-simulator's predicted ratio for the same pair (tuning/sim_network.py on this host's calibrated
+simulator's predicted ratio for the same pair (tuning/sim/network.py on this host's calibrated
 profile), with the gap between the two ratios.
 
     python bench/heterogeneous.py [--rounds 3] [--steps 7] [--inter-gbps 1]
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import load_config  # noqa: E402
-from engine.launch import launch  # noqa: E402
+from engine.launch.local import launch  # noqa: E402
 
 GROUPS = ("link.groups=[{name: ib, ranks: [0, 2], gbps: 100, latency_us: 5}, "
           "{name: eth, ranks: [1, 3], gbps: 100, latency_us: 5}]")
@@ -67,9 +67,9 @@ def predicted(steps: int, extra_overrides: list[str]) -> dict[str, dict[str, flo
     import dataclasses
 
     from engine.comm.link import topology_of
-    from tuning.calibration import calibrate_local, measure_allreduce, measure_host
-    from tuning.sim_network import simulate_placement
-    from tuning.simulator import from_run_config
+    from tuning.calibrate.calibration import calibrate_local, measure_allreduce, measure_host
+    from tuning.sim.network import simulate_placement
+    from tuning.sim.simulator import from_run_config
 
     # every collective that matters here (the dp all-reduces) runs in a 2-rank group: the host's own
     # gloo all-reduce is fitted at that size

@@ -1,7 +1,7 @@
-"""What building a model costs each rank's memory: meta construction (engine/meta_init.py) against
+"""What building a model costs each rank's memory: meta construction (engine/model/meta_init.py) against
 the whole-model CPU build e19d228 did (the baseline), per layout, on 2 real gloo ranks.
 
-Each row: a model and layout, built and laid out through engine.compose (no training step); per
+Each row: a model and layout, built and laid out through engine.train.compose (no training step); per
 rank the RSS growth from before the build, its peak (VmHWM), and the bytes of the parameters the
 rank holds, as multiples of the model's fp32 bytes; seconds to build. The rank body is the test's
 (tests/test_meta_init.py::_memory_after_layout). The legacy build of the 1B model needs 5-10 GB per
@@ -47,7 +47,7 @@ def main() -> None:
     from test_meta_init import LLAMA_3_2_1B, _memory_after_layout
 
     from engine.config import load_config
-    from engine.model import count_parameters
+    from engine.model.gpt import count_parameters
 
     print(f"host: {os.cpu_count()} cpus, load1 {os.getloadavg()[0]:.1f}; 2 gloo ranks, one thread each")
     print(f"{'model':14s} {'layout':10s} {'build':7s} {'GiB':>5s} {'rank':>4s} {'RSS +':>7s} {'peak +':>7s} "

@@ -31,7 +31,7 @@ OVERRIDES = ["model.layers=4", "model.d_model=256", "model.heads=4", "model.seq_
 
 
 def measure(rank: int, world: int, args) -> dict:
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
     from profilers.host import HostSampler
     from profilers.nvml import NvmlSampler
     from profilers.telemetry import TelemetryClient

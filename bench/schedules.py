@@ -10,7 +10,7 @@ points (each step is priced from its own recorded costs; the difference of the t
 medians, used before, can set one step's measured against another's prediction). The
 measured bubble of a rank is 1 - (its executed compute actions' time) / (its step time), from the
 actions the engine recorded; the simulated one walks the schedule's own action list
-(tuning/sim_schedule.py) with the prices `calibrate` (tuning/calib_schedule.py) reads off the same step: each action the
+(tuning/sim/schedule.py) with the prices `calibrate` (tuning/calibrate/schedule.py) reads off the same step: each action the
 mean of its (stage, kind), each rank's host work before each kind of action (run while the
 action's inputs are in flight), the p2p delay (counted from where torch's lowered list posts the
 input's send: an OVERLAP_F_B sends after both halves, to the start of the action it gated), the
@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_world, timed  # noqa: E402
 
 from engine.config import load_config  # noqa: E402
-from engine.launch import launch  # noqa: E402
+from engine.launch.local import launch  # noqa: E402
 from profilers.store import RunStore  # noqa: E402
-from tuning.calib_schedule import executed_steps, measured_bubble, predicted_bubble  # noqa: E402
-from tuning.sim_schedule import peak_in_flight  # noqa: E402
+from tuning.calibrate.schedule import executed_steps, measured_bubble, predicted_bubble  # noqa: E402
+from tuning.sim.schedule import peak_in_flight  # noqa: E402
 
 LAYERS, D, HEADS, SEQ, GLOBAL, MICRO, PP = 8, 64, 4, 32, 16, 2, 4
 MODEL = [f"model.layers={LAYERS}", f"model.d_model={D}", f"model.heads={HEADS}", f"model.seq_len={SEQ}",
@@ -123,7 +123,7 @@ def alternated_ratios(rank: int, world: int, pairs: int, warmup: int = 3) -> lis
     import torch
     import torch.distributed as dist
 
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     trainers = {}
     for name in ("1f1b", "skip"):

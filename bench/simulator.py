@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import pandas as pd  # noqa: E402
 
-from tuning.hardware import load_cluster  # noqa: E402
-from tuning.published import summarize  # noqa: E402
+from tuning.sim.hardware import load_cluster  # noqa: E402
+from tuning.sim.published import summarize  # noqa: E402
 from tuning.search import best_configs, enumerate_configs, published_comparison  # noqa: E402
-from tuning.simulator import ModelSpec  # noqa: E402
+from tuning.sim.simulator import ModelSpec  # noqa: E402
 
 GPT_1T = ModelSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)  # Narayanan Table 1
 SHOWN = ["tp", "pp", "dp", "virtual", "micro", "zero", "recompute", "sequence_parallel",
@@ -61,9 +61,9 @@ def print_search_speed(*, cluster: str = "dgx-a100-80gb", gpus: int = 3072,
 def print_published_comparison() -> pd.DataFrame:
     """Print simulated vs published throughput per row, the held-out error summary, the ranking per
     table and the leave-one-out coverage of the domain's intervals."""
-    from tuning.published import sources
-    from tuning.sim_domain import held_out_coverage
-    from tuning.validation import ranking
+    from tuning.sim.published import sources
+    from tuning.sim.domain import held_out_coverage
+    from tuning.sim.validation import ranking
 
     table = published_comparison()
     cols = ["id", "hardware", "framework", "class", "layout", "metric", "published", "simulated", "error_pct", "fitted"]
@@ -84,7 +84,7 @@ def print_published_comparison() -> pd.DataFrame:
 def print_measured_comparison(*, rounds: int = 2, save: Path | None = None) -> pd.DataFrame:
     """Print the simulated-vs-measured step-time table of the engine on this machine; with `save`,
     pickle the table with its host profile, clusters and runs there, to re-price them offline."""
-    from tuning.calibration import compare_measured, consistent_shares
+    from tuning.calibrate.calibration import compare_measured, consistent_shares
 
     start_load = os.getloadavg()
     table = compare_measured(rounds=rounds, on_row=lambda row: print(json.dumps(row), flush=True))

@@ -106,8 +106,8 @@ def breakdown() -> list[Row]:
     import contextlib
 
     from engine.config import load_config
-    from engine.launch import launch
-    from engine.train import Trainer
+    from engine.launch.local import launch
+    from engine.train.trainer import Trainer
     from profilers.steps import StepTimer, check_breakdown
     from test_engine_profiling import TINY
 
@@ -162,9 +162,9 @@ def search() -> list[Row]:
 
 def calibration() -> list[Row]:
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
     from test_calibration import BASE
-    from tuning.calibration import (HostProfile, calibrate_local, measure_linear_gemms, measure_nongemm_bandwidth,
+    from tuning.calibrate.calibration import (HostProfile, calibrate_local, measure_linear_gemms, measure_nongemm_bandwidth,
                                     measure_optimizer_rate, measure_overheads, predict_run)
 
     torch.set_num_threads(1)
@@ -202,7 +202,7 @@ def co2() -> list[Row]:
 
 def link_step() -> list[Row]:
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
     from test_engine_comm import TINY
 
     with tempfile.TemporaryDirectory() as tmp:

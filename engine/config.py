@@ -33,12 +33,12 @@ class ModelConfig:
     dropout: float = 0.0  # dropout probability
     mlp_ratio: int = 4  # MLP hidden = mlp_ratio * d_model
     entry: str | None = None  # "module:function" returning (model, train_dataset); imported only when set
-    experts: int = 0  # Mixture-of-Experts: experts per MoE block; 0 = dense MLPs (engine/moe.py)
+    experts: int = 0  # Mixture-of-Experts: experts per MoE block; 0 = dense MLPs (engine/model/moe.py)
     moe_every: int = 1  # every moe_every-th block is MoE (1 = all, 2 = every other, as GShard)
     top_k: int = 2  # experts each token is routed to
     capacity_factor: float = 1.25  # expert capacity = factor * tokens * top_k / experts; 0 = no dropping
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
-    hf: str | dict[str, Any] | None = None  # a Hugging Face causal LM (engine/hf.py): a config.json path (or
+    hf: str | dict[str, Any] | None = None  # a Hugging Face causal LM (engine/model/hf.py): a config.json path (or
     # folder) or an inline mapping with model_type; then layers/d_model/heads/vocab are read from it
     hf_weights: str | None = None  # a local folder of safetensors to load into model.hf (random init when unset)
     # (model, train_dataset, step_fn) also works: step_fn(model, inputs, targets, lr) -> loss tensor runs
@@ -52,7 +52,7 @@ class DataConfig:
     source: str = "text"  # text (byte-level stdlib corpus) | synthetic (random tokens) | files | tokens | megatron | hf
     # files: a file or folder of text read as bytes; tokens: a flat uint16/uint32 token file (nanoGPT
     # train.bin); megatron: the prefix of an indexed dataset (prefix.bin + prefix.idx); hf: a jsonl / json /
-    # parquet / arrow / txt file or folder (engine/data_sources.py)
+    # parquet / arrow / txt file or folder (engine/data/sources.py)
     path: str | None = None
     dtype: str = "uint16"  # tokens: the id type of the file, uint16 | uint32
     tokenizer: str | None = None  # hf: a tokenizer.json or a tokenizer folder (read offline)
@@ -218,7 +218,7 @@ class LiveConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
-    """Where `--launcher slurm` runs a config: one Slurm job of nodes x gpus_per_node ranks (engine/slurm.py).
+    """Where `--launcher slurm` runs a config: one Slurm job of nodes x gpus_per_node ranks (engine/launch/slurm.py).
 
     Unused by the local launcher. Each string goes into the batch script as `#SBATCH --key=value`."""
 
@@ -233,7 +233,7 @@ class ClusterConfig:
     setup: list[str] | None = None  # shell lines run before srun, e.g. ["module load cuda/12.4"]
     telemetry_host: str | None = None  # the name compute nodes reach the launcher by (default: its host name)
     signal_s: int = 90  # SIGUSR1 this many seconds before the time limit: ranks checkpoint, the job requeues
-    # itself and resumes from that checkpoint (engine/preempt.py); 0: no signal, no requeue
+    # itself and resumes from that checkpoint (engine/launch/preempt.py); 0: no signal, no requeue
 
 
 @dataclass(kw_only=True, slots=True)
@@ -385,10 +385,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from a nested dict; unknown keys and wrong types raise ConfigError.
 
     With `model.hf`, the shape keys layers, d_model, heads and vocab are the Hugging Face config's
-    (one fact, read from one place: engine/shapes.py)."""
+    (one fact, read from one place: engine/model/shapes.py)."""
     cfg = _build(RunConfig, data or {}, "")
     if cfg.model.hf is not None:
-        from engine.shapes import from_hf_config
+        from engine.model.shapes import from_hf_config
 
         shape = from_hf_config(cfg.model.hf)
         m = cfg.model

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.shapes import read_hf_config
+from engine.model.shapes import read_hf_config
 
 SHOWN_KEYS = 3  # tensor names quoted in a refusal; the rest are counted
 

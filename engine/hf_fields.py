@@ -1,9 +1,9 @@
-"""Every field of the Hugging Face config classes of engine/shapes.py's families, classified: what
-the engine does with it when it trains `model.hf` (engine/hf.py).
+"""Every field of the Hugging Face config classes of engine/model/shapes.py's families, classified: what
+the engine does with it when it trains `model.hf` (engine/model/hf.py).
 
 - implemented: the run follows transformers. Most fields are read by transformers' own modules,
   which the engine runs unmodified (the decoder layers, the rotary embedding, the init); the rest
-  by engine/hf.py where it replaces transformers' model-level forward (the sliding-window mask,
+  by engine/model/hf.py where it replaces transformers' model-level forward (the sliding-window mask,
   the router's auxiliary loss) and by the attention cores (engine/parallel/context.py).
 - irrelevant: no effect on a training step (generation, output formats, classification heads,
   metadata; dtype: the engine's `precision` decides).
@@ -22,13 +22,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.shapes import MOE_FAMILIES
+from engine.model.shapes import MOE_FAMILIES
 
 IMPLEMENTED, IRRELEVANT, REFUSED = "implemented", "irrelevant", "refused"
 LAYERS = "transformers' decoder layers (run unmodified)"
 
 FIELDS: dict[str, tuple[str, str]] = {
-    # the shape (engine/shapes.py reads it for counts and prices)
+    # the shape (engine/model/shapes.py reads it for counts and prices)
     "vocab_size": (IMPLEMENTED, "embedding and head (transformers' modules)"),
     "hidden_size": (IMPLEMENTED, LAYERS),
     "intermediate_size": (IMPLEMENTED, LAYERS),
@@ -41,12 +41,12 @@ FIELDS: dict[str, tuple[str, str]] = {
     "attention_bias": (IMPLEMENTED, LAYERS),
     "mlp_bias": (IMPLEMENTED, LAYERS),
     "qkv_bias": (IMPLEMENTED, LAYERS),
-    "tie_word_embeddings": (IMPLEMENTED, "transformers ties the head; engine/hf.py keeps it (HFCausalLM.tied)"),
+    "tie_word_embeddings": (IMPLEMENTED, "transformers ties the head; engine/model/hf.py keeps it (HFCausalLM.tied)"),
     "pad_token_id": (IMPLEMENTED, "the embedding's padding_idx (transformers' module)"),
     "initializer_range": (IMPLEMENTED, "transformers' own initialisation at build"),
     "rope_parameters": (IMPLEMENTED, "transformers' rotary module; dynamic / longrope refused with parallel.cp > 1"),
     "max_position_embeddings": (IMPLEMENTED, "read by the rotary module's scaled rope types"),
-    # attention (engine/hf.py `_attention`, engine/parallel/context.py)
+    # attention (engine/model/hf.py `_attention`, engine/parallel/context.py)
     "attention_dropout": (IMPLEMENTED, "the attention core's dropout; refused with cp_impl=ring"),
     "sliding_window": (IMPLEMENTED, "masked as transformers masks it (local_attention); refused with cp_impl=ring"),
     "use_sliding_window": (IMPLEMENTED, "with sliding_window (the layer's window, `sliding_windows`)"),
@@ -62,9 +62,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "mlp_only_layers": (IMPLEMENTED, LAYERS),
     "norm_topk_prob": (IMPLEMENTED, "transformers' router"),
     "router_jitter_noise": (IMPLEMENTED, "transformers' MoE block (training only)"),
-    "output_router_logits": (IMPLEMENTED, "switches the router aux loss into the training loss (engine/hf.py); "
+    "output_router_logits": (IMPLEMENTED, "switches the router aux loss into the training loss (engine/model/hf.py); "
                              "refused with parallel.pp > 1"),
-    "router_aux_loss_coef": (IMPLEMENTED, "the aux loss's weight (engine/hf.py router_aux_coef)"),
+    "router_aux_loss_coef": (IMPLEMENTED, "the aux loss's weight (engine/model/hf.py router_aux_coef)"),
     # no effect on training
     "use_cache": (IRRELEVANT, "generation's key/value cache"),
     "bos_token_id": (IRRELEVANT, "generation; documents end with data.eos_id"),

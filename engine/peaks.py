@@ -1,5 +1,5 @@
 """Peak FLOP/s of the accelerators we know, by device name: the one table the engine's MFU
-(engine/device.py) and the simulator's hardware presets (tuning/hardware.py) read. Torch-free."""
+(engine/device.py) and the simulator's hardware presets (tuning/sim/hardware.py) read. Torch-free."""
 from __future__ import annotations
 
 import re

@@ -70,7 +70,7 @@ ReduceScatter = _private("torch.distributed.fsdp._fully_shard._fsdp_api", "Reduc
 all_to_all_single_autograd = _private("torch.distributed._functional_collectives", "all_to_all_single_autograd")
 
 
-# ---- meta construction (engine/meta_init.py): record a constructor's ops, place a shard in its tensor
+# ---- meta construction (engine/model/meta_init.py): record a constructor's ops, place a shard in its tensor
 TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
 tree_flatten = _private("torch.utils._pytree", "tree_flatten")
 tree_map_only = _private("torch.utils._pytree", "tree_map_only")
@@ -141,7 +141,7 @@ def enable_ring_attention_dispatch(*, load_balance: bool = False) -> None:
     module._enable_context_parallel_dispatcher()
 
 
-# ---- the dry run (engine/dryrun.py): one step at the real world size on torch's fake backend
+# ---- the dry run (engine/train/dryrun.py): one step at the real world size on torch's fake backend
 TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
 LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default  # a host read of a tensor's value (.item())
 

@@ -35,7 +35,7 @@ FSDP_COMPRESSORS = ("randk", "topk")  # engine/comm/fsdp_compress.py: FSDP2's cu
 CO2_PENALTIES = ("constant", "relative_gap")  # the paper's constant lambda | our relative-gap variant
 MOE_COMPRESSIONS = ("none", "lsh")  # comm.moe_compression: engine/comm/lsh.py
 CP_IMPLS = ("ulysses", "ring")  # engine/parallel/context.py
-LENGTH_KINDS = ("fixed", "lognormal", "pareto")  # engine/lengths.py; any other value names a file
+LENGTH_KINDS = ("fixed", "lognormal", "pareto")  # engine/data/lengths.py; any other value names a file
 
 
 def _positive(field: str, value: float, *, allow_zero: bool = False) -> Iterator[ConfigError]:
@@ -249,7 +249,7 @@ def _comm_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     yield from _positive("co2.gap_penalty", o.gap_penalty)
     resume = cfg.train.resume_from
     if resume and not files.resume_is_checkpoint:
-        # engine/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
+        # engine/train/checkpoint.py checks the saved layout (a CO2 checkpoint needs the same dp and tp)
         yield ConfigError("train.resume_from", resume, "must be a checkpoint folder (stepNNNNNN/ holding "
                           "a .metadata file) written by train.checkpoint_interval")
     yield from _positive("link.gbps", cfg.link.gbps, allow_zero=True)
@@ -290,7 +290,7 @@ def _run_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
 
 
 SLURM_TIME = re.compile(r"(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|UNLIMITED|INFINITE)")
-LAUNCHERS = ("local", "slurm")  # engine/launch.py (torchrun on this machine) | engine/slurm.py (one job per run)
+LAUNCHERS = ("local", "slurm")  # engine/launch/local.py (torchrun on this machine) | engine/launch/slurm.py (one job per run)
 
 
 def _cluster_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
@@ -323,7 +323,7 @@ def _cluster_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
 
 
 def _moe_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
-    """Mixture-of-Experts and expert parallelism (engine/moe.py, engine/parallel/expert.py)."""
+    """Mixture-of-Experts and expert parallelism (engine/model/moe.py, engine/parallel/expert.py)."""
     m, p, c = cfg.model, cfg.parallel, cfg.comm
     yield from _positive("model.experts", m.experts, allow_zero=True)
     yield from _positive("model.moe_every", m.moe_every)

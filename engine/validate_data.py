@@ -1,4 +1,4 @@
-"""The rules of the real data sources (engine/data_sources.py), checked before any process starts:
+"""The rules of the real data sources (engine/data/sources.py), checked before any process starts:
 the file exists and is whole, the tokenizer exists and fits the model's vocabulary, the source does not
 meet a feature it cannot serve. Pure: the rules take what engine/validate_files.py read from the files
 (`Files`: sizes, sampled ids, record fields, vocabulary sizes) and open nothing.
@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from engine.errors import ConfigError
 
 DATA_SOURCES = ("text", "synthetic", "files", "tokens", "megatron", "hf")
-STREAM_SOURCES = ("tokens", "megatron", "hf")  # engine/data_sources.py: read in order, position checkpointed
+STREAM_SOURCES = ("tokens", "megatron", "hf")  # engine/data/sources.py: read in order, position checkpointed
 TOKEN_DTYPE_BYTES = {"uint16": 2, "uint32": 4}  # data.dtype of a token file
 HF_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 
 
 def stream_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
-    """A token file, a Megatron indexed dataset or local files with a tokenizer (engine/data_sources.py)."""
+    """A token file, a Megatron indexed dataset or local files with a tokenizer (engine/data/sources.py)."""
     d, m, p = cfg.data, cfg.model, cfg.parallel
     for on, name in ((m.entry is not None, "model.entry (it brings its own dataset)"),
                      (d.lengths != "fixed", "data.lengths (drawn documents; the data has its own)"),
@@ -61,7 +61,7 @@ def _token_file_rules(cfg: RunConfig, file: TokenFile) -> Iterator[ConfigError]:
 
 def split_tokens(tokens: int, *, seq_len: int, val_fraction: float) -> tuple[int, int] | None:
     """(train, validation) tokens of a token file, split by tokens; None when either split is shorter than
-    one row and its next-token target (seq_len + 2 tokens): engine/data_sources.py reads it so."""
+    one row and its next-token target (seq_len + 2 tokens): engine/data/sources.py reads it so."""
     need = seq_len + 2
     val = max(int(tokens * val_fraction), need)
     return None if tokens - val < need else (tokens - val, val)

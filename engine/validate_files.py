@@ -108,7 +108,7 @@ def read_hf_data(path_name: str, tokenizer: str | None) -> HfData:
 def read_hf_model(spec: Any, weights: str | None) -> HfModel:
     """The config of `model.hf` (a path or a mapping) and, when transformers takes it, the weights' check."""
     from engine.hf_checks import config_errors, weight_errors
-    from engine.shapes import from_hf_config, read_hf_config
+    from engine.model.shapes import from_hf_config, read_hf_config
 
     weights_is_dir = weights is not None and Path(weights).is_dir()
     try:

@@ -1,4 +1,4 @@
-"""The rules of `model.hf` and `model.hf_weights` (engine/hf.py): what a Hugging Face model combines
+"""The rules of `model.hf` and `model.hf_weights` (engine/model/hf.py): what a Hugging Face model combines
 with, and the shape rules its config implies. Pure: they take what engine/validate_files.py read
 (`files.hf_model`: the config.json, transformers' refusals, the weights' check) and open nothing.
 `RunConfig` and `Files` are named in annotations only (config imports validation: no import circle)."""
@@ -10,14 +10,14 @@ from engine.errors import ConfigError
 from engine.mesh import divisor_hint as _try
 
 
-HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/hf.py builds and trains these
+HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/model/hf.py builds and trains these
 
 
 def hf_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
-    """model.hf (engine/hf.py): what a Hugging Face model combines with; the shape rules read its config
+    """model.hf (engine/model/hf.py): what a Hugging Face model combines with; the shape rules read its config
     (`files.hf_model`: the config.json read, transformers' refusals, the weights' check)."""
     from engine.hf_fields import field_errors
-    from engine.shapes import from_hf_config
+    from engine.model.shapes import from_hf_config
 
     m, p, found = cfg.model, cfg.parallel, files.hf_model
     if m.hf is None:

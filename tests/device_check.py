@@ -41,7 +41,7 @@ class DeviceDisciplineError(RuntimeError):
 
 
 def _project_caller() -> str | None:
-    """'engine/train.py:163' when project code itself called the factory, else None (torch's
+    """'engine/train/trainer.py:163' when project code itself called the factory, else None (torch's
     own factories, e.g. an optimizer's state, are torch's business)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:
@@ -147,7 +147,7 @@ class HostSyncs:
     On CPU every tensor is a CPU tensor, so this brings the split back as `DeviceDiscipline`
     does: a tensor project code made with a factory without naming a device is a host tensor
     (reading it costs nothing); every other tensor is a device tensor. `seen` lists each sync as
-    'engine/moe.py:add cpu()' (file:function op), once per call. Only direct calls from project
+    'engine/model/moe.py:add cpu()' (file:function op), once per call. Only direct calls from project
     code count (torch's own reads inside its functions are torch's), as on a GPU
     `torch.cuda.set_sync_debug_mode` would show them.
     """

@@ -29,12 +29,12 @@ PLANTED_SCALE = 1.001  # planted_entry's loss scale on several ranks (tests/test
 
 def tiny_entry():
     """model.entry of the matrix: the built-in GPT at BASE's shape and byte windows of the stdlib
-    corpus as a user's (input, target) dataset (engine/data.py MapDataset)."""
+    corpus as a user's (input, target) dataset (engine/data/corpus.py MapDataset)."""
     import torch
 
     from engine.config import ModelConfig
-    from engine.data import stdlib_corpus
-    from engine.model import build_model
+    from engine.data.corpus import stdlib_corpus
+    from engine.model.gpt import build_model
 
     b = compat.BASE
     cfg = ModelConfig(layers=b["model.layers"], d_model=b["model.d_model"], heads=b["model.heads"],
@@ -52,7 +52,7 @@ def planted_entry():
     import torch
     import torch.distributed as dist
 
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
 
     model, data = tiny_entry()
     scale = PLANTED_SCALE if dist.is_initialized() and dist.get_world_size() > 1 else 1.0
@@ -80,9 +80,9 @@ def _config(flat: dict[str, Any]):
 
 
 def acting_knobs(flat: dict[str, Any], offered: dict[str, Any]) -> dict[str, Any]:
-    """The live knobs of `offered` that can act in a run of these overrides (engine.live's rule)."""
+    """The live knobs of `offered` that can act in a run of these overrides (engine.train.live's rule)."""
     from engine.errors import ConfigError
-    from engine.live import inert_knobs
+    from engine.train.live import inert_knobs
 
     cfg, out = _config(flat), {}
     for key, value in offered.items():
@@ -99,7 +99,7 @@ def _losses(flat: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
     {"losses": per step, "val": the validation loss of its one evaluation}."""
     import torch
 
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     def on_boundary(trainer, step: int) -> None:
         if knobs and step >= 1:

@@ -35,7 +35,7 @@ from profilers.rendezvous import hosted_store
 # torch (~0.1 s) instead of re-importing it (~2 s per rank on this machine, spawn).
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor.parallel",
-                             "torch.distributed.fsdp", "torch._dynamo", "engine.model"])
+                             "torch.distributed.fsdp", "torch._dynamo", "engine.model.gpt"])
 _GRACE_S = 5.0  # after one rank fails, how long the others get before they are killed
 
 
@@ -124,7 +124,7 @@ def trainer_reference(overrides: list[str]) -> tuple[list[float], float | None]:
     import torch
 
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
     steps = list(Trainer(load_config(None, overrides), device=torch.device("cpu")).run())
@@ -173,7 +173,7 @@ def single_process_losses(cfg: Any, batches: list[tuple[Any, Any]], *, seed: int
     the whole global batch); with `eval_after`, then the loss on batch 0 taken after that step."""
     import torch
 
-    from engine.model import build_model, loss_fn
+    from engine.model.gpt import build_model, loss_fn
 
     model = build_model(cfg, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -208,8 +208,8 @@ def train_steps(model: Any, optimizer: Any, batches: list[Any], *, dp_rank: int 
     import torch
     import torch.distributed as dist
 
-    from engine.memory import measure_model_state
-    from engine.model import loss_fn
+    from engine.train.memory import measure_model_state
+    from engine.model.gpt import loss_fn
     from engine.parallel.data import clip_grad_norm, no_sync_context
 
     clip = clip or clip_grad_norm

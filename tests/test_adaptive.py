@@ -148,7 +148,7 @@ def _live_density_run(rank: int) -> dict:
     the next solve looked the new density up in the candidate levels and crashed)."""
     from types import SimpleNamespace
 
-    from engine.comm_setup import apply_live_knobs
+    from engine.train.comm_setup import apply_live_knobs
     from engine.config import load_config
 
     model = _Net()

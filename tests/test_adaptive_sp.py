@@ -14,7 +14,7 @@ PATTERNS = [[4], [2, 2], [1, 2, 1], [1, 1, 1, 1], [2, 1, 1]]
 
 
 def _docs(step: int) -> list[torch.Tensor]:
-    from engine.lengths import budget_documents
+    from engine.data.lengths import budget_documents
 
     cfg = tiny_model_config()
     tokens = torch.randint(0, cfg.vocab, (8192,), generator=torch.Generator().manual_seed(0))
@@ -33,7 +33,7 @@ def _plan(step: int, n_docs: int):
 def _body(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.adaptive_sp import GroupCache, run_step, sum_gradients
     from engine.parallel.flexsp import CostModel
     from engine.parallel.zero import build_optimizer
@@ -76,7 +76,7 @@ def _plans_ahead(rank: int) -> dict:
 
 
 def _reference() -> list[float]:
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.zero import build_optimizer
 
     model = build_model(tiny_model_config(), seed=0)
@@ -118,7 +118,7 @@ def test_group_layout_puts_larger_groups_first_on_contiguous_ranks():
 
 def _calibrate_body(rank: int, world_size: int) -> dict:
     from engine.config import ModelConfig
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.adaptive_sp import GroupCache, calibrate
 
     cfg = ModelConfig(layers=1, d_model=32, heads=4, seq_len=12, vocab=256, dropout=0.0)
@@ -180,7 +180,7 @@ def test_adaptive_sp_trains_through_the_real_launcher(tmp_path):
     from pathlib import Path
 
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "examples" / "long_context.yaml", ["parallel.adaptive_sp=true", "profile.host_interval_s=0",

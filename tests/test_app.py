@@ -130,7 +130,7 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
         assert any(i.value.startswith("this trial ran a stand-in (") for i in at.info)  # 2 CPU ranks
         # issue 52 item 7: every format `workbench export --format` takes, one button each, none failing
         # (old code: no torchtitan or accelerate button)
-        from tuning.export import FORMATS
+        from tuning.export.trial import FORMATS
 
         keys = {b.key for b in buttons}
         from workbench.app_pages.export import formats
@@ -404,9 +404,9 @@ def test_store_chart_readers_match_the_full_reads(tmp_path):
 
 
 def test_simulator_report_compares_like_with_like_and_answers_first(tmp_path):
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
     from tuning.search import best_configs, enumerate_configs, sensitivities
-    from tuning.simulator import ModelSpec
+    from tuning.sim.simulator import ModelSpec
     from workbench import sim_report
 
     model = ModelSpec(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200)
@@ -664,8 +664,8 @@ SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, 
 def test_whatif_prices_a_config_json_on_this_homes_calibrated_profile(tmp_path, monkeypatch):
     """Issue 52 item 7: What-if priced only GPT presets on preset clusters; it takes a Hugging Face
     config.json (upload or path) and lists the home's calibrated profiles (<home>/hardware/, first)."""
-    from tuning.hardware import cpu_profile, save_cluster
-    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+    from tuning.sim.hardware import cpu_profile, save_cluster
+    from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 
     profile = cpu_profile(name="cpu-local-2", gemm_points=[(1e6, 2e10), (1e9, 5e10)], intra=(2e-5, 1.0),
                           gpus_per_node=2, memory_gb=24.0)

@@ -1,12 +1,12 @@
-"""engine/batches.py: a rank's batch is its dp rows and cp chunk of the one global batch, whatever
+"""engine/data/batches.py: a rank's batch is its dp rows and cp chunk of the one global batch, whatever
 the layout (fixed windows and packed documents), and cp_shard alone cuts the sequence."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.batches import RankBatches, cp_shard
-from engine.data import TokenDataset
+from engine.data.batches import RankBatches, cp_shard
+from engine.data.corpus import TokenDataset
 
 TOKENS = torch.arange(5000) % 251
 

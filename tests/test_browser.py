@@ -279,7 +279,7 @@ def _pp4_schedule_grid(url: str, home: Path, page) -> None:
     """A real 2-step pp=4 1f1b run (4 micro-batches) stored in the app's home: the Run page draws
     its last step's executed actions as bars on rows rank 0..3, 4 forwards and 4 backwards each."""
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     launch(load_config(None, PP4), home=home, run_id="pp4grid", timeout_s=240)
     page.goto(f"{url}/run")
@@ -338,9 +338,9 @@ def _tune_and_export(url: str, page) -> None:
 
 def test_simulator_report_fits_a_laptop_screen(tmp_path, page):
     """`workbench simulate --search --report` is readable at 1500 px: no page-wide scrolling."""
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
     from tuning.search import best_configs, enumerate_configs, sensitivities
-    from tuning.simulator import ModelSpec
+    from tuning.sim.simulator import ModelSpec
     from workbench.sim_report import write_report
 
     model = ModelSpec(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.config import load_config
-from engine.model import count_parameters
-from tuning.calibration import (
+from engine.model.gpt import count_parameters
+from tuning.calibrate.calibration import (
     HostProfile,
     calibrate_local,
     cpu_share,
@@ -22,8 +22,8 @@ from tuning.calibration import (
     measure_overheads,
     predict_run,
 )
-from tuning.hardware import PRESETS, cpu_profile
-from tuning.simulator import from_run_config, simulate
+from tuning.sim.hardware import PRESETS, cpu_profile
+from tuning.sim.simulator import from_run_config, simulate
 
 BASE = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=64", "batch.global=8",
         "batch.micro=4", "train.steps=6", "data.source=synthetic", "profile.host_interval_s=0",
@@ -45,7 +45,7 @@ def _predict(*overrides: str, **overheads: float):
 def test_maps_config_fields_and_fp32() -> None:
     cfg, res = _predict("parallel.dp=2", "batch.global=16", "model.layers=3")
     assert res.num_microbatches == cfg.grad_accum == 2
-    # the engine's own count exactly (issue 37: the simulator reads the shape from engine/shapes.py; it
+    # the engine's own count exactly (issue 37: the simulator reads the shape from engine/model/shapes.py; it
     # used to price Megatron's GPT, 9 h per layer of biases the engine's model lacks)
     assert res.extra["params_total"] == count_parameters(cfg.model)["total"]
     assert res.extra["params_per_gpu"] == res.extra["params_total"]  # one stage, no tensor parallelism
@@ -173,7 +173,7 @@ def test_engine_zero1_is_priced_as_all_reduce_plus_broadcast() -> None:
 def test_cpu_share_is_measured_and_a_busy_machine_warns() -> None:
     import warnings
 
-    from tuning.calibration import busy_reason, calibrate_local, measure_cpu_share
+    from tuning.calibrate.calibration import busy_reason, calibrate_local, measure_cpu_share
 
     one = measure_cpu_share(1, seconds=0.2)
     two = measure_cpu_share(2, seconds=0.3)
@@ -192,7 +192,7 @@ def test_cpu_share_is_measured_and_a_busy_machine_warns() -> None:
 
 def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
     """`workbench calibrate` shows progress: every measurement is announced before it runs."""
-    from tuning import calibration as cal
+    from tuning.calibrate import calibration as cal
 
     ran: list[str] = []
     monkeypatch.setattr(cal, "measure_linear_gemms", lambda: ran.append("gemm") or [(1e6, 1e9), (1e8, 2e9)])
@@ -214,7 +214,7 @@ def test_calibration_reports_each_measurement_as_it_starts(monkeypatch) -> None:
 def test_few_token_weight_streaming_is_measured_and_shared_like_compute() -> None:
     """The few-token weight rate is the engine's linear layers' own (about half of LayerNorm/GELU's
     bandwidth on this host) and, like every rate, each of `world` ranks gets its measured share."""
-    from tuning.calibration import HostProfile, _profile, measure_weight_stream
+    from tuning.calibrate.calibration import HostProfile, _profile, measure_weight_stream
 
     rate = measure_weight_stream(hiddens=(512,), rows=(4,), blocks=1, micro=2, repeats=3)
     # a rate, not a speed bound: 5-9 GB/s here alone, 0.21 beside three other suites (load 16-30)
@@ -225,7 +225,7 @@ def test_few_token_weight_streaming_is_measured_and_shared_like_compute() -> Non
 
 
 def test_layer_growth_splits_residuals_into_per_layer_and_per_step() -> None:
-    from tuning.calibration import layer_growth
+    from tuning.calibrate.calibration import layer_growth
 
     # 1 and 3 layers, 4 micro-batches: 12 ms more for 8 more layer-micro-batches = 1.5 ms each;
     # at 1 layer 14 ms - 4 x 1.5 ms = 8 ms per step
@@ -234,7 +234,7 @@ def test_layer_growth_splits_residuals_into_per_layer_and_per_step() -> None:
 
 
 def test_rate_share_is_the_median_paired_ratio() -> None:
-    from tuning.calibration import rate_share
+    from tuning.calibrate.calibration import rate_share
 
     # pairs 6/10, 9/20 and 4/5: the host's speed drifted between them; ratios 0.6, 0.45, 0.8
     assert rate_share([10.0, 20.0, 5.0], [6.0, 9.0, 4.0], world=2, cpus=2) == pytest.approx(0.6)
@@ -246,7 +246,7 @@ def test_rate_share_is_the_median_paired_ratio() -> None:
 def test_lockstep_rate_spans_first_start_to_last_end() -> None:
     """Ranks scheduled at different moments: each ran 100 loops in 1 s of its own, but the last ended
     2 s after the first began, and ranks in lockstep wait for it: 50 loops/s, not 100."""
-    from tuning.calibration import lockstep_rate
+    from tuning.calibrate.calibration import lockstep_rate
 
     assert lockstep_rate(100, [(0.0, 1.0), (1.0, 2.0)]) == pytest.approx(50.0)
     assert lockstep_rate(100, [(3.0, 5.0)]) == pytest.approx(50.0)
@@ -255,7 +255,7 @@ def test_lockstep_rate_spans_first_start_to_last_end() -> None:
 def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) -> None:
     """calibrate_local(2): rates x the measured share (not the even share), overheads / share plus the
     tiny dp-run extras; a 1-rank config's step grows by exactly step + l x m x layer extra."""
-    from tuning import calibration as cal
+    from tuning.calibrate import calibration as cal
 
     host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=4.0, cpus=2,
                        load1=1.0, overheads={"overhead_step_s": 0.002, "overhead_microbatch_s": 0.001,
@@ -289,7 +289,7 @@ def test_multi_rank_pricing_uses_measured_share_and_rank_overheads(monkeypatch) 
 def test_a_larger_worlds_share_raises_a_smaller_ones() -> None:
     """2 ranks on the cores where 4 ranks got 4 x 0.50 = 2.0 cores' throughput get 1.0 each, not the
     0.55 one ~10 s sample gave (a quiet-host calibration of issue 16); never lowered, never above 1."""
-    from tuning.calibration import consistent_shares
+    from tuning.calibrate.calibration import consistent_shares
 
     assert consistent_shares({1: 1.0, 2: 0.55, 4: 0.50}) == {1: 1.0, 2: 1.0, 4: 0.50}
     assert consistent_shares({2: 0.59, 4: 0.32})[2] == pytest.approx(0.64)  # 4 x 0.32 / 2
@@ -300,7 +300,7 @@ def test_a_larger_worlds_share_raises_a_smaller_ones() -> None:
 def test_calibrate_local_prices_with_the_consistent_share(monkeypatch) -> None:
     """A world-2 profile calibrated after the world-4 share is known runs at the share world 4
     implies (0.50 x 4 / 2 = 1.0), not the 0.55 measured at world 2."""
-    from tuning import calibration as cal
+    from tuning.calibrate import calibration as cal
 
     host = HostProfile(gemm_points=[(1e6, 1e9), (1e8, 2e9)], nongemm_gb_s=5.0, optimizer_gb_s=4.0, cpus=2,
                        load1=1.0, overheads={}, shares={4: 0.50})
@@ -313,7 +313,7 @@ def test_calibrate_local_prices_with_the_consistent_share(monkeypatch) -> None:
 
 
 def test_check_error_refuses_beyond_the_threshold() -> None:
-    from tuning.calibration import check_error
+    from tuning.calibrate.calibration import check_error
 
     ok = check_error(predicted_s=0.09, measured_s=0.1)
     assert ok["error_pct"] == pytest.approx(-10.0) and ok["ok"]
@@ -327,7 +327,7 @@ def test_calibrate_refuses_to_save_when_the_check_run_is_off(monkeypatch, tmp_pa
     import typer
     from typer.testing import CliRunner
 
-    from tuning import calibration as cal
+    from tuning.calibrate import calibration as cal
     from workbench import cli_sim
 
     app = typer.Typer()
@@ -351,7 +351,7 @@ def test_the_check_run_is_judged_at_the_hosts_speed_and_repeated_when_off(monkey
     against a profile measured at another moment. The check now divides the prediction by the host's speed
     just before each run (GEMM rates now / calibrated) and, when the first run is off, takes the median of
     three. Old code: one run, no speed: "+39.0%" refused both cases below."""
-    from tuning import calib_kernels, calib_runs
+    from tuning.calibrate import kernels as calib_kernels, runs as calib_runs
 
     cluster = _cluster(2)
     predicted = calib_runs.predict_run(calib_runs.load_config_for_check(2), cluster).iteration_time_s
@@ -376,8 +376,8 @@ def test_attention_is_priced_from_the_measured_attention_table(tmp_path) -> None
     head dim 16-64): a measured attention table prices it, 7 x 2 b s^2 h FLOPs per layer and
     micro-batch (two GEMMs forward, twice that backward, Q K^T recomputed), and survives save/load."""
     from engine.config import load_config
-    from tuning.calibration import measure_attention, predict_run
-    from tuning.hardware import cpu_profile, load_cluster, save_cluster
+    from tuning.calibrate.calibration import measure_attention, predict_run
+    from tuning.sim.hardware import cpu_profile, load_cluster, save_cluster
 
     points = measure_attention(hiddens=(64,), seqs=(32,), batches=(2,))
     assert len(points) == 1 and points[0][0] == pytest.approx(2.0 * 2 * 32 * 32 * 64) and points[0][1] > 1e6

@@ -21,7 +21,7 @@ TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """A one-process checkpoint of the tiny model at step 2."""
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     folder = tmp_path_factory.mktemp("ckpt")
     cfg = load_config(None, TINY + ["train.checkpoint_interval=2", f"train.checkpoint_dir={folder}"])
@@ -30,7 +30,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def _launch(tmp_path: Path, ckpt: Path, *extra: str):
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     cfg = load_config(None, TINY + ["train.steps=3", f"train.resume_from={ckpt}", *extra])
     return launch(cfg, home=tmp_path / "home", timeout_s=120)
@@ -89,7 +89,7 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path, ckpt):
 
 
 def test_a_matching_checkpoint_passes(ckpt):
-    from engine.checkpoint import check_resume
+    from engine.train.checkpoint import check_resume
 
     check_resume(load_config(None, TINY + [f"train.resume_from={ckpt}", "parallel.dp=2", "batch.micro=4"]))
 
@@ -99,8 +99,8 @@ def test_a_co2_checkpoint_of_the_same_model_passes(tmp_path):
     # looked for model.* only and refused every CO2 resume: "the checkpoint has no model.tok_emb.weight [256, 32]"
     from types import SimpleNamespace
 
-    from engine.checkpoint import _check_model_shapes
-    from engine.model import GPT
+    from engine.train.checkpoint import _check_model_shapes
+    from engine.model.gpt import GPT
 
     cfg = load_config(None, TINY)
     with torch.device("meta"):

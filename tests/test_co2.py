@@ -276,7 +276,7 @@ ENGINE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=
 
 
 def _engine_losses(overrides: list[str]) -> list[float]:
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(None, ENGINE + overrides)
     return [m.loss for m in Trainer(cfg, device=torch.device("cpu")).run()]
@@ -293,7 +293,7 @@ def _from_plain_checkpoint(rank: int, world: int, tmp: str) -> dict:
     """A CO2 run resumed from a plain (no CO2) dp2 checkpoint: CO2's start point is the loaded weights."""
     from torch.nn.utils import parameters_to_vector
 
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     folder = Path(tmp) / "plain"
     _engine_losses(["co2.enabled=false", "train.steps=2", "train.checkpoint_interval=2",

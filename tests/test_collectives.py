@@ -329,7 +329,7 @@ def _tp_fsdp_pp_rank(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from engine.model import build_model, loss_fn
+    from engine.model.gpt import build_model, loss_fn
     from engine.parallel.tensor import apply_tensor_parallel
     from parallel_harness import tiny_model_config
     from profilers.collectives import CollectiveProfiler

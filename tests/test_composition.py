@@ -1,7 +1,7 @@
-"""Composition in one place (issue 36 item 6): engine/compose.py builds a rank's parts top to bottom;
+"""Composition in one place (issue 36 item 6): engine/train/compose.py builds a rank's parts top to bottom;
 checkpoints, comm wiring and live knobs take the parts they act on, not the Trainer, so no import
 circle runs through the trainer. Walks every import statement (top level, in functions and under
-TYPE_CHECKING) with `ast`. On the old code engine.train, checkpoint, comm_setup, live and
+TYPE_CHECKING) with `ast`. On the old code engine.train.trainer, checkpoint, comm_setup, live and
 parallelize formed one circle."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPOSITION = ("engine.train", "engine.compose", "engine.checkpoint", "engine.comm_setup", "engine.live",
-               "engine.parallelize")
+COMPOSITION = ("engine.train.trainer", "engine.train.compose", "engine.train.checkpoint", "engine.train.comm_setup", "engine.train.live",
+               "engine.parallel.parallelize")
 
 
 def _engine_modules() -> dict[str, Path]:
@@ -54,7 +54,8 @@ def test_no_import_circle_runs_through_the_composition_modules() -> None:
 
 def test_checkpoint_comm_and_live_take_parts_not_the_trainer() -> None:
     takes_trainer = []
-    for name in ("checkpoint", "comm_setup", "live", "compose", "parallelize", "preempt"):
+    for name in ("train/checkpoint", "train/comm_setup", "train/live", "train/compose", "parallel/parallelize",
+                 "launch/preempt"):
         for node in ast.walk(ast.parse((ROOT / "engine" / f"{name}.py").read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 for arg in node.args.args + node.args.kwonlyargs:
@@ -65,10 +66,10 @@ def test_checkpoint_comm_and_live_take_parts_not_the_trainer() -> None:
 
 
 def test_compose_builds_a_ranks_parts_without_a_trainer() -> None:
-    from engine.compose import compose
+    from engine.train.compose import compose
     from engine.config import load_config
     from engine.mesh import ParallelDims
-    from engine.train import _NoMesh
+    from engine.train.trainer import _NoMesh
     from profilers.collectives import CollectiveProfiler
 
     cfg = load_config(None, ["model.layers=1", "model.d_model=32", "model.heads=4", "model.seq_len=16",

@@ -4,7 +4,7 @@ For every compressor, the `wire_bytes` the engine reports per step equal the byt
 its hooks handed to collectives, as the CollectiveProfiler recorded them from the tensors
 (profilers/collectives.py: nccl-tests sizes, times the ring bus factor = what one rank sends);
 `dense_bytes` equal what the uncompressed run's gradient collectives sent; and the simulator's
-price (tuning.simulator.compression_wire_bytes) equals the same measurement. Before, the test
+price (tuning.sim.simulator.compression_wire_bytes) equals the same measurement. Before, the test
 compared `bucket_wire` with itself (the hooks record the function the simulator calls).
 
 dp=3: an all_gather (n-1 inputs) and an all_reduce (2(n-1)/n) differ there (at dp=2 both factors
@@ -20,7 +20,7 @@ from parallel_harness import run_ranks
 from engine.comm.compress import bucket_wire, step_wire_bytes
 from engine.config import load_config, to_dict
 from profilers.bandwidth import bus_factor
-from tuning.simulator import compression_wire_bytes, from_run_config
+from tuning.sim.simulator import compression_wire_bytes, from_run_config
 
 DP = 3
 DDP_COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "randk", "powersgd")
@@ -70,7 +70,7 @@ def _int8_sums(steps: int = 60) -> torch.Tensor:
 def _run(case: str) -> dict[str, dict[int, float]]:
     """Per step: the engine's reported wire and dense bytes, and the bytes the profiler saw leave
     in the gradient collectives (issued in backward; DDP's per-bucket record excluded) and in all."""
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     out: dict[str, dict[int, float]] = {"wire": {}, "dense": {}, "grads_sent": {}, "all_sent": {}}
 

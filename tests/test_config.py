@@ -217,7 +217,7 @@ GIB = 2**30
 
 def test_memory_estimate_refuses_a_model_the_machine_cannot_hold():
     """`--set model.d_model=1000000000` passed validation and died on rank 0 allocating memory."""
-    from engine.memory import estimate_memory, memory_error
+    from engine.train.memory import estimate_memory, memory_error
 
     huge = load_config(None, ["model.d_model=1000000000"])
     error = memory_error(huge, limit_bytes=64 * GIB, ranks_sharing=1, limit_name="of RAM available")
@@ -239,7 +239,7 @@ def test_memory_estimate_refuses_a_model_the_machine_cannot_hold():
 def test_check_fits_uses_the_machines_available_memory(monkeypatch):
     import psutil
 
-    from engine.memory import check_fits
+    from engine.train.memory import check_fits
 
     class Mem:
         available = 1 * GIB

@@ -28,7 +28,7 @@ def _cp_train(model, opt, *, cp_mesh, dp: int, dp_rank: int, grad_group) -> list
     """Like parallel_harness.train_steps, with each micro-batch cut along the sequence over cp."""
     import torch.distributed as dist
 
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
     from engine.parallel.context import chunk_positions, shard_sequence
     from engine.parallel.data import clip_grad_norm, no_sync_context
 
@@ -55,7 +55,7 @@ def _cp_train(model, opt, *, cp_mesh, dp: int, dp_rank: int, grad_group) -> list
 
 
 def _run_layout(mesh, impl: str, *, dp: int, tp: int) -> list[float]:
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.context import apply_context_parallel
     from engine.parallel.data import apply_data_parallel
     from engine.parallel.tensor import apply_tensor_parallel
@@ -94,7 +94,7 @@ def _mixed_body(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.zero import build_optimizer
 
     model = build_model(tiny_model_config(), seed=0)
@@ -168,8 +168,8 @@ def test_engine_dp2_cp2_ring_matches_single_process(tmp_path):
     """Through the launcher and the train loop: data sharded along the sequence, positions,
     loss averaged over dp x cp, evaluation, the layout in the store."""
     from engine.config import load_config
-    from engine.launch import launch
-    from engine.train import Trainer
+    from engine.launch.local import launch
+    from engine.train.trainer import Trainer
     from profilers.store import RunStore
 
     tiny = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
@@ -243,7 +243,7 @@ def cp_bytes_runs(tmp_path_factory) -> dict:
     import json
 
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     home = tmp_path_factory.mktemp("cp_bytes")
@@ -277,10 +277,10 @@ def test_gqa_model_sends_kv_heads_over_heads_of_the_kv_bytes(cp_bytes_runs):
 
 @pytest.mark.xdist_group("launch")
 def test_simulator_prices_the_cp_bytes_the_profiler_counted(cp_bytes_runs):
-    """tuning/sim_context.py's Ulysses bytes for the same run config are the counted number."""
-    from tuning.sim_context import ulysses_step_bytes
-    from tuning.sim_spec import columns
-    from tuning.simulator import from_run_config
+    """tuning/sim/context.py's Ulysses bytes for the same run config are the counted number."""
+    from tuning.sim.context import ulysses_step_bytes
+    from tuning.sim.spec import columns
+    from tuning.sim.simulator import from_run_config
 
     cfg, metrics = cp_bytes_runs["ulysses"]
     model, spec = from_run_config(cfg.to_dict())

@@ -1,4 +1,4 @@
-"""Real data sources (engine/data_sources.py): a nanoGPT token file, a Megatron indexed dataset
+"""Real data sources (engine/data/sources.py): a nanoGPT token file, a Megatron indexed dataset
 written by megatron-core's own builder, local jsonl/parquet/text through `datasets` with a tiny
 tokenizer trained here; in order, the same global batch whatever the dp degree, document masks,
 and a resumed run reading the batch an uninterrupted one reads."""
@@ -13,9 +13,9 @@ import torch
 from parallel_harness import run_ranks
 
 from engine.config import load_config
-from engine.data_sources import build_streams, rank_rows
+from engine.data.sources import build_streams, rank_rows
 from engine.errors import ConfigError, ConfigErrors
-from engine.train import Trainer
+from engine.train.trainer import Trainer
 
 SEQ = 16
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", f"model.seq_len={SEQ}", "model.vocab=512",
@@ -140,12 +140,12 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
 def test_packed_rows_attend_within_each_document(tmp_path, arch):
     """A row holding two documents gives each the logits it gets alone (document mask, positions),
     for the built-in GPT and a Hugging Face Llama (model.hf)."""
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     hf = [f"model.hf={json.dumps(LLAMA)}"] if arch == "llama" else []
     cfg = _cfg(["data.source=tokens", f"data.path={token_file(tmp_path)}", "data.eos_id=0", "data.pack=true", *hf])
     if arch == "llama":
-        from engine.hf import build_hf_model
+        from engine.model.hf import build_hf_model
 
         model = build_hf_model(cfg.model, seed=0).eval()
         assert type(model).__name__ == "HFCausalLM"
@@ -153,7 +153,7 @@ def test_packed_rows_attend_within_each_document(tmp_path, arch):
         model = build_model(cfg.model, seed=0).eval()
     x = torch.randint(1, 500, (1, SEQ))
     x[0, 5] = 0  # document 1 ends with the separator; document 2 starts at token 6
-    from engine.data_sources import _positions
+    from engine.data.sources import _positions
 
     first = torch.zeros(1, SEQ, dtype=torch.bool)
     first[0, 0] = first[0, 6] = True
@@ -267,7 +267,7 @@ def test_the_stream_wraps_to_the_first_document_and_counts_the_epoch(tmp_path):
 
 
 def test_documents_that_are_all_empty_are_named_not_looped_over():
-    from engine.data_sources import Documents, TokenStream
+    from engine.data.sources import Documents, TokenStream
 
     stream = TokenStream(Documents(lambda i: np.zeros(0, dtype=np.int64), 0, 3), seq_len=4, vocab=8)
     with pytest.raises(ValueError, match="every document is empty"):

@@ -36,8 +36,8 @@ def _engine_paths(rank: int, world: int, run_dir: str) -> dict[str, object]:
     from device_check import DeviceDiscipline
     from engine.config import load_config
     from engine.device import init_host_group
-    from engine.live import KnobChannel
-    from engine.train import Trainer
+    from engine.train.live import KnobChannel
+    from engine.train.trainer import Trainer
 
     import torch.distributed.optim  # noqa: F401 - scripts its optimizers on import: before the patches
 
@@ -114,7 +114,7 @@ def test_engine_collectives_keep_device_discipline(tmp_path):
         assert results[1][name] == losses, name  # the global loss, equal on every rank
 
 
-INPUT_PIPELINE = "engine/data.py:"  # batches are drawn on the host by design, then copied non_blocking
+INPUT_PIPELINE = "engine/data/corpus.py:"  # batches are drawn on the host by design, then copied non_blocking
 
 
 def test_train_step_reads_the_device_twice_whatever_the_accumulation():
@@ -124,7 +124,7 @@ def test_train_step_reads_the_device_twice_whatever_the_accumulation():
     not ours). Before: also `float(norm)` in Trainer._clip, a second read of the norm."""
     from device_check import HostSyncs
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, TINY + ["batch.micro=1", "profile.enabled=false", "train.eval_interval=0"])
@@ -133,14 +133,14 @@ def test_train_step_reads_the_device_twice_whatever_the_accumulation():
     with HostSyncs() as syncs:
         trainer.train_step(0)
     ours = sorted(s for s in syncs.seen if not s.startswith(INPUT_PIPELINE))
-    assert ours == ["engine/loss.py:<lambda> item()", "engine/parallel/data.py:clip_grad_norm item()"], syncs.seen
+    assert ours == sorted(["engine/train/loss.py:<lambda> item()", "engine/parallel/data.py:clip_grad_norm item()"]), syncs.seen
 
 
 # what a step must read on the host, and why; every other read of a device tensor is a stall
 NEEDED = {
-    "engine/loss.py:result item()": "the step's loss, read after the optimizer step is queued",
+    "engine/train/loss.py:result item()": "the step's loss, read after the optimizer step is queued",
     "engine/parallel/data.py:clip_grad_norm item()": "the clipping coefficient, a Python float for every grad kind",
-    "engine/moe.py:run_experts tolist()": "each expert's rows as Python ints for split (dropless MoE), per layer",
+    "engine/model/moe.py:run_experts tolist()": "each expert's rows as Python ints for split (dropless MoE), per layer",
     "engine/parallel/expert.py:__call__ tolist()": "all_to_all_single's split sizes as Python ints, per layer",
 }
 SYNC_PATHS = {
@@ -162,7 +162,7 @@ def _step_syncs(rank: int, world: int) -> dict[str, list[str]]:
     """Each path's host syncs in its second step (the first builds DDP's buckets, FSDP2's state)."""
     from device_check import HostSyncs
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     out = {}
     for name, overrides in SYNC_PATHS.items():
@@ -191,11 +191,11 @@ def test_compression_hooks_and_moe_steps_make_only_the_needed_host_syncs():
     for name in SYNC_PATHS:
         for rank, seen in enumerate(r[name] for r in results):
             counts = Counter(s for s in seen if not s.startswith(INPUT_PIPELINE))
-            want = Counter({"engine/loss.py:result item()": 1, "engine/parallel/data.py:clip_grad_norm item()": 1})
-            layer_reads = sum(counts[k] for k in ("engine/moe.py:run_experts tolist()",
+            want = Counter({"engine/train/loss.py:result item()": 1, "engine/parallel/data.py:clip_grad_norm item()": 1})
+            layer_reads = sum(counts[k] for k in ("engine/model/moe.py:run_experts tolist()",
                                                   "engine/parallel/expert.py:__call__ tolist()"))
             if name.startswith("moe") and layer_reads == moe_reads:  # one read per layer, either place
-                want.update({k: counts[k] for k in ("engine/moe.py:run_experts tolist()",
+                want.update({k: counts[k] for k in ("engine/model/moe.py:run_experts tolist()",
                                                     "engine/parallel/expert.py:__call__ tolist()") if counts[k]})
             if counts != want:
                 wrong[f"{name} rank {rank}"] = dict(counts - want)

@@ -40,7 +40,7 @@ def test_the_moe_example_runs_at_a_capacity_that_drops_almost_nothing():
 
 def test_the_docs_list_the_model_types_the_code_takes():
     """Lists the code can check (issue 52 item 9: the model_type list omitted qwen2_moe and qwen3_moe)."""
-    from engine.shapes import HF_FAMILIES
+    from engine.model.shapes import HF_FAMILIES
     from engine.validate import HF_TRAINABLE
 
     text = (ROOT / "docs" / "config.md").read_text()
@@ -52,7 +52,7 @@ def test_the_docs_list_the_model_types_the_code_takes():
 
 def test_the_docs_state_no_count_of_published_rows_the_code_does_not_have():
     """Old README: "76 published measurements", while simulate --validate printed 23 + 253 rows."""
-    from tuning.published import calibration_rows, held_out_rows
+    from tuning.sim.published import calibration_rows, held_out_rows
 
     rows = len(calibration_rows()) + len(held_out_rows())
     for page in (ROOT / "README.md", ROOT / "docs" / "cli.md", ROOT / "docs" / "config.md"):

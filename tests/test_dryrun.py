@@ -1,4 +1,4 @@
-"""The dry run (engine/dryrun.py, `workbench dryrun`, the launcher's pre-flight): one step of the real
+"""The dry run (engine/train/dryrun.py, `workbench dryrun`, the launcher's pre-flight): one step of the real
 program at the real world size in one CPU process, judged by hand counts, by a real run's own
 telemetry and by the same memory tracker on a real step."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_fsdp2_gathers_every_parameter_twice_per_micro_batch_in_fp32():
     """ZeRO-3 at world 8, 2 micro-batches: each of the 5 FSDP2 groups (4 layers, the root) gathers
     before forward and before backward, 4 bytes per parameter (the engine keeps fp32 parameters),
     and reduce-scatters its gradients once per micro-batch."""
-    from engine.dryrun import dry_run
+    from engine.train.dryrun import dry_run
 
     result = dry_run(_cfg("parallel.dp=8", "parallel.zero=3", "batch.global=16"))
     (role,) = result.roles
@@ -58,7 +58,7 @@ def test_bf16_under_fsdp2_gathers_bf16_weights_and_keeps_no_autocast_copy_of_the
     per parameter) and reduce-scatters fp32 gradients; autocast then finds bf16 weights and caches no copy, so the
     step's activations and temporaries take fewer bytes than in fp32 (autocast over gathered fp32 weights held a
     bf16 copy of every weight until the forward ended, more than bf16 saved on a small model)."""
-    from engine.dryrun import dry_run
+    from engine.train.dryrun import dry_run
 
     layout = ("parallel.dp=8", "parallel.zero=3", "batch.global=16")
     (bf16,) = dry_run(_cfg(*layout, "precision=bf16")).roles
@@ -75,8 +75,8 @@ def test_bf16_under_fsdp2_gathers_bf16_weights_and_keeps_no_autocast_copy_of_the
 
 def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
     """One rank, the same config: the fake step's categories at the peak are the real step's bytes."""
-    from engine.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
-    from engine.train import Trainer
+    from engine.train.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
+    from engine.train.trainer import Trainer
 
     cfg = _cfg("batch.global=2", "train.activation_checkpointing=true")
     (fake,) = dry_run(cfg).roles
@@ -97,8 +97,8 @@ def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
 def test_dry_run_collectives_equal_a_real_runs_telemetry(tmp_path):
     """The real program on 2 gloo ranks records its step's collectives per axis; the dry run of the
     same config counts the same calls and bytes."""
-    from engine.dryrun import dry_run
-    from engine.launch import launch
+    from engine.train.dryrun import dry_run
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     cfg = _cfg("parallel.dp=2", "parallel.zero=3", "batch.global=4")
@@ -116,8 +116,8 @@ def test_dry_run_collectives_equal_a_real_runs_telemetry(tmp_path):
 def test_a_bf16_pipeline_over_fsdp2_sends_what_a_real_run_sends(tmp_path):
     """pp2 x dp2, ZeRO-3, bf16 on 4 gloo ranks: the stages pass FSDP2's bf16 hidden states (the dry run's
     static stage shapes say so) and gather bf16 weights; rank 0's calls and bytes per axis are the real run's."""
-    from engine.dryrun import dry_run
-    from engine.launch import launch
+    from engine.train.dryrun import dry_run
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     cfg = _cfg("parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "batch.global=4", "precision=bf16")
@@ -136,7 +136,7 @@ def test_a_pipeline_reports_each_stage_with_its_sends():
     """pp2 x dp2, 1F1B over 2 micro-batches: one role per stage; stage 0 sends each micro-batch's
     activation, stage 1 each gradient back (plus the schedule's 4-byte warm-up vote), and the two
     ends sum the tied embedding gradient."""
-    from engine.dryrun import dry_run
+    from engine.train.dryrun import dry_run
 
     cfg = load_config(None, ["model.layers=4", "model.d_model=64", "model.heads=4", "model.seq_len=32",
                              "model.vocab=256", "parallel.pp=2", "parallel.dp=2", "batch.global=8",
@@ -152,7 +152,7 @@ def test_a_pipeline_reports_each_stage_with_its_sends():
 
 
 def test_layouts_the_dry_run_cannot_play_are_named_in_one_line():
-    from engine.dryrun import at_world, dry_run
+    from engine.train.dryrun import at_world, dry_run
 
     with pytest.raises(ConfigError, match=r"parallel.zero=0: the dry run cannot play DDP"):
         dry_run(_cfg("parallel.dp=2", "batch.global=2"))
@@ -216,8 +216,8 @@ def test_run_refuses_a_config_that_would_not_fit_before_any_rank_starts(tmp_path
 
 
 def test_the_preflight_judges_ddp_by_the_analytic_estimate():
-    """DDP, which the dry run cannot play: the pre-flight refuses by engine/memory.py's estimate."""
-    from engine.dryrun import preflight
+    """DDP, which the dry run cannot play: the pre-flight refuses by engine/train/memory.py's estimate."""
+    from engine.train.dryrun import preflight
 
     with pytest.raises(ConfigError, match=r"needs an estimated .* GiB per rank .* more than the 0.001 GiB device memory"):
         preflight(load_config("examples/tiny.yaml"), device_memory_gib=0.001)
@@ -225,7 +225,7 @@ def test_the_preflight_judges_ddp_by_the_analytic_estimate():
 
 def test_a_cpu_run_without_a_device_target_is_not_dry_run(monkeypatch):
     """The pre-flight stays free for CPU runs: no device memory known, nothing is dry-run."""
-    import engine.dryrun as dryrun
+    import engine.train.dryrun as dryrun
 
     monkeypatch.setattr(dryrun, "dry_run_subprocess", lambda cfg: pytest.fail("dry-ran a CPU run"))
     assert dryrun.preflight(load_config("examples/tiny.yaml", ["backend=gloo"])) is None

@@ -101,7 +101,7 @@ def test_data_weight_and_cli_errors_are_one_line_and_exit_2_before_any_rank(tmp_
 
 
 def test_a_failed_tokenize_leaves_no_partial_file(tmp_path):
-    from engine.data_sources import write_token_file
+    from engine.data.sources import write_token_file
 
     f = _files(tmp_path)
     with pytest.raises(KeyError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import load_config
-from engine.launch import launch
+from engine.launch.local import launch
 from profilers.store import RunStore
 
 pytestmark = pytest.mark.xdist_group("launch")

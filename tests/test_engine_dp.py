@@ -10,8 +10,8 @@ import torch
 
 from engine.config import load_config
 from engine.errors import RankFailure
-from engine.launch import launch
-from engine.train import Trainer
+from engine.launch.local import launch
+from engine.train.trainer import Trainer
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "model.vocab=256",
         "train.steps=5", "train.lr=0.003", "train.warmup_steps=0", "batch.global=8",
@@ -101,7 +101,7 @@ def test_world_size_must_match_external_torchrun(tmp_path):
     path.write_text(json.dumps(cfg.to_dict()))
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "WORKBENCH_HOME": str(tmp_path)}
     env.pop("WORKBENCH_TELEMETRY", None)
-    proc = subprocess.run([sys.executable, "-m", "engine.worker", "--config", str(path), "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "engine.launch.worker", "--config", str(path), "--run-dir",
                            str(tmp_path / "r")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "dp*tp*pp=2" in proc.stderr and "WORLD_SIZE=1" in proc.stderr

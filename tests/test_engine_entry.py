@@ -7,8 +7,8 @@ import sys
 import torch
 
 from engine.config import load_config
-from engine.launch import launch
-from engine.train import Trainer
+from engine.launch.local import launch
+from engine.train.trainer import Trainer
 
 USER_MODULE = '''
 import torch

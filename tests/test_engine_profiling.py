@@ -13,8 +13,8 @@ import pytest
 
 from engine.config import load_config
 from engine.errors import RankFailure
-from engine.launch import launch
-from engine.model import build_model
+from engine.launch.local import launch
+from engine.model.gpt import build_model
 from profilers.steps import StepTimer, check_breakdown
 from profilers.store import RunStore
 
@@ -163,7 +163,7 @@ def test_breakdown_check_fails_when_a_phase_is_dropped(monkeypatch):
 
     import torch
 
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(None, TINY + ["parallel.dp=1", "model.d_model=64", "model.seq_len=64", "train.steps=8"])
     trainer = Trainer(cfg, device=torch.device("cpu"))

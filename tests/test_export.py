@@ -19,8 +19,8 @@ import yaml
 from optuna.trial import create_trial
 
 from engine.config import RunConfig, load_config
-from engine.train import lr_at
-from tuning.export import export_notes, export_trial, to_deepspeed
+from engine.train.trainer import lr_at
+from tuning.export.trial import export_notes, export_trial, to_deepspeed
 
 pytestmark = pytest.mark.xdist_group("launch")
 
@@ -67,7 +67,7 @@ def test_torchrun_bundle_runs_as_printed_and_the_run_is_finalised(tmp_path):
     out = _workbench("export", "s", "--storage", storage, "--format", "torchrun", "-o", "bundle", env=env, cwd=work)
     assert out.returncode == 0, out.stderr
     command = out.stdout.strip().splitlines()[-1]
-    assert command.startswith("torchrun --nproc-per-node=2 --standalone -m engine.worker --config bundle/config.yaml")
+    assert command.startswith("torchrun --nproc-per-node=2 --standalone -m engine.launch.worker --config bundle/config.yaml")
     assert sorted(p.name for p in (work / "bundle").iterdir()) == ["README.md", "config.yaml", "launch.sh"]
     ran = subprocess.run(command, shell=True, env=env, cwd=work, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
@@ -106,7 +106,7 @@ def close_under_sigterm(self, *a, **k):
     os.kill(os.getpid(), signal.SIGTERM)
     return close(self, *a, **k)
 TelemetryClient.close = close_under_sigterm
-runpy.run_module("engine.worker", run_name="__main__")
+runpy.run_module("engine.launch.worker", run_name="__main__")
 """
 
 
@@ -130,7 +130,7 @@ def test_a_refused_outside_run_is_recorded_failed_with_the_config_error(tmp_path
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     env = {k: v for k, v in _env(tmp_path / "home", WORLD_SIZE="1", RANK="0",
                                  WORKBENCH_RUN_ID="").items() if k != "WORKBENCH_TELEMETRY"}
-    ran = subprocess.run([sys.executable, "-m", "engine.worker", "--config", "run.yaml"], cwd=tmp_path, env=env,
+    ran = subprocess.run([sys.executable, "-m", "engine.launch.worker", "--config", "run.yaml"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 1
     report = _only_run(env, tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import RunConfig, load_config
-from tuning.export_frameworks import accelerate_yaml, to_accelerate, to_torchtitan, torchtitan_toml
+from tuning.export.frameworks import accelerate_yaml, to_accelerate, to_torchtitan, torchtitan_toml
 
 BASE = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=32", "batch.global=16"]
 LAYOUTS = {
@@ -189,7 +189,7 @@ def test_accelerate_on_cpu_ranks_is_ddp_and_says_why():
 
 
 def test_megatron_export_reads_a_megatron_dataset_by_its_prefix(tmp_path):
-    from tuning.export import megatron_args
+    from tuning.export.trial import megatron_args
 
     for suffix in (".bin", ".idx"):
         (tmp_path / f"corpus{suffix}").write_bytes(b"")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.config import apply_overrides, from_dict
-from tuning.export import megatron_args, megatron_script
+from tuning.export.trial import megatron_args, megatron_script
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA31_8B = REPO / "examples" / "llama3_8b" / "config.json"
@@ -128,7 +128,7 @@ def build_gpt_model(args: list[str]):
 
 
 def transformers_params(config: dict | Path) -> int:
-    from engine.hf import hf_config
+    from engine.model.hf import hf_config
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

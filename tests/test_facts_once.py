@@ -1,7 +1,7 @@
 """Each fact of issue 51 is defined in one product file, and its callers import it from there.
 
-The facts: the GPT parameter and FLOP-per-token formulas (engine/shapes.py), which blocks are MoE
-(engine/shapes.py), the PostgreSQL advisory-lock keys and the lock-file helper (profilers/locks.py),
+The facts: the GPT parameter and FLOP-per-token formulas (engine/model/shapes.py), which blocks are MoE
+(engine/model/shapes.py), the PostgreSQL advisory-lock keys and the lock-file helper (profilers/locks.py),
 the peak FLOP/s table (engine/peaks.py) and the world-size product dp*tp*pp*cp (engine/mesh.py).
 Each check greps (or walks with `ast`) the product source for the fact's definition shape and fails
 when it appears in more than one file.
@@ -44,11 +44,11 @@ def _files_matching(pattern: str, *, skip_matrix_runner: bool = False) -> list[s
 
 # fact -> (definition pattern, the one file allowed to hold it)
 PATTERNS = {
-    "FLOPs per token: 6 x parameters": (r"\b6(\.0)?\s*\*\s*[\w.]*param", "engine/shapes.py"),
-    "FLOPs per token: 12 l h s attention": (r"\b12(\.0)?\s*\*\s*[\w.]*layers", "engine/shapes.py"),
+    "FLOPs per token: 6 x parameters": (r"\b6(\.0)?\s*\*\s*[\w.]*param", "engine/model/shapes.py"),
+    "FLOPs per token: 12 l h s attention": (r"\b12(\.0)?\s*\*\s*[\w.]*layers", "engine/model/shapes.py"),
     "GPT MLP parameters: mlp_ratio x h x h": (r"mlp_ratio\s*\*\s*\w+\s*\*\s*\w+", None),
-    "dense block parameters: attention + MLP": (r"attention_params\s*\+\s*[\w.]*mlp_params", "engine/shapes.py"),
-    "which blocks are MoE: (i + 1) % moe_every": (r"\(\w+\s*\+\s*1\)\s*%\s*max\(", "engine/shapes.py"),
+    "dense block parameters: attention + MLP": (r"attention_params\s*\+\s*[\w.]*mlp_params", "engine/model/shapes.py"),
+    "which blocks are MoE: (i + 1) % moe_every": (r"\(\w+\s*\+\s*1\)\s*%\s*max\(", "engine/model/shapes.py"),
     "advisory-lock key": (r"0x776F726B", "profilers/locks.py"),
     "advisory-lock SQL": (r"pg_advisory", "profilers/locks.py"),
     "lock-file name": (r"\.lock\"", "profilers/locks.py"),
@@ -104,16 +104,16 @@ def test_the_world_size_product_is_written_once() -> None:
 
 # caller -> the module its fact must be imported from
 CALLERS = {
-    "engine/model.py": "engine.shapes",
-    "engine/moe.py": "engine.shapes",
-    "tuning/sim_spec.py": "engine.shapes",
+    "engine/model/gpt.py": "engine.model.shapes",
+    "engine/model/moe.py": "engine.model.shapes",
+    "tuning/sim/spec.py": "engine.model.shapes",
     "engine/device.py": "engine.peaks",
-    "tuning/hardware.py": "engine.peaks",
+    "tuning/sim/hardware.py": "engine.peaks",
     "tuning/storage.py": "profilers.locks",
     "profilers/store_sql.py": "profilers.locks",
     "engine/config.py": "engine.mesh",
-    "tuning/sim_spec.py ": "engine.mesh",
-    "tuning/published.py": "engine.mesh",
+    "tuning/sim/spec.py ": "engine.mesh",
+    "tuning/sim/published.py": "engine.mesh",
 }
 
 
@@ -140,8 +140,8 @@ def test_the_run_store_imports_the_lock_helper() -> None:
 
 
 # issue 51: functions nothing called (tests included); removed, and kept out
-UNUSED = ("engine/memory.py:_stage_params", "engine/compat.py:as_set_args", "engine/parallel/adaptive_sp.py:plan_step",
-          "engine/parallel/schedules.py:format_actions", "profilers/store.py:delete_run", "tuning/export.py:export_pareto",
+UNUSED = ("engine/train/memory.py:_stage_params", "engine/compat.py:as_set_args", "engine/parallel/adaptive_sp.py:plan_step",
+          "engine/parallel/schedules.py:format_actions", "profilers/store.py:delete_run", "tuning/export/trial.py:export_pareto",
           "tuning/space.py:live_only")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.comm_setup import CommMonitor
+from engine.train.comm_setup import CommMonitor
 from engine.device import peak_bf16, peak_flops
 from engine.parallel.pipeline import Pipeline, _Clock
 from profilers import nvml
@@ -184,7 +184,7 @@ def test_nvml_samples_every_gpu(fake_nvml):
 
 def test_worker_samples_carry_the_running_step(fake_nvml):
     from engine.config import load_config
-    from engine.worker import _samplers
+    from engine.launch.worker import _samplers
 
     got = []
     client = types.SimpleNamespace(emit=lambda step, kind, name, value: got.append((step, kind, name)))
@@ -208,7 +208,7 @@ def test_launch_refuses_more_nccl_ranks_than_gpus_before_any_process(monkeypatch
     anything starts."""
     from engine.config import load_config
     from engine.errors import ConfigError
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

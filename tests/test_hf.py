@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (model.hf, engine/hf.py): the unmodified transformers model's loss, every
+"""Hugging Face causal LMs (model.hf, engine/model/hf.py): the unmodified transformers model's loss, every
 layout through the real launcher against one process, resume, bad input, shapes and reports."""
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def _over(family: str, *extra: str) -> list[str]:
 def test_single_process_loss_is_the_transformers_models(family):
     """The engine's first step on one process sees the loss the unmodified transformers model (sdpa
     attention, its own shifted-label loss) gives on the same batch and weights."""
-    from engine.hf import reference_model
-    from engine.train import Trainer
+    from engine.model.hf import reference_model
+    from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, _over(family, "train.steps=1"))
@@ -50,8 +50,8 @@ def _engine_and_transformers(family: str, *extra: str) -> tuple[float, float]:
     """The engine's first-step loss and the unmodified transformers model's `loss` on the same batch
     and weights: per micro-batch (input x, the engine's targets y as transformers' shift_labels),
     averaged as the engine (and transformers' Trainer under gradient accumulation) does."""
-    from engine.hf import reference_model
-    from engine.train import Trainer
+    from engine.model.hf import reference_model
+    from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(None, _over(family, "train.steps=1", *extra))
@@ -85,7 +85,7 @@ def test_mixtral_loss_includes_its_router_aux_loss_as_transformers(micro):
 def test_router_aux_loss_is_transformers_load_balancing_loss():
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from engine.hf import router_aux_loss
+    from engine.model.hf import router_aux_loss
 
     g = torch.Generator().manual_seed(0)
     logits = tuple(torch.randn(24, 4, generator=g) for _ in range(3))
@@ -135,8 +135,8 @@ _REFERENCES: dict[tuple[str, ...], tuple[list[float], float | None]] = {}
 @pytest.mark.xdist_group("launch")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_follows_single_process(tmp_path, name):
-    """Through the real launcher (torchrun, engine.worker), 5 steps within 1e-4 of one process."""
-    from engine.launch import launch
+    """Through the real launcher (torchrun, engine.launch.worker), 5 steps within 1e-4 of one process."""
+    from engine.launch.local import launch
     from parallel_harness import assert_launch_follows, trainer_reference
 
     family, extra = LAYOUTS[name]
@@ -158,7 +158,7 @@ def test_layout_follows_single_process(tmp_path, name):
 ], ids=["zero3-same", "zero3-to-tp2", "pp2-to-dp2", "ep2-same", "ep2-to-dp2"])
 def test_checkpoint_resumes(tmp_path, family, first, then):
     """Saved at step 3 in one layout, resumed in `then`: steps 3-5 follow the uninterrupted run."""
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     ckpt = tmp_path / "ckpt"
     common = _over(family, "train.steps=6", "train.eval_interval=0")
@@ -197,7 +197,7 @@ def test_config_json_that_is_not_json_is_refused(tmp_path):
 def test_shape_keys_and_flops_come_from_the_hf_config(tmp_path):
     """layers/d_model/heads/vocab are the config's; FLOPs and parameters follow its GQA, SwiGLU and
     untied head (hand count for the tiny Llama below), not the GPT formula."""
-    from engine.model import count_parameters, flops_per_token
+    from engine.model.gpt import count_parameters, flops_per_token
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA))
@@ -212,8 +212,8 @@ def test_shape_keys_and_flops_come_from_the_hf_config(tmp_path):
 
 
 def test_the_model_built_matches_the_counted_parameters():
-    from engine.hf import build_hf_model
-    from engine.model import count_parameters
+    from engine.model.hf import build_hf_model
+    from engine.model.gpt import count_parameters
 
     for family in ("llama", "mixtral"):
         cfg = load_config(None, _over(family)).model
@@ -239,8 +239,8 @@ def test_examples_validate(example):
 def test_memory_estimate_reads_the_hf_shape():
     """Llama-3-8B's config (GQA 32/8, SwiGLU 14336, untied 128256 vocab): 8.03B parameters, 16 bytes each
     of model state on one rank, and tp=8 splits the blocks but not the embeddings."""
-    from engine.memory import estimate_memory
-    from engine.model import count_parameters
+    from engine.train.memory import estimate_memory
+    from engine.model.gpt import count_parameters
 
     l8 = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
@@ -257,7 +257,7 @@ def test_memory_estimate_reads_the_hf_shape():
 
 def test_a_local_safetensors_checkpoint_is_loaded(tmp_path):
     """model.hf_weights: the weights of a saved transformers model (safetensors), not a fresh init."""
-    from engine.hf import build_hf_model, reference_model
+    from engine.model.hf import build_hf_model, reference_model
 
     cfg = load_config(None, _over("mixtral")).model
     saved = reference_model(cfg, seed=7)

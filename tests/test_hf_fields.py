@@ -13,7 +13,7 @@ from engine.config import load_config
 from engine.errors import ConfigError, ConfigErrors
 from engine.hf_fields import (FIELDS, IMPLEMENTED, IRRELEVANT, MISTRAL_WINDOW, QWEN_MAX_WINDOW_LAYERS, QWEN_WINDOW,
                               REFUSED, sliding_windows)
-from engine.shapes import HF_FAMILIES
+from engine.model.shapes import HF_FAMILIES
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256}
@@ -51,7 +51,7 @@ def _windows_transformers_passes(data: dict) -> list:
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from engine.hf import hf_config
+    from engine.model.hf import hf_config
 
     seen: list = []
 
@@ -151,7 +151,7 @@ IRRELEVANT_VALUES = {"use_cache": False, "bos_token_id": 7, "eos_token_id": 9, "
 
 def test_irrelevant_fields_leave_the_training_loss_unchanged():
     """The first step's loss of the engine is the same with each irrelevant field at another value."""
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
     assert set(IRRELEVANT_VALUES) | {"label2id"} == {k for k, (kind, _) in FIELDS.items() if kind == IRRELEVANT}

@@ -1,11 +1,11 @@
-"""Variable-length documents (engine/lengths.py): long-tail draws, packing, document-aware attention."""
+"""Variable-length documents (engine/data/lengths.py): long-tail draws, packing, document-aware attention."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.lengths import IGNORE, draw_lengths, pack_documents, pack_rows, packed_global_batch
+from engine.data.lengths import IGNORE, draw_lengths, pack_documents, pack_rows, packed_global_batch
 from parallel_harness import tiny_model_config
 
 
@@ -40,7 +40,7 @@ def test_packed_rows_carry_positions_document_ids_and_padding():
 
 
 def test_packed_batch_gives_the_loss_and_gradients_of_the_sequences_run_one_by_one():
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     cfg = tiny_model_config()
     tokens = torch.randint(0, cfg.vocab, (4096,), generator=torch.Generator().manual_seed(0))
@@ -73,7 +73,7 @@ def test_packed_batch_gives_the_loss_and_gradients_of_the_sequences_run_one_by_o
 
 def test_without_document_ids_packed_sequences_would_attend_across_each_other():
     """The masks matter: the same packed rows without document ids give another loss."""
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     cfg = tiny_model_config()
     tokens = torch.randint(0, cfg.vocab, (4096,), generator=torch.Generator().manual_seed(0))

@@ -198,7 +198,7 @@ TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16
 @pytest.mark.slow
 @pytest.mark.xdist_group("launch")
 def test_holmes_placement_follows_the_naive_loss(tmp_path) -> None:
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     naive = launch(load_config(None, TINY), home=tmp_path)
     holmes = launch(load_config(None, TINY + ["parallel.placement=holmes", "parallel.layer_split=auto"]),
@@ -212,8 +212,8 @@ def test_holmes_placement_follows_the_naive_loss(tmp_path) -> None:
 
 
 def _sim_case():
-    from tuning.hardware import cpu_profile
-    from tuning.simulator import ModelSpec, ParallelSpec
+    from tuning.sim.hardware import cpu_profile
+    from tuning.sim.simulator import ModelSpec, ParallelSpec
 
     # a host whose own link is far faster than the emulated ones: only the emulated hops count
     host = cpu_profile(name="t", gemm_points=[(1e5, 1e10), (1e9, 1e10)], intra=(0.0, 1000.0), gpus_per_node=4,
@@ -227,7 +227,7 @@ def _sim_case():
 
 
 def test_simulator_prices_dp_rings_and_pp_edges_by_placement() -> None:
-    from tuning.sim_network import placement_links, simulate_placement
+    from tuning.sim.network import placement_links, simulate_placement
 
     host, model, par, topo = _sim_case()
     # naive: dp pairs (0,1), (2,3) cross the 1 Gbit/s hop; the pipelines 0->2, 1->3 stay inside
@@ -258,7 +258,7 @@ def test_simulator_prices_dp_rings_and_pp_edges_by_placement() -> None:
 
 
 def test_simulator_searches_placements() -> None:
-    from tuning.sim_network import search_placements
+    from tuning.sim.network import search_placements
 
     host, model, par, topo = _sim_case()
     df = search_placements(model, host, par, topology=topo, layouts=[(2, 2, 1), (1, 4, 1)])

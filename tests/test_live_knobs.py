@@ -66,7 +66,7 @@ def test_live_tuner_prunes_a_segment_whose_combination_makes_a_knob_inert(tmp_pa
 
 
 def test_engine_refuses_a_live_knob_that_cannot_act():
-    from engine.comm_setup import apply_live_knobs
+    from engine.train.comm_setup import apply_live_knobs
 
     cfg = load_config(None, BASE)
     with pytest.raises(ValueError, match=r"comm\.density=0\.05 cannot act: comm\.compressor=none has no density"):

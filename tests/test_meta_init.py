@@ -1,4 +1,4 @@
-"""Meta-device construction (engine/meta_init.py): a rank materialises only its own shards and stages,
+"""Meta-device construction (engine/model/meta_init.py): a rank materialises only its own shards and stages,
 bit-identical to the full seeded build done the e19d228 way (`device="cpu"`, built here in process),
 with the generator left where that build leaves it; and a Llama-3.2-1B-shaped model laid out over 2
 CPU ranks grows each rank's RSS by about its own share of the model, not the whole model."""
@@ -30,7 +30,7 @@ TRAIN = ["train.steps=3", "train.lr=0.003", "train.warmup_steps=0", "batch.globa
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from engine.meta_init import _canonical
+    from engine.model.meta_init import _canonical
 
     out = dict(module.named_parameters(remove_duplicate=False))
     out.update(module.named_buffers(remove_duplicate=False))
@@ -41,8 +41,8 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_a_meta_build_materialises_exactly_the_seeded_build(name):
     """Every parameter and buffer bit-equal to the full CPU build, ties kept, the generator where
     that build leaves it (dropout draws after it continue the same stream)."""
-    from engine.build import build_model
-    from engine.meta_init import materialize
+    from engine.model.build import build_model
+    from engine.model.meta_init import materialize
 
     cfg = load_config(None, MODELS[name]).model
     reference = build_model(cfg, seed=5, device="cpu")
@@ -61,9 +61,9 @@ def test_a_meta_build_materialises_exactly_the_seeded_build(name):
 def test_a_draw_nothing_needs_advances_the_generator_in_pieces_as_in_one_call(monkeypatch):
     """The pieces `_advance` draws (instead of a full-size tensor) leave the generator where one
     normal_/uniform_ call over the whole tensor does, at every size (tails included)."""
-    import engine.meta_init as mi
+    import engine.model.meta_init as mi
     from engine.config import ModelConfig
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     monkeypatch.setattr(mi, "_CHUNK", 48)
     aten = torch.ops.aten
@@ -88,9 +88,9 @@ def test_a_draw_nothing_needs_advances_the_generator_in_pieces_as_in_one_call(mo
 def test_hf_weights_are_read_slice_by_slice_as_from_pretrained_loads_them(tmp_path):
     """model.hf_weights on meta: the same tensors (and generator state) as transformers'
     from_pretrained, for Mixtral's per-expert save format and a tied Llama (lm_head not saved)."""
-    from engine.build import build_model
-    from engine.hf import reference_model
-    from engine.meta_init import materialize
+    from engine.model.build import build_model
+    from engine.model.hf import reference_model
+    from engine.model.meta_init import materialize
 
     for name in ("mixtral", "llama-tied-pad"):
         folder = tmp_path / name
@@ -108,10 +108,10 @@ def test_hf_weights_are_read_slice_by_slice_as_from_pretrained_loads_them(tmp_pa
 def test_a_checkpoint_missing_a_parameter_is_refused_in_one_line(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from engine.build import build_model
+    from engine.model.build import build_model
     from engine.errors import ConfigError
-    from engine.hf import reference_model
-    from engine.meta_init import materialize
+    from engine.model.hf import reference_model
+    from engine.model.meta_init import materialize
 
     reference_model(load_config(None, MODELS["llama"]).model, seed=7).save_pretrained(tmp_path)
     cfg = load_config(None, [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16"]).model
@@ -130,10 +130,10 @@ def test_a_checkpoint_missing_a_parameter_is_refused_in_one_line(tmp_path):
 
 def _rank_parts(rank: int, world: int, overrides: list[str]) -> dict:
     """This rank's parts after parallelize() of a meta build, against the full CPU build's slices."""
-    from engine.build import build_model
+    from engine.model.build import build_model
     from engine.mesh import ParallelDims
-    from engine.meta_init import _owned
-    from engine.parallelize import parallelize
+    from engine.model.meta_init import _owned
+    from engine.parallel.parallelize import parallelize
 
     torch.set_num_threads(1)
     cfg = load_config(None, overrides)
@@ -199,7 +199,7 @@ def test_each_rank_reads_its_own_part_of_hf_weights(tmp_path, model, extra):
     """model.hf_weights under ZeRO-3 (each rank reads half of each tensor, Mixtral's experts from
     its per-expert files) and pp2 (the last stage reads the tied head from the embedding's tensor):
     the tensors from_pretrained loads whole."""
-    from engine.hf import reference_model
+    from engine.model.hf import reference_model
 
     reference_model(load_config(None, MODELS[model]).model, seed=7).save_pretrained(tmp_path)
     overrides = [f"model.hf={tmp_path}", f"model.hf_weights={tmp_path}", "model.seq_len=16", *TRAIN, *extra]
@@ -209,9 +209,9 @@ def test_each_rank_reads_its_own_part_of_hf_weights(tmp_path, model, extra):
 
 def _losses(rank: int, world: int, overrides: list[str], legacy: bool) -> list[float]:
     """The Trainer's losses, the model built on meta (now) or whole on CPU (`legacy`: e19d228's way)."""
-    import engine.compose as compose
-    from engine.build import build_model
-    from engine.train import Trainer
+    import engine.train.compose as compose
+    from engine.model.build import build_model
+    from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
     if legacy:
@@ -260,16 +260,16 @@ def _memory_after_layout(rank: int, world: int, overrides: list[str], legacy: bo
 
     import psutil
 
-    import engine.compose
-    from engine.compose import compose
+    import engine.train.compose
+    from engine.train.compose import compose
     from engine.mesh import ParallelDims
     from profilers.collectives import CollectiveProfiler
 
     torch.set_num_threads(1)
     if legacy:
-        from engine.build import build_model
+        from engine.model.build import build_model
 
-        engine.compose.build_model = lambda cfg, *, seed, device: build_model(cfg, seed=seed, device="cpu")
+        engine.train.compose.build_model = lambda cfg, *, seed, device: build_model(cfg, seed=seed, device="cpu")
     cfg = load_config(None, overrides)
     p = cfg.parallel
     dims = ParallelDims(p.dp, p.tp, p.pp, world, cp=p.cp)
@@ -277,7 +277,7 @@ def _memory_after_layout(rank: int, world: int, overrides: list[str], legacy: bo
     if cfg.model.hf is not None:  # code, not model: imported before the baseline
         import transformers.models.llama.modeling_llama  # noqa: F401
 
-        import engine.hf  # noqa: F401
+        import engine.model.hf  # noqa: F401
     gc.collect()
     before = psutil.Process().memory_info().rss
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
@@ -302,7 +302,7 @@ def test_a_llama_3_2_1b_shaped_model_costs_each_rank_its_own_share(tmp_path, lay
     rank's RSS grows by at most 0.6x the fp32 model's bytes, its peak too; under pp2 by its stage's
     bytes (the embedding on stage 0, its tied copy on stage 1: 0.606x each, so 0.6x cannot hold for
     pp2) plus the same allowance, never the whole model."""
-    from engine.model import count_parameters
+    from engine.model.gpt import count_parameters
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B))
     overrides = [f"model.hf={tmp_path}", "model.seq_len=128", "batch.global=2", "batch.micro=1",

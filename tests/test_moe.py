@@ -7,7 +7,7 @@ import torch
 
 from engine.config import ModelConfig, load_config
 from engine.errors import ConfigError, ConfigErrors
-from engine.moe import capacity, route
+from engine.model.moe import capacity, route
 from engine.parallel.expert import expert_group_ranks, node_split, rank_nodes, transpose_chunks
 
 MOE = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
@@ -40,7 +40,7 @@ def test_capacity_formula():
 
 
 def test_moe_parameter_and_flop_counts_match_the_module():
-    from engine.model import build_model, count_parameters, flops_per_token
+    from engine.model.gpt import build_model, count_parameters, flops_per_token
 
     cfg = ModelConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256, experts=8, top_k=2, moe_every=2)
     counts = count_parameters(cfg)
@@ -142,7 +142,7 @@ def moe_reference():
 @pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
 @pytest.mark.parametrize("name", list(EP_LAYOUTS))
 def test_expert_parallel_matches_single_process(tmp_path, moe_reference, name):
-    from engine.launch import launch
+    from engine.launch.local import launch
     from parallel_harness import assert_launch_follows
 
     result = launch(load_config(None, MOE + EP_LAYOUTS[name]), home=tmp_path)
@@ -157,7 +157,7 @@ def test_show_json_has_all_to_all_records_and_expert_load(tmp_path):
     import subprocess
     import sys
 
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     cfg = load_config(None, MOE + ["parallel.dp=2", "parallel.ep=2", "train.steps=2", "model.capacity_factor=1.0",
                                    "comm.moe_compression=lsh", "train.eval_interval=0"])
@@ -221,7 +221,7 @@ def test_moe_report_figures_and_text():
 def _exchange_vs_local(rank: int, world: int, hierarchical: bool) -> float:
     """Every token of both ranks goes to expert 0 (rank 0's): rank 1's experts get no rows, rank 1
     sends everything; the exchanged outputs must equal the experts applied locally."""
-    from engine.moe import MoE
+    from engine.model.moe import MoE
     from engine.parallel.expert import apply_expert_parallel
 
     torch.manual_seed(0)
@@ -253,8 +253,8 @@ def test_exchange_with_empty_splits_equals_local_experts(hierarchical):
 
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (4, 1), (1, 2)])
 def test_memory_estimate_counts_this_ranks_experts(ep, tp):
-    from engine.memory import estimate_memory
-    from engine.model import build_model
+    from engine.train.memory import estimate_memory
+    from engine.model.gpt import build_model
 
     cfg = load_config(None, MOE + ["model.experts=8", "model.moe_every=2", "model.layers=4",
                                    f"parallel.dp={ep}", f"parallel.ep={ep}", f"parallel.tp={tp}"])
@@ -303,7 +303,7 @@ def test_expert_parallel_checkpoint_resumes_in_ep2_and_ep1(tmp_path, name):
     """An ep=2 checkpoint names each expert by its global id and records ep: the same layout and
     ep=1 continue the uninterrupted run (before: each ep rank saved its experts as `experts.0`,
     `experts.1` and DCP kept one rank's copy; ep=1 failed on "Missing key ... experts.2")."""
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     saved_in, resumed_in = EP_RESUMES[name]
     ckpt = tmp_path / "ckpt"
@@ -326,7 +326,7 @@ def test_expert_parallel_checkpoint_resumes_in_ep2_and_ep1(tmp_path, name):
 def test_moe_forward_under_bf16_autocast_sums_in_the_residual_dtype():
     """precision=bf16: the experts' outputs are bf16 under autocast, the residual stream fp32; the
     weighted sum goes into an fp32 buffer and matches the fp32 layer within bf16 rounding."""
-    from engine.moe import MoE
+    from engine.model.moe import MoE
 
     torch.manual_seed(0)
     layer = MoE(ModelConfig(d_model=8, experts=4, top_k=2, capacity_factor=0))

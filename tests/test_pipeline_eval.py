@@ -26,7 +26,7 @@ def _losses(flat: dict) -> list[tuple[float, float | None]]:
     import torch
 
     from engine.config import from_dict
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
     from engine.validate import validate
 
     torch.set_num_threads(1)

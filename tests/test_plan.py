@@ -14,9 +14,9 @@ import optuna
 import pytest
 from optuna.trial import create_trial
 
-from tuning.hardware import load_cluster
+from tuning.sim.hardware import load_cluster
 from tuning.plan import TARGETS, make_plan, plan_config
-from tuning.simulator import ModelSpec
+from tuning.sim.simulator import ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -172,7 +172,7 @@ def test_plan_dry_runs_the_top_layouts_and_refuses_one_that_does_not_fit(tmp_pat
     program where it can play the layout (the analytic estimate where not, said why); above --device-memory a
     layout is marked with the one-line refusal and its export is refused."""
     from engine.config import load_config
-    from engine.dryrun import dry_run
+    from engine.train.dryrun import dry_run
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     out = _workbench("plan", "--model", str(tmp_path / "config.json"), *TINY_PLAN, "--dry-run", "3",

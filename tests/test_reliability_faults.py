@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from engine.config import load_config
-from engine.launch import launch
+from engine.launch.local import launch
 from profilers.store import RunStore
 
 pytestmark = pytest.mark.xdist_group("launch")
@@ -143,7 +143,7 @@ def test_a_sigterm_is_not_swallowed_by_code_that_must_not_raise_into_training():
     import os
     import signal
 
-    from engine.worker import Terminated, _on_sigterm
+    from engine.launch.worker import Terminated, _on_sigterm
 
     before = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -159,7 +159,7 @@ def test_a_sigterm_is_not_swallowed_by_code_that_must_not_raise_into_training():
 
 PARENT = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "from engine.launch import die_with_parent; import time; "
+child = subprocess.Popen([sys.executable, "-c", "from engine.launch.local import die_with_parent; import time; "
                           "die_with_parent(); print('ready', flush=True); time.sleep(120)"],
                          stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "ready"

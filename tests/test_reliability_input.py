@@ -657,9 +657,9 @@ def test_no_eval_exec_pickle_or_unsafe_yaml_in_the_source():
                 if not (isinstance(wo, ast.Constant) and wo.value is True):
                     offenders.append(f"{where} torch.load() without weights_only=True")
     assert offenders == []
-    # the one import of a name that comes from user text: model.entry, through engine.data.load_entry;
+    # the one import of a name that comes from user text: model.entry, through engine.data.corpus.load_entry;
     # engine/torch_compat.py:_private imports torch's private modules, each named by a literal below
-    assert dynamic_imports == ["engine/data.py:load_entry", "engine/torch_compat.py:_private"]
+    assert dynamic_imports == ["engine/data/corpus.py:load_entry", "engine/torch_compat.py:_private"]
     compat = ast.parse((ROOT / "engine" / "torch_compat.py").read_text())
     literals = {t.id for node in compat.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
                 for t in node.targets if isinstance(t, ast.Name)}
@@ -669,7 +669,7 @@ def test_no_eval_exec_pickle_or_unsafe_yaml_in_the_source():
                                  or isinstance(c.args[0], ast.Name) and c.args[0].id in literals
                                  for c in private_calls)
     # the scan really saw the loaders it checks; checkpoints no longer call torch.load (DCP reads
-    # tensors with weights_only=True, its metadata through engine/checkpoint.py's allow-list)
+    # tensors with weights_only=True, its metadata through engine/train/checkpoint.py's allow-list)
     assert yaml_loads >= 2
 
 
@@ -697,7 +697,7 @@ report = {}
 for overrides in ([], ["model.entry=usermodel_probe_pkg.model:build", "data.source=synthetic"]):
     before = set(sys.modules)
     cfg = load_config(None, overrides)
-    import engine.data, engine.model, engine.train, engine.worker, engine.launch, tuning.objective
+    import engine.data.corpus, engine.model.gpt, engine.train.trainer, engine.launch.worker, engine.launch.local, tuning.objective
     report[str(cfg.model.entry)] = sorted(set(sys.modules) - before)
 print(json.dumps(report))
 """
@@ -718,7 +718,7 @@ def test_user_entry_point_is_imported_only_when_named(tmp_path):
     assert set(report) == {"None", "usermodel_probe_pkg.model:build"}
     assert len(report["None"]) > 10  # the probe really imported the engine
     assert [m for new in report.values() for m in new if m.startswith("usermodel_probe_pkg")] == []
-    from engine.data import load_entry
+    from engine.data.corpus import load_entry
 
     sys.path.insert(0, str(tmp_path))
     try:

@@ -148,7 +148,7 @@ def test_older_store_is_migrated_by_two_processes_at_once(tmp_path):
 def test_a_run_the_tuner_pruned_reads_pruned_not_interrupted():
     import optuna
 
-    from engine.run_record import stop_status
+    from engine.launch.run_record import stop_status
 
     assert stop_status(optuna.TrialPruned(3)) == ("pruned", "pruned by the tuner at step 3")
     assert stop_status(KeyboardInterrupt())[0] == "interrupted"
@@ -220,7 +220,7 @@ def test_full_disk_during_a_real_run_fails_it_with_the_reason(tmp_path, monkeypa
     the launcher stops the run at once and marks it failed with the store's message; nothing is
     reported as stored that is not."""
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     opened = RunStore._open
 

@@ -10,7 +10,7 @@ import torch
 from parallel_harness import run_ranks
 
 from engine.config import load_config
-from engine.train import Trainer
+from engine.train.trainer import Trainer
 
 TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16", "model.vocab=256",
         "train.steps=4", "train.lr=0.003", "train.warmup_steps=0", "train.schedule=constant",
@@ -77,7 +77,7 @@ def test_compressor_state_into_other_degrees_is_refused():
 
     import torch
 
-    from engine.checkpoint import RankState, _comm_resumes
+    from engine.train.checkpoint import RankState, _comm_resumes
     from engine.comm.compress import CompressionState
 
     state = CompressionState(compressor="topk")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model import build_model, loss_fn
+from engine.model.gpt import build_model, loss_fn
 from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
 from engine.validate import SCHEDULES
 from parallel_harness import counting_batches, run_ranks, single_process_losses
@@ -241,7 +241,7 @@ def test_skip_paths_visit_every_middle_stage_equally():
 @pytest.mark.parametrize("cap", [1, 2, 4])
 def test_skip_actions_respect_the_memory_cap(cap):
     from engine.parallel.skippipe import skip_actions, skip_paths
-    from tuning.sim_schedule import peak_in_flight, walk
+    from tuning.sim.schedule import peak_in_flight, walk
 
     paths = skip_paths(pp=4, n_microbatches=8, skip_ratio=0.5)
     actions = skip_actions(paths, pp=4, mem_cap=cap)
@@ -255,7 +255,7 @@ def test_skip_actions_respect_the_memory_cap(cap):
 def test_walk_prices_the_bubble_from_the_action_list():
     """Unit costs (F 1, B 2): GPipe and 1F1B idle (p-1)(F+B) per rank, i.e. (p-1)/m of the compute
     (Narayanan et al. 2021); the zero-bubble lists fill most of it; skipping stages shortens the fill."""
-    from tuning.sim_schedule import bubble_ratio
+    from tuning.sim.schedule import bubble_ratio
 
     assert bubble_ratio("gpipe", 4, 8) == pytest.approx(3 / 8)
     assert bubble_ratio("1f1b", 4, 8) == pytest.approx(3 / 8)
@@ -279,7 +279,7 @@ def test_walk_prices_overhead_p2p_head_and_tail():
 
     from torch.distributed.pipelining.schedules import _Action
 
-    from tuning.sim_schedule import Costs, walk
+    from tuning.sim.schedule import Costs, walk
 
     actions = schedule_actions(schedule="1f1b", pp=2, n_microbatches=1)
     costs = Costs(overhead_s=0.5, p2p_s=0.25, head_s=0.1, tail_s=0.2)
@@ -311,7 +311,7 @@ def test_walk_shares_the_cores_among_running_ranks():
     their share too."""
     from torch.distributed.pipelining.schedules import _Action
 
-    from tuning.sim_schedule import Costs, walk
+    from tuning.sim.schedule import Costs, walk
 
     actions = schedule_actions(schedule="gpipe", pp=2, n_microbatches=2)
     t = walk(actions, stage_rank={0: 0, 1: 1}, costs=Costs(cores=1))
@@ -330,7 +330,7 @@ def test_calibrate_reads_the_costs_off_a_recorded_step():
     Calibrated from it, the walk reproduces the step and its measured bubble in both forms; with
     one shared core, `_ps_step`'s stretched spans are read back as F 1, B 2 of work (plain means:
     stage 0 F 1.5)."""
-    from tuning.calib_schedule import calibrate, measured_bubble, predicted_timeline
+    from tuning.calibrate.schedule import calibrate, measured_bubble, predicted_timeline
 
     step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
             1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,
@@ -362,7 +362,7 @@ def test_drawn_walks_draw_the_actions_work_and_keep_the_host_work_at_its_mean():
     (`draw_p2p=False`; see `test_host_work_runs_while_the_input_is_in_flight`)."""
     import random
 
-    from tuning.calib_schedule import calibrate, predicted_bubble, predicted_timeline
+    from tuning.calibrate.schedule import calibrate, predicted_bubble, predicted_timeline
 
     spans = {0: [("0F0", 0.5, 1.5), ("0F1", 1.7, 2.7), ("0B0", 7.8, 9.8), ("0B1", 10.3, 12.3)],
              1: [("1F0", 2.0, 3.0), ("1F1", 3.8, 4.8), ("1B0", 5.3, 7.3), ("1B1", 7.8, 9.8)]}
@@ -390,7 +390,7 @@ def test_an_overlap_pair_sends_its_forward_only_after_its_backward():
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
     from engine.parallel.schedules import with_comms
-    from tuning.sim_schedule import walk
+    from tuning.sim.schedule import walk
 
     a = _Action.from_str
     pair = _Action(-1, _ComputationType.OVERLAP_F_B, None, (a("0F1"), a("0B0")))
@@ -409,7 +409,7 @@ def test_an_input_leaves_when_its_send_is_posted():
     (dualpipev pp=4, 8 micro-batches: bubble 0.125 of the compute, 0.0625 before)."""
     from torch.distributed.pipelining.schedules import _Action
 
-    from tuning.sim_schedule import Costs, bubble_ratio, walk
+    from tuning.sim.schedule import Costs, bubble_ratio, walk
 
     a = _Action.from_str
     actions = {0: [a("0F0"), a("0F1")], 1: [a("1F0"), a("1F1")]}
@@ -431,7 +431,7 @@ def test_calibrate_reads_each_ranks_own_host_work():
     (`per_kind=False`): the kinds' factors pooled over both ranks are not 1 on this step. The form
     tested is the one before 2026-11-24's last change (host work after the input is in,
     `overlap=False`)."""
-    from tuning.calib_schedule import calibrate, predicted_timeline
+    from tuning.calibrate.schedule import calibrate, predicted_timeline
 
     spans = {0: [("0F0", 0.2, 1.2), ("0F1", 1.4, 2.4), ("0B0", 8.4, 10.4), ("0B1", 11.2, 13.2)],
              1: [("1F0", 2.3, 3.3), ("1F1", 4.1, 5.1), ("1B0", 5.9, 7.9), ("1B1", 8.7, 10.7)]}
@@ -462,8 +462,8 @@ def test_the_walk_charges_each_kinds_host_work():
     from torch.distributed.pipelining.schedules import _Action
 
     from engine.parallel.schedules import with_comms
-    from tuning.calib_schedule import calibrate
-    from tuning.sim_schedule import Costs, walk
+    from tuning.calibrate.schedule import calibrate
+    from tuning.sim.schedule import Costs, walk
 
     a = _Action.from_str
     actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
@@ -502,8 +502,8 @@ def test_host_work_runs_while_the_input_is_in_flight():
     from torch.distributed.pipelining.schedules import _Action
 
     from engine.parallel.schedules import with_comms
-    from tuning.calib_schedule import calibrate, predicted_timeline
-    from tuning.sim_schedule import Costs, walk
+    from tuning.calibrate.schedule import calibrate, predicted_timeline
+    from tuning.sim.schedule import Costs, walk
 
     a = _Action.from_str
     actions = {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")], 1: [a("1F0"), a("1F1"), a("1B0"), a("1B1")]}
@@ -533,8 +533,8 @@ def test_host_work_runs_while_the_input_is_in_flight():
 
 
 def test_simulator_prices_every_schedule():
-    from tuning.simulator import SCHEDULES as SIM_SCHEDULES, ModelSpec, ParallelSpec, simulate
-    from tuning.hardware import load_cluster
+    from tuning.sim.simulator import SCHEDULES as SIM_SCHEDULES, ModelSpec, ParallelSpec, simulate
+    from tuning.sim.hardware import load_cluster
 
     model = ModelSpec(layers=8, hidden=256, heads=4, seq=128, vocab=256)
     assert set(SIM_SCHEDULES) == set(SCHEDULES)
@@ -580,9 +580,9 @@ def test_schedule_virtual_and_skip_ratio_are_searchable():
 
 
 def test_search_enumerates_every_schedule():
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
     from tuning.search import ALL_SCHEDULE_AXIS, enumerate_configs
-    from tuning.simulator import ModelSpec
+    from tuning.sim.simulator import ModelSpec
 
     model = ModelSpec(layers=8, hidden=256, heads=4, seq=128, vocab=256)
     df = enumerate_configs(model, load_cluster("dgx-a100-80gb"), 8, 32, axes={"schedule": ALL_SCHEDULE_AXIS})
@@ -631,7 +631,7 @@ def test_show_reads_the_executed_schedule(tmp_path):
 def test_a_step_priced_from_another_runs_costs():
     """Out of sample (issue 36.3): `priced_from` reads the prices off another recorded step, so a
     step can be predicted from an earlier run's costs; pricing a step from itself is the default."""
-    from tuning.calib_schedule import predicted_timeline
+    from tuning.calibrate.schedule import predicted_timeline
 
     step = {0: {"actions": [("0F0", 0.5, 1.5), ("0B0", 7.0, 9.0)], "total_s": 9.5, "wall_start": 100.0, "paths": {}},
             1: {"actions": [("1F0", 2.25, 3.25), ("1B0", 3.75, 5.75)], "total_s": 6.25, "wall_start": 100.25,

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tuning.hardware import load_cluster
+from tuning.sim.hardware import load_cluster
 from tuning.search import (
     RESULT_COLUMNS,
     best_configs,
@@ -16,7 +16,7 @@ from tuning.search import (
     row_to_spec,
     sensitivities,
 )
-from tuning.simulator import ModelSpec, ParallelSpec, simulate, validate_parallel
+from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate, validate_parallel
 
 A100 = load_cluster("dgx-a100-80gb")
 GPT_1T = ModelSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)
@@ -118,7 +118,7 @@ def test_optuna_search_never_beats_exhaustive_and_is_seeded() -> None:
 
 def test_intervals_come_from_the_domain_and_mark_overlaps() -> None:
     from tuning.search import add_uncertainty
-    from tuning.sim_domain import prediction
+    from tuning.sim.domain import prediction
 
     df = add_uncertainty(enumerate_configs(GPT_13B, A100, 64, 256), hardware="dgx-a100-80gb", params=GPT_13B.params)
     row = df[(df["tp"] == 8) & (df["pp"] == 2) & (df["virtual"] == 1)].iloc[0]

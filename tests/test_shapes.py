@@ -1,4 +1,4 @@
-"""engine/shapes.py: the one model shape every consumer prices, checked against published parameter
+"""engine/model/shapes.py: the one model shape every consumer prices, checked against published parameter
 counts and against the parameters of the real transformers modules of each family."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.errors import ConfigError
-from engine.shapes import HF_FAMILIES, from_gpt, from_hf_config
+from engine.model.shapes import HF_FAMILIES, from_gpt, from_hf_config
 
 # the published configs' shape fields (meta-llama/Meta-Llama-3-8B and -70B config.json)
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -40,7 +40,7 @@ def test_counts_equal_the_transformers_module(family):
 
 def test_gpt_shape_matches_the_engine_model():
     from engine.config import ModelConfig
-    from engine.model import build_model, flops_per_token
+    from engine.model.gpt import build_model, flops_per_token
 
     cfg = ModelConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256, experts=8, top_k=2, moe_every=2)
     shape = from_gpt(layers=4, d_model=32, heads=4, seq_len=16, vocab=256, experts=8, top_k=2, moe_every=2)
@@ -120,15 +120,15 @@ def test_real_config_counts_equal_transformers_on_the_meta_device(name):
     the simulator's model, and the simulator's stage at tp = pp = 1 holds all of them."""
     import numpy as np
 
-    from tuning.sim_compute import stage_params
-    from tuning.sim_spec import ModelSpec
+    from tuning.sim.compute import stage_params
+    from tuning.sim.spec import ModelSpec
 
     config = REAL_CONFIGS[name]
     expected = _meta_params(config)
     spec = ModelSpec.from_hf(config, seq=4096)
     one = {k: np.asarray(v) for k, v in dict(tp=1, pp=1).items()}
     assert (from_hf_config(config).params, spec.params) == (expected, expected)
-    if not spec.experts:  # MoE stages add their experts in tuning/sim_moe.py
+    if not spec.experts:  # MoE stages add their experts in tuning/sim/moe.py
         assert int(stage_params(spec, one)) == expected
 
 
@@ -147,16 +147,16 @@ def test_bias_and_head_flags_count_as_each_family_builds_them(family, flags):
 
 
 def test_gpt_flops_per_token_is_narayanans_formula_and_the_simulators():
-    """The one FLOP count (engine/shapes.py) is Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h))
+    """The one FLOP count (engine/model/shapes.py) is Narayanan et al. 2021's 72 l h^2 (1 + s/(6h) + V/(12 l h))
     per token for their GPT (mlp_ratio 4), the engine's MFU uses it, and the simulator's model FLOPs
     per iteration are it times the tokens (dense and with Qwen2's biases / Qwen3's q/k norms, which do
     no matmul)."""
     import numpy as np
 
     from engine.config import ModelConfig
-    from engine.model import flops_per_token
-    from tuning.sim_compute import flops
-    from tuning.sim_spec import ModelSpec
+    from engine.model.gpt import flops_per_token
+    from tuning.sim.compute import flops
+    from tuning.sim.spec import ModelSpec
 
     l, h, s, v = 24, 2048, 2048, 51200
     shape = from_gpt(layers=l, d_model=h, heads=16, seq_len=s, vocab=v)

@@ -7,22 +7,22 @@ import ast
 from pathlib import Path
 
 TUNING = Path(__file__).resolve().parents[1] / "tuning"
-SIMULATOR_MODULES = sorted(p.stem for p in TUNING.glob("*.py")
-                           if p.stem.startswith(("sim", "calib")) or p.stem in ("published", "validation", "search", "hardware"))
+# the simulator's and calibration's packages, and the search beside them: "sim.core", "calibrate.runs", "search"
+SIMULATOR_MODULES = sorted([f"{p.parent.name}.{p.stem}" for package in ("sim", "calibrate")
+                            for p in (TUNING / package).glob("*.py") if p.stem != "__init__"] + ["search"])
 
 
 def _imports(module: str) -> set[str]:
-    """The simulator modules `module` imports anywhere in its body (`from tuning import x` included)."""
-    tree = ast.parse((TUNING / f"{module}.py").read_text())
+    """The simulator modules `module` imports anywhere in its body (`from tuning.sim import x` included)."""
+    tree = ast.parse((TUNING / f"{module.replace('.', '/')}.py").read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "tuning":
-                found |= {a.name for a in node.names}
-            elif node.module.startswith("tuning."):
-                found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tuning"):
+            inner = node.module.removeprefix("tuning").removeprefix(".")
+            found |= {f"{inner}.{a.name}".lstrip(".") for a in node.names}  # `from tuning.sim import core`
+            found.add(inner)  # `from tuning.sim.core import x`
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tuning.")}
+            found |= {a.name.removeprefix("tuning.") for a in node.names if a.name.startswith("tuning.")}
     return found & set(SIMULATOR_MODULES) - {module}
 
 
@@ -57,13 +57,13 @@ def test_no_import_circle_among_the_simulator_modules() -> None:
 
 
 def test_one_core_composes_one_module_per_technique() -> None:
-    core = _imports("sim_core")
-    assert {"sim_compute", "sim_tensor", "sim_pipeline", "sim_zero", "sim_memory", "sim_context", "sim_moe"} <= core
-    for technique in ("sim_compute", "sim_tensor", "sim_pipeline", "sim_zero", "sim_context", "sim_moe"):
-        assert "sim_core" not in _imports(technique) and "simulator" not in _imports(technique), technique
+    core = _imports("sim.core")
+    assert {"sim.compute", "sim.tensor", "sim.pipeline", "sim.zero", "sim.memory", "sim.context", "sim.moe"} <= core
+    for technique in ("sim.compute", "sim.tensor", "sim.pipeline", "sim.zero", "sim.context", "sim.moe"):
+        assert "sim.core" not in _imports(technique) and "sim.simulator" not in _imports(technique), technique
 
 
 def test_modules_stay_small() -> None:
     for module in SIMULATOR_MODULES:
-        lines = len((TUNING / f"{module}.py").read_text().splitlines())
-        assert lines <= 650, f"tuning/{module}.py has {lines} lines"
+        lines = len((TUNING / f"{module.replace('.', '/')}.py").read_text().splitlines())
+        assert lines <= 650, f"tuning/{module.replace('.', '/')}.py has {lines} lines"

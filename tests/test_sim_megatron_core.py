@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tuning.hardware import load_cluster
-from tuning.simulator import ModelSpec, ParallelSpec, simulate
-from tuning.sim_spec import columns
+from tuning.sim.hardware import load_cluster
+from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
+from tuning.sim.spec import columns
 
 H100 = load_cluster("dgx-h100")
 LLAMA3_8B = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp=True, seq=8192,
@@ -27,7 +27,7 @@ def test_fused_block_bytes_count_each_transformer_engine_kernel() -> None:
     """Forward per token: 2 norms (2h each), 2 residual adds (3h), rotary on q and k (2 (q + kv)), SwiGLU
     (read 2f, write f); backward 2 x 3h + 2 x 3h + rotary + 5f; x 2 bytes. Under sequence parallelism the
     norms and residuals run on s/t tokens, the rest on a tp shard."""
-    from tuning.sim_compute import fused_block_bytes
+    from tuning.sim.compute import fused_block_bytes
 
     h, q, kv, f, tok = 4096, 4096, 1024, 14336, 8192
     fwd, bwd = fused_block_bytes(LLAMA3_8B, _cols(ParallelSpec(framework="megatron-core")))
@@ -41,7 +41,7 @@ def test_fused_block_bytes_count_each_transformer_engine_kernel() -> None:
 
 
 def test_tp_comm_overlap_leaves_one_chunk_in_t_or_what_the_gemms_cannot_cover() -> None:
-    from tuning.sim_tensor import tp_comm_time
+    from tuning.sim.tensor import tp_comm_time
 
     c = _cols(ParallelSpec(tp=8, sequence_parallel=True, tp_comm_overlap=True, framework="megatron-core"))
     total = tp_comm_time(LLAMA3_8B, H100, 8, c)  # no window: every byte exposed
@@ -79,8 +79,8 @@ def test_a_run_names_its_attention_kernel() -> None:
 
 def test_tokens_rows_and_their_baseline() -> None:
     """A tokens/s row's baseline is the source's FLOPs per token at half the peak: value x 50 / its MFU."""
-    from tuning.published import held_out_rows, simulated_metric
-    from tuning.validation import baseline_metric
+    from tuning.sim.published import held_out_rows, simulated_metric
+    from tuning.sim.validation import baseline_metric
 
     row = next(r for r in held_out_rows() if r.id == "dgxc-l70-64")
     assert row.gpus == 64 and row.cp == 2 and row.framework == "megatron-core"
@@ -91,7 +91,7 @@ def test_tokens_rows_and_their_baseline() -> None:
 
 
 def test_megatron_core_terms_are_fitted_on_its_own_rows() -> None:
-    from tuning.sim_fit import FITTED_TERMS, fitted_rows
+    from tuning.sim.fit import FITTED_TERMS, fitted_rows
 
     mine = [t for t in FITTED_TERMS if t.startswith("megatron-core.")]
     assert mine == ["megatron-core.layer_microbatch_s", "megatron-core.elementwise_traffic", "megatron-core.microbatch_s"]

@@ -1,4 +1,4 @@
-"""The simulator's memory model (tuning/sim_memory.py): every published layout that ran fits, every published
+"""The simulator's memory model (tuning/sim/memory.py): every published layout that ran fits, every published
 out-of-memory layout does not, and each term is what the cited framework keeps."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from tuning.hardware import load_cluster
-from tuning.sim_memory import (CATEGORIES, FSDP_MEMTRACKER, MEMTRACKER, NCCL_CONNECTION_BYTES, TERMS,
+from tuning.sim.hardware import load_cluster
+from tuning.sim.memory import (CATEGORIES, FSDP_MEMTRACKER, MEMTRACKER, NCCL_CONNECTION_BYTES, TERMS,
                                 in_flight_layers)
-from tuning.sim_spec import SCHEDULES, ModelSpec, ParallelSpec
-from tuning.simulator import simulate
+from tuning.sim.spec import SCHEDULES, ModelSpec, ParallelSpec
+from tuning.sim.simulator import simulate
 
-# The facts the model still gets wrong, each with its cause (tuning/memory_facts.py prices them). The
+# The facts the model still gets wrong, each with its cause (tuning/sim/memory_facts.py prices them). The
 # test fails when this list is not exactly the disagreements: a fix or a new miss must update it.
 KNOWN = {
     # Out-of-memory facts that the tensors, the CUDA context BigScience measured (1573 MiB) and NCCL's buffers
@@ -36,7 +36,7 @@ KNOWN = {
 def test_every_published_run_fits_and_every_oom_fact_does_not():
     """Walks every row of tuning/data/published.yaml (each throughput row ran; its oom rows did not) and
     of tuning/data/memory_facts.yaml: the model's fit agrees with the outcome, but for KNOWN."""
-    from tuning.memory_facts import sources, walk
+    from tuning.sim.memory_facts import sources, walk
 
     table = walk()
     assert len(table) >= 320 and table["id"].is_unique
@@ -52,7 +52,7 @@ def test_every_published_run_fits_and_every_oom_fact_does_not():
 
 def test_memory_facts_count_their_sources_rows():
     """Each memory-facts source's rows and exclusions add up to the rows it says the source has."""
-    from tuning.memory_facts import facts, sources
+    from tuning.sim.memory_facts import facts, sources
 
     counts: dict[str, int] = {}
     for f in facts():
@@ -151,7 +151,7 @@ def test_runtime_is_the_context_measured_per_gpu_and_nccl_buffers_per_communicat
     """The runtime category: the preset's measured CUDA context, and NCCL's default FIFOs (Simple 4 MiB +
     LL128 4.6875 MiB + LL 0.5 MiB, in 2 MiB pages) on two connections per channel, one communicator per
     group a rank talks in and one per pipeline neighbour; fits compares everything with the device."""
-    from tuning.hardware import GB
+    from tuning.sim.hardware import GB
 
     assert NCCL_CONNECTION_BYTES >= 4 * 2**20 + 4915200 + 524288  # NVIDIA/nccl src/init.cc defaults
     h100 = load_cluster("dgx-h100")
@@ -171,7 +171,7 @@ def test_bigscience_nvidia_smi_readings_sit_above_the_modelled_device_memory():
     median reading is above the model's total and the implied cache, 1 - model / reading, is within the
     share published studies measure for PyTorch's caching allocator (GMLake: up to 33% of reserved memory).
     Without the runtime terms the same readings sit 16-19% above the tensors alone."""
-    from tuning.memory_facts import walk
+    from tuning.sim.memory_facts import walk
 
     table = walk()
     smi = table[table["memory_kind"] == "nvidia-smi"]
@@ -261,7 +261,7 @@ def test_nemotron4_340b_on_128_gpus_fits_by_what_nemo_keeps():
     holds Megatron-core's interleaved warm-up, 2 (p - 1) + (v - 1) p + 1 = 103 one-layer chunks of m v = 192;
     the last stage 89 and 16 deferred output-layer wgrads; NeMo's optim.dtype bf16 keeps 2 + 2 + 4/2 bytes
     per parameter (Megatron-core's distributed optimizer would keep 2 + 2 + 12/2)."""
-    from tuning.memory_facts import published_facts
+    from tuning.sim.memory_facts import published_facts
 
     fact = next(f for f in published_facts() if f.id == "dgxc-n340-128")
     par = fact.parallel

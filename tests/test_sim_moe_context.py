@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from tuning.hardware import load_cluster
+from tuning.sim.hardware import load_cluster
 from tuning.search import best_configs, candidate_axes, enumerate_configs, row_to_spec
-from tuning.sim_context import long_tail_batch
-from tuning.simulator import ModelSpec, ParallelSpec, from_run_config, simulate, validate_parallel
+from tuning.sim.context import long_tail_batch
+from tuning.sim.simulator import ModelSpec, ParallelSpec, from_run_config, simulate, validate_parallel
 
 A100 = load_cluster("dgx-a100-80gb")
 GB = 1e9
@@ -120,8 +120,8 @@ def test_ring_p2p_hides_under_block_attention() -> None:
     par = ParallelSpec(cp=4, cp_impl="ring", global_batch=4)
     long = ModelSpec(layers=2, hidden=4096, heads=32, seq=32768, vocab=512)  # 8K-token blocks: 0.6 ms sends
     assert simulate(long, A100, par).breakdown["cp_comm"] == 0.0  # on NVLink, under the blocks' attention
-    from tuning.sim_compute import attention_seconds
-    from tuning.sim_spec import columns
+    from tuning.sim.compute import attention_seconds
+    from tuning.sim.spec import columns
 
     slow = dataclasses.replace(A100, intra_bw_gb_s=0.01)
     shard = 1 * (1024 / 4) * 256 * 2

@@ -1,6 +1,6 @@
-"""The simulator's "engine" flavour against a dry run of the engine (engine/dryrun.py) on the same config:
+"""The simulator's "engine" flavour against a dry run of the engine (engine/train/dryrun.py) on the same config:
 per-rank memory by category and per-step collective bytes per mesh axis (issue 49 item 3). A small
-Llama-shaped model (transformers' LlamaForCausalLM through engine/hf.py) on 8 fake ranks, bf16 autocast,
+Llama-shaped model (transformers' LlamaForCausalLM through engine/model/hf.py) on 8 fake ranks, bf16 autocast,
 ZeRO-3 (FSDP2), three of the engine's layouts: fsdp 8, tp 2 x dp 4, pp 2 x dp 4 (1F1B)."""
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ SCALARS = 1024
 
 @pytest.fixture(scope="module")
 def runs():
-    from engine.dryrun import dry_run
-    from tuning.hardware import load_cluster
-    from tuning.sim_dryrun import side_by_side
+    from engine.train.dryrun import dry_run
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.dryrun import side_by_side
 
     out = {}
     for name, layout in LAYOUTS.items():
@@ -67,7 +67,7 @@ def test_memory_per_category_is_within_its_tolerance(runs, layout):
     - temp within 50%: the model counts FSDP2's all-gather buffer and the loss's fp32 copies, not the
       backward's transient buffers around the peak;
     - the tensors' total within 20%."""
-    from tuning.sim_dryrun import dry_run_memory
+    from tuning.sim.dryrun import dry_run_memory
 
     dry, report, _ = runs[layout]
     sim = report["simulator"]["memory"]

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tuning.hardware import (
+from tuning.sim.hardware import (
     PRESETS,
     ClusterSpec,
     NodeGroup,
@@ -18,7 +18,7 @@ from tuning.hardware import (
     save_cluster,
 )
 from tuning.search import enumerate_configs, row_to_spec
-from tuning.simulator import ModelSpec, ParallelSpec, from_run_config, simulate, validate_parallel
+from tuning.sim.simulator import ModelSpec, ParallelSpec, from_run_config, simulate, validate_parallel
 
 A100 = load_cluster("dgx-a100-80gb")
 GPT_1T = ModelSpec(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200)
@@ -238,7 +238,7 @@ def test_virtual_stage_rules() -> None:
 # ---------------------------------------------------------------- published results
 
 def test_strategy_classes() -> None:
-    from tuning.published import strategy_class
+    from tuning.sim.published import strategy_class
 
     assert strategy_class(1, 1, 1, 0) == "DP/ZeRO-1" and strategy_class(1, 1, 1, 3) == "ZeRO-3/FSDP"
     assert strategy_class(8, 1, 1, 0) == "TP" and strategy_class(1, 4, 1, 0) == "PP"
@@ -274,7 +274,7 @@ def test_zero3_collectives_are_per_block() -> None:
 
 
 def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
-    from tuning.sim_framework import FRAMEWORKS
+    from tuning.sim.framework import FRAMEWORKS
 
     # the structure (which gathers run when), not FSDP's fitted bandwidth share: both flavours at the link's rate
     monkeypatch.setitem(FRAMEWORKS, "fsdp", dataclasses.replace(FRAMEWORKS["fsdp"], zero3_bw_efficiency=1.0))
@@ -297,10 +297,10 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     assert deepspeed.dp_comm_total_s == pytest.approx(
         nmb * (gather - layers * A100.intra_latency_s) + (gather - layers * A100.intra_latency_s),
         rel=1e-9)
-    # at bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (engine/parallelize.py
+    # at bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (engine/parallel/parallelize.py
     # fsdp_mp_policy) gathers bf16 copies of the fp32 shards and reduce-scatters fp32 gradients
-    from tuning.sim_spec import columns
-    from tuning.sim_zero import dp_messages
+    from tuning.sim.spec import columns
+    from tuning.sim.zero import dp_messages
 
     sent = {p.dtype_bytes: dp_messages({**columns(p), "num_mb": np.asarray(nmb)}, model.params)
             for p in (par, dataclasses.replace(par, dtype_bytes=2))}
@@ -352,9 +352,9 @@ def test_from_run_config_maps_engine_keys() -> None:
            "batch": {"global": 16, "micro": 2}, "train": {"activation_checkpointing": True},
            "precision": "bf16", "comm": {"compressor": "int8"}, "co2": {"enabled": True}}
     model, par = from_run_config(cfg)
-    from engine.shapes import from_gpt
+    from engine.model.shapes import from_gpt
 
-    # the engine's GPT: no biases on its linear layers, so its count is engine/shapes.py's, not Megatron's
+    # the engine's GPT: no biases on its linear layers, so its count is engine/model/shapes.py's, not Megatron's
     assert (model.layers, model.hidden, model.heads, model.seq, model.vocab, model.biases) == (4, 256, 8, 128, 256, False)
     assert model.params == from_gpt(layers=4, d_model=256, heads=8, seq_len=128, vocab=256).params
     assert (par.dp, par.tp, par.pp, par.zero, par.virtual, par.schedule) == (2, 2, 2, 1, 2, "interleaved")
@@ -444,7 +444,7 @@ def test_simulate_json_interval_cli() -> None:
 
 
 def test_parameter_counts_print_in_the_unit_that_fits() -> None:
-    from tuning.simulator import format_count
+    from tuning.sim.simulator import format_count
 
     assert format_count(3_300_000) == "3.3M" and format_count(1.7e9) == "1.7B" and format_count(GPT_1T.params) == "1.0T"
     assert format_count(175e9) == "175B" and format_count(950) == "950" and format_count(12_500) == "12.5K"
@@ -480,8 +480,8 @@ def test_a_few_tokens_per_micro_batch_cost_at_least_streaming_the_weights() -> N
     """Roofline floor: with one token per micro-batch the GEMMs are memory-bound. Forward streams
     the layer's 12 h^2 weights and the vocab x h logit weights once, backward twice: at 1 GB/s and
     fp32, 3 x (12 * 256^2 + 256 * 256) x 4 B = 10.2 ms, whatever the (here absurdly high) GEMM rate."""
-    from tuning.hardware import cpu_profile
-    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+    from tuning.sim.hardware import cpu_profile
+    from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 
     fast = cpu_profile(name="t", gemm_points=[(1e3, 1e18), (1e12, 1e18)], intra=(1e-6, 100.0),
                        gpus_per_node=1, memory_gb=8.0, hbm_gb_s=1.0)
@@ -499,8 +499,8 @@ def test_a_measured_host_streams_few_token_weights_at_its_measured_rate() -> Non
     0.050 s for fwd + bwd of 4 micro-batches, priced 0.023 s at the elementwise 17 GB/s. With the
     measured rate (`weight_stream_gb_s`, here 0.5 GB/s against hbm 1 GB/s) the floor is 3 x (12 x 256^2
     + 256 x 256) x 4 B / 0.5 GB/s = 20.4 ms for one layer and one token."""
-    from tuning.hardware import cpu_profile
-    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+    from tuning.sim.hardware import cpu_profile
+    from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 
     streamed = cpu_profile(name="t", gemm_points=[(1e3, 1e18), (1e12, 1e18)], intra=(1e-6, 100.0),
                            gpus_per_node=1, memory_gb=8.0, hbm_gb_s=1.0, weight_stream_gb_s=0.5)
@@ -517,8 +517,8 @@ def test_the_simulator_prices_without_importing_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from tuning.simulator import ModelSpec, ParallelSpec, simulate; "
-            "from tuning.hardware import PRESETS; "
+    code = ("import sys; from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate; "
+            "from tuning.sim.hardware import PRESETS; "
             "simulate(ModelSpec(layers=2, hidden=64, heads=4, seq=64, vocab=256), PRESETS['dgx-a100-80gb'], "
             "ParallelSpec(tp=2, dp=4, micro=1, global_batch=8)); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -532,8 +532,8 @@ def test_fsdp_collectives_on_a_cpu_host_are_all_exposed() -> None:
     a CPU host none hides under compute. ZeRO-3 at dp 2, 2 layers, one micro-batch: 3 collectives
     (forward gather, backward gather, reduce-scatter) x 3 units (2 blocks + the root) = 9 alphas, plus
     3 x Psi x 4 B x 1/2 at 1 GB/s; Psi = 2 (12 h^2 + 13 h) + V h + s h + 2 h at h 64, V 256, s 128."""
-    from tuning.hardware import cpu_profile
-    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+    from tuning.sim.hardware import cpu_profile
+    from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 
     host = cpu_profile(name="t", gemm_points=[(1e3, 1e8), (1e12, 1e8)], intra=(1e-3, 1.0),
                        gpus_per_node=2, memory_gb=8.0, hbm_gb_s=1.0)
@@ -553,8 +553,8 @@ def test_fsdp_collectives_use_the_hosts_measured_gather_and_reduce_scatter() -> 
     gloo a reduce-scatter is slower than the all-reduce's bytes say); DDP's all-reduce keeps the link's.
     ZeRO-3, dp 2, 2 layers, one micro-batch: 2 gathers x 3 units x 2 ms + 2 x Psi x 4 B x 1/2 at 0.5 GB/s,
     plus 3 reduce-scatters x 3 ms + Psi x 4 B x 1/2 at 0.25 GB/s."""
-    from tuning.hardware import cpu_profile
-    from tuning.simulator import ModelSpec, ParallelSpec, simulate
+    from tuning.sim.hardware import cpu_profile
+    from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 
     host = cpu_profile(name="t", gemm_points=[(1e3, 1e8), (1e12, 1e8)], intra=(1e-3, 1.0),
                        gpus_per_node=2, memory_gb=8.0, hbm_gb_s=1.0,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
-from tuning.hardware import PRESETS, load_cluster
-from tuning.published import DATA, calibration_rows, held_out_rows, memory_facts, sources, validation_table
-from tuning.simulator import ModelSpec, ParallelSpec, simulate
+from tuning.sim.hardware import PRESETS, load_cluster
+from tuning.sim.published import DATA, calibration_rows, held_out_rows, memory_facts, sources, validation_table
+from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 
 # the published configs' shape fields (meta-llama/Meta-Llama-3-8B and -70B config.json)
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -68,7 +68,7 @@ def test_rows_in_source_is_the_count_of_the_stored_transcription() -> None:
 
 
 def test_leave_one_source_out_fits_never_read_the_left_out_source(tmp_path) -> None:
-    from tuning.sim_fit import fit_frameworks
+    from tuning.sim.fit import fit_frameworks
 
     data = yaml.safe_load(DATA.read_text())
     for row in data["rows"]:
@@ -83,8 +83,8 @@ def test_leave_one_source_out_fits_never_read_the_left_out_source(tmp_path) -> N
 
 
 def test_framework_terms_are_the_fit_on_every_source_and_no_kernel_rate_is_fitted() -> None:
-    from tuning.sim_fit import FITTED_TERMS, fit_frameworks
-    from tuning.sim_framework import FRAMEWORKS
+    from tuning.sim.fit import FITTED_TERMS, fit_frameworks
+    from tuning.sim.framework import FRAMEWORKS
 
     for name, value in fit_frameworks().items():
         flavour, field = name.split(".")
@@ -97,7 +97,7 @@ def test_framework_terms_are_the_fit_on_every_source_and_no_kernel_rate_is_fitte
 
 
 def test_kernel_rates_are_the_cited_measurements() -> None:
-    from tuning.sim_kernels import KERNELS, gemm_seconds, gpu_facts, quantisation
+    from tuning.sim.kernels import KERNELS, gemm_seconds, gpu_facts, quantisation
 
     facts = yaml.safe_load(KERNELS.read_text())
     assert all(src.get("paper") and src.get("where") for src in facts["sources"].values())
@@ -121,7 +121,7 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     7.5%: llm-foundry's Triton attention, slower than FlashAttention-2's published rates); NeMo's GPT-3 175B
     on H100 (3.7% vs 1.3%: its MFU, 49-50%, is the baseline's own 50%); Megatron-core's H100 weak-scaling
     table (7.7% vs 6.9%: micro-batch size unpublished); Nemotron-4 15B (10.4%: predicted 8-13% fast)."""
-    from tuning.validation import baseline_metric, loso, loso_by_source
+    from tuning.sim.validation import baseline_metric, loso, loso_by_source
 
     assert baseline_metric("mfu", 989e12) == 50.0 and baseline_metric("tflops_per_gpu", 312e12) == 156.0
     rows = loso()
@@ -142,7 +142,7 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
 # ---------------------------------------------------------------- ranking and errors
 
 def test_ranking_metrics_by_hand() -> None:
-    from tuning.validation import spearman, top1_regret
+    from tuning.sim.validation import spearman, top1_regret
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
@@ -152,7 +152,7 @@ def test_ranking_metrics_by_hand() -> None:
 
 
 def test_zero3_rows_fall_with_gpu_count_as_measured(table) -> None:
-    from tuning.validation import loso
+    from tuning.sim.validation import loso
 
     zero3 = table[table["id"].str.startswith("nar-t2-zero3")].merge(loso()[["id", "loso_error_pct"]], on="id")
     for size in ("175b", "530b"):
@@ -165,7 +165,7 @@ def test_zero3_rows_fall_with_gpu_count_as_measured(table) -> None:
 
 
 def test_memory_facts_trained_layouts_fit(table) -> None:
-    from tuning.validation import memory_check
+    from tuning.sim.validation import memory_check
 
     # every published row trained, so each must fit (Nemotron-4 340B on 128 H100 too: NeMo's distributed_fused_adam
     # with optim.dtype bf16 keeps 4 bytes of Adam state per parameter, tests/test_sim_memory.py)
@@ -182,7 +182,7 @@ def test_memory_facts_trained_layouts_fit(table) -> None:
 # ---------------------------------------------------------------- domain of validity
 
 def test_prediction_outside_the_validated_domain_is_flagged_and_wider() -> None:
-    from tuning.sim_domain import prediction
+    from tuning.sim.domain import prediction
 
     mpt7b = ModelSpec(layers=32, hidden=4096, heads=32, seq=2048, vocab=50368, biases=False, learned_positions=False)
     common = dict(hardware="dgx-a100-80gb", framework="fsdp", tp=1, pp=1, virtual=1, zero=3, micro=6,
@@ -302,8 +302,8 @@ def test_the_json_export_carries_the_model_shape() -> None:
     import optuna
 
     from engine.config import load_config
-    from engine.model import count_parameters
-    from tuning.export import export_trial
+    from engine.model.gpt import count_parameters
+    from tuning.export.trial import export_trial
 
     cfg = load_config(None, ["model.layers=3", "model.d_model=64", "model.heads=4", "model.seq_len=32"])
     study = optuna.create_study(direction="maximize")

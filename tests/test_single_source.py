@@ -9,7 +9,8 @@ def test_names_and_helpers_are_one_object():
     from engine.comm import compress, link
     from engine.parallel import pipeline
     from profilers import bandwidth
-    from tuning import simulator, space
+    from tuning import space
+    from tuning.sim import simulator
 
     assert compress.COMPRESSORS is validate.COMPRESSORS and tuple(compress.HOOKS) == validate.COMPRESSORS
     assert pipeline.SCHEDULES is validate.SCHEDULES
@@ -32,7 +33,7 @@ def test_memory_estimate_uses_the_pipeline_split():
     """Interleaved: pp rank r holds chunks r, r + pp, ... of `layer_split` (the old copy read
     one entry per rank and missed the rank's second chunk)."""
     from engine.config import load_config
-    from engine.memory import _stage_layers
+    from engine.train.memory import _stage_layers
 
     cfg = load_config(None, ["model.layers=6", "parallel.pp=2", "parallel.schedule=interleaved",
                              "parallel.virtual=2", "parallel.layer_split=[1,2,1,2]", "batch.global=8",

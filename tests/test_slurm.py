@@ -19,8 +19,8 @@ import pytest
 
 from engine.config import load_config
 from engine.errors import ConfigError
-import engine.slurm as slurm_mod
-from engine.slurm import JobState, batch_script, job_srun, job_state, parse_scontrol, slurm_reason
+import engine.launch.slurm as slurm_mod
+from engine.launch.slurm import JobState, batch_script, job_srun, job_state, parse_scontrol, slurm_reason
 from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
     assert last.startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=32 --kill-on-bad-exit=1 "
                            "--gpus-per-task=8 "), last
     # Slurm's warning 90 s before the limit; the job requeues itself once the ranks checkpointed
-    assert "-m engine.preempt " in last
+    assert "-m engine.launch.preempt " in last
     assert slurm_mod.rank_env(cfg, run_id="r1", home=run_dir, telemetry="h:1")["WORKBENCH_PREEMPTIBLE"] == "1"
     for line in ("#SBATCH --signal=USR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert line in script.splitlines(), line
@@ -82,7 +82,7 @@ def test_two_nodes_of_eight_gpus_is_one_job_with_one_torchrun_per_node():
         "if [ -e /shared/home/runs/r1/requeue ]; then rm -f /shared/home/runs/r1/requeue; "
         'scontrol requeue "$SLURM_JOB_ID"; exit 0; fi', "exit $status"]
     for arg in ("--nproc-per-node=8", "--nnodes=2", "--rdzv-backend=c10d", '"--rdzv-endpoint=$HEAD:$PORT"',
-                '"--rdzv-id=$SLURM_JOB_ID"', "-m engine.worker"):
+                '"--rdzv-id=$SLURM_JOB_ID"', "-m engine.launch.worker"):
         assert arg in last, arg
     assert "--node-rank" not in last  # the c10d rendezvous numbers the nodes
 
@@ -230,7 +230,7 @@ def _left(run_dir: Path) -> list[str]:
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
 def test_a_two_rank_run_through_slurm_lands_its_steps_in_the_store(tmp_path):
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     seen = []
@@ -265,7 +265,7 @@ def _failing_queries(folder: Path, flag: Path) -> str:
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
 def test_scontrol_and_squeue_failing_for_ten_seconds_never_end_the_run(tmp_path, monkeypatch):
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     flag = tmp_path / "controller-busy"
     monkeypatch.setenv("PATH", _failing_queries(tmp_path / "bin", flag))
@@ -289,7 +289,7 @@ def test_scontrol_and_squeue_failing_for_ten_seconds_never_end_the_run(tmp_path,
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
 def test_a_job_sbatch_refuses_is_a_failed_run_with_slurms_message(tmp_path):
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     result = launch(_cfg("parallel.dp=1", "batch.global=2", "cluster.partition=nosuchpartition"), home=tmp_path,
@@ -552,7 +552,7 @@ def _losses(store, run_id: str, rank: int) -> list[tuple[int, float]]:
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
 def test_slurms_warning_signal_checkpoints_requeues_and_the_loss_continues(tmp_path):
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     steps = 40

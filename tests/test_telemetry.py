@@ -272,7 +272,7 @@ def test_a_rank_of_one_run_cannot_write_into_another_run_on_a_shared_store(tmp_p
     from contextlib import nullcontext
 
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RUNS_ENV
     from tests.pg_schema import pg_schema
 

@@ -20,7 +20,7 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _tp_model(tp_mesh, sequence_parallel: bool):
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.tensor import apply_tensor_parallel
 
     return apply_tensor_parallel(build_model(tiny_model_config(), seed=0), tp_mesh,
@@ -31,7 +31,7 @@ def _first_grads(model) -> dict[str, torch.Tensor]:
     """Full gradients after one backward of the first micro-batch of the first global batch."""
     from torch.distributed.tensor import DTensor
 
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
 
     mb = _batches()[0][:MICRO]
     loss_fn(model(mb[:, :-1]), mb[:, 1:]).backward()
@@ -94,7 +94,7 @@ def _dp_tp_body(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.zero import build_optimizer
 
     model = build_model(tiny_model_config(), seed=0)
@@ -164,7 +164,7 @@ def test_tensor_parallel_refuses_tp_that_does_not_divide_heads():
         def size(self) -> int:
             return 3
 
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     with pytest.raises(ValueError, match=r"tp=3 must divide model.heads=4 .*; try 1, 2, 4"):
         apply_tensor_parallel(build_model(tiny_model_config(), seed=0), FakeMesh())

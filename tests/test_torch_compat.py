@@ -127,7 +127,7 @@ def test_c10d_groups_and_ddp_ignore_on_one_rank() -> None:
 
 
 def test_dry_run_symbols() -> None:
-    """engine/dryrun.py's: the fake store and tensor mode, torch's trackers, the sharding propagation's
+    """engine/train/dryrun.py's: the fake store and tensor mode, torch's trackers, the sharding propagation's
     own fake mode, static stage shapes, and the op a host read dispatches."""
     fake_mode = tc.fake_tensor_mode()
     with fake_mode():

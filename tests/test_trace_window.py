@@ -12,7 +12,7 @@ from engine.config import load_config
 
 
 def test_a_two_step_window_records_two_training_steps(tmp_path):
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(None, ["model.layers=1", "model.d_model=32", "model.heads=4", "model.seq_len=16",
                              "model.vocab=256", "batch.global=4", "train.steps=5", "profile.trace_steps=[2, 3]",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parent.parent / "engine" / "train.py"
+TRAIN = Path(__file__).resolve().parent.parent / "engine" / "train" / "trainer.py"
 MAX_TRAINER_LINES = 300
 
 

@@ -140,7 +140,7 @@ def small_checkpoint(tmp_path_factory) -> Path:
     import torch
 
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     folder = tmp_path_factory.mktemp("ckpt")
     cfg = load_config(None, [*TINY_CKPT, "train.steps=1", "train.checkpoint_interval=1",
@@ -159,7 +159,7 @@ def _stored_as_pickled_bytes(ckpt: Path, folder: Path, key: str, marker: Path) -
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from engine.checkpoint import _reader
+    from engine.train.checkpoint import _reader
 
     copy = Path(shutil.copytree(ckpt, folder / ckpt.name))
     metadata = _reader(copy).read_metadata()
@@ -186,9 +186,9 @@ def test_a_checkpoint_item_stored_as_pickled_bytes_runs_nothing(tmp_path, small_
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from engine.checkpoint import _reader, check_resume
+    from engine.train.checkpoint import _reader, check_resume
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     marker = tmp_path / "pwned"
     copy = _stored_as_pickled_bytes(small_checkpoint, tmp_path, key, marker)
@@ -214,7 +214,7 @@ def test_a_token_id_beyond_the_vocabulary_is_named_not_looked_up(tmp_path):
     import numpy as np
 
     from engine.config import load_config
-    from engine.data_sources import build_streams
+    from engine.data.sources import build_streams
 
     ids = np.arange(4000) % 256
     ids[1234] = 300
@@ -241,7 +241,7 @@ def test_a_weights_folder_that_would_run_code_runs_nothing(tmp_path):
 
     from engine.config import load_config
     from engine.errors import ConfigError
-    from engine.hf import build_hf_model
+    from engine.model.hf import build_hf_model
 
     llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}

@@ -96,7 +96,7 @@ def test_a_config_json_and_a_token_file_tune_and_export_to_torchtitan_and_accele
     import optuna
 
     from engine.config import from_dict
-    from tuning.export import pick_trial
+    from tuning.export.trial import pick_trial
 
     best = from_dict(pick_trial(optuna.load_study(study_name="own", storage=storage)).user_attrs["config"])
     assert best.model.hf == str(model) and best.data.path == str(tokens)

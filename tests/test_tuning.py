@@ -14,9 +14,9 @@ import yaml
 from optuna.trial import TrialState
 
 from engine.config import from_dict, load_config
-from engine.launch import launch
+from engine.launch.local import launch
 from profilers.store import RunStore
-from tuning.export import export_trial
+from tuning.export.trial import export_trial
 from tuning.objective import SKIPPED_ATTR, Objective, median_ci
 from tuning.space import SearchSpace, layouts
 from tuning.study import load_study, run_trials

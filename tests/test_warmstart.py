@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from engine.config import load_config
-from tuning.hardware import cpu_profile, save_cluster
+from tuning.sim.hardware import cpu_profile, save_cluster
 from tuning.objective import Objective
 from tuning.space import SearchSpace
 from tuning.study import load_study, run_trials

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import BatchConfig, ParallelConfig, RunConfig
-from engine.memory import estimate_memory, measure_model_state
+from engine.train.memory import estimate_memory, measure_model_state
 from parallel_harness import global_batches, micro_batches, run_ranks, tiny_model_config, train_steps
 
 STEPS, GLOBAL_BATCH, MICRO, LR, MAX_NORM, TOL = 5, 8, 2, 1e-2, 0.5, 1e-4
@@ -28,7 +28,7 @@ def _kept_after_forward(model) -> bool:
     """Whether a block weight is still unsharded (a plain tensor) between forward and backward."""
     from torch.distributed.tensor import DTensor
 
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
 
     mb = _batches()[0][:MICRO]
     loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
@@ -46,7 +46,7 @@ def _no_sync_probe(model, dp_rank: int) -> tuple:
     """
     from torch.distributed.tensor import DTensor
 
-    from engine.model import loss_fn
+    from engine.model.gpt import loss_fn
     from engine.parallel.data import no_sync_context
 
     mb = _batches()[0][dp_rank * MICRO:(dp_rank + 1) * MICRO]
@@ -65,8 +65,8 @@ def _peak_step(model, opt, dp_rank: int, stage: int) -> dict:
     """Model state at its peak in one more step, as the engine runs it (ZeRO-2/3 reduce-scatter
     every micro-batch, ZeRO-2 keeps parameters gathered between them): params and grads during
     backward, optimizer states after the step."""
-    from engine.memory import ModelStatePeak
-    from engine.model import loss_fn
+    from engine.train.memory import ModelStatePeak
+    from engine.model.gpt import loss_fn
     from engine.parallel.data import no_sync_context
 
     from engine.parallel.zero import keep_gathered
@@ -97,7 +97,7 @@ def _run(model, mesh, stage: int) -> dict:
 def _dp2_body(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.data import apply_data_parallel
     from engine.parallel.zero import apply_zero
 
@@ -124,7 +124,7 @@ def _dropout_runs(mesh) -> dict:
     dropout cannot match: each dp rank draws masks for its own slice of the batch."""
     import dataclasses
 
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.data import apply_data_parallel
     from engine.parallel.zero import apply_zero
 
@@ -141,7 +141,7 @@ def _dropout_runs(mesh) -> dict:
 def _dp2_tp2_body(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.tensor import apply_tensor_parallel
     from engine.parallel.zero import apply_zero
 
@@ -157,7 +157,7 @@ def _dp2_tp2_body(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    from engine.model import build_model
+    from engine.model.gpt import build_model
     from engine.parallel.zero import build_optimizer
 
     model = build_model(tiny_model_config(), seed=0)
@@ -279,7 +279,7 @@ def test_estimate_scales_with_layout():
 
 
 def test_measure_counts_tied_weights_once():
-    from engine.model import build_model
+    from engine.model.gpt import build_model
 
     model = build_model(tiny_model_config(), seed=0)
     unique = sum(p.numel() for p in model.parameters())  # parameters() already deduplicates
@@ -289,7 +289,7 @@ def test_measure_counts_tied_weights_once():
 
 def test_activation_estimate_within_15_percent_of_saved_tensors():
     """Bytes autograd saves in one forward (parameters excluded) against the no-recompute estimate."""
-    from engine.model import build_model, loss_fn
+    from engine.model.gpt import build_model, loss_fn
 
     cfg = _config(dp=1, tp=1, zero=0)
     model = build_model(cfg.model, seed=0)
@@ -312,7 +312,7 @@ def test_engine_records_zero2_peak_within_10_percent_of_estimate(tmp_path):
     """The train loop's memory records under ZeRO-2 with gradient accumulation: the measured peak
     (ModelStatePeak over the first step) next to the estimate, each within 10%."""
     from engine.config import load_config
-    from engine.launch import launch
+    from engine.launch.local import launch
     from profilers.store import RunStore
 
     cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=16",
@@ -330,7 +330,7 @@ def test_engine_records_zero2_peak_within_10_percent_of_estimate(tmp_path):
 def test_model_state_peak_start_stop_spans_a_backward_and_removes_its_hooks():
     """What Trainer.train_step does on the first profiled step (start before the step's clocks,
     stop after the optimizer): params and grads at their peak, no hook left behind."""
-    from engine.memory import ModelStatePeak
+    from engine.train.memory import ModelStatePeak
 
     model = torch.nn.Linear(4, 4)  # 16 + 4 fp32 parameters: 80 bytes, and 80 of gradients
     peak = ModelStatePeak([model]).start()
@@ -345,7 +345,7 @@ def test_the_engines_adamw_is_fused_on_cpu_and_steps_as_the_foreach_one():
     """One AdamW kernel per step where torch has it (CPU, CUDA): the foreach default took 2.8-6.3x as
     long per step on this host (bench/optimizer.py). Same weights as the foreach AdamW after 3 steps with
     weight decay (decayed matrices, undecayed norms/biases)."""
-    from engine.model import GPT
+    from engine.model.gpt import GPT
     from engine.parallel.zero import build_optimizer, param_groups
 
     torch.manual_seed(0)

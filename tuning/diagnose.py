@@ -6,7 +6,7 @@ exposed communication (balanced, or one rank waiting far longer: an unbalanced l
 (the others wait for it), the pipeline bubble, a memory-bound optimizer step, data loading. Each
 finding carries suggestions, each priced for this run:
 
-- basis "simulator": the config change goes through the simulator (tuning/simulator.py) for the run
+- basis "simulator": the config change goes through the simulator (tuning/sim/simulator.py) for the run
   as recorded and as changed, on this home's calibrated profile (`workbench calibrate`) or else a
   profile fitted to the run (its compute rate and bus bandwidth). Each simulated part (compute,
   communication, bubble, optimizer) is scaled by the run's measured part over the simulated one, so
@@ -184,8 +184,8 @@ class _Pricer:
         """A one-node profile whose GEMM rate and link reproduce this run's compute and bandwidth."""
         import psutil
 
-        from tuning.calibration import predict_run
-        from tuning.hardware import cpu_profile
+        from tuning.calibrate.calibration import predict_run
+        from tuning.sim.hardware import cpu_profile
 
         def profile(rate: float, bw: float) -> Any:
             return cpu_profile(name="fitted to the run", gemm_points=[(1e3, rate), (1e18, rate)], intra=(2e-5, bw),
@@ -201,7 +201,7 @@ class _Pricer:
         return profile(max(rate, 1.0), max(bw, 1e-6))
 
     def _parts(self, config: dict[str, Any]) -> dict[str, float] | None:
-        from tuning.calibration import predict_run
+        from tuning.calibrate.calibration import predict_run
 
         if self.cluster is None:
             return None

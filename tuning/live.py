@@ -1,11 +1,11 @@
 """Live in-job tuning: one long run, a new trial every `segment_steps` steps.
 
 Knobs that need no restart (comm.density, comm.rank, co2.tau, co2.outer_lr, link.*, batch.micro,
-train.lr) are taken from the study at each boundary (engine/live.py), measured over the segment
+train.lr) are taken from the study at each boundary (engine/train/live.py), measured over the segment
 (its first step skipped: a knob change can cost a warm-up step) and told to the study. Each
 segment is its own trial, linked to the same run; the store's segments table marks the timeline.
 
-A knob that cannot act in the run (engine.live.inert_knobs: link.* without a link at start,
+A knob that cannot act in the run (engine.train.live.inert_knobs: link.* without a link at start,
 comm.density without topk/randk, co2.* without CO2, batch.micro under pp > 1) is refused before
 the run starts; a segment whose combination makes a knob inert is pruned with the reason.
 lr-like knobs (train.lr, co2.outer_lr) need objective throughput+val_loss: each segment then
@@ -26,9 +26,9 @@ from optuna.trial import TrialState
 
 from engine.config import RunConfig, replace
 from engine.errors import ConfigError
-from engine.launch import launch
-from engine.run_record import RunResult
-from engine.live import inert_knobs
+from engine.launch.local import launch
+from engine.launch.run_record import RunResult
+from engine.train.live import inert_knobs
 from profilers.store import RunStore, default_home
 from tuning.objective import PARETO, THROUGHPUT
 from tuning.space import LIVE_KEYS, SearchSpace

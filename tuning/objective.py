@@ -19,8 +19,8 @@ import optuna
 
 from engine.config import RunConfig, replace
 from engine.errors import ConfigError
-from engine.launch import launch
-from engine.run_record import RunResult
+from engine.launch.local import launch
+from engine.launch.run_record import RunResult
 from tuning.space import SearchSpace
 
 THROUGHPUT = "throughput"
@@ -81,7 +81,7 @@ class Objective:
         as stale (two workers on a busy CI machine: 'worker died: no heartbeat since ... (5 s, grace 3 s)')."""
         import contextlib
 
-        from engine.memory import check_fits
+        from engine.train.memory import check_fits
 
         if self.launcher == "local":
             with contextlib.suppress(Exception):  # only a warm-up: a trial reports its own config's errors
@@ -128,7 +128,7 @@ class Objective:
         over = self._memory_over(cfg)
         if over:
             return self._prune(trial, over)
-        from engine.memory import check_fits
+        from engine.train.memory import check_fits
 
         try:
             if self.launcher == "local":  # this machine's memory, as `workbench run` checks it (not a cluster's nodes)
@@ -151,7 +151,7 @@ class Objective:
     def _memory_over(self, cfg: RunConfig) -> str | None:
         if self.memory_limit_gb is None:
             return None
-        from engine.memory import estimate_memory
+        from engine.train.memory import estimate_memory
 
         est = sum(estimate_memory(cfg).values()) / 2**30
         trial_note = f"estimated {est:.2f} GiB per rank > memory limit {self.memory_limit_gb:.2f} GiB"

@@ -6,7 +6,7 @@ exportable as that framework's launch (tuning/export*.py).
 real world size, the cluster's nodes); `export_plan(plan, pick, fmt)` its export. A tuner study of a stand-in
 (a smaller model or fewer ranks) calibrates the ranking with its measured / predicted factor per strategy
 class (tuning/warmstart.py `refit_correction`), and `stand_in_line` says when a study's trial is a stand-in.
-`dry_run_top(plan, k)` dry-runs the top layouts (engine/dryrun.py: the real program at the real world size, one
+`dry_run_top(plan, k)` dry-runs the top layouts (engine/train/dryrun.py: the real program at the real world size, one
 step on torch's fake backend) and judges each against the cluster's device memory.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ import pandas as pd
 
 from engine.config import RunConfig, apply_overrides, from_dict
 from engine.errors import ConfigError
-from tuning.hardware import ClusterSpec
-from tuning.simulator import ModelSpec
+from tuning.sim.hardware import ClusterSpec
+from tuning.sim.simulator import ModelSpec
 
 TARGETS = ("yaml", "megatron", "deepspeed", "torchtitan", "accelerate")
-# the simulator's framework flavour each target is priced as (tuning/sim_framework.py); the engine on GPUs
+# the simulator's framework flavour each target is priced as (tuning/sim/framework.py); the engine on GPUs
 # shards like torchtitan (FSDP2), its "engine" flavour carries a CPU host's costs
 SIM_FRAMEWORK = {"yaml": "fsdp", "megatron": "megatron", "deepspeed": "deepspeed", "torchtitan": "fsdp",
                  "accelerate": "fsdp"}
@@ -79,7 +79,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch
     """The `top` fastest layouts that fit in memory, with the simulator's measured-time interval; ranked by the
     time a stand-in `study` corrects them to when one is given (ValueError: a target or a job nothing fits)."""
     from tuning.search import add_uncertainty, enumerate_configs
-    from tuning.sim_framework import framework_code
+    from tuning.sim.framework import framework_code
 
     if target not in TARGETS:
         raise ValueError(f"target={target!r} must be one of {', '.join(TARGETS)}")
@@ -129,7 +129,7 @@ def _engine_runs(plan: Plan, top: int) -> pd.DataFrame:
 def _calibrate(df: pd.DataFrame, study: Any) -> dict[str, Any]:
     """Correct each row's time by the study's measured / predicted factor of its strategy class (in place), and
     describe the stand-in it was learnt on."""
-    from tuning.published import strategy_class
+    from tuning.sim.published import strategy_class
     from tuning.warmstart import refit_correction
 
     correction = refit_correction(study)
@@ -190,9 +190,9 @@ def base_config(path: str | Path | None, overrides: list[str]) -> dict[str, Any]
 def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str, list[str]]:
     """Ranked layout `pick` exported as `fmt` (default: the plan's target), and what the export does not carry
     (ValueError, one line, where the target cannot take the model: a torchtitan shape with no flavor)."""
-    from tuning.export import to_deepspeed, to_yaml
-    from tuning.export_frameworks import accelerate_yaml, to_accelerate, to_torchtitan, to_toml
-    from tuning.export_megatron import megatron_args, megatron_script
+    from tuning.export.trial import to_deepspeed, to_yaml
+    from tuning.export.frameworks import accelerate_yaml, to_accelerate, to_torchtitan, to_toml
+    from tuning.export.megatron import megatron_args, megatron_script
 
     cfg = plan_config(plan, pick)
     fmt = fmt or plan.target
@@ -217,7 +217,7 @@ class DryRunCheck:
     simulator's memory per GPU, judged against the device memory (`refusal`: why it does not fit)."""
 
     pick: int
-    judged_by: str  # "dry run"; "estimate" (engine/memory.py): the dry run cannot play it; "none": the engine cannot
+    judged_by: str  # "dry run"; "estimate" (engine/train/memory.py): the dry run cannot play it; "none": the engine cannot
     peaks: list[tuple[str, float]]  # (role, bytes at its peak): "pp 0", ... (dry run); "rank" (the estimate's)
     largest: str  # the category holding the most bytes at the busiest role's peak
     simulator_bytes: float  # the simulator's memory per GPU (the most loaded stage)
@@ -238,12 +238,12 @@ class DryRunCheck:
 def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = None,
                 run: Callable[[RunConfig], Any] | None = None,
                 progress: Callable[[int, RunConfig], None] | None = None) -> list[DryRunCheck]:
-    """Dry-run the top `k` layouts (`run`: engine.dryrun.dry_run_subprocess, one process each) and judge each
+    """Dry-run the top `k` layouts (`run`: engine.train.dryrun.dry_run_subprocess, one process each) and judge each
     against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP, FlexSP)
     is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called before
     each dry run (an 8B one takes minutes)."""
     from engine.config import validate
-    from engine.dryrun import GIB, check_playable, dry_run_subprocess
+    from engine.train.dryrun import GIB, check_playable, dry_run_subprocess
 
     run = run or dry_run_subprocess
     if device_memory_gib is not None:
@@ -277,7 +277,7 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
 
 def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, name: str,
                  seconds: float) -> DryRunCheck:
-    from engine.dryrun import fits_error
+    from engine.train.dryrun import fits_error
 
     busiest = dry.peak_role()
     error = fits_error(dry, limit_bytes=limit, limit_name=name, cfg=cfg)
@@ -288,7 +288,7 @@ def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, 
 
 
 def _estimated(cfg: RunConfig, pick: int, sim: float, limit: float, name: str, note: str) -> DryRunCheck:
-    from engine.memory import estimate_memory, memory_error
+    from engine.train.memory import estimate_memory, memory_error
 
     est = estimate_memory(cfg)
     error = memory_error(cfg, limit_bytes=limit, ranks_sharing=1, limit_name=name)
@@ -301,7 +301,7 @@ def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | 
                   target_gpus: int | None = None) -> str | None:
     """One line when a tuned trial ran a stand-in: a smaller model than the target, fewer ranks than its GPUs,
     or CPU ranks (no target given); None when it is the real job."""
-    from engine.shapes import from_gpt, from_hf_config
+    from engine.model.shapes import from_gpt, from_hf_config
 
     m = cfg.model
     shape = from_hf_config(m.hf) if m.hf is not None else from_gpt(layers=m.layers, d_model=m.d_model, heads=m.heads,
@@ -312,7 +312,7 @@ def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | 
     fewer = target_gpus is not None and cfg.world_size < target_gpus
     if not (smaller or fewer or (on_cpu and target_params is None and target_gpus is None)):
         return None
-    from tuning.simulator import format_count
+    from tuning.sim.simulator import format_count
 
     ranks = f"{cfg.world_size} {'CPU ' if on_cpu else ''}rank{'s' if cfg.world_size > 1 else ''}"
     return (f"this trial ran a stand-in ({format_count(shape.params)} parameters on {ranks}); for the real model: "

@@ -3,7 +3,7 @@
 `enumerate_configs` builds every valid (tp, pp, dp, virtual, micro, zero, recompute, sequence
 parallel, schedule, context parallel cp and its implementation, expert parallel ep) for a model
 and GPU count as numpy arrays and prices them in one call of
-`tuning.simulator.evaluate_arrays`; no Python loop runs per configuration.
+`tuning.sim.simulator.evaluate_arrays`; no Python loop runs per configuration.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tuning.hardware import ClusterSpec
-from tuning.sim_context import CP_IMPLS
-from tuning.simulator import (
+from tuning.sim.hardware import ClusterSpec
+from tuning.sim.context import CP_IMPLS
+from tuning.sim.simulator import (
     RECOMPUTE,
     SCHEDULES,
     ModelSpec,
@@ -93,7 +93,7 @@ def _grid(axes: dict[str, list[Any]]) -> dict[str, np.ndarray]:
 
 def _layout_ok(model: ModelSpec, gpus: int, global_batch: int, g: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(valid layout rows, dp) for tp, pp, virtual, micro, schedule, cp, cp_impl: the rules of
-    `validate_parallel` (cp: tuning/sim_context.validate), without duplicates (one cp_impl at cp=1,
+    `validate_parallel` (cp: tuning/sim/context.py validate), without duplicates (one cp_impl at cp=1,
     GPipe = 1F1B without a pipeline)."""
     tp, pp, v, micro, cp = g["tp"], g["pp"], g["virtual"], g["micro"], g["cp"]
     ok = (gpus % (tp * pp * cp) == 0) & (model.heads % tp == 0) & (model.layers % (pp * v) == 0)
@@ -232,11 +232,11 @@ def best_configs(df: pd.DataFrame, k: int = 10, *, fits_only: bool = True) -> pd
 def add_uncertainty(df: pd.DataFrame, *, hardware: str = "", framework: str = "megatron",
                     params: float = 0.0) -> pd.DataFrame:
     """Add strategy_class, time_lo_s / time_hi_s (measured-time interval from held-out residuals,
-    widened outside the validated domain: tuning/sim_domain.py), extrapolated (outside the domain of
+    widened outside the validated domain: tuning/sim/domain.py), extrapolated (outside the domain of
     `hardware` / `framework` / the class at this GPU count, micro-batch and model size of `params`)
     and overlaps_best: the interval overlaps the best fitting one's, so the data cannot tell the two
     apart. Returns `df` (columns added in place)."""
-    from tuning.sim_domain import interval_fields
+    from tuning.sim.domain import interval_fields
 
     gpus = df["dp"].to_numpy() * df["tp"].to_numpy() * df["pp"].to_numpy() * df.get("cp", pd.Series(1, index=df.index)).to_numpy()
     fields = interval_fields(df["iteration_time_s"].to_numpy(), df["tp"].to_numpy(), df["pp"].to_numpy(),
@@ -369,9 +369,9 @@ def published_comparison() -> pd.DataFrame:
     """Simulated vs published throughput for every row of tuning/data/published.yaml.
 
     One row per measurement with its source, strategy class, `fitted` (calibration row) flag and
-    error_pct; see `tuning.published.validation_table` and `summarize`.
+    error_pct; see `tuning.sim.published.validation_table` and `summarize`.
     """
-    from tuning.published import validation_table
+    from tuning.sim.published import validation_table
 
     return validation_table()
 

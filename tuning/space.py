@@ -286,9 +286,9 @@ class SearchSpace:
 
     def check_live(self, base: RunConfig, *, loss_aware: bool) -> None:
         """Refuse, before a live run starts, a knob it cannot change, one that cannot act in a run
-        started as `base` (engine.live.inert_knobs), or an lr-like knob under a throughput-only
+        started as `base` (engine.train.live.inert_knobs), or an lr-like knob under a throughput-only
         objective (its effect is on the loss, not the speed)."""
-        from engine.live import LR_LIKE, inert_knobs
+        from engine.train.live import LR_LIKE, inert_knobs
 
         keys = [p.key for p in self.params]
         not_live = [k for k in keys if k not in LIVE_KEYS]

@@ -309,7 +309,7 @@ def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats:
     """Re-run the best `top` configs and pick the best by median of all measurements, so noise
     does not choose the winner; recorded as study user attributes."""
     from engine.config import from_dict
-    from engine.launch import launch
+    from engine.launch.local import launch
     from tuning.objective import median_ci
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if len(t.values) == 1]

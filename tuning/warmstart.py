@@ -32,14 +32,14 @@ MAX_CANDIDATES = 2000
 
 def local_profile(world: int, home: str | Path | None = None):
     """The calibrated profile of this machine for `world` ranks (`workbench calibrate --world`), or None."""
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
 
     path = (Path(home) if home else default_home()) / "hardware" / f"cpu-local-{world}.yaml"
     return load_cluster(path) if path.is_file() else None
 
 
 def predict_tokens_per_s(cfg: RunConfig, cluster) -> float | None:
-    from tuning.calibration import predict_run
+    from tuning.calibrate.calibration import predict_run
 
     try:
         return float(predict_run(cfg, cluster).tokens_per_s)
@@ -123,8 +123,8 @@ class Correction:
 
 def trial_class(cfg: dict[str, Any]) -> str:
     """The simulator's strategy class of a trial's run config (`user_attrs['config']`)."""
-    from tuning.published import strategy_class
-    from tuning.simulator import from_run_config
+    from tuning.sim.published import strategy_class
+    from tuning.sim.simulator import from_run_config
 
     _, par = from_run_config(cfg)
     return str(strategy_class(par.tp, par.pp, par.virtual, par.zero))
@@ -223,7 +223,7 @@ def record_prediction(trial: optuna.trial.Trial, cfg: RunConfig, cluster) -> Non
     finished so far (`refit_correction`): tokens/s and step time (s), the strategy class and
     compressor, the factor applied, its level and how many finished trials it was learnt from. A
     config the simulator cannot price records nothing."""
-    from tuning.calibration import predict_run
+    from tuning.calibrate.calibration import predict_run
 
     try:
         result = predict_run(cfg, cluster)

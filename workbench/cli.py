@@ -74,7 +74,7 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     """Train one config on dp*tp*pp*cp ranks (experts over ep of them) and record its telemetry."""
     import signal
 
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     def on_term(signum, frame):  # a stop from the dashboard: end the ranks, mark the run interrupted
         raise KeyboardInterrupt
@@ -95,8 +95,8 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
             from engine.mesh import world_product
 
             fail(f"--nnodes={nnodes}: must divide the world size {world_product(cfg.parallel.cp)} = {cfg.world_size}")
-        from engine.dryrun import device_memory_target
-        from engine.memory import check_fits
+        from engine.train.dryrun import device_memory_target
+        from engine.train.memory import check_fits
 
         if device_memory_target(cfg, device_memory) is None:  # a device target: launch()'s dry run judges it
             check_fits(cfg, nnodes)
@@ -127,7 +127,7 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
 
 def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -> None:
     """`run --launcher slurm`: print the job (--dry-run) or submit it and follow it to its end."""
-    from engine.slurm import SlurmError, dry_run as slurm_dry_run
+    from engine.launch.slurm import SlurmError, dry_run as slurm_dry_run
 
     if dry_run:
         sys.stdout.write(slurm_dry_run(cfg))
@@ -146,7 +146,7 @@ def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -
 
 
 def _launch_slurm_quietly(cfg, timeout: Optional[float]):
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     return launch(cfg, timeout_s=timeout, launcher="slurm")
 
@@ -156,7 +156,7 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
                        device_memory_gib: Optional[float] = None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engine.launch import launch
+    from engine.launch.local import launch
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as progress:
@@ -334,7 +334,7 @@ def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / ar
              eos_id: int = typer.Option(-1, help="Id written after each document; -1: none")) -> None:
     """Write a token file (nanoGPT layout) that `data.source=tokens` reads."""
     from engine.config import from_dict
-    from engine.data_sources import write_token_file
+    from engine.data.sources import write_token_file
     from engine.validate import check
     from engine.validate_files import tokenizer_vocab
 

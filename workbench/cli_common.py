@@ -56,7 +56,7 @@ def check_launcher(launcher: str, dry_run: bool, *, multi_node: bool = False) ->
 
 def check_sbatch() -> None:
     """One line, before any run or study is registered, when Slurm's sbatch is missing."""
-    from engine.slurm import SlurmError, require_sbatch
+    from engine.launch.slurm import SlurmError, require_sbatch
 
     try:
         require_sbatch()

@@ -1,4 +1,4 @@
-"""`workbench dryrun`: one step of the real program at the real world size on this CPU (engine/dryrun.py),
+"""`workbench dryrun`: one step of the real program at the real world size on this CPU (engine/train/dryrun.py),
 per rank role: memory by category and collective bytes per mesh axis, beside the simulator's figures."""
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
     """Dry-run one training step at the real world size: the real model and parallelize() on torch's fake
     backend under FakeTensorMode; memory per category and collective bytes per axis beside the simulator's."""
     from engine.config import apply_overrides, from_dict, load_yaml
-    from engine.dryrun import GIB, at_world, dry_run, fits_error
+    from engine.train.dryrun import GIB, at_world, dry_run, fits_error
     from engine.errors import ConfigError
-    from tuning.hardware import load_cluster
-    from tuning.sim_dryrun import side_by_side
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.dryrun import side_by_side
 
     check_number("--world", world, 1)
     check_number("--device-memory", device_memory, 0, exclusive=True)

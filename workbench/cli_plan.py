@@ -1,5 +1,5 @@
 """`workbench plan`: the layouts of the real model on the real cluster, ranked by the simulator for a target
-framework, the dry run of the top ones (engine/dryrun.py) and the export of any of them (tuning/plan.py)."""
+framework, the dry run of the top ones (engine/train/dryrun.py) and the export of any of them (tuning/plan.py)."""
 from __future__ import annotations
 
 import sys
@@ -62,7 +62,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     """Rank the layouts of the real model on the real cluster for a target framework (simulator: time
     interval, memory), dry-run the top ones (--dry-run K), and export one of them."""
     from engine.errors import ConfigError
-    from tuning.hardware import load_cluster
+    from tuning.sim.hardware import load_cluster
     from tuning.plan import base_config, make_plan
     from workbench.cli_sim import _model
 
@@ -159,7 +159,7 @@ def _show_dry_runs(result, checks: list) -> None:
               ["pick", "fits", "judged by", "peak per role (GiB)", "simulator (GiB)", "largest"], rows, console)
     for c in checks:
         if c.note:
-            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/memory.py)"
+            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/train/memory.py)"
             console.print(f"layout {c.pick} {how}: {c.note}", markup=False, highlight=False, soft_wrap=True)
         if c.fits is False:
             console.print(f"layout {c.pick} does not fit: {c.refusal}", markup=False, highlight=False, soft_wrap=True)
@@ -167,7 +167,7 @@ def _show_dry_runs(result, checks: list) -> None:
 
 def _write_configs(result, output: Path) -> None:
     """The top layouts' run configs (the real model at the real world size), and their dry-run lines."""
-    from tuning.export import to_yaml
+    from tuning.export.trial import to_yaml
     from tuning.plan import plan_config
 
     output.mkdir(parents=True, exist_ok=True)
@@ -181,7 +181,7 @@ def _write_configs(result, output: Path) -> None:
 
 def _export(result, pick: int, fmt: str, output: Optional[Path]) -> bool:
     """Write (or print) one export and its notes; False where the target refused the model (said in one line)."""
-    from tuning.export_frameworks import write_accelerate_bundle
+    from tuning.export.frameworks import write_accelerate_bundle
     from tuning.plan import export_plan, plan_config
 
     try:

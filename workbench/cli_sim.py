@@ -48,7 +48,7 @@ def parse_pairs(text: str, allowed: dict[str, type], where: str, hint: str = "")
 def _hf_model(text: str, seq: Optional[int]):
     """A Hugging Face config.json (or a folder holding one) as the simulator's model."""
     from engine.errors import ConfigError
-    from tuning.simulator import ModelSpec
+    from tuning.sim.simulator import ModelSpec
 
     try:
         return ModelSpec.from_hf(text, seq=seq)
@@ -58,7 +58,7 @@ def _hf_model(text: str, seq: Optional[int]):
 
 def _model(text: str, seq: Optional[int] = None):
     """--model: a preset, a config.json path, or key=value pairs (with --seq overriding the length)."""
-    from tuning.simulator import ModelSpec
+    from tuning.sim.simulator import ModelSpec
 
     if text.lower() not in MODEL_PRESETS and (text.endswith(".json") or Path(text).is_dir()):
         return _hf_model(text, seq)
@@ -142,9 +142,9 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         return
     if gpus is None or model is None:
         fail("--gpus and --model are required unless --validate is given")
-    from tuning.hardware import load_cluster
-    from tuning.simulator import ParallelSpec
-    from tuning.simulator import simulate as sim
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.simulator import ParallelSpec
+    from tuning.sim.simulator import simulate as sim
 
     check_number("--gpus", gpus, 1)
     check_number("--seq", seq, 1)
@@ -192,7 +192,7 @@ def _shape_text(mdl) -> str:
 
 
 def _print_one(out: dict[str, Any], mdl, spec, gpus: int) -> None:
-    from tuning.simulator import format_count
+    from tuning.sim.simulator import format_count
     from workbench.fmt import num, pct
 
     active = f" ({format_count(mdl.active_params)} active)" if mdl.experts else ""
@@ -218,8 +218,8 @@ def _print_one(out: dict[str, Any], mdl, spec, gpus: int) -> None:
 
 
 def _interval(time_s: float, mdl, spec, par) -> dict[str, Any]:
-    """Strategy class, domain of validity and measured-time interval (tuning/sim_domain.py)."""
-    from tuning.sim_domain import prediction
+    """Strategy class, domain of validity and measured-time interval (tuning/sim/domain.py)."""
+    from tuning.sim.domain import prediction
 
     return prediction(time_s, hardware=spec.name, framework=par.framework, tp=par.tp, pp=par.pp, virtual=par.virtual,
                       zero=par.zero, gpus=par.gpus, micro=par.micro, params=float(mdl.params), seq=mdl.seq)
@@ -263,7 +263,7 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
         return
     console.print(f"{len(df):,} valid configs ({out['fit']:,} fit in memory) in {seconds:.2f} s; "
                   f"{out['extrapolated']:,} lie outside the validated domain (column extrapolated: their "
-                  f"intervals are widened, tuning/sim_domain.py)")
+                  f"intervals are widened, tuning/sim/domain.py)")
     print_frame(f"best {len(best)} configs", best, wide=wide)
     for name, table in sens.items():
         print_frame(f"sensitivity: {name}", table, wide=wide, first=tuple(table.columns[:2]))
@@ -283,9 +283,9 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
 def _validate(as_json: bool) -> None:
     """`simulate --validate`: per source, leave-one-source-out errors beside the flat-MFU baseline; the
     fitted terms; ranking per table; every row; memory facts; sources."""
-    from tuning.published import memory_facts, sources, summarize, unvalidated, validation_table
-    from tuning.sim_fit import FITTED_TERMS, fitted_rows
-    from tuning.validation import loso, loso_by_source, memory_check, per_source, ranking
+    from tuning.sim.published import memory_facts, sources, summarize, unvalidated, validation_table
+    from tuning.sim.fit import FITTED_TERMS, fitted_rows
+    from tuning.sim.validation import loso, loso_by_source, memory_check, per_source, ranking
 
     table, srcs, out_of_source = validation_table(), sources(), loso()
     by_source = loso_by_source(table, out_of_source, srcs)
@@ -343,7 +343,7 @@ def _validate(as_json: bool) -> None:
 
 
 def _check_against_run(spec, world: int, step, host) -> dict:
-    from tuning.calibration import CHECK_STEPS, check_calibration
+    from tuning.calibrate.calibration import CHECK_STEPS, check_calibration
 
     step(f"check run ({world} ranks, {CHECK_STEPS} steps; up to 3 when the first is off)")
     return check_calibration(spec, world, host=host)
@@ -376,8 +376,8 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     import os
 
     from profilers.store import default_home
-    from tuning.calibration import calibrate_local, measure_host
-    from tuning.hardware import cluster_to_dict, save_cluster
+    from tuning.calibrate.calibration import calibrate_local, measure_host
+    from tuning.sim.hardware import cluster_to_dict, save_cluster
 
     check_number("--world", world, 1)
     import contextlib
@@ -397,7 +397,7 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
         if name is None:
             return
         if not as_json:
-            steps = (11 if world > 1 else 6) + int(check)  # tuning/calibration.py's progress() calls, and the check
+            steps = (11 if world > 1 else 6) + int(check)  # tuning/calibrate/calibration.py's progress() calls, and the check
             busy.update(f"measuring {len(done) + 1} of about {steps}: {name}")
         done.append(name.split(" (")[0])
 

@@ -39,7 +39,7 @@ def first_trial_config(cfg, space, *, objective: str, warmup: int, sampler: str,
 def tune_dry_run(cfg, space, *, objective: str, warmup: int, sampler: str, seed: int | None, workers: int,
                  trials: int, argv: list[str]) -> None:
     """Print the first trial's batch script and srun line (and a worker job's, with --workers)."""
-    from engine.slurm import dry_run
+    from engine.launch.slurm import dry_run
 
     trial_cfg, params = first_trial_config(cfg, space, objective=objective, warmup=warmup, sampler=sampler, seed=seed)
     shown = ", ".join(f"{k}={v}" for k, v in params.items())
@@ -99,7 +99,7 @@ def _worker_script(cfg, argv: list[str], *, index: int, share: int, seed: int | 
 def submit_workers(cfg, argv: list[str], *, workers: int, trials: int, seed: int | None, storage: str | None,
                    quiet: bool) -> list[str]:
     """sbatch K worker jobs, each with its share of `trials`; returns their job ids."""
-    from engine.slurm import SlurmError, submit
+    from engine.launch.slurm import SlurmError, submit
     from profilers.store import default_home
 
     if workers > 1 and not (storage or "").startswith(("postgres", "mysql")):
@@ -127,7 +127,7 @@ def submit_workers(cfg, argv: list[str], *, workers: int, trials: int, seed: int
 
 
 def _cancel_all(ids: list[str]) -> None:
-    from engine.slurm import cancel
+    from engine.launch.slurm import cancel
 
     for job_id in ids:
         cancel(job_id)
@@ -135,7 +135,7 @@ def _cancel_all(ids: list[str]) -> None:
 
 def wait_for_workers(ids: list[str], quiet: bool) -> dict[str, Any]:
     """Follow the worker jobs to their end (Ctrl-C cancels them all); returns {job id: final state}."""
-    from engine.slurm import job_state
+    from engine.launch.slurm import job_state
 
     final: dict[str, Any] = {}
     try:

@@ -411,8 +411,8 @@ def studies(storage: Optional[str] = typer.Option(None, help="Optuna storage URL
 def _write_bundle(fmt: str, cfg, output: Path, trial: Optional[int]) -> None:
     """torchrun: a folder (config.yaml, launch.sh, README.md); accelerate: the config file and its training
     script beside it. Prints what was written and the line that runs it."""
-    from tuning.export import write_torchrun_bundle
-    from tuning.export_frameworks import write_accelerate_bundle
+    from tuning.export.trial import write_torchrun_bundle
+    from tuning.export.frameworks import write_accelerate_bundle
 
     if fmt == "torchrun":
         folder = output / f"trial-{trial}" if trial is not None else output
@@ -439,7 +439,7 @@ def export(study: str = typer.Argument(..., help="Study name"),
     target are listed on stderr, beside the export."""
     import optuna
 
-    from tuning.export import FORMATS, export_notes, export_trial, trial_config
+    from tuning.export.trial import FORMATS, export_notes, export_trial, trial_config
     from tuning.study import make_storage
 
     if fmt not in FORMATS:
@@ -474,7 +474,7 @@ def export(study: str = typer.Argument(..., help="Study name"),
 
 def _say_stand_in(st, numbers: list[Optional[int]]) -> None:
     """One line on stderr when the exported trial ran a stand-in of the real job (tuning/plan.py)."""
-    from tuning.export import trial_config
+    from tuning.export.trial import trial_config
     from tuning.plan import stand_in_line
 
     line = stand_in_line(trial_config(st, numbers[0]), st.study_name)

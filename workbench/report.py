@@ -8,9 +8,9 @@ from profilers.store import RunStore
 
 def model_line(config: dict[str, Any] | None) -> str | None:
     """The run's model in one line: its family (a Hugging Face model_type and where its config came
-    from, or the built-in GPT) and shape (engine/shapes.py); None when the config names no model."""
+    from, or the built-in GPT) and shape (engine/model/shapes.py); None when the config names no model."""
     from engine.errors import ConfigError
-    from engine.shapes import from_gpt, from_hf_config
+    from engine.model.shapes import from_gpt, from_hf_config
 
     mdl = (config or {}).get("model") or {}
     try:

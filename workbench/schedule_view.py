@@ -2,7 +2,7 @@
 
 `schedule_report(store, run_id)` reads the actions the engine recorded (kind "schedule", and
 "skip_path" under SkipPipe) for the run's last recorded step and prices the schedule's own action
-list with the costs read off that step (tuning/calib_schedule.py: action durations and input delays
+list with the costs read off that step (tuning/calibrate/schedule.py: action durations and input delays
 drawn from the recorded ones over DRAWS walks; host work, head and tail at their means);
 `schedule_figure(report)` draws
 the executed actions of each rank on a shared time axis (plotly), so the gaps are the bubble.
@@ -14,13 +14,13 @@ from typing import Any
 from profilers.store import RunStore
 
 COLORS = {"F": "#4c78a8", "B": "#f58518", "I": "#e45756", "W": "#72b7b2"}
-DRAWS = 20  # walks with costs drawn from the step's recorded ones (tuning/calib_schedule.py predicted_bubble)
+DRAWS = 20  # walks with costs drawn from the step's recorded ones (tuning/calibrate/schedule.py predicted_bubble)
 
 
 def schedule_report(store: RunStore, run_id: str, step: int | None = None) -> dict[str, Any] | None:
     """{"schedule", "step", "per_rank": {rank: {"measured", "predicted"}}, "ranks": {rank: [[action,
     start, end], ...]} (seconds from the earliest rank's step start), "paths"}; None without records."""
-    from tuning.calib_schedule import executed_steps, measured_bubble, predicted_bubble
+    from tuning.calibrate.schedule import executed_steps, measured_bubble, predicted_bubble
 
     run = store.run(run_id)
     records = store.metrics(run_id, kind="schedule") + store.metrics(run_id, kind="skip_path")

@@ -152,7 +152,7 @@ def _table_html(table: pd.DataFrame) -> str:
 
 
 def domain_note(domain: dict | None, interval_s: list[float] | None = None) -> str:
-    """One paragraph on the top choice's domain of validity (tuning/sim_domain.py `prediction`)."""
+    """One paragraph on the top choice's domain of validity (tuning/sim/domain.py `prediction`)."""
     if not domain:
         return ""
     near = "; ".join(f"{n['id']} ({n['error_pct']:+.1f}%)" for n in domain.get("nearest", []))

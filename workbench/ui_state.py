@@ -78,7 +78,7 @@ def parse_config(text: str) -> tuple[dict[str, Any] | None, list[ConfigError]]:
     try:
         cfg = from_dict(data)
         validate(cfg)
-        from engine.memory import check_fits
+        from engine.train.memory import check_fits
 
         check_fits(cfg)  # the same refusal `workbench run` gives, shown before Launch
     except ConfigErrors as exc:

@@ -188,7 +188,7 @@ class AdaptiveCompressor:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Residuals per parameter, the chosen densities, the levels and the step count: this rank's,
-        for engine/checkpoint.py."""
+        for engine/train/checkpoint.py."""
         out = {f"residual.{name}": t for name, t in self.residuals.items()}
         out["density"] = torch.tensor([self.density[n] for n in sorted(self.density)], dtype=torch.float64)
         out["levels"] = torch.tensor([self.default_level, *self.levels], dtype=torch.float64)

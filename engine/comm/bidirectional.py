@@ -115,7 +115,7 @@ class BidirectionalState(HookState):
         return wire_int
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The calls per bucket and both residual memories: this rank's, for engine/checkpoint.py."""
+        """The calls per bucket and both residual memories: this rank's, for engine/train/checkpoint.py."""
         out = HookState.state_dict(self)  # slots dataclasses: no zero-argument super()
         out.update({f"worker.{i}": t for i, t in self.worker_residuals.items()})
         out.update({f"server.{i}": t for i, t in self.server_residuals.items()})

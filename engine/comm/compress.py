@@ -110,7 +110,7 @@ def _mix_seed(seed: int, bucket_index: int, call: int) -> int:
     return (seed * 1_000_003 + bucket_index * 10_007 + call) % (2**63 - 1)
 
 
-# ---- what each compressor sends (the hooks below and tuning/simulator.py use these) -----------
+# ---- what each compressor sends (the hooks below and tuning/sim/simulator.py use these) -----------
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +242,7 @@ class HookState:
         return call
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """What a resumed run needs back (engine/checkpoint.py): the calls per bucket (Rand-k's seeds)."""
+        """What a resumed run needs back (engine/train/checkpoint.py): the calls per bucket (Rand-k's seeds)."""
         return {"calls": torch.tensor(sorted(self.calls.items()), dtype=torch.int64)} if self.calls else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -277,7 +277,7 @@ class CompressionState(HookState):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The calls per bucket, the error-feedback residuals and PowerSGD's state (its Q and error
-        memories, step count and random stream): this rank's, for engine/checkpoint.py."""
+        memories, step count and random stream): this rank's, for engine/train/checkpoint.py."""
         out = HookState.state_dict(self)  # slots dataclasses: no zero-argument super()
         out.update({f"residual.{i}": t for i, t in self.residuals.items()})
         if self.powersgd is not None:

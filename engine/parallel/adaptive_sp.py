@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.lengths import IGNORE
-from engine.model import GPT, causal_attention
+from engine.data.lengths import IGNORE
+from engine.model.gpt import GPT, causal_attention
 from engine.parallel.context import shard_sequence, ulysses_attention
 from engine.parallel.flexsp import CostModel, Plan, powers_of_two, solve
 

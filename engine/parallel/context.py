@@ -13,7 +13,7 @@ the other chunks' keys and values. Two implementations (`impl`):
   is torch's own context parallel (DTensor ring flash attention); on CPU see `ring_attention_cpu`.
   Causal only: no sliding window, packed documents or attention dropout (validate() refuses them).
 
-Grouped-query attention (k/v with KV < H heads, engine/hf.py): K/V travel with their own KV heads
+Grouped-query attention (k/v with KV < H heads, engine/model/hf.py): K/V travel with their own KV heads
 and are repeated to the query heads after the exchange (`local_attention`), as Megatron-LM's
 context parallelism; Ulysses replicates them only as far as cp must divide their heads
 (`_kv_heads_for`: KV=2 at cp=4 sends 4 heads, not H). torch's ring kernels on CUDA take equal
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import GPT, causal_attention
+from engine.model.gpt import GPT, causal_attention
 from engine.validate import CP_IMPLS
 
 
@@ -69,7 +69,7 @@ def window_mask(t: int, window: int, doc_ids: torch.Tensor | None = None, device
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
                     doc_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of full sequences on one rank: k/v heads repeated to q's (GQA), then causal
-    (`engine.model.causal_attention`) or, with a `window` shorter than the sequence, the sliding
+    (`engine.model.gpt.causal_attention`) or, with a `window` shorter than the sequence, the sliding
     window transformers masks (Mistral, Qwen2's sliding layers)."""
     k, v = repeat_heads(k, q.shape[1]), repeat_heads(v, q.shape[1])
     t = q.shape[-2]
@@ -246,6 +246,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh, *, impl: str = "ulysses", 
     for module in model.modules():
         if hasattr(module, "core") and hasattr(module, "head_dim"):
             module.core = core
-        if hasattr(module, "router_count_group"):  # engine/hf.py: router counts of the whole sequence
+        if hasattr(module, "router_count_group"):  # engine/model/hf.py: router counts of the whole sequence
             module.router_count_group = group
     return model

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.moe import MoE, moe_layers
+from engine.model.moe import MoE, moe_layers
 from profilers.collectives import recorded
 
 
@@ -284,7 +284,7 @@ def apply_expert_parallel(model: nn.Module, mesh, *, ep: int, hierarchical: bool
     for index, layer in enumerate(moe_layers(model)):
         per_rank = layer.num_experts // ep
         keep = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-        # kept under their global ids (engine/moe.py): checkpoints name expert e the same on every layout
+        # kept under their global ids (engine/model/moe.py): checkpoints name expert e the same on every layout
         layer.experts = nn.ModuleDict({str(e): layer.experts[str(e)] for e in keep})
         expert_params += list(layer.experts.parameters())
         layer.exchange = ExpertExchange(layer, ep_group=ep_group, ep_rank=ep_rank, ep=ep, nodes=nodes,

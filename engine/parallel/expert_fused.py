@@ -4,7 +4,7 @@
 `FusedExperts` holds the same weights as one (2F, H) and one (H, F) parameter per expert, keyed by
 the expert's global id (`experts.gate_up.5`): a checkpoint then names expert e the same in every
 layout, and DCP never mistakes two ranks' different slices of one fused tensor for replicas.
-engine/hf.py splits every MoE layer so at build time (ep=1 included, so ep=1 and ep=2 checkpoints
+engine/model/hf.py splits every MoE layer so at build time (ep=1 included, so ep=1 and ep=2 checkpoints
 resume in each other). Each ep rank keeps experts [j*E/ep, (j+1)*E/ep) and routes token copies to their expert's rank with engine/parallel/expert.py's `ExpertExchange`
 (all_to_all of counts, tokens and outputs; gradients travel back the same way). The groups and
 the expert-gradient reduction are expert.py's: ep groups cut out of the mesh's dp groups, expert

@@ -82,7 +82,7 @@ class CostModel:
         return sum(self.seq_time(s, g) for s in lengths) + self.fixed(g) if lengths else 0.0
 
 
-# who made a step's plan; records store the index (engine/train.py), the Run page shows the name
+# who made a step's plan; records store the index (engine/train/trainer.py), the Run page shows the name
 SOLVERS = ("milp", "balanced", "greedy")
 
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages from a layer split, run by `torch.distributed.pipelining` schedules.
 
-`build_pipeline` cuts a `GPT` (usually still on meta: engine/meta_init.py) into stage chunks the
+`build_pipeline` cuts a `GPT` (usually still on meta: engine/model/meta_init.py) into stage chunks the
 torchtitan way (a copy per chunk of only the blocks it owns, `tok_emb`/`pos_emb` None except on the
 first chunk and `ln_f`/`head` None except on the last), wraps each chunk in a
 `PipelineStage` and runs the schedule's action list (engine/parallel/schedules.py) on torch's
@@ -35,7 +35,7 @@ from engine.torch_compat import (
     prepare_schedule_with_comms,
     rank_operations,
 )
-from engine.model import GPT
+from engine.model.gpt import GPT
 from engine.parallel.schedules import (
     _single_stage_order,
     chunks_per_rank,
@@ -397,7 +397,7 @@ def build_pipeline(model: GPT, pp_mesh: Any, *, schedule: str, virtual: int = 1,
     given, is applied to each chunk before its stage is built (tensor parallel first, then
     DDP/FSDP, as torchtitan applies its parallelize_fn per model part), so the stage calls the
     wrapped module. `materialize(*chunks)` then gets this rank's chunks of a meta-built model
-    together (engine/meta_init.py: one replay of the init for all of them). Must be called on
+    together (engine/model/meta_init.py: one replay of the init for all of them). Must be called on
     every rank of the world (it creates the embedding groups).
     """
     _check_schedule(schedule)

@@ -5,7 +5,7 @@ schedule name in `engine.validate.SCHEDULES` except "skip", the compute-only act
 pp rank in execution order (`0F1`: stage 0 forward of micro-batch 1; `B` full backward, `I`
 backward for inputs, `W` backward for weights, `OVERLAP_F_B` a DualPipeV forward+backward pair).
 The engine loads these lists into torch's `_PipelineScheduleRuntime` (which adds the send/recv,
-unshard/reshard and grad-reduce actions), the simulator (tuning/sim_schedule.py) prices them
+unshard/reshard and grad-reduce actions), the simulator (tuning/sim/schedule.py) prices them
 action by action, and the dashboard draws what the engine executed. Pure: no processes.
 
 The orders of gpipe, 1f1b, interleaved, looped_bfs and the zero-bubble schedules are torch's own

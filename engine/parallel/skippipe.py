@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.model import GPT
+from engine.model.gpt import GPT
 from engine.torch_compat import _Action, _ComputationType
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from engine.mlp import MLP
-from engine.model import GPT
+from engine.model.mlp import MLP
+from engine.model.gpt import GPT
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, object]:
@@ -79,7 +79,7 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         raise ValueError(f"tp={tp} must divide model.heads={heads} and model.d_model={d_model}; try {fits}")
     if sequence_parallel and model.cfg.seq_len % tp:
         raise ValueError(f"sequence_parallel needs tp={tp} to divide model.seq_len={model.cfg.seq_len}")
-    own_plan = getattr(model, "tp_block_plan", None)  # a Hugging Face model brings its own (engine/hf.py)
+    own_plan = getattr(model, "tp_block_plan", None)  # a Hugging Face model brings its own (engine/model/hf.py)
     for block in model.layers.values():
         if own_plan is not None:
             parallelize_module(block, tp_mesh, own_plan(sequence_parallel))

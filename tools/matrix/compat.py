@@ -56,9 +56,9 @@ BASE: dict[str, Any] = {
     "train.eval_interval": STEPS,  # one evaluation in every run, after its last step (issue 52)
     "batch.global": 8, "batch.micro": 1, "profile.host_interval_s": 0.0, "profile.nvml_interval_s": 0.0,
 }
-# live knobs the runner offers at every step from step 1 on; engine.live.inert_knobs drops those that
+# live knobs the runner offers at every step from step 1 on; engine.train.live.inert_knobs drops those that
 # cannot act in a run (the runner applies the rest, and the same ones to the reference)
-# model.hf: a tiny Llama-family config (engine/hf.py), shaped like BASE's GPT (4 layers, hidden 32, 4 heads)
+# model.hf: a tiny Llama-family config (engine/model/hf.py), shaped like BASE's GPT (4 layers, hidden 32, 4 heads)
 HF_LLAMA: dict[str, Any] = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
 LIVE_CANDIDATES: dict[str, Any] = {"train.lr": 0.002, "batch.micro": 2, "comm.density": 0.05, "comm.rank": 2,
@@ -153,7 +153,7 @@ def _features() -> tuple[Feature, ...]:
         Feature("co2", "CO2 local steps (tau 2), dp2", degrees={"parallel.dp": 2}, set={"co2.enabled": True, "co2.tau": 2},
                 reference=Reference(OWN, "local steps and a stale outer step", checked_by="tests/test_co2.py"),
                 same_layout_only="a CO2 checkpoint holds one replica per dp rank: it resumes as CO2 with the same "
-                                 "dp and tp only (engine/checkpoint.py)"),
+                                 "dp and tp only (engine/train/checkpoint.py)"),
         Feature("link-groups", "link.groups: two emulated link groups, dp2", degrees={"parallel.dp": 2}, set=groups),
         Feature("holmes", "Holmes placement over two link groups, dp2", degrees={"parallel.dp": 2},
                 set={**groups, "parallel.placement": "holmes"}),
@@ -170,7 +170,7 @@ def _features() -> tuple[Feature, ...]:
         Feature("hf-moe", "Hugging Face Mixtral (model.hf, 4 fused experts, top-2)",
                 set={"model.hf": {**HF_LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
                      "model.experts": 0}),
-        # transformers' sliding-window mask (engine/hf.py) and Mixtral's router aux loss in the loss
+        # transformers' sliding-window mask (engine/model/hf.py) and Mixtral's router aux loss in the loss
         Feature("hf-swa", "Hugging Face Mistral, sliding window 4 at seq 16 (model.hf)",
                 set={"model.hf": {**HF_LLAMA, "model_type": "mistral", "sliding_window": 4}, "model.experts": 0}),
         Feature("hf-aux", "Hugging Face Mixtral with its router aux loss (output_router_logits, coef 0.1)",

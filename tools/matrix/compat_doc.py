@@ -62,7 +62,7 @@ it by hand.
 - **References**: a feature that only places the computation (`layout`) must follow **one process**
   running the same model with every layout knob removed (the engine's Trainer, one process; each
   distinct reference is computed once). Dropout is 0 in the parity runs: each rank draws its own
-  masks, so no multi-rank layout can match one process with dropout on (engine/checkpoint.py,
+  masks, so no multi-rank layout can match one process with dropout on (engine/train/checkpoint.py,
   tests/test_zero.py). A feature that changes the numbers in a way one process replays
   (`replay`: bf16, live knobs, model.entry) is kept in that process. A feature that changes the
   numbers by design and exists only on several ranks (`own`: lossy compressors, bidirectional,
@@ -72,8 +72,8 @@ it by hand.
   randk at ZeRO-2, dp2. Such a feature alone in its minimal layout has **no reference** (the
   feature's own tests check it, named in the table).
 - **Live knobs**: from step 1 on, every step applies those of {live} that
-  `engine.live.inert_knobs` says can act in the run, through `Trainer.apply_knobs` (what
-  `engine/live.py`'s KnobChannel calls once the tuner answers; the file exchange itself is
+  `engine.train.live.inert_knobs` says can act in the run, through `Trainer.apply_knobs` (what
+  `engine/train/live.py`'s KnobChannel calls once the tuner answers; the file exchange itself is
   tests/test_live_knobs.py's); the reference applies the same ones.
 - **CI** runs a rotating slice, shuffled by the UTC date (or `MATRIX_SEED`), cells without a current
   result first: {big} cell(s) of more than {max_world} ranks, then cells of at most {max_world} ranks

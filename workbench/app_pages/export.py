@@ -1,4 +1,4 @@
-"""Export: the best (or any) trial's config in every format of `workbench export` (tuning.export.FORMATS)."""
+"""Export: the best (or any) trial's config in every format of `workbench export` (tuning.export.trial.FORMATS)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import yaml
 
 from workbench.app_pages import common
 
-LABELS = {  # format: (label, file suffix, mime); every format of tuning.export.FORMATS gets a button
+LABELS = {  # format: (label, file suffix, mime); every format of tuning.export.trial.FORMATS gets a button
     "yaml": ("YAML config", "yaml", "application/x-yaml"),
     "torchrun": ("torchrun script", "sh", "text/x-shellscript"),  # writes best.yaml, then runs torchrun
     "json": ("JSON config", "json", "application/json"),
@@ -20,9 +20,9 @@ LABELS = {  # format: (label, file suffix, mime); every format of tuning.export.
 
 
 def formats() -> dict[str, tuple[str, str, str]]:
-    """(label, suffix, mime) of every format `workbench export --format` takes (tuning.export.FORMATS):
+    """(label, suffix, mime) of every format `workbench export --format` takes (tuning.export.trial.FORMATS):
     one the page has no label for yet still gets a button, named after it."""
-    from tuning.export import FORMATS
+    from tuning.export.trial import FORMATS
 
     return {f: LABELS.get(f, (f"{f} export", "txt", "text/plain")) for f in FORMATS}
 
@@ -40,9 +40,9 @@ def _best_numbers(study) -> list[int]:
 def study_export(home: str) -> None:
     """Pick a study and one of its completed trials; one download button per format."""
     try:
-        from tuning.export import export_notes, export_trial
+        from tuning.export.trial import export_notes, export_trial
     except ImportError as exc:
-        st.warning(f"tuning.export is not importable ({exc}): trial export is unavailable.")
+        st.warning(f"tuning.export.trial is not importable ({exc}): trial export is unavailable.")
         return
     studies = common.studies_table(home)
     if studies.empty:
@@ -58,7 +58,7 @@ def study_export(home: str) -> None:
     best = _best_numbers(study)
     numbers = [int(n) for n in done.sort_values("tokens/s", ascending=False)["number"]]
     trial = st.selectbox("Trial", numbers, format_func=lambda n: f"trial {n}" + (" (best)" if n in best else ""))
-    from tuning.export import trial_config
+    from tuning.export.trial import trial_config
     from tuning.plan import stand_in_line
 
     stand_in = stand_in_line(trial_config(study, trial), name)

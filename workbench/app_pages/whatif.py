@@ -12,9 +12,9 @@ import pandas as pd
 import streamlit as st
 
 from engine.errors import ConfigError
-from tuning.hardware import PRESETS, load_cluster
+from tuning.sim.hardware import PRESETS, load_cluster
 from tuning.search import best_configs, enumerate_configs, sensitivities
-from tuning.simulator import ModelSpec, ParallelSpec, simulate
+from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
 from workbench import plots
 from workbench.app_pages import common
 
@@ -62,7 +62,7 @@ def hf_config() -> dict[str, Any] | None:
         if upload is not None:
             return json.loads(upload.getvalue().decode())
         if typed.strip():
-            from engine.shapes import read_hf_config
+            from engine.model.shapes import read_hf_config
 
             return dict(read_hf_config(str(Path(typed.strip()).expanduser())))
     except (ConfigError, OSError, ValueError) as exc:
@@ -98,7 +98,7 @@ def search(model_json: str, cluster: str, gpus: int, global_batch: int) -> pd.Da
 
 
 st.title("What-if")
-st.caption("Analytical model of one iteration (tuning/simulator.py): predictions, not measurements.")
+st.caption("Analytical model of one iteration (tuning/sim/simulator.py): predictions, not measurements.")
 c = st.columns([2, 1, 1])
 with c[0]:
     CLUSTER, spec = cluster_picker()
@@ -148,7 +148,7 @@ else:
     m[3].metric("MFU", f"{100 * result.mfu:.1f} %")
     m[4].metric("memory per GPU (GB)", f"{result.memory_per_gpu_gb:.1f}", "fits" if result.fits else "does not fit",
                 delta_color="normal" if result.fits else "inverse")
-    from tuning.sim_domain import prediction
+    from tuning.sim.domain import prediction
 
     where = prediction(result.iteration_time_s, hardware=spec.name, framework=par.framework, tp=tp, pp=pp,
                        virtual=virtual, zero=zero, gpus=par.gpus, micro=micro, params=float(MODEL.params),

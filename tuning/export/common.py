@@ -1,0 +1,53 @@
+"""What the framework exports share (tuning/export/frameworks.py: torchtitan, accelerate;
+tuning/export/megatron.py: Megatron-LM): the knobs only this engine has, the run's Hugging Face
+tokenizer folder, and a config.json's RoPE parameters. Each export imports it; it imports neither."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.config import RunConfig
+
+
+def engine_only(cfg: RunConfig, target: str) -> list[str]:
+    """Knobs that exist only in this engine (compression, CO2, emulated links, FlexSP, Holmes, live tuning)."""
+    p, out = cfg.parallel, []
+    if cfg.comm.compressor != "none":
+        out.append(f"comm.compressor={cfg.comm.compressor} (no gradient compression hook in {target})")
+    if cfg.co2.enabled:
+        out.append(f"co2.enabled (no CO2 local-update overlap in {target})")
+    if cfg.link.gbps > 0 or cfg.link.groups:
+        out.append("link.* (an emulated link only exists in the workbench)")
+    if p.adaptive_sp:
+        out.append(f"parallel.adaptive_sp (FlexSP's per-step sequence groups have no {target} equivalent)")
+    if p.placement != "naive":
+        out.append(f"parallel.placement={p.placement} ({target} places ranks in mesh order)")
+    if cfg.live.every:
+        out.append("live.every (live in-job tuning is the workbench's)")
+    if cfg.comm.moe_compression != "none" or cfg.comm.moe_hierarchical:
+        out.append(f"comm.moe_* (MoE all_to_all variants of the workbench, not {target}'s)")
+    return out
+
+
+def rope_of(data: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and scaling of a config.json in either form (transformers 5's rope_parameters, or the
+    hub's rope_theta + rope_scaling)."""
+    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def tokenizer_folder(cfg: RunConfig) -> str | None:
+    """The Hugging Face tokenizer (a folder or a tokenizer.json's folder): data.tokenizer, else the folder
+    of model.hf when it holds one."""
+    if cfg.data.tokenizer:  # absolute: the target runs elsewhere
+        tok = Path(os.path.abspath(cfg.data.tokenizer))
+        return str(tok.parent if tok.suffix == ".json" else tok)
+    if isinstance(cfg.model.hf, str):
+        folder = Path(os.path.abspath(cfg.model.hf))
+        folder = folder if folder.is_dir() else folder.parent
+        if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return str(folder)
+    return None

@@ -1,0 +1,163 @@
+"""Fit the simulator's few free constants -- per-framework fixed costs -- on published end-to-end rows.
+
+Kernel rates are hardware facts (`tuning.sim.kernels`, tuning/data/kernels.yaml): no GEMM or
+attention rate is fitted to a training row. What end-to-end rows do fit are the per-framework terms of
+`FRAMEWORK_FITS` (`FITTED_TERMS` names them: host/launch seconds per layer and micro-batch, the bytes
+its memory-bound kernels move per counted activation byte, and for DeepSpeed the share of the link
+its ZeRO collectives reach and how much of the compute under them they take), each fitted on the
+rows of its own framework by a zooming grid (a few parameters and rows: an explicit search needs no
+optimiser dependency; every grid point of a row is priced in one vectorised call).
+
+`fit_frameworks(exclude_source=...)` leaves one source's rows out: `tuning.sim.validation.loso` refits
+without each source in turn and prices that source with the result (leave-one-source-out). The
+flavours in `tuning.sim.framework` hold the fit on every source; tests/test_simulator_validation.py
+checks they equal what `fit_frameworks()` returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tuning.sim.hardware import ClusterSpec, load_cluster
+from tuning.sim.published import DATA, PublishedRow, calibration_rows, held_out_rows, metric_of
+from tuning.sim.core import evaluate_arrays
+from tuning.sim.framework import FRAMEWORKS, Framework
+from tuning.sim.spec import columns
+
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Param:
+    """One fitted constant: a cluster field ("gemm_max_efficiency") or a framework field
+    ("deepspeed.layer_microbatch_s"), searched in [lo, hi] (in log10 when `log`)."""
+
+    name: str
+    lo: float
+    hi: float
+    log: bool = False
+
+
+def _apply(values: dict[str, np.ndarray], cluster: ClusterSpec,
+           frameworks: dict[str, Framework]) -> tuple[ClusterSpec, dict[str, Framework]]:
+    """The cluster and flavours with the parameters' (array) values in their fields."""
+    cl_fields = {k: v for k, v in values.items() if "." not in k}
+    fws = dict(frameworks)
+    for key, v in values.items():
+        if "." in key:
+            name, field = key.split(".")
+            fws[name] = dataclasses.replace(fws[name], **{field: v})
+    return dataclasses.replace(cluster, **cl_fields), fws
+
+
+def row_metric(row: PublishedRow, cluster: ClusterSpec, frameworks: dict[str, Framework] | None = None) -> np.ndarray:
+    """The row's metric with cluster / framework fields that may hold arrays (one vectorised call)."""
+    out = evaluate_arrays(row.model(), cluster, row.gpus, columns(row.parallel()), frameworks=frameworks)
+    return metric_of(row.metric, out, row.gpus, cluster.peak_flops)
+
+
+def grid_fit(rows: list[PublishedRow], params: list[Param], *, clusters: dict[str, ClusterSpec],
+             frameworks: dict[str, Framework] | None = None, zooms: int = 6, points: int = 9) -> dict[str, float]:
+    """Minimise the summed absolute log error of the rows' metric over `params` (a median-seeking fit: the
+    figure reported is the median error, and a few rows the terms cannot explain do not pull it) by a
+    grid that zooms in around its best point (each zoom narrows every axis to a third)."""
+    if not rows:
+        raise ValueError("no published row to fit on")
+    fws = dict(frameworks or FRAMEWORKS)
+    lo = np.array([np.log10(p.lo) if p.log else p.lo for p in params])
+    hi = np.array([np.log10(p.hi) if p.log else p.hi for p in params])
+    center, span = (lo + hi) / 2.0, (hi - lo) / 2.0
+    for _ in range(zooms):
+        axes = [np.clip(np.linspace(c - w, c + w, points), a, b) for c, w, a, b in zip(center, span, lo, hi)]
+        grid = np.array(np.meshgrid(*axes, indexing="ij")).reshape(len(params), -1)
+        values = {p.name: (10.0 ** g if p.log else g) for p, g in zip(params, grid)}
+        loss = np.zeros(grid.shape[1])
+        for r in rows:
+            cl, fw = _apply(values, clusters[r.cluster], fws)
+            loss = loss + np.abs(np.log(np.broadcast_to(row_metric(r, cl, fw), loss.shape) / r.value))
+        center = grid[:, int(np.argmin(loss))]
+        span = span / 3.0
+    return {p.name: float(10.0 ** c if p.log else c) for p, c in zip(params, center)}
+
+
+FRAMEWORK_FITS = {  # flavour: the fields fitted on that flavour's rows
+    "megatron": [Param(name="megatron.layer_microbatch_s", lo=0.0, hi=0.02),
+                 Param(name="megatron.elementwise_traffic", lo=0.5, hi=16.0, log=True)],
+    "megatron-core": [Param(name="megatron-core.layer_microbatch_s", lo=0.0, hi=0.02),
+                      Param(name="megatron-core.elementwise_traffic", lo=0.5, hi=16.0, log=True),
+                      Param(name="megatron-core.microbatch_s", lo=0.0, hi=0.5)],
+    "fsdp": [Param(name="fsdp.layer_microbatch_s", lo=0.0, hi=0.02),
+             Param(name="fsdp.elementwise_traffic", lo=0.5, hi=16.0, log=True),
+             Param(name="fsdp.zero3_bw_efficiency", lo=0.05, hi=1.0, log=True),
+             Param(name="fsdp.overlap_interference", lo=0.0, hi=1.0)],
+    "deepspeed": [Param(name="deepspeed.layer_microbatch_s", lo=0.0, hi=0.03),
+                  Param(name="deepspeed.elementwise_traffic", lo=0.5, hi=16.0, log=True),
+                  Param(name="deepspeed.dp_bw_efficiency", lo=0.01, hi=1.0, log=True),
+                  Param(name="deepspeed.zero3_bw_efficiency", lo=0.01, hi=1.0, log=True),
+                  Param(name="deepspeed.overlap_interference", lo=0.0, hi=1.0)],
+}
+FITTED_TERMS = tuple(p.name for params in FRAMEWORK_FITS.values() for p in params)
+# fields only ZeRO-3 rows inform (the block collectives that overlap compute), fitted on those rows alone
+ZERO3_FIELDS = ("zero3_bw_efficiency", "overlap_interference")
+
+
+def fit_rows(path: str | Path = DATA, exclude_source: str | None = None) -> list[PublishedRow]:
+    """Every published row with a measured value, less those of `exclude_source`."""
+    return [r for r in calibration_rows(path) + held_out_rows(path) if r.source != exclude_source]
+
+
+def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,
+                   only: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Each flavour's terms (`FRAMEWORK_FITS`) on its rows, without `exclude_source`'s; the fields only
+    some rows inform (`ZERO3_FIELDS`: ZeRO-3 rows) are fitted on those rows alone, the others first.
+    A flavour with no row left keeps its unfitted defaults. `only` limits the flavours fitted."""
+    rows = fit_rows(path, exclude_source)
+    clusters = {r.cluster: load_cluster(r.cluster) for r in rows}
+    defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
+    base = with_terms({name: defaults[name.split(".")[1]] for name in FITTED_TERMS})  # never the shipped values
+    out: dict[str, float] = {}
+    for flavour, params in FRAMEWORK_FITS.items():
+        if only is not None and flavour not in only:
+            continue
+        mine = [r for r in rows if r.framework == flavour]
+        zero3 = [r for r in mine if r.zero == 3]
+        rest_rows = [r for r in mine if r.zero != 3] or mine
+        first = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS]
+        if rest_rows:
+            out.update(grid_fit(rest_rows, first, clusters=clusters, frameworks=base, zooms=zooms))
+        fws = with_terms({k: v for k, v in out.items() if k.startswith(flavour + ".")}, base)
+        rest = [p for p in params if p.name.split(".")[1] in ZERO3_FIELDS]
+        if rest and zero3:
+            out.update(grid_fit(zero3, rest, clusters=clusters, frameworks=fws, zooms=zooms))
+    return out
+
+
+def with_terms(values: dict[str, float], frameworks: dict[str, Framework] | None = None) -> dict[str, Framework]:
+    """The flavours with fitted `values` ("flavour.field": value) in their fields."""
+    fws = dict(frameworks or FRAMEWORKS)
+    for key, v in values.items():
+        name, field = key.split(".")
+        fws[name] = dataclasses.replace(fws[name], **{field: v})
+    return fws
+
+
+def fitted_rows(path: str | Path = DATA) -> dict[str, list[str]]:
+    """Which rows each flavour's terms are fitted on (all sources; leave-one-source-out drops one)."""
+    out: dict[str, list[str]] = {}
+    for r in fit_rows(path):
+        if r.framework in FRAMEWORK_FITS:
+            out.setdefault(f"framework {r.framework}", []).append(r.id)
+    return out
+
+
+__all__ = ["FITTED_TERMS", "FRAMEWORK_FITS", "Param", "ZERO3_FIELDS", "fit_frameworks", "fit_rows", "fitted_rows",
+           "grid_fit", "row_metric", "with_terms"]
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m tuning.sim.fit` prints the fit on every source
+    import json
+
+    print(json.dumps(fit_frameworks(), indent=2))

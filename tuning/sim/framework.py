@@ -1,0 +1,110 @@
+"""The training framework as an input of the simulator: what differs between Megatron-LM, DeepSpeed,
+PyTorch FSDP and the workbench's own engine at the same layout, and the costs that flip choices.
+
+Two kinds of difference:
+- **Structural** (read from the framework's code, not fitted): DeepSpeed ZeRO stage 3 gathers
+  parameters tensor by tensor (one collective per parameter, each with its own latency); FSDP
+  gathers one flat buffer per wrapped block. Both pipelines send each tensor-parallel rank's 1/t
+  slice of an activation (Megatron-LM's scatter/gather, Narayanan et al. 2021 sec. 4.1; DeepSpeed's
+  `PipelineEngine` partitions it the same way by default, `pipeline.pipe_partitioned: True` in
+  deepspeed/runtime/config.py).
+- **Fixed costs** (fitted on calibration rows only, `tuning.sim.fit.fit_frameworks`): host and
+  launch work per layer and micro-batch and per micro-batch that GPU kernels do not hide (the
+  Python instruction loop of DeepSpeed's pipeline engine, its activation-checkpointing
+  bookkeeping, kernel launches of small blocks), and the share of the link's bandwidth that
+  ZeRO-3's gathers achieve. The presets' GEMM curves were fitted with Megatron-LM rows, so
+  Megatron-LM's own fixed costs are in its GEMM rates (zero here by construction).
+
+The engine's CPU profiles carry their host costs in the cluster (`overhead_*` fields measured by
+`tuning.calibrate.calibration`), so the `engine` flavour adds nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Framework:
+    """One framework flavour: structure (read) and fixed costs (fitted on calibration rows)."""
+
+    name: str
+    description: str
+    zero3_per_parameter: bool = False  # ZeRO-3 gathers every parameter tensor on its own (DeepSpeed stage 3)
+    # FSDP-style ZeRO-2 keeps the gathered parameters across the step's micro-batches: one all-gather
+    # per block and step (the engine's `keep_gathered`), not one per block and micro-batch
+    zero2_gather_once: bool = False
+    layer_microbatch_s: float = 0.0  # fitted: fixed s per layer and micro-batch (forward + backward)
+    microbatch_s: float = 0.0  # fitted: fixed s per micro-batch on a pipeline stage
+    zero3_bw_efficiency: float = 1.0  # fitted: share of the link's bus bandwidth ZeRO-3's collectives reach
+    # fitted: share of a hidden block collective's time that the compute under it loses (NCCL kernels
+    # take SMs and HBM bandwidth from the GEMMs they overlap)
+    overlap_interference: float = 0.0
+    dp_bw_efficiency: float = 1.0  # fitted: share of the link's bus bandwidth the ZeRO-0/1/2 gradient and parameter collectives reach
+    # fitted: bytes the framework's memory-bound kernels (norms, activations, dropout, residuals,
+    # softmax) move per activation byte the model counts: its kernel fusion (Megatron-LM fuses
+    # bias-GeLU, bias-dropout-add and the scaled masked softmax; unfused eager ops read and write more)
+    elementwise_traffic: float = 1.0
+    # structural: the fused-attention kernel it calls on GPUs that have a measured rate for it
+    # (tuning/data/kernels.yaml): "fa2" FlashAttention-2, "cudnn" Transformer Engine's cuDNN attention
+    attention_kernel: str = "fa2"
+    # structural: its blocks are Transformer Engine's fused modules (megatron-core): memory-bound traffic is
+    # what those kernels read and write (tuning.sim.compute.fused_block_bytes), not the activation count
+    fused_kernels: bool = False
+    # structural: the distributed optimizer's parameter all-gather overlaps the next forward
+    # (megatron-core --overlap-param-gather, which its recipes set beside --overlap-grad-reduce)
+    overlap_param_gather: bool = False
+
+
+# The fitted fields hold tuning.sim.fit.fit_frameworks() on every published row of the flavour
+# (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
+FITTED = {
+    "megatron": dict(layer_microbatch_s=0.00571, elementwise_traffic=2.405),
+    "deepspeed": dict(layer_microbatch_s=0.01205, elementwise_traffic=5.103, dp_bw_efficiency=0.3436,
+                      zero3_bw_efficiency=0.1046, overlap_interference=0.3652),
+    "fsdp": dict(layer_microbatch_s=0.003035, elementwise_traffic=4.262, zero3_bw_efficiency=0.7508,
+                 overlap_interference=0.5494),
+    "megatron-core": dict(layer_microbatch_s=0.001193, elementwise_traffic=3.103, microbatch_s=0.01157),
+}
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
+    # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)
+    Framework(name="megatron", description="Megatron-LM / NeMo (PTD-P): scatter/gather pipeline sends, fused kernels",
+              attention_kernel="cudnn", **FITTED["megatron"]),
+    # ZeRO-3's bandwidth share and overlap interference are informed by its ZeRO-3 rows alone (Narayanan et
+    # al. 2021 Table 2); the rest by its pipeline rows (BLOOM's layout search, MT-NLG)
+    Framework(name="deepspeed", description="Megatron-DeepSpeed with DeepSpeed's PipelineEngine and ZeRO "
+              "(stage 3 gathers per parameter)", zero3_per_parameter=True, **FITTED["deepspeed"]),
+    # Composer (llm-foundry) enters no_sync only for a DDP-wrapped model, so FSDP1's SHARD_GRAD_OP
+    # syncs every micro-batch and then frees the unsharded parameters after backward: ZeRO-2 re-gathers
+    # in each micro-batch's forward (composer/trainer/dist_strategy.py ddp_sync_context; FSDP1
+    # _should_free_in_backward)
+    Framework(name="fsdp", description="PyTorch FSDP (MosaicML llm-foundry, torchtitan): one flat gather per block",
+              **FITTED["fsdp"]),
+    Framework(name="engine", description="the workbench engine on a calibrated host (host costs in the profile)",
+              zero2_gather_once=True),
+    # Megatron-core 0.8+ (2024: Megatron-LM's mcore models, NeMo 2, Megatron-Bridge): Transformer Engine
+    # modules with fused norms, rotary, bias-activation and bias-dropout-add; cuDNN fused attention unless a
+    # run names another kernel; the distributed optimizer's gathers under the forward. Its terms are fitted on
+    # its own (H100) rows only: the 2021 Megatron-LM rows keep the "megatron" flavour.
+    Framework(name="megatron-core", description="Megatron-core 2024+ (NeMo, Megatron-Bridge): Transformer Engine "
+              "fused kernels, overlapped distributed optimizer", attention_kernel="cudnn", fused_kernels=True,
+              overlap_param_gather=True, **FITTED["megatron-core"]),
+)}
+FRAMEWORK_NAMES = tuple(FRAMEWORKS)
+
+
+def framework_code(name: str) -> int:
+    """The column code of a flavour (its index in FRAMEWORK_NAMES); ValueError names the choices."""
+    if name not in FRAMEWORKS:
+        raise ValueError(f"framework={name!r} must be one of {', '.join(FRAMEWORK_NAMES)}")
+    return FRAMEWORK_NAMES.index(name)
+
+
+def per_row(codes: np.ndarray, field: str, frameworks: dict[str, Framework] | None = None) -> np.ndarray:
+    """The value of `field` for each row's framework code (vectorised lookup; a field holding an array,
+    as a fit's grid does, broadcasts against the rows)."""
+    table = frameworks or FRAMEWORKS
+    codes = np.asarray(codes)
+    choices = [np.asarray(getattr(table[name], field), dtype=float) for name in FRAMEWORK_NAMES]
+    return np.select([codes == i for i in range(len(FRAMEWORK_NAMES))], choices, 0.0)

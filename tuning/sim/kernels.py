@@ -1,0 +1,164 @@
+"""Kernel costs from hardware facts (issue 49): a GEMM by its shape, fused attention by its measured
+rate, memory-bound work at measured bandwidth; every number from `tuning/data/kernels.yaml`, which
+cites its source. Nothing here is fitted to a training run.
+
+- **GEMM** (M x N output, K reduction, `batch` of them): the library's best output tile among the
+  cited shapes fills `sms` multiprocessors in waves; the GEMM runs at peak x MAMF efficiency x
+  (useful tiles / tile slots of its waves) -- tile and wave quantisation -- and never faster than it
+  streams its operands and result, 2 (MK + KN + MN) bytes, at the measured bandwidth (small GEMMs
+  are memory-bound).
+- **Fused attention**: FlashAttention-2 / cuDNN forward and backward rates by head dim, sequence
+  length and causality, as the papers measured them (FlashAttention's FLOP convention: forward
+  4 s^2 d per head, backward 2.5x, causal half).
+- **Memory-bound kernels** (norms, activations, dropout, rotary, casts, the loss, the optimizer) at
+  the measured streaming bandwidth.
+
+A cluster names its GPU's facts in `ClusterSpec.kernels` ("a100", "h100", ...); CPU profiles
+(`tuning.calibrate.calibration`) leave it empty and keep their measured tables.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+GB = 1e9
+KERNELS = Path(__file__).parents[1] / "data" / "kernels.yaml"
+
+
+@dataclass(frozen=True)
+class AttentionTable:
+    """One fused-attention kernel's measured rates (FLOP/s) at `seq` lengths, keyed (hd, causal, pass)."""
+
+    seq: np.ndarray
+    rates: dict[tuple[int, bool, str], np.ndarray] = field(default_factory=dict)
+
+    def rate(self, head_dim: int, causal: bool, kind: str, seq: Any) -> np.ndarray:
+        """FLOP/s at `seq` for the nearest measured head dim: log(seq) interpolation, held at the ends."""
+        dims = sorted({d for d, _, _ in self.rates})
+        hd = min(dims, key=lambda d: (abs(np.log(d / head_dim)), -d))
+        x = np.log(np.maximum(np.asarray(seq, dtype=float), 1.0))
+        return np.interp(x, np.log(self.seq), self.rates[(hd, causal, kind)])
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What one GPU kind is measured to do (tuning/data/kernels.yaml `gpus.<kind>`)."""
+
+    kind: str
+    sms: int
+    gemm_efficiency: float
+    tiles: tuple[tuple[int, int], ...]
+    hbm_gb_s: float
+    attention: dict[str, AttentionTable] = field(default_factory=dict)
+
+
+def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
+    """Rates in FLOP/s; what is missing is derived from `like` (the same kernel on another GPU): a
+    non-causal backward from its backward / forward ratio at the same head dim and lengths, a head
+    dim it has and this table lacks from its ratio to the nearest measured one; a causal backward is
+    causal forward x non-causal backward / forward."""
+    seq = np.asarray(raw["seq"], dtype=float)
+    rates: dict[tuple[int, bool, str], np.ndarray] = {}
+    raw = dict(raw)
+    for hd in sorted({d for d, _, _ in like.rates} if like else ()):
+        if f"hd{hd}" not in raw:
+            near = min((int(k[2:]) for k in raw if k.startswith("hd")), key=lambda d: abs(np.log(d / hd)))
+            raw[f"hd{hd}"] = {mask: {kind: np.asarray(v) * like.rate(hd, mask == "causal", kind, seq)
+                                     / like.rate(near, mask == "causal", kind, seq) for kind, v in passes.items()}
+                              for mask, passes in raw[f"hd{near}"].items()}
+    for key, by_mask in raw.items():
+        if not key.startswith("hd"):
+            continue
+        hd = int(key[2:])
+        for mask, passes in by_mask.items():
+            for kind, values in passes.items():
+                rates[(hd, mask == "causal", kind)] = np.asarray(values, dtype=float) * 1e12
+        if (hd, False, "bwd") not in rates and like is not None:
+            ratio = like.rate(hd, False, "bwd", seq) / like.rate(hd, False, "fwd", seq)
+            rates[(hd, False, "bwd")] = rates[(hd, False, "fwd")] * ratio
+        rates[(hd, True, "bwd")] = rates[(hd, True, "fwd")] * rates[(hd, False, "bwd")] / rates[(hd, False, "fwd")]
+    return AttentionTable(seq=seq, rates=rates)
+
+
+@functools.lru_cache(maxsize=8)
+def gpu_facts(kind: str, path: str = str(KERNELS)) -> GpuFacts:
+    """The facts of GPU `kind`; a kind `like` another takes its fields and overrides some."""
+    gpus = yaml.safe_load(Path(path).read_text())["gpus"]
+    if kind not in gpus:
+        raise ValueError(f"kernels={kind!r} must be one of {', '.join(gpus)} (tuning/data/kernels.yaml)")
+    raw = dict(gpus[kind])
+    if "like" in raw:
+        raw = {**gpus[raw.pop("like")], **raw}
+    attention = {}
+    for impl, table in (raw.get("attention") or {}).items():
+        like = None
+        if "bwd_like" in table:
+            other, other_impl = table["bwd_like"]
+            like = gpu_facts(other, path).attention[other_impl]
+        attention[impl] = _table(table, like)
+    return GpuFacts(kind=kind, sms=int(raw["sms"]), gemm_efficiency=float(raw["gemm_efficiency"]),
+                    tiles=tuple((int(a), int(b)) for a, b in raw["tiles"]), hbm_gb_s=float(raw["hbm_gb_s"]),
+                    attention=attention)
+
+
+def quantisation(facts: GpuFacts, m: Any, n: Any, batch: Any = 1) -> np.ndarray:
+    """Useful share of the tile slots of the best tile's waves (tile and wave quantisation), in (0, 1]."""
+    m, n, batch = (np.asarray(x, dtype=float) for x in (m, n, batch))
+    best = np.zeros(np.broadcast(m, n, batch).shape)
+    for tm, tn in facts.tiles:
+        tiles = np.ceil(m / tm) * np.ceil(n / tn) * batch
+        slots = np.ceil(tiles / facts.sms) * facts.sms * tm * tn
+        best = np.maximum(best, m * n * batch / slots)
+    return best
+
+
+def gemm_seconds(facts: GpuFacts, peak: float, m: Any, n: Any, k: Any, batch: Any = 1,
+                 dtype_bytes: float = 2.0) -> np.ndarray:
+    """Seconds of `batch` GEMMs of an M x N output over K: compute at the quantised MAMF rate, or
+    streaming the operands at the measured bandwidth, whichever is slower."""
+    m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
+    compute = 2.0 * m * n * k * batch / (peak * facts.gemm_efficiency * quantisation(facts, m, n, batch))
+    memory = dtype_bytes * batch * (m * k + k * n + m * n) / (facts.hbm_gb_s * GB)
+    return np.maximum(compute, memory)
+
+
+def fwd_bwd_gemm_seconds(facts: GpuFacts, peak: float, m: Any, n: Any, k: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of a linear layer's GEMM (M x N over K): backward is the input
+    gradient (M x K over N) and the weight gradient (K x N over M)."""
+    return gemm_seconds(facts, peak, m, n, k), gemm_seconds(facts, peak, m, k, n) + gemm_seconds(facts, peak, k, n, m)
+
+
+def attention_impls(facts: GpuFacts) -> tuple[str, ...]:
+    """The fused-attention kernels this GPU has measured rates for."""
+    return tuple(facts.attention)
+
+
+def fused_attention_seconds(facts: GpuFacts, impl: str, *, heads: Any, seq_q: Any, seq_k: Any, head_dim: int,
+                            causal: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """(forward, backward) seconds of fused attention over `heads` (batch x heads) query blocks of
+    `seq_q` tokens against `seq_k` keys, at the rate measured at `seq_k`; None when this GPU has no
+    fused-attention measurement (priced as GEMMs). `impl` falls back to any measured kernel."""
+    if not facts.attention:
+        return None
+    table = facts.attention.get(impl) or next(iter(facts.attention.values()))
+    work = 4.0 * np.asarray(heads, dtype=float) * np.asarray(seq_q, dtype=float) * np.asarray(seq_k, dtype=float) \
+        * head_dim * (0.5 if causal else 1.0)
+    return (work / table.rate(head_dim, causal, "fwd", seq_k),
+            2.5 * work / table.rate(head_dim, causal, "bwd", seq_k))
+
+
+def memory_bandwidth(cluster: Any) -> float:
+    """Bytes/s of memory-bound kernels: the GPU's measured streaming rate, or a CPU profile's own
+    (`hbm_gb_s` x `hbm_efficiency`)."""
+    if getattr(cluster, "kernels", ""):
+        return gpu_facts(cluster.kernels).hbm_gb_s * GB
+    return cluster.hbm_gb_s * cluster.hbm_efficiency * GB
+
+
+__all__ = ["AttentionTable", "GpuFacts", "KERNELS", "attention_impls", "fused_attention_seconds",
+           "fwd_bwd_gemm_seconds", "gemm_seconds", "gpu_facts", "memory_bandwidth", "quantisation"]
