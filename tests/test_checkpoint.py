@@ -130,7 +130,7 @@ def test_metadata_that_would_run_code_is_refused_in_one_line_naming_the_file_and
     runs nothing, in a rank (checkpoint.load) or in the launcher's check before any rank starts.
     Old code: the names reached through torch.distributed.checkpoint.metadata ran `touch` (the
     module-wide allowance), and the launcher said only "the checkpoint is damaged"."""
-    from engine.train.trainer import checkpoint
+    from engine.train import checkpoint
     from engine.config import load_config
     from engine.errors import ConfigError
 
@@ -153,7 +153,7 @@ def test_metadata_that_would_run_code_is_refused_in_one_line_naming_the_file_and
 
 
 def test_a_missing_checkpoint_names_the_field(tmp_path):
-    from engine.train.trainer import checkpoint
+    from engine.train import checkpoint
 
     with pytest.raises(FileNotFoundError, match="train.resume_from=.*not a checkpoint folder"):
         checkpoint.load(None, tmp_path / "step000009")
@@ -162,8 +162,8 @@ def test_a_missing_checkpoint_names_the_field(tmp_path):
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
     """A Slurm requeue resumes from the newest complete checkpoint. Old code sorted the folder names as
     strings: step999000 came after step1000000 (the 6-digit format grows a digit past 999999)."""
-    from engine.train.trainer import checkpoint
-    from engine.launch.local import preempt
+    from engine.train import checkpoint
+    from engine.launch import preempt
 
     for step in (999000, 1000000, 2):
         (checkpoint.checkpoint_path(tmp_path, step) / ".metadata").parent.mkdir()

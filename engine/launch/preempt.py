@@ -67,7 +67,7 @@ def enabled() -> bool:
 def checkpoint_and_leave(state, step: int, folder: Path, run_dir: Path, rank: int) -> None:
     """Write the checkpoint of the `step` steps done (`state`: engine.train.checkpoint.RankState), leave the
     requeue marker (rank 0), raise Preempted."""
-    from engine.train.trainer import checkpoint as ckpt
+    from engine.train import checkpoint as ckpt
 
     path = ckpt.save(state, step, folder)
     if rank == 0:

@@ -116,7 +116,7 @@ def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = la
 def _preemption(cfg, run_dir: Path):
     """In a job that asked for Slurm's warning signal: (the installed handler, the checkpoint to resume from
     or None); else None."""
-    from engine.launch.local import preempt
+    from engine.launch import preempt
     from engine.train.checkpoint import checkpoint_folder
 
     if not preempt.enabled():
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from engine.launch.faults import from_env
 
-        from engine.train.trainer import checkpoint as ckpt
+        from engine.train import checkpoint as ckpt
         from engine.train.live import KnobChannel, StopRun
         from engine.launch.preempt import Preempted, checkpoint_and_leave
 

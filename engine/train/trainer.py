@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.train.trainer import checkpoint as ckpt
+from engine.train import checkpoint as ckpt
 from engine.train.comm_setup import apply_live_knobs, install_link_groups
 from engine.train.compose import compose
 from engine.config import RunConfig

@@ -399,7 +399,7 @@ def accelerate_script(cfg: RunConfig) -> str:
     """The training script the accelerate config launches: tuning/export/accelerate_train.py with the run's SETTINGS."""
     import pprint
 
-    from tuning.export.trial import accelerate_train
+    from tuning.export import accelerate_train
 
     source = Path(accelerate_train.__file__).read_text()
     body = pprint.pformat(accelerate_settings(cfg), width=110, sort_dicts=False)
