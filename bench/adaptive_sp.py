@@ -34,7 +34,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.data.corpus import SYNTHETIC_TOKENS
     from engine.data.lengths import budget_documents
     from engine.model.gpt import build_model

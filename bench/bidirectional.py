@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.launch.local import launch  # noqa: E402
 from profilers.store import RunStore  # noqa: E402
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.launch.local import launch  # noqa: E402
 
 MODEL = ["model.layers=2", "model.d_model=256", "model.heads=4", "model.seq_len=64", "batch.global=16",

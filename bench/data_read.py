@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.data.sources import build_streams  # noqa: E402
 
 

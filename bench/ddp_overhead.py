@@ -19,7 +19,7 @@ from common import interleaved_main, timed  # noqa: E402
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.data.corpus import build_splits, local_batch  # noqa: E402
 from engine.model.gpt import build_model, loss_fn  # noqa: E402
 

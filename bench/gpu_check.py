@@ -71,7 +71,7 @@ def check(rows: list[Row], path: str, where: str, fn: Callable[[], str]) -> None
 
 def engine_losses(overrides: list[str], device: torch.device, steps: int, **kw) -> list[float]:
     """Losses of `steps` engine steps of the tiny GPT (inside or outside a process group)."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     cfg = load_config(None, TINY + [f"train.steps={steps}"] + overrides)
@@ -83,7 +83,7 @@ def engine_losses(overrides: list[str], device: torch.device, steps: int, **kw) 
 
 
 def _tiny_model(device: torch.device):
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.model.gpt import build_model
 
     cfg = load_config(None, TINY)

@@ -81,7 +81,7 @@ def _attention_backend(device: torch.device) -> contextlib.AbstractContextManage
 
 def measure(trainer, device: torch.device, rounds: int, steps: int) -> dict[str, list]:
     """Interleaved rounds of (engine profilers on, engine profilers off, minimal) steps."""
-    from engine.config import replace
+    from engine.config.schema import replace
 
     out: dict[str, list] = {"on": [], "off": [], "minimal": [], "breakdown": []}
     step = 0
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print(no_cuda_message("bench/gpu_mfu.py"), file=sys.stderr)
         return 2
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)

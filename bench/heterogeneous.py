@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.launch.local import launch  # noqa: E402
 
 GROUPS = ("link.groups=[{name: ib, ranks: [0, 2], gbps: 100, latency_us: 5}, "

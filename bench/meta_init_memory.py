@@ -46,7 +46,7 @@ def main() -> None:
     from parallel_harness import run_ranks
     from test_meta_init import LLAMA_3_2_1B, _memory_after_layout
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.model.gpt import count_parameters
 
     print(f"host: {os.cpu_count()} cpus, load1 {os.getloadavg()[0]:.1f}; 2 gloo ranks, one thread each")

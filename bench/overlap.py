@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.launch.local import launch  # noqa: E402
 
 # a wide, shallow model with a small batch: gradients are big next to the compute, as on a

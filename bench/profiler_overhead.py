@@ -22,7 +22,7 @@ from common import interleaved_main, timed  # noqa: E402
 
 import torch  # noqa: E402
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 
 # the small GPT of shared/reference/platform.md
 OVERRIDES = ["model.layers=4", "model.d_model=256", "model.heads=4", "model.seq_len=128", "batch.micro=8",

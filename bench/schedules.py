@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import run_world, timed  # noqa: E402
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from engine.launch.local import launch  # noqa: E402
 from profilers.store import RunStore  # noqa: E402
 from tuning.calibrate.schedule import executed_steps, measured_bubble, predicted_bubble  # noqa: E402

@@ -105,7 +105,7 @@ def _median_excess(home: Path, run_id: str) -> float:
 def breakdown() -> list[Row]:
     import contextlib
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from engine.train.trainer import Trainer
     from profilers.steps import StepTimer, check_breakdown
@@ -161,7 +161,7 @@ def search() -> list[Row]:
 
 
 def calibration() -> list[Row]:
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
     from test_calibration import BASE
     from tuning.calibrate.calibration import (HostProfile, calibrate_local, measure_linear_gemms, measure_nongemm_bandwidth,
@@ -201,7 +201,7 @@ def co2() -> list[Row]:
 
 
 def link_step() -> list[Row]:
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from test_engine_comm import TINY
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optuna  # noqa: E402
 
-from engine.config import load_config  # noqa: E402
+from engine.config.schema import load_config  # noqa: E402
 from tuning.objective import Objective  # noqa: E402
 from tuning.space import SearchSpace  # noqa: E402
 from tuning.study import load_study, run_trials  # noqa: E402

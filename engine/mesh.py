@@ -46,7 +46,7 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1  # context-parallel degree (engine/parallel/context.py)
-    order: tuple[int, ...] | None = None  # global rank at each mesh position (engine/placement.py); None: rank order
+    order: tuple[int, ...] | None = None  # global rank at each mesh position (engine/config/placement.py); None: rank order
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp"):

@@ -32,7 +32,7 @@ def tiny_entry():
     corpus as a user's (input, target) dataset (engine/data/corpus.py MapDataset)."""
     import torch
 
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.data.corpus import stdlib_corpus
     from engine.model.gpt import build_model
 
@@ -73,8 +73,8 @@ def planted_entry():
 # ---------------------------------------------------------------- inside a rank
 
 def _config(flat: dict[str, Any]):
-    from engine.config import from_dict
-    from engine.validate import validate
+    from engine.config.schema import from_dict
+    from engine.config.validate import validate
 
     return validate(from_dict(compat.nested(flat)))
 

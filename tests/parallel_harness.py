@@ -123,7 +123,7 @@ def trainer_reference(overrides: list[str]) -> tuple[list[float], float | None]:
     its per-step losses and final validation loss."""
     import torch
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -142,7 +142,7 @@ def assert_launch_follows(result: Any, ref: list[float], ref_val: float | None, 
 
 def tiny_model_config() -> Any:
     """The parity-test model: 2 layers, d_model 32, 4 heads, seq 16, vocab 256, no dropout."""
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
 
     return ModelConfig(layers=2, d_model=32, heads=4, seq_len=16, vocab=256, dropout=0.0)
 

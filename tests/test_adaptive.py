@@ -149,7 +149,7 @@ def _live_density_run(rank: int) -> dict:
     from types import SimpleNamespace
 
     from engine.train.comm_setup import apply_live_knobs
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     model = _Net()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)

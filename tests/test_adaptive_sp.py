@@ -117,7 +117,7 @@ def test_group_layout_puts_larger_groups_first_on_contiguous_ranks():
 
 
 def _calibrate_body(rank: int, world_size: int) -> dict:
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.model.gpt import build_model
     from engine.parallel.adaptive_sp import GroupCache, calibrate
 
@@ -144,7 +144,7 @@ def test_calibration_covers_every_group_size_the_plans_may_use():
     (["parallel.adaptive_sp=true", "parallel.dp=2", "parallel.cp_impl=ring"], r"adaptive_sp runs its groups with ulysses"),
 ])
 def test_adaptive_sp_validation(bad, match):
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError, ConfigErrors
 
     with pytest.raises((ConfigError, ConfigErrors), match=match):
@@ -179,7 +179,7 @@ def test_adaptive_sp_trains_through_the_real_launcher(tmp_path):
     plan solved one step ahead (the record of each step's plan is kept) and the loss falls."""
     from pathlib import Path
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from profilers.store import RunStore
 

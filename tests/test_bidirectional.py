@@ -42,7 +42,7 @@ def test_refuses_a_compressor_without_a_bidirectional_form() -> None:
 
 
 def test_validate_names_the_rules() -> None:
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="comm.bidirectional.*needs comm.compressor in randk, topk"):

@@ -278,7 +278,7 @@ PP4 = ["name=pp4grid", "model.layers=4", "model.d_model=16", "model.heads=2", "m
 def _pp4_schedule_grid(url: str, home: Path, page) -> None:
     """A real 2-step pp=4 1f1b run (4 micro-batches) stored in the app's home: the Run page draws
     its last step's executed actions as bars on rows rank 0..3, 4 forwards and 4 backwards each."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
 
     launch(load_config(None, PP4), home=home, run_id="pp4grid", timeout_s=240)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.model.gpt import count_parameters
 from tuning.calibrate.calibration import (
     HostProfile,
@@ -375,7 +375,7 @@ def test_attention_is_priced_from_the_measured_attention_table(tmp_path) -> None
     """The engine's fused attention runs far below the GEMM rate on a CPU (softmax, causal mask,
     head dim 16-64): a measured attention table prices it, 7 x 2 b s^2 h FLOPs per layer and
     micro-batch (two GEMMs forward, twice that backward, Q K^T recomputed), and survives save/load."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from tuning.calibrate.calibration import measure_attention, predict_run
     from tuning.sim.hardware import cpu_profile, load_cluster, save_cluster
 

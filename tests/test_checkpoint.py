@@ -9,7 +9,7 @@ import pytest
 import torch
 from parallel_harness import run_ranks
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.train.trainer import Trainer
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "model.vocab=256",
@@ -131,7 +131,7 @@ def test_metadata_that_would_run_code_is_refused_in_one_line_naming_the_file_and
     Old code: the names reached through torch.distributed.checkpoint.metadata ran `touch` (the
     module-wide allowance), and the launcher said only "the checkpoint is damaged"."""
     from engine.train import checkpoint
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError
 
     marker, folder = tmp_path / "pwned", tmp_path / "step000001"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "model.vocab=256",

@@ -234,7 +234,7 @@ def test_hints_name_the_storage_the_presets_and_a_folder(tmp_path):
     an unknown --model name lists the presets; a folder given as a config or space says so."""
     import typer
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError
     from tuning.space import SearchSpace
     from workbench.cli_sim import _model

@@ -11,7 +11,7 @@ import torch
 from parallel_harness import run_ranks
 
 from engine.comm.co2 import CO2
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 
 WORLD = 2

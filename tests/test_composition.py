@@ -67,7 +67,7 @@ def test_checkpoint_comm_and_live_take_parts_not_the_trainer() -> None:
 
 def test_compose_builds_a_ranks_parts_without_a_trainer() -> None:
     from engine.train.compose import compose
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.mesh import ParallelDims
     from engine.train.trainer import _NoMesh
     from profilers.collectives import CollectiveProfiler

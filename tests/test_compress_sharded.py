@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.launch.local import launch
 
 pytestmark = [pytest.mark.xdist_group("launch"), pytest.mark.slow]

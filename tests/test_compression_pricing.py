@@ -18,7 +18,7 @@ import torch
 from parallel_harness import run_ranks
 
 from engine.comm.compress import bucket_wire, step_wire_bytes
-from engine.config import load_config, to_dict
+from engine.config.schema import load_config, to_dict
 from profilers.bandwidth import bus_factor
 from tuning.sim.simulator import compression_wire_bytes, from_run_config
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import RunConfig, apply_overrides, from_dict, load_config, replace
+from engine.config.schema import RunConfig, apply_overrides, from_dict, load_config, replace
 from engine.errors import ConfigError, ConfigErrors
-from engine.validate import check
+from engine.config.validate import check
 
 # (overrides, the field the error names, a regex the message must match)
 RULES = [
@@ -122,9 +122,9 @@ def test_each_rule_names_field_value_and_rule(overrides, field, pattern):
 
 
 def test_every_rule_function_is_exercised():
-    """Each rule family in engine.validate has at least one failing case above."""
-    from engine import validate as v
-    from engine.validate_files import read_files
+    """Each rule family in engine.config.validate has at least one failing case above."""
+    from engine.config import validate as v
+    from engine.config.validate_files import read_files
 
     hit = set()
     for overrides, _, _ in RULES:

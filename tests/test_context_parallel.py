@@ -135,7 +135,7 @@ def test_cp2_with_dp2_and_with_tp2_matches_single_process(reference):
     (["data.length_max=65"], r"data.length_max=65: must be in \[0, model.seq_len=64\]"),
 ])
 def test_context_parallel_validation(bad, match):
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError, ConfigErrors
 
     with pytest.raises((ConfigError, ConfigErrors), match=match):
@@ -143,7 +143,7 @@ def test_context_parallel_validation(bad, match):
 
 
 def test_world_size_counts_cp_and_the_mesh_puts_cp_between_dp_and_tp():
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.mesh import ParallelDims
 
     assert load_config(None, ["parallel.dp=2", "parallel.cp=2"]).world_size == 4
@@ -167,7 +167,7 @@ def test_search_space_layouts_with_cp():
 def test_engine_dp2_cp2_ring_matches_single_process(tmp_path):
     """Through the launcher and the train loop: data sharded along the sequence, positions,
     loss averaged over dp x cp, evaluation, the layout in the store."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from engine.train.trainer import Trainer
     from profilers.store import RunStore
@@ -242,7 +242,7 @@ def cp_bytes_runs(tmp_path_factory) -> dict:
     bytes per step and rank, as the run store holds them."""
     import json
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from profilers.store import RunStore
 

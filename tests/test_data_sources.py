@@ -12,7 +12,7 @@ import pytest
 import torch
 from parallel_harness import run_ranks
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.data.sources import build_streams, rank_rows
 from engine.errors import ConfigError, ConfigErrors
 from engine.train.trainer import Trainer

@@ -34,7 +34,7 @@ def _engine_paths(rank: int, world: int, run_dir: str) -> dict[str, object]:
     from pathlib import Path
 
     from device_check import DeviceDiscipline
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.device import init_host_group
     from engine.train.live import KnobChannel
     from engine.train.trainer import Trainer
@@ -123,7 +123,7 @@ def test_train_step_reads_the_device_twice_whatever_the_accumulation():
     for the clipping coefficient; none per micro-batch (torch's CPU AdamW reads its step counters:
     not ours). Before: also `float(norm)` in Trainer._clip, a second read of the norm."""
     from device_check import HostSyncs
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -161,7 +161,7 @@ SYNC_PATHS = {
 def _step_syncs(rank: int, world: int) -> dict[str, list[str]]:
     """Each path's host syncs in its second step (the first builds DDP's buckets, FSDP2's state)."""
     from device_check import HostSyncs
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     out = {}

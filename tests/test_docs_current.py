@@ -41,7 +41,7 @@ def test_the_moe_example_runs_at_a_capacity_that_drops_almost_nothing():
 def test_the_docs_list_the_model_types_the_code_takes():
     """Lists the code can check (issue 52 item 9: the model_type list omitted qwen2_moe and qwen3_moe)."""
     from engine.model.shapes import HF_FAMILIES
-    from engine.validate import HF_TRAINABLE
+    from engine.config.validate import HF_TRAINABLE
 
     text = (ROOT / "docs" / "config.md").read_text()
     trained = re.search(r"`model\.hf` / `hf_weights` \| [^|]*\| a Hugging Face causal LM \(([^)]*)\)", text)

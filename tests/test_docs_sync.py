@@ -13,7 +13,7 @@ CONFIG_PAGE, CLI_PAGE = ROOT / "docs" / "config.md", ROOT / "docs" / "cli.md"
 
 def config_keys() -> set[str]:
     """Every dotted key of a run config (a list of dataclasses, link.groups, counts as its fields)."""
-    from engine.config import RunConfig
+    from engine.config.schema import RunConfig
 
     def walk(cls: type, prefix: str) -> set[str]:
         keys: set[str] = set()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 
 # a Llama-shaped model whose every dim 0 divides by 8: FSDP2 pads no shard at world 8, so its gathers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.launch.local import launch
 from profilers.store import RunStore
 

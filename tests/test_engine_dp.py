@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import RankFailure
 from engine.launch.local import launch
 from engine.train.trainer import Trainer

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.launch.local import launch
 from engine.train.trainer import Trainer
 

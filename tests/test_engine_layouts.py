@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.launch.local import launch
 from profilers.store import RunStore
 from parallel_harness import assert_launch_follows, trainer_reference

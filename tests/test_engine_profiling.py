@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import RankFailure
 from engine.launch.local import launch
 from engine.model.gpt import build_model

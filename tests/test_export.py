@@ -18,7 +18,7 @@ import pytest
 import yaml
 from optuna.trial import create_trial
 
-from engine.config import RunConfig, load_config
+from engine.config.schema import RunConfig, load_config
 from engine.train.trainer import lr_at
 from tuning.export.trial import export_notes, export_trial, to_deepspeed
 
@@ -323,7 +323,7 @@ def _seen_by(tool: str, study: optuna.Study, monkeypatch) -> dict:
 
 
 def load_config_text(text: str) -> RunConfig:
-    from engine.config import from_dict, validate
+    from engine.config.schema import from_dict, validate
 
     return validate(from_dict(yaml.safe_load(text)))
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from optuna.trial import create_trial
 
-from engine.config import load_config
+from engine.config.schema import load_config
 
 pytestmark = pytest.mark.xdist_group("launch")
 

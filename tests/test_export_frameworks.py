@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import RunConfig, load_config
+from engine.config.schema import RunConfig, load_config
 from tuning.export.frameworks import accelerate_yaml, to_accelerate, to_torchtitan, torchtitan_toml
 
 BASE = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=32", "batch.global=16"]
@@ -93,7 +93,7 @@ def test_torchtitan_names_what_it_cannot_map(tmp_path):
     assert any("cp_impl=ulysses" in n for n in to_torchtitan(cp)[1])
     assert "# not mapped: comm.compressor=powersgd (no gradient compression hook in torchtitan)" in \
         torchtitan_toml(_titan_cfg("dp2-ddp", tmp_path)).splitlines()
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
 
     (tmp_path / "data").mkdir()
     hf = from_dict({"model": {"hf": TITAN_DEBUG}, "data": {"source": "hf", "path": str(tmp_path / "data" / "c.jsonl"),
@@ -108,7 +108,7 @@ def test_torchtitan_names_what_it_cannot_map(tmp_path):
 def test_torchtitan_refuses_a_shape_no_flavor_has_in_one_line():
     """Qwen2-0.5B (qwen2: no torchtitan model), a llama of no registered shape, and the workbench GPT are
     refused in one line naming what differs, never exported as debugmodel."""
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
 
     qwen2 = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
@@ -214,7 +214,7 @@ def test_torchtitan_names_its_own_flavor_for_the_llama_3_1_8b_config(tmp_path):
     from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
 
     cfg = from_dict({"model": {"hf": str(LLAMA31_8B), "seq_len": 8192}, "batch": {"global": 512, "micro": 1},
                      "parallel": {"dp": 8, "tp": 8, "zero": 3}, "precision": "bf16"})
@@ -241,7 +241,7 @@ def test_accelerate_wraps_the_decoder_layer_transformers_names_for_the_family():
     qwen3_moe = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
                  "num_experts_per_tok": 2, "vocab_size": 256, "head_dim": 8}
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
 
     # priced by the simulator, not trained by the engine: built without validate() to export
     cfg = from_dict({"model": {"hf": qwen3_moe, "seq_len": 32}, "parallel": {"dp": 2, "zero": 3},

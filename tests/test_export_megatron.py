@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import apply_overrides, from_dict
+from engine.config.schema import apply_overrides, from_dict
 from tuning.export.trial import megatron_args, megatron_script
 
 REPO = Path(__file__).resolve().parent.parent

@@ -111,7 +111,7 @@ CALLERS = {
     "tuning/sim/hardware.py": "engine.peaks",
     "tuning/storage.py": "profilers.locks",
     "profilers/store_sql.py": "profilers.locks",
-    "engine/config.py": "engine.mesh",
+    "engine/config/schema.py": "engine.mesh",
     "tuning/sim/spec.py ": "engine.mesh",
     "tuning/sim/published.py": "engine.mesh",
 }

@@ -183,7 +183,7 @@ def test_nvml_samples_every_gpu(fake_nvml):
 
 
 def test_worker_samples_carry_the_running_step(fake_nvml):
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.worker import _samplers
 
     got = []
@@ -206,7 +206,7 @@ def test_launch_refuses_more_nccl_ranks_than_gpus_before_any_process(monkeypatch
     """On a one-GPU box (the lent H100) a 2-rank run picks NCCL (auto) and its rank 1 asks for
     cuda:1, which is not there; now one line names the field, the value and the rule before
     anything starts."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError
     from engine.launch.local import launch
 

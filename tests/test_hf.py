@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

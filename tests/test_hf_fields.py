@@ -1,4 +1,4 @@
-"""engine/hf_fields.py: every field of transformers' config classes of the supported families is
+"""engine/config/hf_fields.py: every field of transformers' config classes of the supported families is
 implemented, irrelevant to training or refused by validate(); what it says about the sliding
 window matches what transformers' own attention modules receive; refused values are one line."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError, ConfigErrors
-from engine.hf_fields import (FIELDS, IMPLEMENTED, IRRELEVANT, MISTRAL_WINDOW, QWEN_MAX_WINDOW_LAYERS, QWEN_WINDOW,
+from engine.config.hf_fields import (FIELDS, IMPLEMENTED, IRRELEVANT, MISTRAL_WINDOW, QWEN_MAX_WINDOW_LAYERS, QWEN_WINDOW,
                               REFUSED, sliding_windows)
 from engine.model.shapes import HF_FAMILIES
 
@@ -32,7 +32,7 @@ def test_every_config_field_of_every_family_is_classified(family):
     fields = [f.name for f in dataclasses.fields(_config_class(family))]
     assert fields, family
     missing = [name for name in fields if name not in FIELDS]
-    assert not missing, f"{family}: classify {missing} in engine/hf_fields.py FIELDS"
+    assert not missing, f"{family}: classify {missing} in engine/config/hf_fields.py FIELDS"
     assert {kind for kind, _ in FIELDS.values()} == {IMPLEMENTED, IRRELEVANT, REFUSED}
     assert all(why for _, why in FIELDS.values())
 

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from parallel_harness import run_ranks
 
 from engine.comm.link import LinkTopology, RankGroup
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 from engine.parallel.layer_split import proportional_split
-from engine.placement import mesh_groups, rank_order
+from engine.config.placement import mesh_groups, rank_order
 
 # ib: ranks 0,1 at 100 Gbit/s (12.5e9 B/s), 5 us; eth: ranks 2,3 at 10 Gbit/s (1.25e9 B/s), 20 us;
 # between them 1 Gbit/s (125e6 B/s), 100 us
@@ -129,7 +129,7 @@ def test_groups_that_agree_with_ranks_per_node_are_valid() -> None:
 
 
 def test_valid_heterogeneous_config_round_trips() -> None:
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
 
     cfg = load_config(None, BASE + [GROUPS, "link.inter_gbps=1", "parallel.placement=holmes",
                                     "parallel.layer_split=auto"])

@@ -9,7 +9,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 from tuning.space import SearchSpace
 

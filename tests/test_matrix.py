@@ -143,7 +143,7 @@ def _clear_caches() -> None:
 def test_pending_features_have_not_landed() -> None:
     """A feature stays pending only while its config key does not exist; model.hf landed, so the hf
     features have fragments that validate() accepts alone."""
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
 
     assert "hf" in ModelConfig.__dataclass_fields__
     assert not FEATURES["hf"].pending and not FEATURES["hf-moe"].pending
@@ -169,8 +169,8 @@ def test_a_default_yields_to_a_set_knob() -> None:
 
 
 def test_a_refusal_is_validates_line_for_the_cells_own_knob() -> None:
-    from engine.config import from_dict
-    from engine.validate import check
+    from engine.config.schema import from_dict
+    from engine.config.validate import check
 
     cell = Cell.parse("tp+c-topk")
     flat = compat.overrides(compat.merge(cell.features).knobs)
@@ -339,7 +339,7 @@ def test_the_token_file_is_private_and_written_through_tempfile(tmp_path: Path,
 
 
 def test_feature_names_are_unique_and_use_validates_names() -> None:
-    from engine.validate import COMPRESSORS, CP_IMPLS, SCHEDULES
+    from engine.config.validate import COMPRESSORS, CP_IMPLS, SCHEDULES
 
     names = [f.name for f in compat._features()]
     assert len(names) == len(set(names))

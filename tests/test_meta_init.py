@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from parallel_harness import run_ranks
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
@@ -62,7 +62,7 @@ def test_a_draw_nothing_needs_advances_the_generator_in_pieces_as_in_one_call(mo
     """The pieces `_advance` draws (instead of a full-size tensor) leave the generator where one
     normal_/uniform_ call over the whole tensor does, at every size (tails included)."""
     import engine.model.meta_init as mi
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.model.gpt import build_model
 
     monkeypatch.setattr(mi, "_CHUNK", 48)

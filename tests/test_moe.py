@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig, load_config
+from engine.config.schema import ModelConfig, load_config
 from engine.errors import ConfigError, ConfigErrors
 from engine.model.moe import capacity, route
 from engine.parallel.expert import expert_group_ranks, node_split, rank_nodes, transpose_chunks
@@ -179,7 +179,7 @@ def test_show_json_has_all_to_all_records_and_expert_load(tmp_path):
 
 
 def test_moe_example_and_its_search_space_are_valid():
-    from engine.config import replace
+    from engine.config.schema import replace
     from tuning.space import SearchSpace
 
     base = load_config("examples/moe.yaml")

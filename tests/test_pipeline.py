@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model.gpt import build_model, loss_fn
 from engine.parallel.pipeline import bubble_fraction, describe_schedule, stage_layers
 from parallel_harness import counting_batches, run_ranks, single_process_losses

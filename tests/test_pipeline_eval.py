@@ -25,9 +25,9 @@ def _flat(**knobs) -> dict:
 def _losses(flat: dict) -> list[tuple[float, float | None]]:
     import torch
 
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
     from engine.train.trainer import Trainer
-    from engine.validate import validate
+    from engine.config.validate import validate
 
     torch.set_num_threads(1)
     trainer = Trainer(validate(from_dict(compat.nested(flat))), device=torch.device("cpu"))

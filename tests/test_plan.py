@@ -78,7 +78,7 @@ def test_plan_for_llama_3_1_8b_on_64_h100s_exports_to_all_five_formats(tmp_path)
     assert "dry run of layout 1: workbench dryrun out/plan-1.yaml --world 64" in out.stderr
     folder = tmp_path / "out"
     # the workbench's own config: the real model at the real world size
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
     import yaml
 
     cfg = from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
@@ -125,7 +125,7 @@ def test_plan_refuses_torchtitan_for_qwen2_in_one_line(tmp_path):
 
 def _stand_in_study(tmp_path: Path) -> tuple[str, optuna.Study]:
     """A study of a scaled-down llama on 2 CPU ranks whose trials ran 2x slower than predicted (dp) and 4x (pp)."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     storage = f"sqlite:///{tmp_path}/studies.db"
     study = optuna.create_study(study_name="stand-in", storage=storage, direction="maximize")
@@ -171,7 +171,7 @@ def test_plan_dry_runs_the_top_layouts_and_refuses_one_that_does_not_fit(tmp_pat
     """--dry-run 3: each top layout's peak per rank role beside the simulator's memory, the dry run of the real
     program where it can play the layout (the analytic estimate where not, said why); above --device-memory a
     layout is marked with the one-line refusal and its export is refused."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.dryrun import dry_run
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))

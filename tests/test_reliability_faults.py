@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.launch.local import launch
 from profilers.store import RunStore
 

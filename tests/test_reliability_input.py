@@ -24,9 +24,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import RunConfig, apply_overrides, from_dict, load_config, load_yaml, replace
+from engine.config.schema import RunConfig, apply_overrides, from_dict, load_config, load_yaml, replace
 from engine.errors import ConfigError, ConfigErrors, shown_value
-from engine.validate import MAX_WORLD_SIZE, validate
+from engine.config.validate import MAX_WORLD_SIZE, validate
 from tuning.space import SearchSpace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -692,7 +692,7 @@ def test_dashboard_binds_localhost_by_default():
 
 _IMPORT_PROBE = """
 import sys, json
-from engine.config import load_config
+from engine.config.schema import load_config
 report = {}
 for overrides in ([], ["model.entry=usermodel_probe_pkg.model:build", "data.source=synthetic"]):
     before = set(sys.modules)

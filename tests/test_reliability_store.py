@@ -219,7 +219,7 @@ def test_full_disk_during_a_real_run_fails_it_with_the_reason(tmp_path, monkeypa
     """The telemetry writer's connection can grow the file by no page (SQLITE_FULL, as on a full disk):
     the launcher stops the run at once and marks it failed with the store's message; nothing is
     reported as stored that is not."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
 
     opened = RunStore._open

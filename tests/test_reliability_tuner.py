@@ -24,7 +24,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from profilers.store import RunStore
 from tuning.objective import Objective
 from tuning.space import SearchSpace

@@ -9,7 +9,7 @@ import pytest
 import torch
 from parallel_harness import run_ranks
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.train.trainer import Trainer
 
 TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16", "model.vocab=256",

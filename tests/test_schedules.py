@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model.gpt import build_model, loss_fn
 from engine.parallel.schedules import chunks_per_rank, compute_actions, schedule_actions, stage_to_rank
-from engine.validate import SCHEDULES
+from engine.config.validate import SCHEDULES
 from parallel_harness import counting_batches, run_ranks, single_process_losses
 
 SEED, STEPS, GLOBAL_BATCH, MICRO, LR = 0, 5, 16, 2, 1e-2
@@ -548,7 +548,7 @@ def test_simulator_prices_every_schedule():
 
 
 def test_validate_names_the_new_schedule_rules():
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError, ConfigErrors
 
     def errors(*overrides: str) -> str:
@@ -566,7 +566,7 @@ def test_validate_names_the_new_schedule_rules():
 def test_schedule_virtual_and_skip_ratio_are_searchable():
     """tuning/space.py: SCHEDULE_PARAMS names every schedule (validate's names) and every point of
     its grid that the base config admits is a valid run config."""
-    from engine.config import load_config, replace
+    from engine.config.schema import load_config, replace
     from tuning.space import SCHEDULE_PARAMS, SearchSpace
 
     assert set(SCHEDULE_PARAMS["parallel.schedule"]["choices"]) == set(SCHEDULES)

@@ -39,7 +39,7 @@ def test_counts_equal_the_transformers_module(family):
 
 
 def test_gpt_shape_matches_the_engine_model():
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.model.gpt import build_model, flops_per_token
 
     cfg = ModelConfig(layers=4, d_model=32, heads=4, seq_len=16, vocab=256, experts=8, top_k=2, moe_every=2)
@@ -153,7 +153,7 @@ def test_gpt_flops_per_token_is_narayanans_formula_and_the_simulators():
     no matmul)."""
     import numpy as np
 
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.model.gpt import flops_per_token
     from tuning.sim.compute import flops
     from tuning.sim.spec import ModelSpec

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 
 HF = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
       "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512, "tie_word_embeddings": False}

@@ -301,7 +301,7 @@ def test_the_json_export_carries_the_model_shape() -> None:
     """Issue 37 item 2: the export carries the shape the simulator and the engine priced."""
     import optuna
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.model.gpt import count_parameters
     from tuning.export.trial import export_trial
 

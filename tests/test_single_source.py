@@ -5,7 +5,7 @@ import pytest
 
 
 def test_names_and_helpers_are_one_object():
-    from engine import validate
+    from engine.config import validate
     from engine.comm import compress, link
     from engine.parallel import pipeline
     from profilers import bandwidth
@@ -24,7 +24,7 @@ def test_divisors(n):
 
 
 def validate_divisors(n):
-    from engine.validate import divisors
+    from engine.config.validate import divisors
 
     return divisors(n)
 
@@ -32,7 +32,7 @@ def validate_divisors(n):
 def test_memory_estimate_uses_the_pipeline_split():
     """Interleaved: pp rank r holds chunks r, r + pp, ... of `layer_split` (the old copy read
     one entry per rank and missed the rank's second chunk)."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.memory import _stage_layers
 
     cfg = load_config(None, ["model.layers=6", "parallel.pp=2", "parallel.schedule=interleaved",
@@ -46,7 +46,7 @@ def test_one_rank_formula_the_meshs():
     coords, the groups of every axis, placement's groups and the expert groups all read it."""
     from engine.mesh import ParallelDims
     from engine.parallel.expert import expert_group_ranks
-    from engine.placement import mesh_groups
+    from engine.config.placement import mesh_groups
 
     order = (0, 4, 1, 5, 2, 6, 3, 7)  # a placement that moves every rank but 0 and 7
     dims = ParallelDims(2, 2, 2, 8, order=order)

@@ -17,7 +17,7 @@ import optuna
 import psutil
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.errors import ConfigError
 import engine.launch.slurm as slurm_mod
 from engine.launch.slurm import JobState, batch_script, job_srun, job_state, parse_scontrol, slurm_reason

@@ -271,7 +271,7 @@ def test_a_rank_of_one_run_cannot_write_into_another_run_on_a_shared_store(tmp_p
     the others in the summary (telemetry_records_refused). Old code stored the rank's 999.0 in run B."""
     from contextlib import nullcontext
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from profilers.store import RUNS_ENV
     from tests.pg_schema import pg_schema

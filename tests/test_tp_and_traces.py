@@ -66,7 +66,7 @@ def test_tp_breakdown_records_the_independent_wall_time(tp_run):
 def test_tuner_split_of_a_tp_trial_counts_tp_communication(tp_run):
     import optuna
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from tuning.objective import Objective
     from tuning.space import SearchSpace
 

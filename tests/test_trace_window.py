@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from engine.config import load_config
+from engine.config.schema import load_config
 
 
 def test_a_two_step_window_records_two_training_steps(tmp_path):

@@ -114,8 +114,8 @@ def test_the_tune_page_refuses_a_bad_study_name_and_starts_nothing(tmp_path, mon
 @pytest.mark.parametrize("name", ["-x", "..", ".hidden"])
 def test_a_run_name_starts_with_a_letter_or_digit(name):
     """The rule study names share: a run named "-x" reads as an option on a command line."""
-    from engine.config import load_config
-    from engine.validate import validate
+    from engine.config.schema import load_config
+    from engine.config.validate import validate
 
     with pytest.raises(ConfigError, match=r"^name='.*': must be 1-64 letters, digits, '_', '.' or '-', starting"):
         validate(load_config(None, [f"name={name}"]))
@@ -139,7 +139,7 @@ def small_checkpoint(tmp_path_factory) -> Path:
     """A one-process checkpoint of a tiny GPT at step 1."""
     import torch
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     folder = tmp_path_factory.mktemp("ckpt")
@@ -187,7 +187,7 @@ def test_a_checkpoint_item_stored_as_pickled_bytes_runs_nothing(tmp_path, small_
     import torch.distributed.checkpoint as dcp
 
     from engine.train.checkpoint import _reader, check_resume
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     marker = tmp_path / "pwned"
@@ -213,7 +213,7 @@ def test_a_token_id_beyond_the_vocabulary_is_named_not_looked_up(tmp_path):
     stops the read with the rule, instead of an index error (or a wrong row on a device)."""
     import numpy as np
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.data.sources import build_streams
 
     ids = np.arange(4000) % 256
@@ -239,7 +239,7 @@ def test_a_weights_folder_that_would_run_code_runs_nothing(tmp_path):
 
     import torch
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.errors import ConfigError
     from engine.model.hf import build_hf_model
 

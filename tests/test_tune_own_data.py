@@ -95,7 +95,7 @@ def test_a_config_json_and_a_token_file_tune_and_export_to_torchtitan_and_accele
     assert "not mapped:" in out.stderr and (tmp_path / "accelerate_train.py").is_file()
     import optuna
 
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
     from tuning.export.trial import pick_trial
 
     best = from_dict(pick_trial(optuna.load_study(study_name="own", storage=storage)).user_attrs["config"])

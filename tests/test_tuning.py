@@ -13,7 +13,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from engine.config import from_dict, load_config
+from engine.config.schema import from_dict, load_config
 from engine.launch.local import launch
 from profilers.store import RunStore
 from tuning.export.trial import export_trial
@@ -281,7 +281,7 @@ import sys
 
 import optuna
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from tuning import study as s
 from tuning.objective import Objective
 from tuning.space import SearchSpace

@@ -1,4 +1,4 @@
-"""Validation's rules take values; only engine/validate_files.py reads the files a config names.
+"""Validation's rules take values; only engine/config/validate_files.py reads the files a config names.
 
 `check(cfg, files)` runs every rule on what `files` says the files hold, so a rule check needs no
 file system: the token file, checkpoint and tokenizer below do not exist.
@@ -8,12 +8,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from engine.config import load_config
-from engine.validate import check
-from engine.validate_files import Files, HfData, TokenFile
+from engine.config.schema import load_config
+from engine.config.validate import check
+from engine.config.validate_files import Files, HfData, TokenFile
 
 ROOT = Path(__file__).resolve().parent.parent
-PURE_RULES = ("engine/validate.py", "engine/validate_data.py", "engine/validate_hf.py", "engine/hf_fields.py")
+PURE_RULES = ("engine/config/validate.py", "engine/config/validate_data.py", "engine/config/validate_hf.py", "engine/config/hf_fields.py")
 FILE_CALLS = {"open", "Path", "is_file", "is_dir", "exists", "stat", "memmap", "read_text", "rglob", "glob",
               "read_files", "read_hf_config", "config_errors", "weight_errors"}
 
@@ -57,10 +57,10 @@ def test_the_rule_modules_open_no_file() -> None:
                 called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                 if called in FILE_CALLS:
                     found.append(f"{name}:{node.lineno} {called}()")
-    assert found == ["engine/validate.py:" + str(_loader_line()) + " read_files()"], found
+    assert found == ["engine/config/validate.py:" + str(_loader_line()) + " read_files()"], found
 
 
 def _loader_line() -> int:
-    tree = ast.parse((ROOT / "engine/validate.py").read_text())
+    tree = ast.parse((ROOT / "engine/config/validate.py").read_text())
     check_fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check")
     return next(n.lineno for n in ast.walk(check_fn) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "read_files")

@@ -8,7 +8,7 @@ import uuid
 import pandas as pd
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from tuning.sim.hardware import cpu_profile, save_cluster
 from tuning.objective import Objective
 from tuning.space import SearchSpace

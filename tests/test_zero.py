@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from engine.config import BatchConfig, ParallelConfig, RunConfig
+from engine.config.schema import BatchConfig, ParallelConfig, RunConfig
 from engine.train.memory import estimate_memory, measure_model_state
 from parallel_harness import global_batches, micro_batches, run_ranks, tiny_model_config, train_steps
 
@@ -311,7 +311,7 @@ def test_activation_estimate_within_15_percent_of_saved_tensors():
 def test_engine_records_zero2_peak_within_10_percent_of_estimate(tmp_path):
     """The train loop's memory records under ZeRO-2 with gradient accumulation: the measured peak
     (ModelStatePeak over the first step) next to the estimate, each within 10%."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.launch.local import launch
     from profilers.store import RunStore
 

@@ -232,8 +232,8 @@ class _Pricer:
 
 def _config(config: dict[str, Any], overrides: Sequence[str]) -> Any:
     """The run's config with `overrides`, built and validated as `workbench run` would."""
-    from engine.config import apply_overrides, from_dict
-    from engine.validate import validate
+    from engine.config.schema import apply_overrides, from_dict
+    from engine.config.validate import validate
 
     cfg = from_dict(apply_overrides(config, list(overrides)))
     validate(cfg)

@@ -24,7 +24,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from engine.config import RunConfig, replace
+from engine.config.schema import RunConfig, replace
 from engine.errors import ConfigError
 from engine.launch.local import launch
 from engine.launch.run_record import RunResult

@@ -17,7 +17,7 @@ from typing import Any
 
 import optuna
 
-from engine.config import RunConfig, replace
+from engine.config.schema import RunConfig, replace
 from engine.errors import ConfigError
 from engine.launch.local import launch
 from engine.launch.run_record import RunResult

@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from engine.config import RunConfig, apply_overrides, from_dict
+from engine.config.schema import RunConfig, apply_overrides, from_dict
 from engine.errors import ConfigError
 from tuning.sim.hardware import ClusterSpec
 from tuning.sim.simulator import ModelSpec
@@ -182,7 +182,7 @@ def _merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
 def base_config(path: str | Path | None, overrides: list[str]) -> dict[str, Any]:
     """The user's run config as a dict (a YAML file and key=value overrides), not validated: it holds the real
     model's data, tokenizer, weights, steps and lr, which no CPU run here trains."""
-    from engine.config import load_yaml
+    from engine.config.schema import load_yaml
 
     return apply_overrides(load_yaml(path) if path else {}, overrides)
 

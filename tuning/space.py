@@ -30,11 +30,11 @@ from typing import Any
 
 import yaml
 
-from engine.config import LIVE_KNOBS, RunConfig, apply_overrides, from_dict, replace
+from engine.config.schema import LIVE_KNOBS, RunConfig, apply_overrides, from_dict, replace
 from engine.errors import ConfigError
-from engine.validate import MAX_WORLD_SIZE, divisors as _divisors
+from engine.config.validate import MAX_WORLD_SIZE, divisors as _divisors
 
-SCHEDULE_PARAMS: dict[str, Any] = {  # schedule, virtual stages and skip ratio (engine.validate names)
+SCHEDULE_PARAMS: dict[str, Any] = {  # schedule, virtual stages and skip ratio (engine.config.validate names)
     "parallel.schedule": {"choices": ["gpipe", "1f1b", "interleaved", "looped_bfs", "modular", "zero_bubble",
                                       "zbv", "dualpipev", "skip"]},
     "parallel.virtual": {"choices": [2, 4], "when": {"parallel.schedule": ["interleaved", "looped_bfs", "zero_bubble"]}},

@@ -18,8 +18,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from engine.config import RunConfig
-from engine.validate import name_error
+from engine.config.schema import RunConfig
+from engine.config.validate import name_error
 from tuning.objective import PARETO, THROUGHPUT, Objective, TrialOutcome
 from tuning.space import SearchSpace
 # the study's database lives in tuning/storage.py; its names stay importable from here
@@ -61,7 +61,7 @@ def make_pruner(name: str, warmup_steps: int) -> optuna.pruners.BasePruner:
 
 
 def check_study_name(name: object, field: str = "study") -> str:
-    """`name` if it may name a study, else a ConfigError: the run-name rule (engine/validate.py), since a
+    """`name` if it may name a study, else a ConfigError: the run-name rule (engine/config/validate.py), since a
     study's name becomes part of its trials' run ids and its own folder (<home>/studies/<name>)."""
     error = name_error(field, name)
     if error is not None:
@@ -308,7 +308,7 @@ def _fail_trials_that_never_beat(study: optuna.Study, now: float | None = None) 
 def remeasure_best(study: optuna.Study, objective: Objective, top: int, repeats: int = 1) -> int | None:
     """Re-run the best `top` configs and pick the best by median of all measurements, so noise
     does not choose the winner; recorded as study user attributes."""
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
     from engine.launch.local import launch
     from tuning.objective import median_ci
 

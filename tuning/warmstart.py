@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from engine.config import RunConfig, replace
+from engine.config.schema import RunConfig, replace
 from engine.errors import ConfigError
 from profilers.store import default_home
 from tuning.space import SearchSpace

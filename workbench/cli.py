@@ -46,7 +46,7 @@ def _main(home: Optional[Path] = typer.Option(None, "--home", help=HOME_HELP),
 
 
 def _load(config: Optional[Path], overrides: list[str]):
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     return load_config(config, overrides)
 
@@ -333,10 +333,10 @@ def tokenize(src: Path = typer.Argument(..., help="A jsonl / json / parquet / ar
              text_field: str = typer.Option("text", help="The record field holding the text"),
              eos_id: int = typer.Option(-1, help="Id written after each document; -1: none")) -> None:
     """Write a token file (nanoGPT layout) that `data.source=tokens` reads."""
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
     from engine.data.sources import write_token_file
-    from engine.validate import check
-    from engine.validate_files import tokenizer_vocab
+    from engine.config.validate import check
+    from engine.config.validate_files import tokenizer_vocab
 
     probe = from_dict({"data": {"source": "hf", "path": str(src), "tokenizer": str(tokenizer),
                                 "text_field": text_field}, "model": {"vocab": 1 << 32}})

@@ -42,7 +42,7 @@ def print_json(obj: Any) -> None:
 
 def check_launcher(launcher: str, dry_run: bool, *, multi_node: bool = False) -> None:
     """--launcher is local or slurm; --dry-run and slurm go together; Slurm sizes its own nodes."""
-    from engine.validate import LAUNCHERS
+    from engine.config.validate import LAUNCHERS
 
     if launcher not in LAUNCHERS:
         fail(f"--launcher={launcher!r}: must be one of {', '.join(LAUNCHERS)}")

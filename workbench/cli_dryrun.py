@@ -22,7 +22,7 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
            as_json: bool = typer.Option(False, "--json", help="Print one JSON object")) -> None:
     """Dry-run one training step at the real world size: the real model and parallelize() on torch's fake
     backend under FakeTensorMode; memory per category and collective bytes per axis beside the simulator's."""
-    from engine.config import apply_overrides, from_dict, load_yaml
+    from engine.config.schema import apply_overrides, from_dict, load_yaml
     from engine.train.dryrun import GIB, at_world, dry_run, fits_error
     from engine.errors import ConfigError
     from tuning.sim.hardware import load_cluster

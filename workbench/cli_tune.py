@@ -21,7 +21,7 @@ def _base_config(base: Optional[Path], overrides: list[str]):
     """The space's base config with --set applied: a template, not validated on its own (a search space
     sets its layout; each trial's config is validated), so a base layout the model cannot take (tp=2 on
     3 key/value heads) does not stop the study when the space's points are valid."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     return load_config(base, overrides, check=False)
 

@@ -67,7 +67,7 @@ def save_jobs(jobs: list[Job], home: Path | None = None) -> None:
 
 def parse_config(text: str) -> tuple[dict[str, Any] | None, list[ConfigError]]:
     """Parse and validate run-config YAML: (the config as a dict, []) or (None, every error)."""
-    from engine.config import from_dict, validate
+    from engine.config.schema import from_dict, validate
 
     try:
         data = yaml.safe_load(text) if text.strip() else {}

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from engine.comm.compress import HookState, OnBytes, _mix_seed, k_for
-from engine.validate import BIDIRECTIONAL_COMPRESSORS
+from engine.config.validate import BIDIRECTIONAL_COMPRESSORS
 from profilers.bandwidth import all_gather_flat, reduce_scatter_flat
 
 LEGS = ("reduce", "broadcast")

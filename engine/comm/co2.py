@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from engine.comm.link import LinkEmulator, bus_factor
-from engine.validate import CO2_PENALTIES as PENALTIES
+from engine.config.validate import CO2_PENALTIES as PENALTIES
 
 OnBytes = Callable[[int, int], None]
 _EPS = 1e-12

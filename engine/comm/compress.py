@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from engine.comm.link import LinkEmulator, bus_factor
-from engine.validate import COMPRESSORS
+from engine.config.validate import COMPRESSORS
 from profilers.bandwidth import all_gather_flat
 OnBytes = Callable[[int, int], None]
 Hook = Callable[["CompressionState", dist.GradBucket], torch.futures.Future]

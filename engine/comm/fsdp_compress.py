@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.comm.bidirectional import BidirectionalState, compressed_reduce_scatter
 from engine.torch_compat import ReduceScatter
-from engine.validate import FSDP_COMPRESSORS
+from engine.config.validate import FSDP_COMPRESSORS
 
 
 class CompressedReduceScatter(ReduceScatter):

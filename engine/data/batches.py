@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from engine.config import DataConfig, ModelConfig
+from engine.config.schema import DataConfig, ModelConfig
 from engine.data.corpus import build_splits, local_batch, val_batches
-from engine.validate_data import STREAM_SOURCES
+from engine.config.validate_data import STREAM_SOURCES
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DataConfig, ModelConfig
+from engine.config.schema import DataConfig, ModelConfig
 
 CORPUS_BYTES = 4 * 1024 * 1024  # enough text that tiny models do not memorise it in a few hundred steps
 SYNTHETIC_TOKENS = 1 << 20

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.validate import LENGTH_KINDS  # noqa: F401  (or a path to a file of lengths)
+from engine.config.validate import LENGTH_KINDS  # noqa: F401  (or a path to a file of lengths)
 IGNORE = -100  # cross-entropy's ignore_index: padding targets
 
 

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import DataConfig, ModelConfig
+from engine.config.schema import DataConfig, ModelConfig
 
-from engine.validate_data import HF_SUFFIXES as HF_FORMATS, STREAM_SOURCES, split_tokens  # noqa: F401  (torch-free names)
+from engine.config.validate_data import HF_SUFFIXES as HF_FORMATS, STREAM_SOURCES, split_tokens  # noqa: F401  (torch-free names)
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -154,7 +154,7 @@ def _split_docs(n: int, val_fraction: float) -> int:
 def _token_docs(data: DataConfig, seq_len: int) -> tuple[Documents, Documents]:
     ids = token_file(data.path or "", data.dtype)
     split = split_tokens(len(ids), seq_len=seq_len, val_fraction=data.val_fraction)
-    if split is None:  # validate() refuses it before launch (engine/validate_data.py)
+    if split is None:  # validate() refuses it before launch (engine/config/validate_data.py)
         raise ValueError(f"data.path={data.path!r}: {len(ids)} tokens, too few for two splits of {seq_len + 2}")
     cut = split[0]
     parts = (ids[:cut], ids[cut:])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig, validate
+from engine.config.schema import RunConfig, validate
 from engine.errors import JoinTimeout, RankFailure
 from engine.launch.run_record import RunResult, finish, first_failure, register, stop_status, telemetry_summary
 from engine.launch.torchrun import RDZV_TIMEOUT_S, torchrun_command

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig, validate
+from engine.config.schema import RunConfig, validate
 from engine.errors import RankFailure
 from engine.mesh import ParallelDims
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from engine.launch.preempt import ENV as PREEMPTIBLE_ENV
 from engine.launch.preempt import requeue_lines
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import from_dict, load_yaml, validate
+from engine.config.schema import from_dict, load_yaml, validate
 from engine.device import init_distributed, pick_backend, pick_device
 from engine.errors import ConfigError
 from engine.launch.local import die_with_parent

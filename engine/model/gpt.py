@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model.mlp import MLP
 
 

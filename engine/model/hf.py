@@ -13,7 +13,7 @@ Mixture-of-experts layers get transformers' fused expert tensors as one paramete
 same weights and routing (engine/parallel/expert_fused.py, which also shards them over ep); with
 `output_router_logits` the training forward leaves the router's load-balancing loss, weighted by
 `router_aux_loss_coef`, in `aux_loss` for the train loop to add (transformers' `loss` includes it).
-Which config field is implemented, irrelevant or refused: engine/hf_fields.py.
+Which config field is implemented, irrelevant or refused: engine/config/hf_fields.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.parallel.context import local_attention
 from engine.model.shapes import read_hf_config
 

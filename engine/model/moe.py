@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model.mlp import MLP
 from engine.model.shapes import moe_layer_indices
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.gpt import GPT, causal_attention
-from engine.validate import CP_IMPLS
+from engine.config.validate import CP_IMPLS
 
 
 def shard_sequence(t: torch.Tensor, *, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:

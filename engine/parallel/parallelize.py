@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from engine.mesh import ParallelDims
 from engine.model.meta_init import materialize, record_of
 from engine.model.gpt import GPT, loss_fn

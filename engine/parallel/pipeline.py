@@ -44,7 +44,7 @@ from engine.parallel.schedules import (
     stage_to_rank,
     with_comms,
 )
-from engine.validate import SCHEDULES
+from engine.config.validate import SCHEDULES
 
 
 def _contiguous(batch: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per-rank lists of torch's pipelining `_Action`s.
 
 `schedule_actions(schedule=..., pp=..., n_microbatches=..., virtual=...)` gives, for every
-schedule name in `engine.validate.SCHEDULES` except "skip", the compute-only action list of each
+schedule name in `engine.config.validate.SCHEDULES` except "skip", the compute-only action list of each
 pp rank in execution order (`0F1`: stage 0 forward of micro-batch 1; `B` full backward, `I`
 backward for inputs, `W` backward for weights, `OVERLAP_F_B` a DualPipeV forward+backward pair).
 The engine loads these lists into torch's `_PipelineScheduleRuntime` (which adds the send/recv,
@@ -36,7 +36,7 @@ from engine.torch_compat import (
     rank_operations,
 )
 
-from engine.validate import SCHEDULES, V_SCHEDULES
+from engine.config.validate import SCHEDULES, V_SCHEDULES
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
 I, W = _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT

@@ -52,7 +52,7 @@ from torch import nn
 from engine.errors import ConfigError
 
 if TYPE_CHECKING:
-    from engine.config import RunConfig
+    from engine.config.schema import RunConfig
     from engine.parallel.parallelize import Parallelized
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from engine.config import LIVE_KNOBS, RunConfig
+from engine.config.schema import LIVE_KNOBS, RunConfig
 
 if TYPE_CHECKING:
     from engine.parallel.parallelize import Parallelized
@@ -235,7 +235,7 @@ def install_link_groups(cfg: RunConfig, world: int) -> tuple[int, ...] | None:
         return None
     from engine.comm.link import topology_of
     from engine.comm.link_patch import emulate_topology
-    from engine.placement import rank_order
+    from engine.config.placement import rank_order
 
     emulate_topology(topology_of(cfg.link.groups, inter_gbps=cfg.link.inter_gbps,
                                  inter_latency_us=cfg.link.inter_latency_us))
@@ -254,7 +254,7 @@ def apply_live_knobs(knobs: dict[str, Any], *, start: RunConfig, now: RunConfig,
     Refuses (ValueError) a knob that cannot act in this run (engine.train.live.inert_knobs), so no
     measurement is ever attributed to a knob that did nothing.
     """
-    from engine.config import replace
+    from engine.config.schema import replace
     from engine.train.live import inert_knobs
 
     unknown = set(knobs) - set(LIVE_KNOBS)

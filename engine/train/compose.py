@@ -23,7 +23,7 @@ import torch
 
 from engine.model.build import build_model
 from engine.train.comm_setup import CommMonitor, build_optimizer, install_co2, install_comm, install_fsdp_comm
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from engine.mesh import ParallelDims
 from engine.parallel.parallelize import Parallelized, parallelize
 

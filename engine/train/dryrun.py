@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.config import RunConfig, replace, validate
+from engine.config.schema import RunConfig, replace, validate
 from engine.errors import ConfigError
 from engine.mesh import ParallelDims
 from engine.torch_compat import LOCAL_SCALAR_DENSE, TorchDispatchMode
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
     import sys
 
-    from engine.config import from_dict, validate
+    from engine.config.schema import from_dict, validate
 
     args = sys.argv[1:] if argv is None else argv
     with open(args[0]) as f:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from engine.device import host_group
 
 if TYPE_CHECKING:
-    from engine.config import RunConfig
+    from engine.config.schema import RunConfig
 
 # knobs that change what the model learns, not how fast: only a loss-aware objective can score them
 LR_LIKE = ("train.lr", "co2.outer_lr")
@@ -67,7 +67,7 @@ def inert_knobs(start: RunConfig, knobs: dict[str, Any]) -> dict[str, str]:
     The one rule for the engine (`apply_live_knobs` refuses them) and the live tuner (it refuses
     such a space before the run, and prunes a segment whose combination makes a knob inert).
     """
-    from engine.config import replace
+    from engine.config.schema import replace
 
     live = {k: v for k, v in knobs.items() if k != "batch.accum"}
     now = replace(start, live) if live else start

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from engine.errors import ConfigError
 
 FP32 = 4  # bytes

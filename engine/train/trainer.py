@@ -19,7 +19,7 @@ import torch.distributed as dist
 from engine.train import checkpoint as ckpt
 from engine.train.comm_setup import apply_live_knobs, install_link_groups
 from engine.train.compose import compose
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from engine.data.batches import rank_batches
 from engine.device import init_host_group, peak_flops
 from engine.mesh import ParallelDims

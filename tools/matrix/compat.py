@@ -5,7 +5,7 @@ tests/parallel_harness.py). A cell is a feature alone, a pair, or one of the `TR
 Its verdict is derived, never written by hand:
 
 - `exclusive`: two of its features set one knob to different values (the knob is named);
-- `refused`: `engine.validate.check()` refuses the merged config (its first line is the reason);
+- `refused`: `engine.config.validate.check()` refuses the merged config (its first line is the reason);
 - `pending`: a feature has no fragment yet (named why);
 - `accepted`: then it needs a recorded run (docs/data/matrix.json, tests/matrix_runner.py) of its
   current plan and code (tools/matrix/compat_results.py): `verified` when parity with a reference in a *different*
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.mesh import world_size
-from engine.validate import COMPRESSORS, CP_IMPLS, FSDP_COMPRESSORS, SCHEDULES, V_SCHEDULES, VIRTUAL_SCHEDULES
+from engine.config.validate import COMPRESSORS, CP_IMPLS, FSDP_COMPRESSORS, SCHEDULES, V_SCHEDULES, VIRTUAL_SCHEDULES
 
 PARITY_TOL = 1e-4  # the loss of every step within this of the reference (issue 36)
 RESUME_TOL = 1e-6  # a resumed run's losses within this of the uninterrupted run
@@ -313,7 +313,7 @@ def _private_dir() -> str:
 
 
 def nested(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Dotted keys -> the nested mapping engine.config.from_dict reads."""
+    """Dotted keys -> the nested mapping engine.config.schema.from_dict reads."""
     out: dict[str, Any] = {}
     for key, value in flat.items():
         node = out
@@ -327,9 +327,9 @@ def nested(flat: Mapping[str, Any]) -> dict[str, Any]:
 def refusal(flat: Mapping[str, Any], prefer: Iterable[str] = ()) -> str:
     """validate()'s line for these overrides ('' when accepted), with the count of the others: the
     first error naming a knob in `prefer` (the cell's own knobs), else the first error."""
-    from engine.config import from_dict
+    from engine.config.schema import from_dict
     from engine.errors import ConfigError
-    from engine.validate import check
+    from engine.config.validate import check
 
     try:
         errors = check(from_dict(nested(flat)))
@@ -348,7 +348,7 @@ def is_layout_knob(key: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _default(key: str) -> Any:
-    from engine.config import RunConfig
+    from engine.config.schema import RunConfig
 
     node: Any = RunConfig()
     for part in key.split("."):

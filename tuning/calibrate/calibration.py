@@ -187,7 +187,7 @@ def compare_measured(configs: dict[str, list[str]] | None = None, *, rounds: int
     """
     import pandas as pd
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     configs = configs or VALIDATION_CONFIGS
     cfgs = {name: load_config(None, BASE_OVERRIDES + ov) for name, ov in configs.items()}

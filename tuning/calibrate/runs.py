@@ -94,7 +94,7 @@ def measure_overheads(base: ClusterSpec, *, runs: Sequence[tuple[int, int]] = OV
     """
     import torch
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train.trainer import Trainer
 
     rows, residuals = [], []
@@ -139,7 +139,7 @@ def measure_parallel_overheads(profile: ClusterSpec, *, layers: tuple[int, int] 
 
 def _tiny_residuals(profile: ClusterSpec, layers: Sequence[int], global_batch: int, extra: list[str]) -> list[float]:
     """Measured minus predicted step time of tiny launched runs with `layers[i]` layers."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     residual = []
     for n in layers:
@@ -204,7 +204,7 @@ def check_verdict(runs: Sequence[dict[str, float]], *, threshold: float = CHECK_
 
 def load_config_for_check(world: int) -> Any:
     """The check run's `RunConfig` (`check_overrides`)."""
-    from engine.config import load_config
+    from engine.config.schema import load_config
 
     return load_config(None, check_overrides(world))
 

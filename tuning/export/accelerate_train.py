@@ -100,7 +100,7 @@ def batches(s: dict, rank: int, world: int):
             chunk = torch.from_numpy(np.asarray(ids[at], dtype=np.int64))[rank * per:(rank + 1) * per]
             yield chunk[:, :-1], chunk[:, 1:]
         return
-    from engine.config import from_dict  # the workbench's own stand-in data (text, files, synthetic)
+    from engine.config.schema import from_dict  # the workbench's own stand-in data (text, files, synthetic)
     from engine.data.corpus import build_splits, local_batch
 
     cfg = from_dict({"data": s["data"], "model": {"seq_len": seq, "vocab": s["vocab"]}})

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 
 
 def engine_only(cfg: RunConfig, target: str) -> list[str]:

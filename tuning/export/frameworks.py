@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from tuning.export.common import engine_only, rope_of, tokenizer_folder
 
 # engine schedule -> torch.distributed.pipelining class name, which torchtitan takes verbatim

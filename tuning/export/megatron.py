@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from engine.config import RunConfig
+from engine.config.schema import RunConfig
 from tuning.export.common import engine_only, rope_of, tokenizer_folder
 
 # megatron-core's llama3 rope scaling has these fixed (RotaryEmbedding._apply_scaling's defaults)

@@ -14,7 +14,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.config import RunConfig, from_dict
+from engine.config.schema import RunConfig, from_dict
 from tuning.export.megatron import megatron_args, megatron_command, megatron_script  # noqa: F401  (one import path)
 
 FORMATS = ("yaml", "torchrun", "json", "megatron", "deepspeed", "torchtitan", "accelerate")

@@ -58,7 +58,7 @@ def simulator_traffic(model: ModelSpec, par: ParallelSpec, stage: int = 0) -> di
 def simulator_figures(cfg: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
     """The simulator's per-rank memory (bytes by category on its most loaded stage, `stage`) and per-step
     collective bytes per axis for each pipeline stage (`traffic[stage]`) for the run config `cfg` (a plain
-    dict, engine/config.py keys)."""
+    dict, engine/config/schema.py keys)."""
     model, par = from_run_config(cfg)
     result = simulate(model, cluster, par)
     memory = {k: v * 1e9 for k, v in result.memory_breakdown_gb.items() if k != "runtime"}

@@ -2,7 +2,7 @@
 links it really crosses, and a search over placements (Holmes: pp across NIC groups).
 
 `ClusterSpec.inter_link` prices every inter-node ring at the slowest NIC of the job; here the
-ranks are placed on the mesh (`engine.placement`, the engine's own order), every dp group, tp
+ranks are placed on the mesh (`engine.config.placement`, the engine's own order), every dp group, tp
 group and pp edge is mapped to the hops it crosses (`engine.comm.link.LinkTopology`, the rule the
 engine's link emulator applies), and the slowest of each kind gates the step (all dp groups
 synchronise at the optimizer step; a pipeline runs at its slowest edge).
@@ -46,7 +46,7 @@ def placement_links(topology: Any, *, pp: int, dp: int, tp: int, placement: str,
     `grad_bytes` / `act_bytes` pick the slowest link when bandwidth and latency disagree.
     """
     from engine.mesh import world_size
-    from engine.placement import mesh_groups, rank_order
+    from engine.config.placement import mesh_groups, rank_order
 
     order = rank_order(world_size(dp=dp, tp=tp, pp=pp), placement=placement, groups=[g.ranks for g in topology.groups], pp=pp, tp=tp)
     sets = mesh_groups(order, pp=pp, dp=dp, tp=tp)
@@ -117,7 +117,7 @@ def search_placements(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec,
     `layouts` defaults to all factorisations; a placement the engine would refuse (holmes with a
     group whose size is not a multiple of tp) is skipped.
     """
-    from engine.placement import PLACEMENTS
+    from engine.config.placement import PLACEMENTS
 
     gpus = par.gpus
     if layouts is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.validate import V_SCHEDULES
+from engine.config.validate import V_SCHEDULES
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.comm import collective, link
 from tuning.sim.schedule import schedule_bubble

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.validate import VIRTUAL_SCHEDULES
-from engine.validate import divisors as _divisors
+from engine.config.validate import VIRTUAL_SCHEDULES
+from engine.config.validate import divisors as _divisors
 from tuning.sim import context as sim_context, moe as sim_moe
 from tuning.sim.hardware import ClusterSpec
 from tuning.sim.compute import NONGEMM_BWD_FACTOR
@@ -175,7 +175,7 @@ def compression_wire_bytes(cfg: dict[str, Any]) -> tuple[float, float]:
     import torch
 
     from engine.comm.compress import step_wire_bytes
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     from engine.model.gpt import GPT
 
     mdl, comm = cfg.get("model", {}), cfg.get("comm", {})
@@ -198,7 +198,7 @@ def _compression_ratio(cfg: dict[str, Any]) -> float:
 
 
 def from_run_config(cfg: dict[str, Any]) -> tuple[ModelSpec, ParallelSpec]:
-    """Map a plain nested run-config dict (engine/config.py key names) to the simulator's inputs.
+    """Map a plain nested run-config dict (engine/config/schema.py key names) to the simulator's inputs.
 
     Reads model.{layers,d_model,heads,seq_len,vocab,mlp_ratio} (the engine's GPT: no biases on its
     linear layers, `engine.model.shapes.from_gpt`) or model.hf (a Hugging Face config path or mapping,

@@ -8,7 +8,7 @@ import streamlit as st
 import yaml
 
 from engine.mesh import world_size
-from engine.validate import COMPRESSORS
+from engine.config.validate import COMPRESSORS
 from workbench import fmt, live_charts, report, ui_state
 from workbench.app_pages import common
 
@@ -175,7 +175,7 @@ def live_panel(run_id: str, shown_status: str) -> None:
 def diagnosis_panel(run: dict[str, Any], data: dict[str, Any]) -> None:
     """The run's diagnosis: each finding, its best priced suggestions with their command, and a button
     that launches the run again with the change."""
-    from engine.config import apply_overrides
+    from engine.config.schema import apply_overrides
 
     home = str(common.home())
     diag = common.run_diagnosis(home, run["run_id"], common.diagnosis_version(data))

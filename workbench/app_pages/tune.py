@@ -10,7 +10,7 @@ import streamlit as st
 import yaml
 
 from engine.errors import ConfigError
-from engine.validate import name_error
+from engine.config.validate import name_error
 from workbench import live_charts, plots, ui_state
 from workbench.app_pages import common
 

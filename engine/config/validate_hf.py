@@ -1,5 +1,5 @@
 """The rules of `model.hf` and `model.hf_weights` (engine/model/hf.py): what a Hugging Face model combines
-with, and the shape rules its config implies. Pure: they take what engine/validate_files.py read
+with, and the shape rules its config implies. Pure: they take what engine/config/validate_files.py read
 (`files.hf_model`: the config.json, transformers' refusals, the weights' check) and open nothing.
 `RunConfig` and `Files` are named in annotations only (config imports validation: no import circle)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ HF_TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # engine/model
 def hf_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
     """model.hf (engine/model/hf.py): what a Hugging Face model combines with; the shape rules read its config
     (`files.hf_model`: the config.json read, transformers' refusals, the weights' check)."""
-    from engine.hf_fields import field_errors
+    from engine.config.hf_fields import field_errors
     from engine.model.shapes import from_hf_config
 
     m, p, found = cfg.model, cfg.parallel, files.hf_model
@@ -29,7 +29,7 @@ def hf_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
         return
     shape = from_hf_config(found.config)
     yield from found.config_problems
-    yield from field_errors(found.config, cfg)  # engine/hf_fields.py: what the ranks would not follow
+    yield from field_errors(found.config, cfg)  # engine/config/hf_fields.py: what the ranks would not follow
     if shape.family not in HF_TRAINABLE:
         yield ConfigError("model.hf", shape.family, f"model_type {shape.family} is priced by the simulator but not "
                           f"trained by the engine; trainable: {', '.join(HF_TRAINABLE)}")

@@ -1,9 +1,9 @@
 """The rules of the real data sources (engine/data/sources.py), checked before any process starts:
 the file exists and is whole, the tokenizer exists and fits the model's vocabulary, the source does not
-meet a feature it cannot serve. Pure: the rules take what engine/validate_files.py read from the files
+meet a feature it cannot serve. Pure: the rules take what engine/config/validate_files.py read from the files
 (`Files`: sizes, sampled ids, record fields, vocabulary sizes) and open nothing.
 
-`RunConfig` (engine/config.py) and `Files` are named in annotations only: config imports validation,
+`RunConfig` (engine/config/schema.py) and `Files` are named in annotations only: config imports validation,
 so validation does not import config (no import circle)."""
 from __future__ import annotations
 

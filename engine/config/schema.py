@@ -76,7 +76,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel degree
     zero: int = 0  # ZeRO stage 0-3 (sharded data parallel)
     sequence_parallel: bool = False  # shard norms/dropout over tp
-    schedule: str = "1f1b"  # pipeline schedule: one of engine.validate.SCHEDULES
+    schedule: str = "1f1b"  # pipeline schedule: one of engine.config.validate.SCHEDULES
     virtual: int = 1  # virtual stages (model chunks) per pipeline rank: interleaved, looped_bfs, zero_bubble
     layer_split: list[int] | str | None = None  # layers per pipeline stage; even split when unset;
     # "auto": split by the measured speed of each stage's rank group (Holmes' self-adapting partition)
@@ -474,4 +474,4 @@ def replace(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
 
 
 # validation lives in its own module; re-exported here so callers import one place
-from engine.validate import validate  # noqa: E402
+from engine.config.validate import validate  # noqa: E402

@@ -3,7 +3,7 @@
 `read_files(cfg)` opens the checkpoint folder, the lengths file, the token file, the Megatron
 dataset, the Hugging Face data and tokenizer, `model.hf`'s config.json and `model.hf_weights`, and
 returns plain values (`Files`: sizes, ids, field names, vocabulary sizes, shapes, problems). The rules
-(engine/validate.py, engine/validate_data.py) take those values and open nothing, so a rule check can
+(engine/config/validate.py, engine/config/validate_data.py) take those values and open nothing, so a rule check can
 be run on values alone. Each file is read only when the rules will look at what it holds (as before:
 no token sampling for a file of the wrong size, no weights check for a config transformers refuses).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.validate_data import HF_SUFFIXES, STREAM_SOURCES, TOKEN_DTYPE_BYTES, hf_files_problem
+from engine.config.validate_data import HF_SUFFIXES, STREAM_SOURCES, TOKEN_DTYPE_BYTES, hf_files_problem
 
 SAMPLE_CHUNKS, SAMPLE_CHUNK_BYTES = 64, 1 << 20  # token ids read before launch: at most 64 MiB, spread over the file
 
@@ -107,7 +107,7 @@ def read_hf_data(path_name: str, tokenizer: str | None) -> HfData:
 
 def read_hf_model(spec: Any, weights: str | None) -> HfModel:
     """The config of `model.hf` (a path or a mapping) and, when transformers takes it, the weights' check."""
-    from engine.hf_checks import config_errors, weight_errors
+    from engine.config.hf_checks import config_errors, weight_errors
     from engine.model.shapes import from_hf_config, read_hf_config
 
     weights_is_dir = weights is not None and Path(weights).is_dir()

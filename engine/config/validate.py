@@ -4,8 +4,8 @@ Each rule yields a ConfigError naming the field, the value and the rule (with a 
 exists). `validate()` raises them all at once so a user fixes a config in one pass.
 
 The rules are pure: what the files a config names hold (a checkpoint folder, a lengths file, token
-files, tokenizers, model.hf's config.json and weights) is read first by engine/validate_files.py,
-and the rules take those values (`check(cfg, files)`). `RunConfig` (engine/config.py) is named in
+files, tokenizers, model.hf's config.json and weights) is read first by engine/config/validate_files.py,
+and the rules take those values (`check(cfg, files)`). `RunConfig` (engine/config/schema.py) is named in
 annotations only: config imports this module to validate what it loads, so this module does not
 import config (no import circle).
 """
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 from engine.errors import ConfigError, ConfigErrors
 from engine.mesh import divisor_hint as _try, divisors, world_product  # noqa: F401  (divisors: tuning's import)
-from engine.placement import PLACEMENTS, pipeline_out_of_order, rank_order
-from engine.validate_data import DATA_SOURCES, STREAM_SOURCES, stream_rules
-from engine.validate_hf import HF_TRAINABLE, hf_rules  # noqa: F401  (HF_TRAINABLE: read by the docs test)
+from engine.config.placement import PLACEMENTS, pipeline_out_of_order, rank_order
+from engine.config.validate_data import DATA_SOURCES, STREAM_SOURCES, stream_rules
+from engine.config.validate_hf import HF_TRAINABLE, hf_rules  # noqa: F401  (HF_TRAINABLE: read by the docs test)
 
 MAX_WORLD_SIZE = 65536
 MAX_TIMEOUT_S = 365 * 24 * 3600  # datetime.timedelta (the process-group timeout) overflows far above this
@@ -502,7 +502,7 @@ def _link_group_rules(cfg: RunConfig) -> Iterator[ConfigError]:
 
 
 def _holmes_pipelines(cfg: RunConfig) -> Iterator[ConfigError]:
-    """Holmes' pipelines must visit their ranks in increasing order (engine/placement.py: torch
+    """Holmes' pipelines must visit their ranks in increasing order (engine/config/placement.py: torch
     numbers a group's ranks sorted, and stage i runs on the rank numbered i)."""
     p, groups = cfg.parallel, [list(g.ranks) for g in cfg.link.groups]
     if sorted(r for g in groups for r in g) != list(range(cfg.world_size)) or cfg.world_size % (p.pp * p.tp):
@@ -521,9 +521,9 @@ RULES = (_model_rules, hf_rules, _data_rules, _degree_rules, _pipeline_rules, _b
 
 def check(cfg: RunConfig, files: Files | None = None) -> list[ConfigError]:
     """Every rule the config breaks (empty when valid); `files`: what the files it names hold (read
-    here by engine/validate_files.py when not given)."""
+    here by engine/config/validate_files.py when not given)."""
     if files is None:
-        from engine.validate_files import read_files
+        from engine.config.validate_files import read_files
 
         files = read_files(cfg)
     return [err for rule in RULES for err in rule(cfg, files)]
