@@ -57,7 +57,7 @@ def test_plan_ranks_layouts_the_target_runs_that_fit(llama, target):
 def test_the_workbench_target_ranks_only_layouts_the_engine_runs(llama):
     """--target yaml exports the workbench's own run config: every ranked layout passes the engine's validate()
     (the simulator prices context parallelism with ZeRO, which the engine refuses; it ranked 3 such first)."""
-    from engine.config import validate
+    from engine.config.validate import validate
 
     model, cluster = llama
     plan = make_plan(model, cluster, gpus=64, global_batch=512, target="yaml", model_source=str(LLAMA31_8B))

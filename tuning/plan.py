@@ -108,7 +108,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch
 def _engine_runs(plan: Plan, top: int) -> pd.DataFrame:
     """The best `top` rows whose run config the engine's validate() accepts: the workbench's own target runs on
     the engine, which refuses layouts the simulator prices (context parallelism with ZeRO or pp)."""
-    from engine.config import validate
+    from engine.config.validate import validate
 
     keep: list[int] = []
     first_error: ConfigError | None = None
@@ -242,7 +242,7 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
     against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP, FlexSP)
     is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called before
     each dry run (an 8B one takes minutes)."""
-    from engine.config import validate
+    from engine.config.validate import validate
     from engine.train.dryrun import GIB, check_playable, dry_run_subprocess
 
     run = run or dry_run_subprocess
