@@ -20,9 +20,7 @@ Assessing a published row itself leaves it out (`exclude_id`): its own error nev
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tuning.sim.cache import cache_path, cached_frame
 from tuning.sim.published import DATA, STRATEGY_CLASSES, strategy_class, validation_table
 
 MIN_BAND_ROWS = 3  # held-out rows a band needs before a wider pool is borrowed
@@ -41,32 +40,11 @@ _COLUMNS = ["id", "hardware", "framework", "class", "gpus", "micro", "seq", "par
             "published", "simulated"]
 
 
-def _cache_file(path: str) -> Path:
-    """Where the priced rows of `path` are kept between processes: keyed by the data and by every source
-    file that prices them, so any change reprices (pricing them imports torch for the pipeline walks:
-    tens of seconds on a busy 2-core host, for each `workbench simulate`)."""
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha256(Path(path).read_bytes())
-    for source in sorted((root / "tuning").rglob("*.py")) + [root / "engine" / "model" / "shapes.py"]:
-        digest.update(source.read_bytes())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
-    return cache / f"validated-{digest.hexdigest()[:16]}.csv"
-
-
 @functools.lru_cache(maxsize=2)
 def _table(path: str) -> pd.DataFrame:
     # the few columns the domain reads: boolean selections on the full table cost ms each
-    cache = _cache_file(path)
-    if cache.is_file():
-        return pd.read_csv(cache)
-    table = validation_table(path)[_COLUMNS].reset_index(drop=True)
-    try:  # best effort: a read-only home only costs the next process the pricing again
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(cache.with_suffix(".tmp"), index=False)
-        cache.with_suffix(".tmp").replace(cache)
-    except OSError:
-        pass
-    return table
+    return cached_frame(cache_path("validated", path),
+                        lambda: validation_table(path)[_COLUMNS].reset_index(drop=True))
 
 
 def validated(path: str | Path = DATA) -> pd.DataFrame:

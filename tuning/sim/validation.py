@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tuning.sim.cache import cache_path, cached_frame
+
 MIN_RANKED = 3  # rows a group needs for a rank correlation to say anything
 SEARCH_MIN_ROWS = 8  # a search table the targets apply to
 TARGET_SPEARMAN = 0.8
@@ -111,21 +113,6 @@ def baseline_metric(metric: str, peak_flops: float, *, value: float | None = Non
     return BASELINE_MFU * peak_flops / 1e12 if metric.endswith("tflops_per_gpu") else 100.0 * BASELINE_MFU
 
 
-def _cache(path: Path) -> Path:
-    """Where a leave-one-source-out table is kept between processes: keyed by the data files and every
-    source file that prices or fits (any change recomputes)."""
-    import hashlib
-    import os
-
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha256(path.read_bytes())
-    for source in sorted((root / "tuning").rglob("*.py")) + sorted((root / "tuning" / "data").glob("*.yaml")) \
-            + [root / "engine" / "model" / "shapes.py"]:
-        digest.update(source.read_bytes())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
-    return cache / f"loso-{digest.hexdigest()[:16]}.csv"
-
-
 def _price(rows: list[Any], frameworks: Any) -> list[float]:
     from tuning.sim.hardware import load_cluster
     from tuning.sim.fit import row_metric
@@ -137,15 +124,18 @@ def loso(path: str | Path | None = None, *, zooms: int = 6) -> pd.DataFrame:
     """Every priced row predicted with the per-framework terms fitted on every source (`in_sample`)
     and fitted without any row of its own source (`loso`: leave-one-source-out), beside the flat
     baseline; errors in percent of the published value. Cached per data and code (minutes to fit)."""
-    from tuning.sim.hardware import load_cluster
-    from tuning.sim.published import DATA, calibration_rows, held_out_rows
-    from tuning.sim.fit import FRAMEWORK_FITS, fit_frameworks, with_terms
-    from tuning.sim.framework import FRAMEWORKS
+    from tuning.sim.published import DATA
 
     path = Path(path or DATA)
-    cache = _cache(path)
-    if cache.is_file():
-        return pd.read_csv(cache)
+    return cached_frame(cache_path("loso", path), lambda: _loso_table(path, zooms))
+
+
+def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
+    from tuning.sim.fit import FRAMEWORK_FITS, fit_frameworks, with_terms
+    from tuning.sim.framework import FRAMEWORKS
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.published import calibration_rows, held_out_rows
+
     rows = calibration_rows(path) + held_out_rows(path)
     order = {r.id: i for i, r in enumerate(rows)}
     out = []
@@ -159,14 +149,7 @@ def loso(path: str | Path | None = None, *, zooms: int = 6) -> pd.DataFrame:
                         "baseline": base, "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
                         "loso_error_pct": 100.0 * (outside / r.value - 1.0),
                         "baseline_error_pct": 100.0 * (base / r.value - 1.0)})
-    table = pd.DataFrame(out).sort_values("id", key=lambda s: s.map(order)).reset_index(drop=True)
-    try:  # best effort: a read-only home only costs the next process the fits again
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(cache.with_suffix(".tmp"), index=False)
-        cache.with_suffix(".tmp").replace(cache)
-    except OSError:
-        pass
-    return table
+    return pd.DataFrame(out).sort_values("id", key=lambda s: s.map(order)).reset_index(drop=True)
 
 
 def loso_by_source(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[str, dict[str, Any]]) -> pd.DataFrame:
