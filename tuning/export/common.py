@@ -10,15 +10,21 @@ from typing import Any
 from engine.config.schema import RunConfig
 
 
-def engine_only(cfg: RunConfig, target: str) -> list[str]:
-    """Knobs that exist only in this engine (compression, CO2, emulated links, FlexSP, Holmes, live tuning)."""
-    p, out = cfg.parallel, []
+def comm_unmapped(cfg: RunConfig, target: str) -> list[str]:
+    """The communication knobs only this engine has: gradient compression, CO2, emulated links."""
+    out = []
     if cfg.comm.compressor != "none":
         out.append(f"comm.compressor={cfg.comm.compressor} (no gradient compression hook in {target})")
     if cfg.co2.enabled:
         out.append(f"co2.enabled (no CO2 local-update overlap in {target})")
     if cfg.link.gbps > 0 or cfg.link.groups:
         out.append("link.* (an emulated link only exists in the workbench)")
+    return out
+
+
+def engine_only(cfg: RunConfig, target: str) -> list[str]:
+    """Knobs that exist only in this engine (compression, CO2, emulated links, FlexSP, Holmes, live tuning)."""
+    p, out = cfg.parallel, comm_unmapped(cfg, target)
     if p.adaptive_sp:
         out.append(f"parallel.adaptive_sp (FlexSP's per-step sequence groups have no {target} equivalent)")
     if p.placement != "naive":

@@ -15,6 +15,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.config.schema import RunConfig, from_dict
+from tuning.export.common import comm_unmapped
 from tuning.export.megatron import megatron_args, megatron_command, megatron_script  # noqa: F401  (one import path)
 
 FORMATS = ("yaml", "torchrun", "json", "megatron", "deepspeed", "torchtitan", "accelerate")
@@ -101,17 +102,6 @@ def write_torchrun_bundle(cfg: RunConfig, out_dir: Path) -> str:
     (out_dir / "README.md").write_text(_BUNDLE_README.format(
         name=cfg.name, world=cfg.world_size, layout=f"dp={p.dp} tp={p.tp} pp={p.pp}", command=command))
     return command
-
-
-def _comm_unmapped(cfg: RunConfig, target: str) -> list[str]:
-    out = []
-    if cfg.comm.compressor != "none":
-        out.append(f"comm.compressor={cfg.comm.compressor} (no gradient compression hook in {target})")
-    if cfg.co2.enabled:
-        out.append(f"co2.enabled (no CO2 local-update overlap in {target})")
-    if cfg.link.gbps > 0 or cfg.link.groups:
-        out.append("link.* (an emulated link only exists in the workbench)")
-    return out
 
 
 _CLAMPED = "DeepSpeed stretches warm-ups under 2 steps to 2, so the decay runs slightly off the run's"
@@ -203,7 +193,7 @@ def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
         ds["communication_data_type"] = cfg.comm.compressor
     elif cfg.comm.compressor != "none":
         unmapped.append(f"comm.compressor={cfg.comm.compressor} (no DDP comm hook in DeepSpeed)")
-    unmapped += [u for u in _comm_unmapped(cfg, "DeepSpeed") if not u.startswith("comm.")]
+    unmapped += [u for u in comm_unmapped(cfg, "DeepSpeed") if not u.startswith("comm.")]
     return ds, unmapped + [_deepspeed_carries_no_job(cfg)]
 
 
