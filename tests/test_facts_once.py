@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("app.py", "workbench", "tuning", "engine", "profilers", "tools")
-# the compatibility-matrix runner is a test harness leaving the product (issue 51 moves it to a tools
-# package); its folder lock (engine/compat_results.py) is not the storage lock-file helper
+# the compatibility-matrix runner is a test harness outside the product (tools/matrix/); its folder lock
+# (tools/matrix/compat_results.py) is not the storage lock-file helper
 MATRIX_RUNNER = ("compat.py", "compat_doc.py", "compat_results.py")
 
 
@@ -140,7 +140,7 @@ def test_the_run_store_imports_the_lock_helper() -> None:
 
 
 # issue 51: functions nothing called (tests included); removed, and kept out
-UNUSED = ("engine/train/memory.py:_stage_params", "engine/compat.py:as_set_args", "engine/parallel/adaptive_sp.py:plan_step",
+UNUSED = ("engine/train/memory.py:_stage_params", "tools/matrix/compat.py:as_set_args", "engine/parallel/adaptive_sp.py:plan_step",
           "engine/parallel/schedules.py:format_actions", "profilers/store.py:delete_run", "tuning/export/trial.py:export_pareto",
           "tuning/space.py:live_only")
 
