@@ -271,7 +271,6 @@ def matrix_token_file() -> str:
     bytes are checked once per process and rewritten when they differ; a write goes through a
     `tempfile.mkstemp` file renamed into place (atomic: ranks and workers may write it at once)."""
     import array
-    import tempfile
 
     ids = array.array("H", [0 if i % 37 == 36 else 1 + (i * 7919 + i // 13) % (BASE["model.vocab"] - 1)
                             for i in range(MATRIX_TOKENS)])
@@ -283,15 +282,23 @@ def matrix_token_file() -> str:
                 return path
     except FileNotFoundError:
         pass
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    replace_atomically(Path(path), ids.tobytes())
+    return path
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to a `tempfile.mkstemp` file beside `path` and rename it into place: a reader sees the
+    old bytes or the new, never a part (ranks, workers and matrix runs may write at once)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            ids.tofile(f)
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
-    return path
 
 
 def _private_dir() -> str:

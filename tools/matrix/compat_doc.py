@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -212,19 +211,9 @@ def record(result: Mapping[str, Any], path: str | Path, doc: str | Path | None =
         fcntl.flock(folder, fcntl.LOCK_EX)
         data = load_results(path)
         data[result["cell"]] = dict(result)
-        _replace(path, json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+        text = json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n"
+        compat.replace_atomically(path, text.encode())
         if doc is not None:
-            _replace(Path(doc), render(data))
+            compat.replace_atomically(Path(doc), render(data).encode())
     finally:
         os.close(folder)  # releases the lock
-
-
-def _replace(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
