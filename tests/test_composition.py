@@ -6,50 +6,19 @@ parallelize formed one circle."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_architecture import ROOT, circles, import_graph
+
 COMPOSITION = ("engine.train.trainer", "engine.train.compose", "engine.train.checkpoint", "engine.train.comm_setup", "engine.train.live",
                "engine.parallel.parallelize")
 
 
-def _engine_modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in (ROOT / "engine").rglob("*.py")}
-
-
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module in modules:
-                found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name in modules}
-    return found
-
-
-def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
-    seen, todo = set(), [start]
-    while todo:
-        node = todo.pop()
-        for nxt in graph.get(node, ()):
-            if nxt == goal:
-                return True
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return False
-
-
 def test_no_import_circle_runs_through_the_composition_modules() -> None:
-    modules = _engine_modules()
-    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
-    circles = [m for m in COMPOSITION if _reaches(graph, m, m)]
-    assert not circles, f"modules on an import circle: {circles}"
+    graph, _ = import_graph(ROOT)  # every import, inside functions too (tests/test_architecture.py)
+    on_circles = [m for m in COMPOSITION if any(m in circle for circle in circles(graph))]
+    assert not on_circles, f"modules on an import circle: {on_circles}"
 
 
 def test_checkpoint_comm_and_live_take_parts_not_the_trainer() -> None:
