@@ -4,9 +4,10 @@ Kernel rates are hardware facts (`tuning.sim.kernels`, tuning/data/kernels.yaml)
 attention rate is fitted to a training row. What end-to-end rows do fit are the per-framework terms of
 `FRAMEWORK_FITS` (`FITTED_TERMS` names them: host/launch seconds per layer and micro-batch, the bytes
 its memory-bound kernels move per counted activation byte, and for DeepSpeed the share of the link
-its ZeRO collectives reach and how much of the compute under them they take), each fitted on the
-rows of its own framework by a zooming grid (a few parameters and rows: an explicit search needs no
-optimiser dependency; every grid point of a row is priced in one vectorised call).
+its ZeRO collectives reach and how much of the compute under them they take), all of a flavour's terms
+fitted jointly on the rows of its own framework by a zooming grid (a few parameters and rows: an explicit
+search needs no optimiser dependency; every grid point of a row is priced in one vectorised call); a
+term no row left informs (ZeRO-3's, without a ZeRO-3 row) keeps its default.
 
 `fit_frameworks(exclude_source=...)` leaves one source's rows out: `tuning.sim.validation.loso` refits
 without each source in turn and prices that source with the result (leave-one-source-out). The
@@ -100,7 +101,8 @@ FRAMEWORK_FITS = {  # flavour: the fields fitted on that flavour's rows
                   Param(name="deepspeed.overlap_interference", lo=0.0, hi=1.0)],
 }
 FITTED_TERMS = tuple(p.name for params in FRAMEWORK_FITS.values() for p in params)
-# fields only ZeRO-3 rows inform (the block collectives that overlap compute), fitted on those rows alone
+# fields only ZeRO-3 rows inform (the block collectives that overlap compute): left at their defaults when no
+# ZeRO-3 row of the flavour is fitted
 ZERO3_FIELDS = ("zero3_bw_efficiency", "overlap_interference")
 
 
@@ -111,9 +113,10 @@ def fit_rows(path: str | Path = DATA, exclude_source: str | None = None) -> list
 
 def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,
                    only: tuple[str, ...] | None = None) -> dict[str, float]:
-    """Each flavour's terms (`FRAMEWORK_FITS`) on its rows, without `exclude_source`'s; the fields only
-    some rows inform (`ZERO3_FIELDS`: ZeRO-3 rows) are fitted on those rows alone, the others first.
-    A flavour with no row left keeps its unfitted defaults. `only` limits the flavours fitted."""
+    """Each flavour's terms (`FRAMEWORK_FITS`) fitted jointly on all its rows, without `exclude_source`'s;
+    the fields only ZeRO-3 rows inform (`ZERO3_FIELDS`) keep their unfitted defaults when no ZeRO-3 row
+    of the flavour is left (a field no row informs is not fitted). A flavour with no row left keeps its
+    unfitted defaults. `only` limits the flavours fitted."""
     rows = fit_rows(path, exclude_source)
     clusters = {r.cluster: load_cluster(r.cluster) for r in rows}
     defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
@@ -123,15 +126,10 @@ def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None
         if only is not None and flavour not in only:
             continue
         mine = [r for r in rows if r.framework == flavour]
-        zero3 = [r for r in mine if r.zero == 3]
-        rest_rows = [r for r in mine if r.zero != 3] or mine
-        first = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS]
-        if rest_rows:
-            out.update(grid_fit(rest_rows, first, clusters=clusters, frameworks=base, zooms=zooms))
-        fws = with_terms({k: v for k, v in out.items() if k.startswith(flavour + ".")}, base)
-        rest = [p for p in params if p.name.split(".")[1] in ZERO3_FIELDS]
-        if rest and zero3:
-            out.update(grid_fit(zero3, rest, clusters=clusters, frameworks=fws, zooms=zooms))
+        if not mine:
+            continue
+        informed = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS or any(r.zero == 3 for r in mine)]
+        out.update(grid_fit(mine, informed, clusters=clusters, frameworks=base, zooms=zooms))
     return out
 
 

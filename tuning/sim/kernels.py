@@ -59,6 +59,7 @@ class GpuFacts:
 
 def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
     """Rates in FLOP/s; what is missing is derived from `like` (the same kernel on another GPU): a
+    kernel measured only forward + backward (`fwd_bwd`) is split by `like`'s backward / forward ratio; a
     non-causal backward from its backward / forward ratio at the same head dim and lengths, a head
     dim it has and this table lacks from its ratio to the nearest measured one; a causal backward is
     causal forward x non-causal backward / forward."""
@@ -76,12 +77,18 @@ def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
             continue
         hd = int(key[2:])
         for mask, passes in by_mask.items():
+            causal = mask == "causal"
+            if "fwd_bwd" in passes:  # one forward + backward rate R: split so that W/fwd + 2.5W/bwd = 3.5W/R
+                ratio = like.rate(hd, causal, "bwd", seq) / like.rate(hd, causal, "fwd", seq)
+                fwd = np.asarray(passes["fwd_bwd"], dtype=float) * (1.0 + 2.5 / ratio) / 3.5
+                passes = {"fwd": fwd, "bwd": fwd * ratio}
             for kind, values in passes.items():
-                rates[(hd, mask == "causal", kind)] = np.asarray(values, dtype=float) * 1e12
+                rates[(hd, causal, kind)] = np.asarray(values, dtype=float) * 1e12
         if (hd, False, "bwd") not in rates and like is not None:
             ratio = like.rate(hd, False, "bwd", seq) / like.rate(hd, False, "fwd", seq)
             rates[(hd, False, "bwd")] = rates[(hd, False, "fwd")] * ratio
-        rates[(hd, True, "bwd")] = rates[(hd, True, "fwd")] * rates[(hd, False, "bwd")] / rates[(hd, False, "fwd")]
+        if (hd, True, "bwd") not in rates:
+            rates[(hd, True, "bwd")] = rates[(hd, True, "fwd")] * rates[(hd, False, "bwd")] / rates[(hd, False, "fwd")]
     return AttentionTable(seq=seq, rates=rates)
 
 
@@ -94,13 +101,15 @@ def gpu_facts(kind: str, path: str = str(KERNELS)) -> GpuFacts:
     raw = dict(gpus[kind])
     if "like" in raw:
         raw = {**gpus[raw.pop("like")], **raw}
-    attention = {}
-    for impl, table in (raw.get("attention") or {}).items():
+    attention: dict[str, AttentionTable] = {}
+    tables = raw.get("attention") or {}
+    for impl in sorted(tables, key=lambda name: "bwd_like" in tables[name]):  # a table another one is like first
         like = None
-        if "bwd_like" in table:
-            other, other_impl = table["bwd_like"]
-            like = gpu_facts(other, path).attention[other_impl]
-        attention[impl] = _table(table, like)
+        if "bwd_like" in tables[impl]:
+            other, other_impl = tables[impl]["bwd_like"]
+            like = attention[other_impl] if other == kind else gpu_facts(other, path).attention[other_impl]
+        attention[impl] = _table(tables[impl], like)
+    attention = {impl: attention[impl] for impl in tables}  # the file's order: the first is the fallback
     return GpuFacts(kind=kind, sms=int(raw["sms"]), gemm_efficiency=float(raw["gemm_efficiency"]),
                     tiles=tuple((int(a), int(b)) for a, b in raw["tiles"]), hbm_gb_s=float(raw["hbm_gb_s"]),
                     attention=attention)

@@ -59,7 +59,7 @@ class PublishedRow:
     sequence_parallel: bool = False
     overlap_dp: bool = True
     flash_attention: bool = False  # fused attention kernel (MPT: attn_impl triton/flash)
-    attention: str = ""  # the fused kernel the run called where the source says (NVTE_FUSED_ATTN): fa2 | cudnn
+    attention: str = ""  # the fused kernel the run called where the source says (NVTE_FUSED_ATTN, attn_impl): fa2 | cudnn | triton
     framework: str = "megatron"  # tuning/sim/framework.py flavour
     # Megatron-core 2024+ rows: norms, experts, context and expert parallelism, TE's tp overlap
     norm_params: int = 2  # 1 RMSNorm, 2 LayerNorm

@@ -23,8 +23,9 @@ RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "modular", "zero_bubble", "zbv", "dualpipev", "skip")
 CP_IMPLS = ("ulysses", "ring")  # codes 0, 1 in evaluate_arrays' columns
 # fused-attention kernel a row calls: "" the framework's own (tuning/sim/framework.py), or one with measured
-# rates in tuning/data/kernels.yaml (NeMo picks with NVTE_FUSED_ATTN / NVTE_FLASH_ATTN); codes 0, 1, 2
-ATTENTION_KERNELS = ("", "fa2", "cudnn")
+# rates in tuning/data/kernels.yaml (NeMo picks with NVTE_FUSED_ATTN / NVTE_FLASH_ATTN; llm-foundry with attn_impl:
+# "triton" is Tri Dao's Triton FlashAttention); codes 0, 1, 2, 3
+ATTENTION_KERNELS = ("", "fa2", "cudnn", "triton")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
