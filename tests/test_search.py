@@ -41,6 +41,26 @@ def test_vectorised_equals_scalar_on_random_rows(df_13b) -> None:
             assert row[f"{key}_s"] == pytest.approx(value, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("case", ["engine", "measured-host"])
+def test_vectorised_equals_scalar_where_zero_changes_compute(case: str) -> None:
+    """The search prices what ZeRO does not change once per layout (tuning.sim.core.ZERO_FREE_GROUP); where
+    ZeRO-2/3 does change it (the engine's FSDP2 mixed precision makes hidden states bf16; a measured host's
+    FSDP hooks cost time per layer) every row still prices as simulate() prices it alone."""
+    import dataclasses
+
+    if case == "engine":
+        cluster, fixed = load_cluster("dgx-h100"), {"framework": "engine", "flash_attention": True}
+    else:
+        cluster, fixed = dataclasses.replace(A100, kernels="", overhead_layer_s=1e-3, overhead_fsdp_layer_s=2e-3), {}
+    codes = {"framework": 3} if case == "engine" else {}
+    df = enumerate_configs(GPT_13B, cluster, 64, 256, knobs={**codes, **{k: v for k, v in fixed.items() if k != "framework"}})
+    for _, row in df.sample(n=120, random_state=2).iterrows():
+        res = simulate(GPT_13B, cluster, row_to_spec(row, **fixed), gpus=64)
+        assert row["iteration_time_s"] == pytest.approx(res.iteration_time_s, rel=1e-12)
+        for key, value in res.breakdown.items():
+            assert row[f"{key}_s"] == pytest.approx(value, rel=1e-12, abs=1e-15)
+
+
 def test_enumeration_is_exactly_the_valid_set() -> None:
     """Brute force over the axes with validate_parallel gives the same rows (minus duplicates)."""
     model = ModelSpec(layers=8, hidden=256, heads=8, seq=256, vocab=512)
@@ -253,3 +273,26 @@ def test_warm_start_corrects_the_order_of_trials_within_a_cell() -> None:
     one, eight = (c.factor("DP/ZeRO-1", "none", s[4]) * s[3] for s in (samples[0], samples[3]))
     assert one > eight  # corrected: micro 1 now predicted faster than micro 8
     assert pairwise_agreement([1, 2, 3], [3, 2, 1]) == 0.0 and pairwise_agreement([1, 2, 3], [1, 2, 3]) == 1.0
+
+
+def test_the_search_shortcuts_agree_with_numpy() -> None:
+    """The search's faster forms (bench/simulator.py) give numpy's answers: grouping rows by a small key
+    without a sort, summing terms in place without touching them, selecting only the variants rows run."""
+    from tuning.sim.compute import row_groups
+    from tuning.sim.memory import total_of
+    from tuning.sim.zero import _select
+
+    rng = np.random.default_rng(0)
+    for key in (rng.integers(0, 50, 1000), rng.integers(0, 10**9, 1000), np.array([7, 7, 7])):
+        first, inverse = row_groups(key)
+        values, np_inverse = np.unique(key, return_inverse=True)
+        assert (key[first] == values).all() and (inverse == np_inverse).all()
+    terms = [rng.random(100), 0.0, rng.random(100), np.float64(2.0), rng.random(100)]
+    kept = [np.copy(t) for t in terms]
+    assert np.array_equal(total_of(terms), (((terms[0] + terms[2]) + 2.0) + terms[4]))
+    assert all(np.array_equal(a, b) for a, b in zip(terms, kept)) and total_of([0.0, 0.0]) == 0.0
+    cond = rng.integers(0, 3, 100)
+    never = np.zeros(100, dtype=bool)
+    called = []
+    choices = [(cond == 0, lambda: np.full(100, 1.0)), (never, lambda: called.append(1)), (cond == 1, lambda: 2.0)]
+    assert np.array_equal(_select(choices, 3.0), np.select([cond == 0, cond == 1], [1.0, 2.0], 3.0)) and not called

@@ -16,6 +16,7 @@ import pandas as pd
 
 from tuning.sim.hardware import ClusterSpec
 from tuning.sim.context import CP_IMPLS
+from tuning.sim.core import ZERO_FREE_GROUP
 from tuning.sim.simulator import (
     RECOMPUTE,
     SCHEDULES,
@@ -138,7 +139,11 @@ def _valid_grid(model: ModelSpec, gpus: int, global_batch: int, axes: dict[str, 
     # ep is carved from dp and divides the experts (ZeRO shards over dp x cp ranks)
     keep &= (dp % ep == 0) & ((ep == 1) | ((model.experts > 0) & (model.experts % ep == 0)))
     li, ki = np.nonzero(keep)
-    return {k: a[li] for k, a in lay.items()} | {k: a[ki] for k, a in knobs.items()}
+    # rows that differ only in zero (the slowest knob) share a group: the simulator prices what ZeRO
+    # does not change once per group (tuning.sim.core.ZERO_FREE_GROUP)
+    per_zero = keep.shape[1] // len(axes["zero"])
+    return {k: a[li] for k, a in lay.items()} | {k: a[ki] for k, a in knobs.items()} \
+        | {ZERO_FREE_GROUP: li * per_zero + ki % per_zero}
 
 
 def _valid(model: ModelSpec, gpus: int, global_batch: int, g: dict[str, np.ndarray]) -> np.ndarray:

@@ -48,6 +48,8 @@ def all_to_all_time(cl: ClusterSpec, gpus: int, nbytes: np.ndarray, n: np.ndarra
     frac = (n - 1) / np.maximum(n, 1)
     flat = np.where(inside, (n - 1) * cl.intra_latency_s + nbytes * frac / (cl.intra_bw_gb_s * GB),
                     (n - 1) * inter_lat + nbytes * frac / (inter_bw * GB))
+    if not np.any(hierarchical):
+        return np.where(n > 1, flat, 0.0)
     r = np.clip(cl.gpus_per_node // np.maximum(stride, 1), 1, n)  # group ranks per node
     nodes = np.maximum(n // r, 1)
     hier = ((r - 1) * cl.intra_latency_s + nbytes * (r - 1) / r / (cl.intra_bw_gb_s * GB)

@@ -80,9 +80,11 @@ def attention_seconds(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], *
     from tuning.sim.kernels import fused_attention_seconds, gemm_seconds, gpu_facts
 
     facts, peak, d = gpu_facts(cl.kernels), cl.peak_flops, m.hd
-    g = lambda a, b, k: gemm_seconds(facts, peak, a, b, k, heads)  # noqa: E731
-    plain_fwd = g(seq_q, seq_k, d) + g(seq_q, d, seq_k)
-    plain_bwd = g(seq_q, d, seq_k) + g(seq_k, d, seq_q) + g(seq_q, seq_k, d) + g(seq_k, d, seq_q)
+    # Q K^T (scores), P V (output) and the backward's K-side products: three shapes, each priced once
+    scores, output, keys = (gemm_seconds(facts, peak, *shape, heads)
+                            for shape in ((seq_q, seq_k, d), (seq_q, d, seq_k), (seq_k, d, seq_q)))
+    plain_fwd = scores + output
+    plain_bwd = output + keys + scores + keys
     fused_fwd, fused_bwd = np.zeros_like(plain_fwd), np.zeros_like(plain_bwd)
     for rows, impl in _impls(c, frameworks):
         fused = fused_attention_seconds(facts, impl, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=d, causal=causal)
@@ -112,6 +114,15 @@ def activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.nda
     return {"full": full, "attn": sbh * attn, "stored": stored}
 
 
+def stacked(price: Any, facts: Any, peak: float, shapes: list[tuple[Any, Any, Any]]) -> tuple[list, list]:
+    """(forward, backward) of `price(facts, peak, m, n, k)` (`fwd_bwd_gemm_seconds`) for every (m, n, k)
+    in `shapes` in one vectorised call (a search prices its rows' GEMMs at once): one entry per shape."""
+    cols = np.broadcast_arrays(*(np.asarray(x, dtype=float) for shape in shapes for x in shape))
+    m, n, k = (np.stack(cols[j::3]) for j in range(3))
+    fwd, bwd = price(facts, peak, m, n, k)
+    return list(fwd), list(bwd)
+
+
 def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tuple[Any, Any, Any, Any]:
     """(layer forward, layer backward, logits forward, logits backward) GEMM seconds per micro-batch
     on a tp rank. GPU presets: each GEMM by its shape (tokens b s x width / t over the input width;
@@ -124,9 +135,8 @@ def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tup
         facts, tok = gpu_facts(cl.kernels), b * s
         shapes = [(tok, (m.q_dim + 2 * m.kv_dim) / t, h), (tok, h, m.q_dim / t)]  # q, k, v fused; out
         shapes += [(tok, f / t, h)] * (m.mlp_mats - 1) + [(tok, h, f / t)]  # gate and up; down
-        pairs = [fwd_bwd_gemm_seconds(facts, cl.peak_flops, *x) for x in shapes]
-        logit = fwd_bwd_gemm_seconds(facts, cl.peak_flops, tok, m.vocab / t, h)
-        return sum(p[0] for p in pairs), sum(p[1] for p in pairs), logit[0], logit[1]
+        fwd, bwd = stacked(fwd_bwd_gemm_seconds, facts, cl.peak_flops, [*shapes, (tok, m.vocab / t, h)])
+        return sum(fwd[:-1]), sum(bwd[:-1]), fwd[-1], bwd[-1]
     bt = b / t
     dense = [2 * bt * s * h * (m.q_dim + 2 * m.kv_dim), 2 * bt * s * m.q_dim * h]
     dense += [2 * bt * s * h * f] * (m.mlp_mats - 1) + [2 * bt * s * f * h]
@@ -164,7 +174,7 @@ def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
             else:
                 values, code = np.unique(col, return_inverse=True)
                 key = key * len(values) + code
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        first, inverse = row_groups(key)
         cached = (c["tp"], first, inverse.reshape(shape))
         c["_kernel_rows"] = cached
     _, first, inverse = cached
@@ -172,6 +182,21 @@ def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
     out = fn(sub)
     spread = lambda v: np.asarray(v)[inverse] if np.ndim(v) else v  # noqa: E731
     return {k: spread(v) for k, v in out.items()} if isinstance(out, dict) else tuple(spread(v) for v in out)
+
+
+def row_groups(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(a row of each distinct key, in ascending key order; each row's group): `np.unique`'s index and
+    inverse, by a table instead of a sort where the keys are small non-negative integers (a search's)."""
+    top = int(key.max())
+    if key.min() < 0 or top > 4 * key.size + 4096:
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return first, inverse
+    present = np.zeros(top + 1, dtype=bool)
+    present[key] = True
+    inverse = (np.cumsum(present) - 1)[key]
+    first = np.empty(int(np.count_nonzero(present)), dtype=np.int64)
+    first[inverse] = np.arange(key.size)  # any row of a group: its rows agree on every key column
+    return first, inverse
 
 
 def _kernel_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], frameworks: Any) -> dict[str, Any]:

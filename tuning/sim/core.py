@@ -17,6 +17,11 @@ memory. Each term comes from the module that prices one technique, mirroring eng
 
 Iteration = compute + tp_comm + pp_comm + bubble + dp_comm_exposed + optimizer (+ all_to_all for MoE,
 + cp_comm at cp > 1). No validation here: pass valid rows (`tuning.sim.simulator.validate_parallel`).
+
+Speed (a search prices 100k+ rows, bench/simulator.py): the rows are priced once per cp degree
+(`sim_context.by_degree`); kernel times once per distinct micro-batch, tp and kernel
+(`sim_compute.per_unique`); what ZeRO does not change once per group of rows that differ only in
+`zero` (ZERO_FREE_GROUP, which `tuning.search` adds), then gathered onto every row.
 """
 from __future__ import annotations
 
@@ -27,11 +32,11 @@ import numpy as np
 from engine.mesh import world_size
 from tuning.sim import context as sim_context, moe as sim_moe
 from tuning.sim.hardware import GB, ClusterSpec
-from tuning.sim.compute import activation_bytes, compute_times, flops, stage_params
+from tuning.sim.compute import activation_bytes, compute_times, flops, row_groups, stage_params
 from tuning.sim.kernels import memory_bandwidth
 from tuning.sim.memory import CATEGORIES, TERMS, memory
 from tuning.sim.pipeline import bubble, pp_comm_time
-from tuning.sim.spec import ModelSpec
+from tuning.sim.spec import ModelSpec, engine_rows
 from tuning.sim.tensor import tp_comm_time
 from tuning.sim.zero import dp_comm
 
@@ -39,6 +44,10 @@ from tuning.sim.zero import dp_comm
 # the gradient read and the 16-bit weight written (4 B). The step is memory-bound.
 OPTIMIZER_BYTES_PER_PARAM = 28.0
 MEMORY_KEYS = CATEGORIES + tuple(name for names in TERMS.values() for name in names)
+# a column `tuning.search` adds: rows with one value agree on every field but `zero`, so what ZeRO does not
+# change (`_layout_terms`) is priced once per group
+ZERO_FREE_GROUP = "_zero_free_group"
+LAYOUT_TERMS = ("act", "times", "windows", "a2a", "cp", "tp", "pp", "bubble")  # `_layout_terms`' keys
 
 
 def _cp_degree(c: dict[str, np.ndarray]) -> int | None:
@@ -97,6 +106,49 @@ def _states(model: ModelSpec, local: ModelSpec, cluster: ClusterSpec, gpus: int,
     return dp, mem, psi, psi_opt
 
 
+def _layout_terms(model: ModelSpec, local: ModelSpec, cluster: ClusterSpec, gpus: int, c: dict[str, np.ndarray],
+                  cp: int, extended: bool, frameworks: Any) -> dict[str, Any]:
+    """What ZeRO does not change, per micro-batch: activations, compute (and the windows other traffic
+    hides under), all-to-all, cp, tp and pp traffic, and the bubble (keys: LAYOUT_TERMS)."""
+    act = activation_bytes(local, c)
+    a2a_mb = cp_mb = np.zeros(())
+    if extended:
+        act = _extend_activations(model, local, c, act, cp)
+    times = windows = compute_times(local, cluster, c, act, frameworks)
+    if extended:
+        times, windows, a2a_mb, cp_mb = _extend_times(model, local, cluster, gpus, c, times, cp, frameworks)
+    return {"act": act, "times": times, "windows": windows, "a2a": a2a_mb, "cp": cp_mb,
+            "tp": tp_comm_time(local, cluster, gpus, c, times.get("gemm")), "pp": pp_comm_time(local, cluster, gpus, c),
+            "bubble": bubble(model, c)}
+
+
+def _zero_free_rows(c: dict[str, np.ndarray], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray] | None:
+    """(a row of each ZERO_FREE_GROUP, each row's group) where the rows carry the column and it saves
+    work; None otherwise. What ZeRO changes in `_layout_terms` is whether it is >= 2: a measured host's
+    FSDP hook cost (`overhead_fsdp_layer_s`) and the engine's FSDP2 mixed precision (bf16 hidden states,
+    `tuning.sim.spec.fsdp_bf16_rows`); where either applies, a group splits there."""
+    group = c.get(ZERO_FREE_GROUP)
+    if group is None or np.ndim(group) == 0:
+        return None
+    if cluster.overhead_fsdp_layer_s or np.any(engine_rows(c)):
+        group = 2 * group + (c["zero"] >= 2)
+    first, inverse = row_groups(group)
+    return (first, inverse) if first.size <= 0.75 * group.size else None
+
+
+def _take(c: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    """The columns of `rows` (scalars stay scalars)."""
+    n = np.size(c[ZERO_FREE_GROUP])
+    return {k: (v[rows] if np.ndim(v) and np.size(v) == n else v) for k, v in c.items()}
+
+
+def _spread(value: Any, inverse: np.ndarray) -> Any:
+    """`value` (arrays, or dicts of them, one entry per group) on every row; scalars stay scalars."""
+    if isinstance(value, dict):
+        return {k: _spread(v, inverse) for k, v in value.items()}
+    return value[inverse] if np.ndim(value) else value
+
+
 def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dict[str, Any], *,
                     frameworks: Any = None) -> dict[str, np.ndarray]:
     """Price many configurations at once; `cols` holds equal-length arrays of ParallelSpec fields.
@@ -114,18 +166,14 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
     # issues 18/19: MoE blocks, context parallelism (a rank holds s/cp tokens), long-tail attention
     extended = model.experts > 0 or cp > 1 or bool(np.any(c.get("attn_density", 1.0) != 1.0))
     local = sim_context.local_model(model, cp) if extended else model
-    act = activation_bytes(local, c)
-    a2a_mb = cp_mb = np.zeros(())
-    if extended:
-        act = _extend_activations(model, local, c, act, cp)
-    times = windows = compute_times(local, cluster, c, act, frameworks)
-    if extended:
-        times, windows, a2a_mb, cp_mb = _extend_times(model, local, cluster, gpus, c, times, cp, frameworks)
-    tp = tp_comm_time(local, cluster, gpus, c, times.get("gemm"))
-    pp = pp_comm_time(local, cluster, gpus, c)
+    groups = _zero_free_rows(c, cluster)
+    per_layout = _layout_terms(model, local, cluster, gpus, c if groups is None else _take(c, groups[0]), cp,
+                               extended, frameworks)
+    if groups is not None:  # back onto every row: a gather per result, not a pricing per row
+        per_layout = _spread(per_layout, groups[1])
+    act, times, windows, a2a_mb, cp_mb, tp, pp, bub = (per_layout[key] for key in LAYOUT_TERMS)
     dp, mem, psi, psi_opt = _states(model, local, cluster, gpus, c, act, windows, cp, frameworks)
     per_mb = times["fwd"] + times["bwd"] + tp + pp["pp"] + a2a_mb + cp_mb
-    bub = bubble(model, c)
     out = {
         "compute_s": nmb * (times["fwd"] + times["bwd"]),
         "tp_comm_s": nmb * tp,

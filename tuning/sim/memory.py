@@ -336,40 +336,49 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     if np.any(c.get("account_for_embedding_and_loss", False)):  # else rank 0 holds rank 1's layers and more in flight
         ranks.append(np.minimum(1, p - 1))
     mixed = fsdp_bf16_rows(c) if np.any(k["engine"]) else False
-    best = None
-    for r in ranks:  # the rank with the largest total (its parameters, activations in flight, logits)
-        terms = _rank_terms(m, c, k, r, per_layer, rates, (stored, logits, recompute))
+
+    def terms_at(r: Any, rank: tuple[Any, Any, Any]) -> dict[str, Any]:
+        terms = _rank_terms(m, c, k, r, rank, rates, (stored, logits, recompute))
         if np.any(mixed):
             peak = _fsdp_bf16_peak(m, c, k, r, per_layer, rates, terms, stored)
             terms = {name: np.where(mixed, peak[name], value) for name, value in terms.items()}
-        total = sum(terms.values())
-        if best is None:
-            best = (total, r, terms)
+        return terms
+
+    seen = []
+    for r in ranks:  # the rank with the largest total (its parameters, activations in flight, logits)
+        rank = _rank(m, c, r, per_layer)
+        terms = terms_at(r, rank)
+        total = total_of(terms.values())
+        if seen:
+            more = total > best_total
+            best_total, best_r = np.where(more, total, best_total), np.where(more, r, best_r)
+            best_rank = tuple(np.where(more, new, old) for new, old in zip(rank, best_rank))
         else:
-            more = total > best[0]
-            best = (np.where(more, total, best[0]), np.where(more, r, best[1]),
-                    {name: np.where(more, value, best[2][name]) for name, value in terms.items()})
-    return finish({**best[2], "stage": best[1], **runtime(c, cl)}, cl)
+            best_total, best_r, best_rank = total, r, rank
+        seen.append((r, terms))
+    # the winning rank's terms: one more pass at each row's rank costs less than choosing term by term
+    terms = next((t for r, t in seen if np.array_equal(r, best_r)), None) or terms_at(best_r, best_rank)
+    return finish({**terms, "stage": best_r, **runtime(c, cl)}, cl)
 
 
-def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, per_layer: Any,
+def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, rank: tuple[Any, Any, Any],
                 rates: dict[str, Any], activations: tuple[Any, Any, Any]) -> dict[str, Any]:
-    """Every tensor term of TERMS on pipeline rank r at the end of its forward: its parameters' states,
-    the activation sets it holds in flight and the last rank's logits."""
+    """Every tensor term of TERMS on pipeline rank r (`rank`: its `_rank`) at the end of its forward: its
+    parameters' states, the activation sets it holds in flight and the last rank's logits."""
     stored, logits, recompute = activations
-    s_psi, held, last = _rank(m, c, r, per_layer)
+    s_psi, held, last = rank
     acts = held * stored + np.where(last, logits, 0.0)
     nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
     fp32_embedding, apex_shard, deferred = _nemo_terms(m, c, k, r, s_psi, acts) if nemo else (0.0, 0.0, 0.0)
     autocast, gather, loss = _engine_terms(m, c, k, r) if np.any(k["engine"]) else (0.0, 0.0, 0.0)
-    out = {name: s_psi * rate + f for name, (rate, f) in rates.items()}
+    out = {name: s_psi * rate + f if np.ndim(f) or f else s_psi * rate for name, (rate, f) in rates.items()}
     out["grads_main"] = out["grads_main"] + fp32_embedding
     out["grads_partition"] = out["grads_partition"] + apex_shard
-    zero = np.zeros_like(np.asarray(s_psi, dtype=float))
-    out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather + zero, temp_loss=loss + zero,
-               act_autocast=autocast + zero, act_layers=held * stored, act_wgrad_deferred=deferred + zero,
-               act_logits=np.where(last, logits, 0.0), act_recompute=recompute + zero, act_stage_io=zero,
-               temp_backward=zero, temp_reduce=zero, temp_grad_accum=zero)
+    # a term no row holds stays the scalar 0.0 (broadcast where used): a search does not pay a pass for it
+    out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather, temp_loss=loss,
+               act_autocast=autocast, act_layers=held * stored, act_wgrad_deferred=deferred,
+               act_logits=np.where(last, logits, 0.0), act_recompute=recompute, act_stage_io=0.0,
+               temp_backward=0.0, temp_reduce=0.0, temp_grad_accum=0.0)
     return out
 
 
@@ -521,10 +530,26 @@ def finish(terms: dict[str, Any], cl: ClusterSpec) -> dict[str, Any]:
     whether the total fits the cluster's usable memory."""
     out = dict(terms)
     for category, names in TERMS.items():
-        out[category] = sum(out[name] for name in names)
-    out["total"] = sum(out[category] for category in CATEGORIES)
+        out[category] = total_of(out[name] for name in names)
+    out["total"] = total_of(out[category] for category in CATEGORIES)
     out["fits"] = out["total"] <= cl.memory_gb * cl.usable_memory_fraction * GB
     return out
+
+
+def total_of(values: Any) -> Any:
+    """The sum of `values` in order, skipping scalar zeros (a term no row holds costs no pass over the
+    rows) and adding into one array of its own once it has one (a search's sums allocate once)."""
+    total: Any = 0.0
+    owned = False
+    for value in values:
+        if not (np.ndim(value) or value):
+            continue
+        if owned and np.shape(value) == total.shape and np.asarray(value).dtype == total.dtype:
+            np.add(total, value, out=total)
+        else:
+            total = total + value
+            owned = isinstance(total, np.ndarray) and total.ndim > 0 and total.dtype == np.float64
+    return total
 
 
 def dominant(terms: dict[str, float]) -> str:

@@ -59,7 +59,6 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     all_reduce = collective(grad_bytes, 2 * frac, lk["ar"][0] * share, lk["ar"][1], d)
     reduce_scatter = collective(grad_bytes, frac, lk["rs"][0] * share, lk["rs"][1], d)
     gather = collective(gathered, frac, lk["ag"][0] * share, lk["ag"][1], d)
-    broadcast = collective(gathered, frac, lk["ar"][0] * share, lk["ar"][1], d)  # ZeroRedundancyOptimizer's shards
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
     # one alpha per FSDP unit (the blocks and the root), or per parameter tensor (DeepSpeed stage 3)
@@ -95,30 +94,42 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     sync = np.where((zero == 0) | z1_ar, all_reduce, reduce_scatter)
     once = hide(sync, times["bwd"], last_bucket)
     rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2 (DeepSpeed), every micro-batch
-    z3_mb = hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_gather + layer_rs, times["bwd"])
-    z2f_mb = hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_rs, times["bwd"])
+    gather_fwd, both_bwd = hide_blocks(layer_gather, times["fwd"]), hide_blocks(layer_gather + layer_rs, times["bwd"])
+    z3_mb = gather_fwd + both_bwd
     grad_exposed = np.select([zero == 3, z2_fsdp, zero == 2], [0.0, 0.0, nmb * rs_mb], once)  # z3: in z3_mb
-    grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
+    if np.any(c["co2"]):
+        grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
     # after the step: ZeRO-1 and DeepSpeed-style ZeRO-2 gather the updated shards (exposed)
-    final_gather = np.where(z1_ar, broadcast, np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0))
+    final_gather = np.where((zero == 1) | ((zero == 2) & ~z2_fsdp), gather, 0.0)
+    if np.any(z1_ar):  # ZeroRedundancyOptimizer broadcasts its shards
+        final_gather = np.where(z1_ar, collective(gathered, frac, lk["ar"][0] * share, lk["ar"][1], d), final_gather)
     # Megatron-core's --overlap-param-gather: the updated shards' all-gather runs bucket by bucket under
     # the next step's first forward (megatron/core/distributed/param_and_grad_buffer.py), the first exposed
     param_overlap = (per_row(fw, "overlap_param_gather", frameworks) > 0) & (zero == 1) & ~z1_ar
-    final_exposed = np.where(param_overlap, hide(final_gather, times["fwd"], last_bucket), final_gather)
+    final_exposed = np.where(param_overlap, hide(final_gather, times["fwd"], last_bucket), final_gather) \
+        if np.any(param_overlap) else final_gather
     z3 = (zero == 3) & ~z3_kept
     kept = _pipelined_fsdp(c, engine) & z3  # the engine's ZeRO-3 under pipelining: nmb + 1 gathers, one reduce
     # the engine's ZeRO-2 gathers each block once per step, before the first micro-batch's forward
     # (engine/parallel/zero.py keep_gathered); FSDP1 as Composer runs it re-gathers every micro-batch
     once_z2 = z2_fsdp & (per_row(fw, "zero2_gather_once", frameworks) > 0)
     blockwise = (z2_fsdp & ~once_z2) | z3_kept
-    total = np.select([kept, z3, blockwise, once_z2, zero == 2],
-                      [(nmb + 1) * layer_gather + layer_rs, nmb * (2 * layer_gather + layer_rs),
-                       nmb * (layer_gather + layer_rs), layer_gather + nmb * layer_rs, nmb * reduce_scatter], sync)
-    z2_once = hide_blocks(layer_gather, times["fwd"]) + nmb * hide_blocks(layer_rs, times["bwd"])
-    z3_kept_pp = nmb * hide_blocks(layer_gather, times["fwd"]) + hide_blocks(layer_gather + layer_rs, times["bwd"])
-    exposed = grad_exposed + final_exposed + np.select([kept, z3, blockwise, once_z2],
-                                                       [z3_kept_pp, nmb * z3_mb, nmb * z2f_mb, z2_once], 0.0)
+    total = _select([(kept, lambda: (nmb + 1) * layer_gather + layer_rs),
+                     (z3, lambda: nmb * (2 * layer_gather + layer_rs)),
+                     (blockwise, lambda: nmb * (layer_gather + layer_rs)),
+                     (once_z2, lambda: layer_gather + nmb * layer_rs), (zero == 2, lambda: nmb * reduce_scatter)], sync)
+    exposed = grad_exposed + final_exposed + _select([
+        (kept, lambda: nmb * gather_fwd + both_bwd), (z3, lambda: nmb * z3_mb),
+        (blockwise, lambda: nmb * (gather_fwd + hide_blocks(layer_rs, times["bwd"]))),
+        (once_z2, lambda: gather_fwd + nmb * hide_blocks(layer_rs, times["bwd"]))], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
+
+
+def _select(choices: list[tuple[Any, Any]], default: Any) -> Any:
+    """`np.select` over the (condition, value thunk) pairs that some row meets: a variant no row runs
+    (a search runs few) is never priced; the first condition met wins, as in `np.select`."""
+    met = [(condition, value()) for condition, value in choices if np.any(condition)]
+    return np.select(*zip(*met), default) if met else default
 
 
 def _pipelined_fsdp(c: dict[str, np.ndarray], engine: Any) -> Any:
