@@ -278,7 +278,7 @@ def test_warm_start_corrects_the_order_of_trials_within_a_cell() -> None:
 def test_the_search_shortcuts_agree_with_numpy() -> None:
     """The search's faster forms (bench/simulator.py) give numpy's answers: grouping rows by a small key
     without a sort, summing terms in place without touching them, selecting only the variants rows run."""
-    from tuning.sim.compute import row_groups
+    from tuning.sim.groups import row_groups
     from tuning.sim.memory import total_of
     from tuning.sim.zero import _select
 

@@ -115,6 +115,21 @@ def test_kernel_rates_are_the_cited_measurements() -> None:
     assert small == pytest.approx(2 * (8 * 8192 + 8192 * 8192 + 8 * 8192) / (h100.hbm_gb_s * 1e9))
 
 
+def test_a_gpu_like_one_that_is_like_another_takes_both(tmp_path) -> None:
+    """kernels.yaml's `like` chains: a kind like one that is itself like another takes the fields of both,
+    the nearer overriding (before, only one level was followed and the farther kind's fields were lost)."""
+    import yaml
+
+    from tuning.sim.kernels import gpu_facts
+
+    gpus = {"base": {"sms": 108, "gemm_efficiency": 0.8, "tiles": [[128, 128]], "hbm_gb_s": 1500.0},
+            "mid": {"like": "base", "hbm_gb_s": 2000.0}, "top": {"like": "mid", "sms": 132}}
+    path = tmp_path / "kernels.yaml"
+    path.write_text(yaml.safe_dump({"gpus": gpus}))
+    top = gpu_facts("top", str(path))
+    assert (top.sms, top.gemm_efficiency, top.hbm_gb_s, top.tiles) == (132, 0.8, 2000.0, ((128, 128),))
+
+
 def test_triton_attention_is_the_flashattention2_papers_a100_bars() -> None:
     """Triton FlashAttention (llm-foundry's attn_impl 'triton') at the FlashAttention-2 paper's Figure 4 rates:
     forward + backward together take the figure's time (3.5 x the forward's work at the bar's TFLOP/s), split

@@ -20,6 +20,7 @@ import numpy as np
 
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.framework import per_row
+from tuning.sim.groups import row_groups, spread
 from tuning.sim.spec import ModelSpec, engine_rows
 
 # Non-GEMM kernels (norms, softmax, dropout, activations, residuals) are memory-bound: forward moves
@@ -114,15 +115,6 @@ def activation_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> dict[str, np.nda
     return {"full": full, "attn": sbh * attn, "stored": stored}
 
 
-def stacked(price: Any, facts: Any, peak: float, shapes: list[tuple[Any, Any, Any]]) -> tuple[list, list]:
-    """(forward, backward) of `price(facts, peak, m, n, k)` (`fwd_bwd_gemm_seconds`) for every (m, n, k)
-    in `shapes` in one vectorised call (a search prices its rows' GEMMs at once): one entry per shape."""
-    cols = np.broadcast_arrays(*(np.asarray(x, dtype=float) for shape in shapes for x in shape))
-    m, n, k = (np.stack(cols[j::3]) for j in range(3))
-    fwd, bwd = price(facts, peak, m, n, k)
-    return list(fwd), list(bwd)
-
-
 def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tuple[Any, Any, Any, Any]:
     """(layer forward, layer backward, logits forward, logits backward) GEMM seconds per micro-batch
     on a tp rank. GPU presets: each GEMM by its shape (tokens b s x width / t over the input width;
@@ -130,12 +122,12 @@ def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tup
     FLOPs, no faster than the weights stream at the measured few-token rate."""
     b, t, s, h, f = c["micro"], c["tp"], m.seq, m.hidden, m.ffn
     if cl.kernels:
-        from tuning.sim.kernels import fwd_bwd_gemm_seconds, gpu_facts
+        from tuning.sim.kernels import gemm_pairs, gpu_facts
 
         facts, tok = gpu_facts(cl.kernels), b * s
         shapes = [(tok, (m.q_dim + 2 * m.kv_dim) / t, h), (tok, h, m.q_dim / t)]  # q, k, v fused; out
         shapes += [(tok, f / t, h)] * (m.mlp_mats - 1) + [(tok, h, f / t)]  # gate and up; down
-        fwd, bwd = stacked(fwd_bwd_gemm_seconds, facts, cl.peak_flops, [*shapes, (tok, m.vocab / t, h)])
+        fwd, bwd = gemm_pairs(facts, cl.peak_flops, [*shapes, (tok, m.vocab / t, h)])
         return sum(fwd[:-1]), sum(bwd[:-1]), fwd[-1], bwd[-1]
     bt = b / t
     dense = [2 * bt * s * h * (m.q_dim + 2 * m.kv_dim), 2 * bt * s * m.q_dim * h]
@@ -179,24 +171,7 @@ def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
         c["_kernel_rows"] = cached
     _, first, inverse = cached
     sub = {**c, **{k: np.broadcast_to(np.asarray(c[k]), shape).ravel()[first] for k in keys}}
-    out = fn(sub)
-    spread = lambda v: np.asarray(v)[inverse] if np.ndim(v) else v  # noqa: E731
-    return {k: spread(v) for k, v in out.items()} if isinstance(out, dict) else tuple(spread(v) for v in out)
-
-
-def row_groups(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(a row of each distinct key, in ascending key order; each row's group): `np.unique`'s index and
-    inverse, by a table instead of a sort where the keys are small non-negative integers (a search's)."""
-    top = int(key.max())
-    if key.min() < 0 or top > 4 * key.size + 4096:
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        return first, inverse
-    present = np.zeros(top + 1, dtype=bool)
-    present[key] = True
-    inverse = (np.cumsum(present) - 1)[key]
-    first = np.empty(int(np.count_nonzero(present)), dtype=np.int64)
-    first[inverse] = np.arange(key.size)  # any row of a group: its rows agree on every key column
-    return first, inverse
+    return spread(fn(sub), inverse)
 
 
 def _kernel_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], frameworks: Any) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import numpy as np
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.comm import all_to_all_time
 from tuning.sim.compute import attention_seconds, causal_factor, per_unique
+from tuning.sim.groups import take_rows
 from tuning.sim.spec import CP_IMPLS
 
 
@@ -161,7 +162,7 @@ def by_degree(evaluate: Callable[..., dict[str, np.ndarray]], model: Any, cluste
         runs = [np.flatnonzero(cp == value) for value in np.unique(cp)]
     parts = []
     for rows in runs:
-        sub = {k: (v[rows] if np.ndim(v) and np.size(v) == n else v) for k, v in c.items()}
+        sub = take_rows(c, rows, n)
         sub["cp"] = np.asarray(int(cp[rows].flat[0]))
         parts.append((rows, evaluate(model, cluster, gpus, sub, **kwargs)))
     return _merge(parts, n)

@@ -21,7 +21,7 @@ Iteration = compute + tp_comm + pp_comm + bubble + dp_comm_exposed + optimizer (
 Speed (a search prices 100k+ rows, bench/simulator.py): the rows are priced once per cp degree
 (`sim_context.by_degree`); kernel times once per distinct micro-batch, tp and kernel
 (`sim_compute.per_unique`); what ZeRO does not change once per group of rows that differ only in
-`zero` (ZERO_FREE_GROUP, which `tuning.search` adds), then gathered onto every row.
+`zero` (ZERO_FREE_GROUP, which `tuning.search` adds), then gathered onto every row (`tuning.sim.groups`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ import numpy as np
 from engine.mesh import world_size
 from tuning.sim import context as sim_context, moe as sim_moe
 from tuning.sim.hardware import GB, ClusterSpec
-from tuning.sim.compute import activation_bytes, compute_times, flops, row_groups, stage_params
+from tuning.sim.compute import activation_bytes, compute_times, flops, stage_params
+from tuning.sim.groups import row_groups, spread, take_rows
 from tuning.sim.kernels import memory_bandwidth
 from tuning.sim.memory import CATEGORIES, TERMS, memory
 from tuning.sim.pipeline import bubble, pp_comm_time
@@ -136,19 +137,6 @@ def _zero_free_rows(c: dict[str, np.ndarray], cluster: ClusterSpec) -> tuple[np.
     return (first, inverse) if first.size <= 0.75 * group.size else None
 
 
-def _take(c: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    """The columns of `rows` (scalars stay scalars)."""
-    n = np.size(c[ZERO_FREE_GROUP])
-    return {k: (v[rows] if np.ndim(v) and np.size(v) == n else v) for k, v in c.items()}
-
-
-def _spread(value: Any, inverse: np.ndarray) -> Any:
-    """`value` (arrays, or dicts of them, one entry per group) on every row; scalars stay scalars."""
-    if isinstance(value, dict):
-        return {k: _spread(v, inverse) for k, v in value.items()}
-    return value[inverse] if np.ndim(value) else value
-
-
 def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dict[str, Any], *,
                     frameworks: Any = None) -> dict[str, np.ndarray]:
     """Price many configurations at once; `cols` holds equal-length arrays of ParallelSpec fields.
@@ -167,10 +155,10 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
     extended = model.experts > 0 or cp > 1 or bool(np.any(c.get("attn_density", 1.0) != 1.0))
     local = sim_context.local_model(model, cp) if extended else model
     groups = _zero_free_rows(c, cluster)
-    per_layout = _layout_terms(model, local, cluster, gpus, c if groups is None else _take(c, groups[0]), cp,
-                               extended, frameworks)
+    rows = c if groups is None else take_rows(c, groups[0], c[ZERO_FREE_GROUP].size)
+    per_layout = _layout_terms(model, local, cluster, gpus, rows, cp, extended, frameworks)
     if groups is not None:  # back onto every row: a gather per result, not a pricing per row
-        per_layout = _spread(per_layout, groups[1])
+        per_layout = spread(per_layout, groups[1])
     act, times, windows, a2a_mb, cp_mb, tp, pp, bub = (per_layout[key] for key in LAYOUT_TERMS)
     dp, mem, psi, psi_opt = _states(model, local, cluster, gpus, c, act, windows, cp, frameworks)
     per_mb = times["fwd"] + times["bwd"] + tp + pp["pp"] + a2a_mb + cp_mb

@@ -66,6 +66,10 @@ def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
     seq = np.asarray(raw["seq"], dtype=float)
     rates: dict[tuple[int, bool, str], np.ndarray] = {}
     raw = dict(raw)
+
+    def like_ratio(hd: int, causal: bool) -> np.ndarray:  # `like`'s backward / forward rate
+        return like.rate(hd, causal, "bwd", seq) / like.rate(hd, causal, "fwd", seq)
+
     for hd in sorted({d for d, _, _ in like.rates} if like else ()):
         if f"hd{hd}" not in raw:
             near = min((int(k[2:]) for k in raw if k.startswith("hd")), key=lambda d: abs(np.log(d / hd)))
@@ -79,17 +83,22 @@ def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
         for mask, passes in by_mask.items():
             causal = mask == "causal"
             if "fwd_bwd" in passes:  # one forward + backward rate R: split so that W/fwd + 2.5W/bwd = 3.5W/R
-                ratio = like.rate(hd, causal, "bwd", seq) / like.rate(hd, causal, "fwd", seq)
+                ratio = like_ratio(hd, causal)
                 fwd = np.asarray(passes["fwd_bwd"], dtype=float) * (1.0 + 2.5 / ratio) / 3.5
                 passes = {"fwd": fwd, "bwd": fwd * ratio}
             for kind, values in passes.items():
                 rates[(hd, causal, kind)] = np.asarray(values, dtype=float) * 1e12
         if (hd, False, "bwd") not in rates and like is not None:
-            ratio = like.rate(hd, False, "bwd", seq) / like.rate(hd, False, "fwd", seq)
-            rates[(hd, False, "bwd")] = rates[(hd, False, "fwd")] * ratio
+            rates[(hd, False, "bwd")] = rates[(hd, False, "fwd")] * like_ratio(hd, False)
         if (hd, True, "bwd") not in rates:
             rates[(hd, True, "bwd")] = rates[(hd, True, "fwd")] * rates[(hd, False, "bwd")] / rates[(hd, False, "fwd")]
     return AttentionTable(seq=seq, rates=rates)
+
+
+def _fields(gpus: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Kind's fields: those of the kind it is `like` (itself maybe like another), overridden by its own."""
+    raw = dict(gpus[kind])
+    return {**_fields(gpus, raw.pop("like")), **raw} if "like" in raw else raw
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,9 +107,7 @@ def gpu_facts(kind: str, path: str = str(KERNELS)) -> GpuFacts:
     gpus = yaml.safe_load(Path(path).read_text())["gpus"]
     if kind not in gpus:
         raise ValueError(f"kernels={kind!r} must be one of {', '.join(gpus)} (tuning/data/kernels.yaml)")
-    raw = dict(gpus[kind])
-    if "like" in raw:
-        raw = {**gpus[raw.pop("like")], **raw}
+    raw = _fields(gpus, kind)
     attention: dict[str, AttentionTable] = {}
     tables = raw.get("attention") or {}
     for impl in sorted(tables, key=lambda name: "bwd_like" in tables[name]):  # a table another one is like first
@@ -140,6 +147,14 @@ def fwd_bwd_gemm_seconds(facts: GpuFacts, peak: float, m: Any, n: Any, k: Any) -
     """(forward, backward) seconds of a linear layer's GEMM (M x N over K): backward is the input
     gradient (M x K over N) and the weight gradient (K x N over M)."""
     return gemm_seconds(facts, peak, m, n, k), gemm_seconds(facts, peak, m, k, n) + gemm_seconds(facts, peak, k, n, m)
+
+
+def gemm_pairs(facts: GpuFacts, peak: float, shapes: list[tuple[Any, Any, Any]]) -> tuple[list, list]:
+    """(forward, backward) seconds (`fwd_bwd_gemm_seconds`) of each (M, N, K) in `shapes`, one entry per
+    shape, priced in one vectorised call (a search prices all its rows' GEMMs at once)."""
+    cols = np.broadcast_arrays(*(np.asarray(x, dtype=float) for shape in shapes for x in shape))
+    fwd, bwd = fwd_bwd_gemm_seconds(facts, peak, *(np.stack(cols[j::3]) for j in range(3)))
+    return list(fwd), list(bwd)
 
 
 def attention_impls(facts: GpuFacts) -> tuple[str, ...]:

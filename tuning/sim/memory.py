@@ -371,7 +371,7 @@ def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray]
     nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
     fp32_embedding, apex_shard, deferred = _nemo_terms(m, c, k, r, s_psi, acts) if nemo else (0.0, 0.0, 0.0)
     autocast, gather, loss = _engine_terms(m, c, k, r) if np.any(k["engine"]) else (0.0, 0.0, 0.0)
-    out = {name: s_psi * rate + f if np.ndim(f) or f else s_psi * rate for name, (rate, f) in rates.items()}
+    out = {name: s_psi * rate + f if _held(f) else s_psi * rate for name, (rate, f) in rates.items()}
     out["grads_main"] = out["grads_main"] + fp32_embedding
     out["grads_partition"] = out["grads_partition"] + apex_shard
     # a term no row holds stays the scalar 0.0 (broadcast where used): a search does not pay a pass for it
@@ -536,13 +536,19 @@ def finish(terms: dict[str, Any], cl: ClusterSpec) -> dict[str, Any]:
     return out
 
 
+def _held(value: Any) -> bool:
+    """Whether some row holds the term: an array, or a scalar other than 0 (a term no row holds stays the
+    scalar 0.0, and adding it is skipped: a search does not pay a pass over its rows for it)."""
+    return bool(np.ndim(value)) or bool(value)
+
+
 def total_of(values: Any) -> Any:
     """The sum of `values` in order, skipping scalar zeros (a term no row holds costs no pass over the
     rows) and adding into one array of its own once it has one (a search's sums allocate once)."""
     total: Any = 0.0
     owned = False
     for value in values:
-        if not (np.ndim(value) or value):
+        if not _held(value):
             continue
         if owned and np.shape(value) == total.shape and np.asarray(value).dtype == total.dtype:
             np.add(total, value, out=total)

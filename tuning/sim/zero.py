@@ -22,6 +22,7 @@ first backward gathers it once more, and the gradients are reduce-scattered once
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -61,11 +62,21 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     gather = collective(gathered, frac, lk["ag"][0] * share, lk["ag"][1], d)
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
-    # one alpha per FSDP unit (the blocks and the root), or per parameter tensor (DeepSpeed stage 3)
-    units = n_layers * np.where(per_row(fw, "zero3_per_parameter", frameworks) > 0, m.param_tensors_per_layer, 1)
-    layer_gather = collective(gathered, frac, lk["ag"][0] * eff, lk["ag"][1], d) \
-        + units * np.where(d > 1, lk["ag"][1], 0.0)
-    layer_rs = collective(grad_bytes, frac, lk["rs"][0] * eff, lk["rs"][1], d) + units * np.where(d > 1, lk["rs"][1], 0.0)
+
+    # each block's own collectives (ZeRO-3, FSDP ZeRO-2), priced only where some row runs them: one alpha
+    # per FSDP unit (the blocks and the root), or per parameter tensor (DeepSpeed stage 3)
+    @functools.cache
+    def units() -> np.ndarray:
+        return n_layers * np.where(per_row(fw, "zero3_per_parameter", frameworks) > 0, m.param_tensors_per_layer, 1)
+
+    @functools.cache
+    def block_gather() -> np.ndarray:
+        return collective(gathered, frac, lk["ag"][0] * eff, lk["ag"][1], d) + units() * np.where(d > 1, lk["ag"][1], 0.0)
+
+    @functools.cache
+    def block_rs() -> np.ndarray:
+        return collective(grad_bytes, frac, lk["rs"][0] * eff, lk["rs"][1], d) + units() * np.where(d > 1, lk["rs"][1], 0.0)
+
     ovl = c["overlap_dp"]
 
     def overlapped(hidden: np.ndarray, cost: np.ndarray) -> np.ndarray:
@@ -93,10 +104,18 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     z3_kept = (zero == 3) & ~np.asarray(c.get("reshard_after_forward", True))
     sync = np.where((zero == 0) | z1_ar, all_reduce, reduce_scatter)
     once = hide(sync, times["bwd"], last_bucket)
-    rs_mb = hide(reduce_scatter, times["bwd"], last_bucket)  # ZeRO-2 (DeepSpeed), every micro-batch
-    gather_fwd, both_bwd = hide_blocks(layer_gather, times["fwd"]), hide_blocks(layer_gather + layer_rs, times["bwd"])
-    z3_mb = gather_fwd + both_bwd
-    grad_exposed = np.select([zero == 3, z2_fsdp, zero == 2], [0.0, 0.0, nmb * rs_mb], once)  # z3: in z3_mb
+
+    @functools.cache
+    def gather_fwd() -> np.ndarray:  # a block's gather under the previous block's forward
+        return hide_blocks(block_gather(), times["fwd"])
+
+    @functools.cache
+    def both_bwd() -> np.ndarray:  # ZeRO-3's backward gather and reduce-scatter under the backward
+        return hide_blocks(block_gather() + block_rs(), times["bwd"])
+
+    grad_exposed = _select([(zero == 3, lambda: 0.0), (z2_fsdp, lambda: 0.0),  # ZeRO-3's: in its micro-batch terms
+                            # ZeRO-2 (DeepSpeed) reduce-scatters every micro-batch
+                            (zero == 2, lambda: nmb * hide(reduce_scatter, times["bwd"], last_bucket))], once)
     if np.any(c["co2"]):
         grad_exposed = np.where(c["co2"], 0.0, grad_exposed)
     # after the step: ZeRO-1 and DeepSpeed-style ZeRO-2 gather the updated shards (exposed)
@@ -114,14 +133,14 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     # (engine/parallel/zero.py keep_gathered); FSDP1 as Composer runs it re-gathers every micro-batch
     once_z2 = z2_fsdp & (per_row(fw, "zero2_gather_once", frameworks) > 0)
     blockwise = (z2_fsdp & ~once_z2) | z3_kept
-    total = _select([(kept, lambda: (nmb + 1) * layer_gather + layer_rs),
-                     (z3, lambda: nmb * (2 * layer_gather + layer_rs)),
-                     (blockwise, lambda: nmb * (layer_gather + layer_rs)),
-                     (once_z2, lambda: layer_gather + nmb * layer_rs), (zero == 2, lambda: nmb * reduce_scatter)], sync)
+    total = _select([(kept, lambda: (nmb + 1) * block_gather() + block_rs()),
+                     (z3, lambda: nmb * (2 * block_gather() + block_rs())),
+                     (blockwise, lambda: nmb * (block_gather() + block_rs())),
+                     (once_z2, lambda: block_gather() + nmb * block_rs()), (zero == 2, lambda: nmb * reduce_scatter)], sync)
     exposed = grad_exposed + final_exposed + _select([
-        (kept, lambda: nmb * gather_fwd + both_bwd), (z3, lambda: nmb * z3_mb),
-        (blockwise, lambda: nmb * (gather_fwd + hide_blocks(layer_rs, times["bwd"]))),
-        (once_z2, lambda: gather_fwd + nmb * hide_blocks(layer_rs, times["bwd"]))], 0.0)
+        (kept, lambda: nmb * gather_fwd() + both_bwd()), (z3, lambda: nmb * (gather_fwd() + both_bwd())),
+        (blockwise, lambda: nmb * (gather_fwd() + hide_blocks(block_rs(), times["bwd"]))),
+        (once_z2, lambda: gather_fwd() + nmb * hide_blocks(block_rs(), times["bwd"]))], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
 
 
