@@ -308,6 +308,24 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     assert sent[2]["reduce_scatter"] == sent[4]["reduce_scatter"] == nmb * model.params * 4
 
 
+def test_fsdp_reduce_dtype_sets_the_reduce_scatter_bytes() -> None:
+    """Composer >= 0.16.4's FSDP mixed precision DEFAULT (MixedPrecision(param_dtype=bf16, reduce_dtype=fp32),
+    composer d745fcb1b) gathers bf16 parameters and reduce-scatters fp32 gradients: `reduce_bytes=4` doubles
+    the reduce-scatter's bytes and leaves the gathers', and the step's traffic grows by what it adds."""
+    from tuning.sim.spec import columns
+    from tuning.sim.zero import dp_messages
+
+    model = ModelSpec(layers=4, hidden=1024, heads=8, seq=1024, vocab=32000)
+    par = ParallelSpec(dp=64, micro=2, global_batch=256, zero=3, framework="fsdp", zero2_fsdp=True)
+    fp32 = dataclasses.replace(par, reduce_bytes=4)
+    nmb = 2
+    sent = {p.reduce_bytes: dp_messages({**columns(p), "num_mb": np.asarray(nmb)}, model.params) for p in (par, fp32)}
+    assert sent[0]["all_gather"] == sent[4]["all_gather"] == 2 * nmb * model.params * 2
+    assert sent[0]["reduce_scatter"] == nmb * model.params * 2 and sent[4]["reduce_scatter"] == nmb * model.params * 4
+    h100 = load_cluster("dgx-h100")
+    assert simulate(model, h100, fp32, gpus=64).dp_comm_total_s > simulate(model, h100, par, gpus=64).dp_comm_total_s
+
+
 def _collective_counts(model: ModelSpec, par: ParallelSpec) -> dict[str, float]:
     """All-gathers and reduce-scatters per step the simulator prices: each collective pays its
     op's latency once, so a 1 ms longer latency adds 1 ms per collective."""

@@ -178,7 +178,8 @@ def test_a_term_no_row_informs_keeps_its_default() -> None:
 def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     """Issue 49's done-when: every source's leave-one-source-out median <= 10% and below the flat-MFU
     baseline's, with the exceptions docs/simulator.md gives the cause of: MosaicML's H100 large-scale table
-    (17.7%, under the baseline's 21.0%: the only FSDP table of its software generation, predicted 10-40% fast);
+    (14.1%, under the baseline's 21.0%: the only FSDP table of its software generation, predicted 7-37% fast;
+    17.7% before its Composer's fp32 gradient reduce-scatters were priced);
     NeMo's GPT-3 175B on H100 (3.7% vs 1.3%: its MFU, 49-50%, is the baseline's own 50%); Megatron-core's
     H100 weak-scaling table (7.7% vs 6.9%: micro-batch size unpublished); Nemotron-4 15B (10.4%: predicted
     8-13% fast). MosaicML's A100 40GB table, at 9.8% against the baseline's 7.5% while priced with
@@ -193,7 +194,7 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
                                  "dgxc-llama31-8b", "dgxc-llama31-70b", "dgxc-grok1-314b", "mcore-moe-mixtral"}
     assert set(priced.index[priced["loso_median_pct"] > 10.0]) == {"dgxc-nemotron4-15b", "mosaicml-h100-large"}, priced
     assert priced.loc["dgxc-nemotron4-15b", "loso_median_pct"] < 11.0
-    assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 20.0
+    assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 15.0  # 17.7 with its reduce-scatters in bf16
     assert set(priced.index[~priced["beats_baseline"].astype(bool)]) == {"dgxc-gpt3-175b", "mcore-h100-weak"}, priced
     assert priced.loc["mosaicml-a100-40", "loso_median_pct"] < 5.0
     assert per.loc["bloom-0225", "spearman"] >= 0.8 and per.loc["bloom-0225", "top1_regret"] <= 0.05

@@ -63,8 +63,8 @@ FITTED = {
     "megatron": dict(layer_microbatch_s=0.00571, elementwise_traffic=2.405),
     "deepspeed": dict(layer_microbatch_s=0.01238, elementwise_traffic=4.915, dp_bw_efficiency=0.3363,
                       zero3_bw_efficiency=0.1049, overlap_interference=0.3740),
-    "fsdp": dict(layer_microbatch_s=0.0, elementwise_traffic=2.288, zero3_bw_efficiency=0.6637,
-                 overlap_interference=0.8853),
+    "fsdp": dict(layer_microbatch_s=0.0, elementwise_traffic=2.235, zero3_bw_efficiency=0.6079,
+                 overlap_interference=0.8421),
     "megatron-core": dict(layer_microbatch_s=0.001193, elementwise_traffic=3.103, microbatch_s=0.01157),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (

@@ -258,6 +258,9 @@ class ParallelSpec:
     # framework's own optimizer. The gradient buffer is in optim.grad_sync_dtype (default: optim.dtype; 0 in
     # grad_accum_fp32 = bf16); tuning/sim/memory.py
     dist_adam: int = 0
+    # bytes per element the gradients are reduced in, where the framework's mixed precision says (FSDP's
+    # MixedPrecision reduce_dtype: Composer >= 0.16.4's DEFAULT reduces in fp32, 4); 0 = the row's dtype
+    reduce_bytes: int = 0
     # micro-batches whose output-layer weight gradient the last pipeline stage defers to the flush, keeping
     # each one's logit gradient and input (Megatron-core defer_embedding_wgrad_compute with its
     # wgrad_deferral_limit); 0 = not deferred
@@ -341,6 +344,13 @@ def comm_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
     parameters: DDP all-reduces fp32 gradients; FSDP2 reduce-scatters fp32, also under its mixed precision,
     whose reduce dtype is fp32)."""
     return np.where(engine_rows(c) if engine is None else engine, 4, c["dtype_bytes"])
+
+
+def reduce_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
+    """Bytes per element of the gradient reduction: the row's `reduce_bytes` where it names one (FSDP's
+    MixedPrecision reduce_dtype), else `comm_bytes`."""
+    own = np.asarray(c.get("reduce_bytes", 0))
+    return np.where(own > 0, own, comm_bytes(c, engine)) if np.any(own > 0) else comm_bytes(c, engine)
 
 
 def weight_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:

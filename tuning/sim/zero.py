@@ -30,7 +30,7 @@ import numpy as np
 from tuning.sim.hardware import ClusterSpec
 from tuning.sim.comm import collective, link
 from tuning.sim.framework import per_row
-from tuning.sim.spec import ModelSpec, comm_bytes, engine_rows, weight_bytes
+from tuning.sim.spec import ModelSpec, engine_rows, reduce_bytes, weight_bytes
 
 
 def _links(cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     eff = per_row(fw, "zero3_bw_efficiency", frameworks)
     interference = per_row(fw, "overlap_interference", frameworks)
     engine = engine_rows(c)
-    el, gathered = comm_bytes(c, engine), psi * weight_bytes(c, engine)
+    el, gathered = reduce_bytes(c, engine), psi * weight_bytes(c, engine)
     grad_bytes = psi * el / c["compression_ratio"]
     # ZeRO-0/1/2's whole-model collectives at the framework's share of the bus bandwidth (fitted; 1 but
     # for DeepSpeed, whose stage 1/2 reduce in buckets through flatten/copy kernels)
@@ -169,7 +169,7 @@ def dp_messages(c: dict[str, np.ndarray], psi: Any) -> dict[str, Any]:
     zero, nmb = c["zero"], c["num_mb"]
     engine = engine_rows(c)
     params = psi * weight_bytes(c, engine)
-    grads = psi * comm_bytes(c, engine) / c["compression_ratio"]
+    grads = psi * reduce_bytes(c, engine) / c["compression_ratio"]
     z1_ar = (zero == 1) & np.asarray(c.get("zero1_allreduce", False))
     z2_fsdp = (zero == 2) & np.asarray(c.get("zero2_fsdp", False))
     z3_kept = (zero == 3) & ~np.asarray(c.get("reshard_after_forward", True))
