@@ -74,7 +74,7 @@ import numpy as np
 
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.framework import FRAMEWORK_NAMES
-from tuning.sim.spec import SCHEDULES, ModelSpec, comm_bytes, engine_rows, fsdp_bf16_rows, weight_bytes
+from tuning.sim.spec import SCHEDULES, ModelSpec, engine_rows, fsdp_bf16_rows, reduce_bytes, weight_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
 TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
@@ -340,7 +340,7 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     def terms_at(r: Any, rank: tuple[Any, Any, Any]) -> dict[str, Any]:
         terms = _rank_terms(m, c, k, r, rank, rates, (stored, logits, recompute))
         if np.any(mixed):
-            peak = _fsdp_bf16_peak(m, c, k, r, per_layer, rates, terms, stored)
+            peak = _fsdp_bf16_peak(m, c, k, r, rank, rates, terms, stored)
             terms = {name: np.where(mixed, peak[name], value) for name, value in terms.items()}
         return terms
 
@@ -382,7 +382,7 @@ def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray]
     return out
 
 
-def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, per_layer: Any,
+def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, rank: tuple[Any, Any, Any],
                     rates: dict[str, Any], forward: dict[str, Any], stored: Any) -> dict[str, Any]:
     """Rank r's terms at its peak under FSDP2's mixed precision (`tuning.sim.spec.fsdp_bf16_rows`), given its
     terms at the end of the forward (`forward`). Without an autocast cache and with bf16 blocks the forward's
@@ -406,9 +406,9 @@ def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndar
     blocks it has reached, its loss none (a 2-stage dry run: the root and one block, 0.79 of the 1.08 MB priced;
     Llama-3.1-8B pp4 peaks at its last stage's loss: none of the 4.2 GiB priced, docs/dryrun.md). Checked
     against dry runs of the engine (tests/test_sim_vs_dryrun.py)."""
-    s_psi, held, last = _rank(m, c, r, per_layer)
+    s_psi, held, last = rank
     layers, nmb, t = _stage_layers(m, c, r), c["num_mb"], c["tp"]
-    tokens, wb, reduced_bytes = m.seq * c["micro"], weight_bytes(c), comm_bytes(c)  # bf16 weights, fp32 reduce
+    tokens, wb, reduced_bytes = m.seq * c["micro"], weight_bytes(c), reduce_bytes(c)  # bf16 weights, fp32 reduce
     block = _unit(m, c) / wb  # a block's parameters (with tp's replicated norms)
     pipelined = np.asarray(k["accumulate_unsharded"]) & (c["pp"] > 1)
     io = np.where(pipelined, tokens * wb * (np.where(r > 0, m.hidden, 0.0) + np.where(last, m.vocab, m.hidden)), 0.0)

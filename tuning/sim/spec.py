@@ -349,8 +349,8 @@ def comm_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
 def reduce_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
     """Bytes per element of the gradient reduction: the row's `reduce_bytes` where it names one (FSDP's
     MixedPrecision reduce_dtype), else `comm_bytes`."""
-    own = np.asarray(c.get("reduce_bytes", 0))
-    return np.where(own > 0, own, comm_bytes(c, engine)) if np.any(own > 0) else comm_bytes(c, engine)
+    own, default = np.asarray(c.get("reduce_bytes", 0)), comm_bytes(c, engine)
+    return np.where(own > 0, own, default) if np.any(own > 0) else default
 
 
 def weight_bytes(c: dict[str, np.ndarray], engine: Any = None) -> np.ndarray:
