@@ -439,7 +439,7 @@ def test_result_serialises_for_the_cli() -> None:
     data = json.loads(json.dumps(res.to_dict()))
     for key in ("iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits"):
         assert key in data
-    assert set(data["breakdown"]) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer"}
+    assert set(data["breakdown"]) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer", "straggler"}
     assert sum(data["breakdown"].values()) == pytest.approx(data["iteration_time_s"])
     assert data["tokens_per_s"] == pytest.approx(8 * GPT_6B.seq / data["iteration_time_s"])
 

@@ -178,12 +178,12 @@ def test_a_term_no_row_informs_keeps_its_default() -> None:
 def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     """Issue 49's done-when: every source's leave-one-source-out median <= 10% and below the flat-MFU
     baseline's, with the exceptions docs/simulator.md gives the cause of: MosaicML's H100 large-scale table
-    (14.1%, under the baseline's 21.0%: the only FSDP table of its software generation, predicted 7-37% fast;
-    17.7% before its Composer's fp32 gradient reduce-scatters were priced);
-    NeMo's GPT-3 175B on H100 (3.7% vs 1.3%: its MFU, 49-50%, is the baseline's own 50%); Megatron-core's
-    H100 weak-scaling table (7.7% vs 6.9%: micro-batch size unpublished); Nemotron-4 15B (10.4%: predicted
-    8-13% fast). MosaicML's A100 40GB table, at 9.8% against the baseline's 7.5% while priced with
-    FlashAttention-2's rates, is at 3.4% with the Triton kernel it ran."""
+    (12.7%, under the baseline's 21.0%: the only FSDP table of its software generation, predicted 6-34% fast;
+    17.7% before its Composer's fp32 gradient reduce-scatters were priced, 14.1% before the slowest GPU's pace);
+    NeMo's GPT-3 175B on H100 (2.6% vs 1.3%: its MFU, 49-50%, is the baseline's own 50%); Nemotron-4 15B
+    (10.8%: predicted 10-13% fast). Megatron-core's H100 weak-scaling table, at 7.7% against the baseline's 6.9%
+    before the step ran at its slowest GPU's pace, is at 3.9%. MosaicML's A100 40GB table, at 9.8% against the
+    baseline's 7.5% while priced with FlashAttention-2's rates, is at 3.8% with the Triton kernel it ran."""
     from tuning.sim.validation import baseline_metric, loso, loso_by_source
 
     assert baseline_metric("mfu", 989e12) == 50.0 and baseline_metric("tflops_per_gpu", 312e12) == 156.0
@@ -194,8 +194,8 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
                                  "dgxc-llama31-8b", "dgxc-llama31-70b", "dgxc-grok1-314b", "mcore-moe-mixtral"}
     assert set(priced.index[priced["loso_median_pct"] > 10.0]) == {"dgxc-nemotron4-15b", "mosaicml-h100-large"}, priced
     assert priced.loc["dgxc-nemotron4-15b", "loso_median_pct"] < 11.0
-    assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 15.0  # 17.7 with its reduce-scatters in bf16
-    assert set(priced.index[~priced["beats_baseline"].astype(bool)]) == {"dgxc-gpt3-175b", "mcore-h100-weak"}, priced
+    assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 13.5  # 17.7 with its reduce-scatters in bf16
+    assert set(priced.index[~priced["beats_baseline"].astype(bool)]) == {"dgxc-gpt3-175b"}, priced
     assert priced.loc["mosaicml-a100-40", "loso_median_pct"] < 5.0
     assert per.loc["bloom-0225", "spearman"] >= 0.8 and per.loc["bloom-0225", "top1_regret"] <= 0.05
     # the H100 Megatron-class tables, 1.2-2x too slow with the 2021 Megatron-LM terms, within 10% out of sample
@@ -226,6 +226,37 @@ def test_zero3_rows_fall_with_gpu_count_as_measured(table) -> None:
     # issue 38: each within 25%, in sample and with Narayanan et al.'s Table 2 left out of the fit
     assert (zero3["error_pct"].abs() <= 25.0).all(), zero3[["id", "error_pct"]]
     assert (zero3["loso_error_pct"].abs() <= 25.0).all(), zero3[["id", "loso_error_pct"]]
+
+
+def test_the_expected_slowest_gpu_is_the_order_statistic_of_its_spread() -> None:
+    """E[max of n standard normals] against the exact values (Harter 1961's table: 0.5642 = 1/sqrt(pi) at 2,
+    1.4236 at 8, 3.2414 at 1000), and the spread Sinha et al. publish: an 8% whisker span (4 IQR / median) is
+    a standard deviation of 8 / (4 x 1.349) percent."""
+    from tuning.sim.stragglers import GPU_SPEED_SD, expected_max_normal, slowest_gpu_factor
+
+    assert expected_max_normal(1) == 0.0 and slowest_gpu_factor(1, GPU_SPEED_SD) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1.0 / np.sqrt(np.pi), rel=0.05)
+    assert expected_max_normal(8) == pytest.approx(1.4236, rel=0.01)
+    assert expected_max_normal(1000) == pytest.approx(3.2414, rel=0.01)
+    assert GPU_SPEED_SD == pytest.approx(0.0148, abs=1e-4)
+    assert PRESETS["dgx-h100"].gpu_speed_sd == GPU_SPEED_SD and PRESETS["dgx-a100-40gb"].gpu_speed_sd == GPU_SPEED_SD
+
+
+def test_weak_scaling_slows_as_published_the_step_waits_for_its_slowest_gpu() -> None:
+    """NeMo's Nemotron-4 15B recipe at the same work per GPU from 16 to 2,048 H100s: the published tokens/s
+    per GPU fall 4.4% (5789 to 5535). The simulator had them flat (+0.4%: nothing it priced grew with the
+    GPU count but hidden collectives); with every GPU waiting for the slowest of the job (Sinha et al.'s
+    1.48% spread) they fall 2.0%. Only the compute and the bubble stretch; a single GPU is unchanged."""
+    rows = {r.id: r for r in held_out_rows() + calibration_rows()}
+    small, large = rows["dgxc-n15-16"], rows["dgxc-n15-2048"]
+    pace = {r.id: simulate(r.model(), load_cluster(r.cluster), r.parallel()) for r in (small, large)}
+    per_gpu = {k: v.tokens_per_s / rows[k].gpus for k, v in pace.items()}
+    ratio = per_gpu[large.id] / per_gpu[small.id]
+    assert large.value / small.value == pytest.approx(0.956, abs=0.001)
+    assert ratio < 0.99, ratio
+    assert 0 < pace[small.id].breakdown["straggler"] < pace[large.id].breakdown["straggler"]
+    one = simulate(small.model(), dataclasses.replace(load_cluster(small.cluster), gpu_speed_sd=0.0), small.parallel())
+    assert one.breakdown["straggler"] == 0.0
 
 
 def test_memory_facts_trained_layouts_fit(table) -> None:

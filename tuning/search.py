@@ -32,13 +32,13 @@ UNITS = {
     "mfu": "fraction of peak", "memory_per_gpu_gb": "GB (1e9 B)", "compute_s": "s",
     "tp_comm_s": "s", "pp_comm_s": "s", "bubble_s": "s", "dp_comm_exposed_s": "s",
     "optimizer_s": "s", "bubble_fraction": "fraction of ideal pipeline time",
-    "micro": "samples", "global_batch": "samples", "all_to_all_s": "s", "cp_comm_s": "s",
+    "micro": "samples", "global_batch": "samples", "all_to_all_s": "s", "cp_comm_s": "s", "straggler_s": "s",
 }
 RESULT_COLUMNS = [
     "iteration_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_per_gpu_gb", "fits",
     "compute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_exposed_s", "optimizer_s",
     "bubble_fraction", "num_microbatches", "mem_params_gb", "mem_grads_gb",
-    "mem_optimizer_gb", "mem_activations_gb", "dp_comm_total_s", "all_to_all_s", "cp_comm_s",
+    "mem_optimizer_gb", "mem_activations_gb", "dp_comm_total_s", "all_to_all_s", "cp_comm_s", "straggler_s",
 ]
 
 

@@ -15,8 +15,9 @@ memory. Each term comes from the module that prices one technique, mirroring eng
 | experts (MoE) | `tuning.sim.moe` |
 | framework flavour and its fixed costs | `tuning.sim.framework` |
 
-Iteration = compute + tp_comm + pp_comm + bubble + dp_comm_exposed + optimizer (+ all_to_all for MoE,
-+ cp_comm at cp > 1). No validation here: pass valid rows (`tuning.sim.simulator.validate_parallel`).
+Iteration = compute + tp_comm + pp_comm + bubble + dp_comm_exposed + optimizer + straggler (+ all_to_all
+for MoE, + cp_comm at cp > 1); straggler is the compute and bubble stretched to the slowest GPU's pace
+(`tuning.sim.stragglers`). No validation here: pass valid rows (`tuning.sim.simulator.validate_parallel`).
 
 Speed (a search prices 100k+ rows, bench/simulator.py): the rows are priced once per cp degree
 (`sim_context.by_degree`); kernel times once per distinct micro-batch, tp and kernel
@@ -38,6 +39,7 @@ from tuning.sim.kernels import memory_bandwidth
 from tuning.sim.memory import CATEGORIES, TERMS, memory
 from tuning.sim.pipeline import bubble, pp_comm_time
 from tuning.sim.spec import ModelSpec, engine_rows
+from tuning.sim.stragglers import slowest_gpu_factor
 from tuning.sim.tensor import tp_comm_time
 from tuning.sim.zero import dp_comm
 
@@ -173,6 +175,8 @@ def evaluate_arrays(model: ModelSpec, cluster: ClusterSpec, gpus: int, cols: dic
         "all_to_all_s": nmb * a2a_mb,  # MoE dispatch/combine (tuning/sim/moe.py)
         "cp_comm_s": nmb * cp_mb,  # context-parallel exposed communication (tuning/sim/context.py)
     }
+    # the step waits for its slowest GPU: its compute (and the bubble, a share of it) at that GPU's pace
+    out["straggler_s"] = slowest_gpu_factor(gpus, cluster.gpu_speed_sd) * (out["compute_s"] + out["bubble_s"])
     iteration = sum(out.values())
     executed, model_flops = flops(model, c)
     if extended:

@@ -60,12 +60,12 @@ class Framework:
 # The fitted fields hold tuning.sim.fit.fit_frameworks() on every published row of the flavour
 # (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
 FITTED = {
-    "megatron": dict(layer_microbatch_s=0.00571, elementwise_traffic=2.405),
-    "deepspeed": dict(layer_microbatch_s=0.01238, elementwise_traffic=4.915, dp_bw_efficiency=0.3363,
-                      zero3_bw_efficiency=0.1049, overlap_interference=0.3740),
-    "fsdp": dict(layer_microbatch_s=0.0, elementwise_traffic=2.235, zero3_bw_efficiency=0.6079,
-                 overlap_interference=0.8421),
-    "megatron-core": dict(layer_microbatch_s=0.001193, elementwise_traffic=3.103, microbatch_s=0.01157),
+    "megatron": dict(layer_microbatch_s=0.004342, elementwise_traffic=2.259),
+    "deepspeed": dict(layer_microbatch_s=0.01123, elementwise_traffic=3.997, dp_bw_efficiency=0.3074,
+                      zero3_bw_efficiency=0.1056, overlap_interference=0.3714),
+    "fsdp": dict(layer_microbatch_s=0.000247, elementwise_traffic=1.877, zero3_bw_efficiency=0.6566,
+                 overlap_interference=0.8374),
+    "megatron-core": dict(layer_microbatch_s=0.000741, elementwise_traffic=3.037, microbatch_s=0.01157),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)

@@ -23,6 +23,7 @@ import numpy as np
 import yaml
 
 from engine.peaks import peak_bf16
+from tuning.sim.stragglers import GPU_SPEED_SD
 
 GB = 1e9
 GIB = 2**30 / GB  # GB per GiB
@@ -106,6 +107,9 @@ class ClusterSpec:
     # GPU presets: the kind whose measured kernel rates price every GEMM, attention and memory-bound
     # kernel (tuning/data/kernels.yaml, tuning.sim.kernels); "" = the curve / tables above (CPU profiles)
     kernels: str = ""
+    # standard deviation of one GPU's sustained compute speed across the cluster's GPUs, a share of the
+    # median's: the job's compute runs at its slowest GPU's pace (tuning.sim.stragglers; 0 = all equal)
+    gpu_speed_sd: float = 0.0
 
     @property
     def total_gpus(self) -> int | None:
@@ -195,6 +199,7 @@ _A100 = ClusterSpec(
     # nChannels 12 ... Channel 00/24" in NCCL_DEBUG=INFO logs; src/graph/search.cc dupChannels)
     nccl_channels=24,
     usable_memory_fraction=1.0,  # context and NCCL are terms of the model, not an allowance
+    gpu_speed_sd=GPU_SPEED_SD,  # Sinha et al. SC22: 8% whisker span across a cluster's GPUs (tuning.sim.stragglers)
 )
 
 _H100 = ClusterSpec(
@@ -217,6 +222,7 @@ _H100 = ClusterSpec(
     cuda_context_gb=0.47 * GIB,
     nccl_channels=32,  # NCCL on an NVSwitch H100 node: "32 coll channels" (NCCL_DEBUG=INFO; NVIDIA/nccl#1685)
     usable_memory_fraction=1.0,
+    gpu_speed_sd=GPU_SPEED_SD,
 )
 
 _FRONTIER = ClusterSpec(
@@ -233,6 +239,7 @@ _FRONTIER = ClusterSpec(
     inter_bw_gb_s=10.0,
     inter_latency_s=30e-6,
     kernels="mi250x",  # MAMF per GCD; no fused-attention measurement: attention priced as GEMMs
+    gpu_speed_sd=GPU_SPEED_SD,  # Sinha et al.: the same 8% "regardless of ... GPU vendor" (MI60 on Corona)
 )
 
 # A100 40GB SXM: same GPU and network as the 80GB node (MosaicML's benchmark tables run both on

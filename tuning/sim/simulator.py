@@ -119,7 +119,7 @@ def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
     return reasons
 
 
-_BREAKDOWN = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
+_BREAKDOWN = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer", "straggler")
 _MEMORY = CATEGORIES  # params, grads, optimizer, activations, temp (torch MemTracker's categories)
 
 

@@ -283,7 +283,7 @@ class SimResult:
     """Simulated iteration; times in s, memory in GB (1e9 bytes), rates per GPU."""
 
     iteration_time_s: float
-    breakdown: dict[str, float]  # compute, tp_comm, pp_comm, bubble, dp_comm_exposed, optimizer (s)
+    breakdown: dict[str, float]  # compute, tp_comm, pp_comm, bubble, dp_comm_exposed, optimizer, straggler (s)
     tokens_per_s: float
     tflops_per_gpu: float  # executed FLOPs (recomputation included, as Megatron reports) / s / GPU
     mfu: float  # model FLOPs (no recomputation) / (time * gpus * peak)
