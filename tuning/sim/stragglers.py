@@ -9,7 +9,9 @@ compute-bound SGEMM and ResNet/BERT training, whatever the cluster or cooling. T
 box plot's whisker span over the median, (Q3 + 1.5 IQR - (Q1 - 1.5 IQR)) / Q2 = 4 IQR / median
 (hal-uw/gpu_variability_sc22_artifact, plot_script/plot_aggregated.py); for a normal spread
 IQR = 1.349 sd, so 8% is a standard deviation of 8 / (4 x 1.349) = 1.48% of the median speed
-(`GPU_SPEED_SD`, the GPU presets' `ClusterSpec.gpu_speed_sd`).
+(`GPU_SPEED_SD`, the GPU presets' `ClusterSpec.gpu_speed_sd`; cited as `gpu-variability` in
+tuning/data/kernels.yaml's sources). No stored source measures an A100 or H100 fleet: every GPU preset
+takes it.
 
 The kernel rates (tuning/data/kernels.yaml) are one GPU's: a median GPU. A data-parallel step
 synchronises every GPU of the job at least once (the gradient reduction; tensor- and pipeline-parallel
