@@ -246,7 +246,7 @@ def test_weak_scaling_slows_as_published_the_step_waits_for_its_slowest_gpu() ->
     """NeMo's Nemotron-4 15B recipe at the same work per GPU from 16 to 2,048 H100s: the published tokens/s
     per GPU fall 4.4% (5789 to 5535). The simulator had them flat (+0.4%: nothing it priced grew with the
     GPU count but hidden collectives); with every GPU waiting for the slowest of the job (Sinha et al.'s
-    1.48% spread) they fall 2.0%. Only the compute and the bubble stretch; a single GPU is unchanged."""
+    1.48% spread) they fall 2.0%, the larger job waiting longer; a cluster with no spread waits for none."""
     rows = {r.id: r for r in held_out_rows() + calibration_rows()}
     small, large = rows["dgxc-n15-16"], rows["dgxc-n15-2048"]
     pace = {r.id: simulate(r.model(), load_cluster(r.cluster), r.parallel()) for r in (small, large)}

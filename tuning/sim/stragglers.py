@@ -18,8 +18,7 @@ synchronises every GPU of the job at least once (the gradient reduction; tensor-
 groups more often), so its compute runs at the pace of the slowest of `gpus` GPUs: the median's time
 x (1 + sd x E[max of gpus standard normals]). The expected maximum is Blom's (1958) order-statistic
 approximation, Phi^-1((n - 0.375) / (n + 0.25)): 4.5% over the exact value at 2 GPUs, within 0.8% from 8
-to 10^4.
-Communication is not stretched: the links do not run at the GPU's clock.
+to 10^4. Communication is not stretched: the links do not run at the GPU's clock.
 """
 from __future__ import annotations
 
