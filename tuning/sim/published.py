@@ -45,8 +45,8 @@ class PublishedRow:
     kv_heads: int = 0  # 0 = heads
     ffn_hidden: int = 0  # 0 = 4 hidden
     gated_mlp: bool = False
-    biases: bool = True  # Megatron-LM GPT: biases on every linear layer (MPT: none)
-    learned_positions: bool = True  # MPT uses ALiBi: no position table
+    biases: bool = True  # biases on every linear layer (Megatron-LM GPT; MPT's default no_bias False)
+    learned_positions: bool = True  # a learned position table (Megatron-LM GPT; MPT's default learned_pos_emb)
     dropout: bool = True  # Megatron-LM GPT: dropout 0.1; MPT: none
     tp: int = 1
     pp: int = 1
