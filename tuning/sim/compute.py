@@ -209,6 +209,22 @@ def fused_block_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarra
     return fwd, bwd
 
 
+def unpad_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) bytes per layer and micro-batch on a tp rank that flash-attn's bert_padding moves
+    around FlashAttention's varlen kernel where a row runs it so (`attention_unpad`: llm-foundry's
+    flash_attn_fn, flash-attn 2.x bert_padding.py). Forward: unpad_input gathers q, k and v
+    (IndexFirstAxis: read and write each), pad_input writes a zero output and scatters the kernel's output
+    into it (IndexPutFirstAxis: zeros, read, write): 5 q + 4 kv elements per token. Backward: pad_input's
+    gather of the output gradient (read, write) and, per q, k and v, a zero gradient the incoming one is
+    scattered into (zeros, read, write): 5 q + 6 kv. Zero where the row does not unpad. The index reads and
+    the host syncs of unpad_input (a `nonzero` and an `.item()` per call) are not priced."""
+    on = np.asarray(c.get("attention_unpad", False)) & np.asarray(c.get("flash_attention", False))
+    per = c["micro"] * m.seq * c["dtype_bytes"] / c["tp"]
+    fwd = np.where(on, per * (5.0 * m.q_dim + 4.0 * m.kv_dim), 0.0)
+    bwd = np.where(on, per * (5.0 * m.q_dim + 6.0 * m.kv_dim), 0.0)
+    return fwd, bwd
+
+
 def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
                   act: dict[str, np.ndarray], frameworks: Any = None) -> dict[str, np.ndarray]:
     """Per micro-batch on the slowest (last) stage: forward and backward (recompute included) seconds,
@@ -233,6 +249,9 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
         elem_b = np.where(fused, block_b + NONGEMM_BWD_FACTOR * extra, NONGEMM_BWD_FACTOR * act["full"])
     else:
         elem_f, elem_b = act["full"], NONGEMM_BWD_FACTOR * act["full"]
+    if np.any(c.get("attention_unpad", False)):
+        unpad_f, unpad_b = unpad_bytes(m, c)
+        elem_f, elem_b = elem_f + unpad_f, elem_b + unpad_b
     loss = LOSS_BYTES_PER_LOGIT * c["micro"] * m.seq * m.vocab / c["tp"] / hbm
     fwd_layer = k["dense_f"] + k["attn_f"] + elem_f * moved
     bwd_layer = k["dense_b"] + k["attn_b"] + elem_b * moved

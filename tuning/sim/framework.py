@@ -63,8 +63,8 @@ FITTED = {
     "megatron": dict(layer_microbatch_s=0.004342, elementwise_traffic=2.259),
     "deepspeed": dict(layer_microbatch_s=0.01123, elementwise_traffic=3.997, dp_bw_efficiency=0.3074,
                       zero3_bw_efficiency=0.1056, overlap_interference=0.3714),
-    "fsdp": dict(layer_microbatch_s=0.000607, elementwise_traffic=1.757, zero3_bw_efficiency=0.5107,
-                 overlap_interference=0.6049),
+    "fsdp": dict(layer_microbatch_s=0.000329, elementwise_traffic=1.864, zero3_bw_efficiency=0.4219,
+                 overlap_interference=0.5051),
     "megatron-core": dict(layer_microbatch_s=0.000741, elementwise_traffic=3.037, microbatch_s=0.01157),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (

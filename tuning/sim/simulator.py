@@ -116,6 +116,8 @@ def _validate_knobs(model: ModelSpec, par: ParallelSpec) -> list[str]:
         reasons.append(f"dtype_bytes={par.dtype_bytes} must be 1, 2 or 4")
     if par.framework not in FRAMEWORK_NAMES:
         reasons.append(f"framework={par.framework!r} must be one of {', '.join(FRAMEWORK_NAMES)}")
+    if par.attention_unpad and not par.flash_attention:
+        reasons.append("parallel.attention_unpad=True needs parallel.flash_attention=True (it wraps the fused kernel)")
     return reasons
 
 

@@ -265,6 +265,10 @@ class ParallelSpec:
     # each one's logit gradient and input (Megatron-core defer_embedding_wgrad_compute with its
     # wgrad_deferral_limit); 0 = not deferred
     defer_embedding_wgrad: int = 0
+    # fused attention through FlashAttention's varlen kernel behind flash-attn's bert_padding, as
+    # llm-foundry's flash_attn_fn runs it: q, k and v gathered by unpad_input, the output scattered back by
+    # pad_input, and the reverse in backward; their bytes priced as memory-bound (tuning/sim/compute.py)
+    attention_unpad: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
