@@ -188,7 +188,8 @@ def test_unpadding_moves_the_bytes_bert_padding_moves() -> None:
     assert float(bwd) == 12 * 2048 * 2 * 11 * 2048
     gqa = dataclasses.replace(mpt1b, kv_heads=4)  # k and v 512 wide
     fwd, bwd = unpad_bytes(gqa, columns(dataclasses.replace(par, tp=2, dp=64)))
-    assert float(fwd) == 12 * 2048 * 2 * (5 * 2048 + 4 * 512) / 2 and float(bwd) == 12 * 2048 * 2 * (5 * 2048 + 6 * 512) / 2
+    assert float(fwd) == 12 * 2048 * 2 * (5 * 2048 + 4 * 512) / 2
+    assert float(bwd) == 12 * 2048 * 2 * (5 * 2048 + 6 * 512) / 2
     assert float(unpad_bytes(mpt1b, columns(dataclasses.replace(par, attention_unpad=False)))[0]) == 0.0
     # the same layout runs slower unpadded, and unpadding without a fused kernel is refused in one line
     cl = load_cluster("dgx-h100")
@@ -242,8 +243,8 @@ def test_a_term_no_row_informs_keeps_its_default() -> None:
 
 def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     """Issue 49's done-when: every source's leave-one-source-out median <= 10% and below the flat-MFU
-    baseline's, with the exceptions docs/simulator.md gives the cause of: NeMo's GPT-3 175B on H100 (2.6% vs 1.3%: its MFU, 49-50%, is the baseline's own 50%); Nemotron-4 15B
-    (10.8%: predicted 10-13% fast). Megatron-core's H100 weak-scaling table, at 7.7% against the baseline's 6.9%
+    baseline's, with the exceptions docs/simulator.md gives the cause of: NeMo's GPT-3 175B on H100 (2.6% vs
+    1.3%: its MFU, 49-50%, is the baseline's own 50%); Nemotron-4 15B (10.8%: predicted 10-13% fast). Megatron-core's H100 weak-scaling table, at 7.7% against the baseline's 6.9%
     before the step ran at its slowest GPU's pace, is at 3.9%. MosaicML's A100 40GB table, at 9.8% against the
     baseline's 7.5% while priced with FlashAttention-2's rates, is at 3.8% with the Triton kernel it ran.
     MosaicML's H100 large-scale table is at 8.0%: 12.7% while its 13b and 30b rows were priced with
