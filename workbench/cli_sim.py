@@ -362,6 +362,36 @@ def _check_line(verdict: dict) -> str:
             + (f"; median of {len(runs)} runs: {each}" if len(runs) > 1 else "") + ")")
 
 
+def _calibrate_gpu(output: Optional[Path], as_json: bool) -> None:
+    """`calibrate --gpu`: measure, write the kernel profile and its cluster profile, print the comparison."""
+    import contextlib
+
+    import torch
+
+    from profilers.store import default_home
+    from tuning.calibrate.gpu import measure_gpu, save_profile, summary
+
+    if not torch.cuda.is_available():
+        fail(f"calibrate --gpu needs a CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}); "
+             "nothing was measured", code=2)
+    busy = contextlib.nullcontext() if as_json else err.status("measuring this GPU ...")
+    with busy:
+        try:
+            profile = measure_gpu(progress=lambda name: None if as_json else busy.update(f"measuring {name}"))
+        except RuntimeError as exc:
+            fail(str(exc), code=2)
+    slug = "".join(c if c.isalnum() else "-" for c in profile["device"].lower()).strip("-")
+    path, cluster = save_profile(profile, output or default_home() / "hardware" / f"gpu-{slug}.yaml")
+    if as_json:
+        print_json({"profile": str(path), "cluster": str(cluster) if cluster else None, **profile})
+        return
+    for line in summary(profile):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+    console.print(f"kernel profile written to {path}" + (f"; cluster profile {cluster}" if cluster else ""))
+    if cluster:
+        console.print(f"use it: workbench simulate --cluster {cluster} ...")
+
+
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
               output: Optional[Path] = typer.Option(None, "-o", "--output",
                                                     help="Profile file (default: <home>/hardware/cpu-local-WORLD.yaml)"),
@@ -369,7 +399,10 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
               check: bool = typer.Option(True, "--check/--no-check",
                                          help="Check the profile against a short real run before saving it"),
               force: bool = typer.Option(False, "--force", help="Save even when the check run is off by more "
-                                                                "than the threshold")) -> None:
+                                                                "than the threshold"),
+              gpu: bool = typer.Option(False, "--gpu", help="Measure this CUDA GPU's GEMM, fused-attention and "
+                                                            "HBM rates instead (about 3 minutes) into a kernel "
+                                                            "profile, compared with the hardware-fact prior")) -> None:
     """Measure this machine (GEMM rates at the engine's shapes, memory-bound ops, AdamW,
     framework overhead, gloo all-reduce alpha-beta) into a hardware profile for the simulator,
     then check it against a short real run (refused above 25% error unless --force)."""
@@ -379,6 +412,9 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     from tuning.calibrate.calibration import calibrate_local, measure_host
     from tuning.sim.hardware import cluster_to_dict, save_cluster
 
+    if gpu:
+        _calibrate_gpu(output, as_json)
+        return
     check_number("--world", world, 1)
     import contextlib
 

@@ -63,9 +63,9 @@ FITTED = {
     "megatron": dict(layer_microbatch_s=0.004342, elementwise_traffic=2.259),
     "deepspeed": dict(layer_microbatch_s=0.01123, elementwise_traffic=3.997, dp_bw_efficiency=0.3074,
                       zero3_bw_efficiency=0.1056, overlap_interference=0.3714),
-    "fsdp": dict(layer_microbatch_s=0.000329, elementwise_traffic=1.864, zero3_bw_efficiency=0.4219,
-                 overlap_interference=0.5051),
-    "megatron-core": dict(layer_microbatch_s=0.000741, elementwise_traffic=3.037, microbatch_s=0.01157),
+    "fsdp": dict(layer_microbatch_s=0.001039, elementwise_traffic=1.660, zero3_bw_efficiency=0.6260,
+                 overlap_interference=0.4825),
+    "megatron-core": dict(layer_microbatch_s=0.0001749, elementwise_traffic=2.672, microbatch_s=0.008230),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)

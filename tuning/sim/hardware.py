@@ -290,6 +290,9 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError(f"cluster profile {path} must hold a mapping, got {type(data).__name__}")
+    kernels = str(data.get("kernels") or "")
+    if kernels.endswith((".yaml", ".yml")) and not Path(kernels).is_absolute():  # a measured kernel profile beside it
+        data = {**data, "kernels": str((path.parent / kernels).resolve())}
     return _from_dict(data)
 
 

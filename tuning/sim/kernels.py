@@ -96,14 +96,24 @@ def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
 
 
 def _fields(gpus: dict[str, Any], kind: str) -> dict[str, Any]:
-    """Kind's fields: those of the kind it is `like` (itself maybe like another), overridden by its own."""
+    """Kind's fields: those of the kind it is `like` (itself maybe like another), overridden by its own;
+    attention kernel by kernel (its own first: the first is the fallback)."""
     raw = dict(gpus[kind])
-    return {**_fields(gpus, raw.pop("like")), **raw} if "like" in raw else raw
+    if "like" not in raw:
+        return raw
+    base = _fields(gpus, raw.pop("like"))
+    attention = {**(raw.get("attention") or {}), **{k: v for k, v in (base.get("attention") or {}).items()
+                                                   if k not in (raw.get("attention") or {})}}
+    return {**base, **raw, "attention": attention}
 
 
 @functools.lru_cache(maxsize=8)
 def gpu_facts(kind: str, path: str = str(KERNELS)) -> GpuFacts:
-    """The facts of GPU `kind`; a kind `like` another takes its fields and overrides some."""
+    """The facts of GPU `kind`; a kind `like` another takes its fields and overrides some. A `kind`
+    naming a .yaml file is a measured profile (`workbench calibrate --gpu`): the one GPU it holds."""
+    if kind.endswith((".yaml", ".yml")):
+        path = kind
+        kind = next(iter(yaml.safe_load(Path(path).read_text())["gpus"]))
     gpus = yaml.safe_load(Path(path).read_text())["gpus"]
     if kind not in gpus:
         raise ValueError(f"kernels={kind!r} must be one of {', '.join(gpus)} (tuning/data/kernels.yaml)")
@@ -114,7 +124,8 @@ def gpu_facts(kind: str, path: str = str(KERNELS)) -> GpuFacts:
         like = None
         if "bwd_like" in tables[impl]:
             other, other_impl = tables[impl]["bwd_like"]
-            like = attention[other_impl] if other == kind else gpu_facts(other, path).attention[other_impl]
+            home = path if other in gpus else str(KERNELS)  # a measured profile's `like` is a kernels.yaml GPU
+            like = attention[other_impl] if other == kind else gpu_facts(other, home).attention[other_impl]
         attention[impl] = _table(tables[impl], like)
     attention = {impl: attention[impl] for impl in tables}  # the file's order: the first is the fallback
     return GpuFacts(kind=kind, sms=int(raw["sms"]), gemm_efficiency=float(raw["gemm_efficiency"]),
