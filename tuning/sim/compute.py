@@ -30,6 +30,11 @@ NONGEMM_BWD_FACTOR = 2.0
 # the 16-bit logits read and upcast to fp32 (2 + 4), the max and the sum of exponentials read them
 # (4 + 4), the fp32 gradient written and read back (4 + 4) and cast to 16 bits (2): 24 bytes.
 LOSS_BYTES_PER_LOGIT = 24.0
+# Megatron's vocab_parallel_cross_entropy as it runs unfused (--cross-entropy-loss-fusion off, Megatron-LM's
+# default; megatron/core/tensor_parallel/cross_entropy.py), per logit: forward the fp32 copy (2 + 4), max (4),
+# in-place subtract (4 + 4), in-place exp (4 + 4), sum (4), in-place divide (4 + 4): 38; backward the
+# in-place multiply by the output gradient (4 + 4) and the cast back to 16 bits (4 + 2): 14.
+UNFUSED_LOSS_BYTES_PER_LOGIT = (38.0, 14.0)
 
 
 def causal_factor(model: ModelSpec, c: dict[str, np.ndarray], cl: ClusterSpec) -> np.ndarray:
@@ -252,7 +257,10 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     if np.any(c.get("attention_unpad", False)):
         unpad_f, unpad_b = unpad_bytes(m, c)
         elem_f, elem_b = elem_f + unpad_f, elem_b + unpad_b
-    loss = LOSS_BYTES_PER_LOGIT * c["micro"] * m.seq * m.vocab / c["tp"] / hbm
+    logits = c["micro"] * m.seq * m.vocab / c["tp"] / hbm  # seconds per byte a logit moves
+    unfused = np.asarray(c.get("unfused_loss", False), dtype=bool)
+    loss_f = np.where(unfused, UNFUSED_LOSS_BYTES_PER_LOGIT[0], 0.5 * LOSS_BYTES_PER_LOGIT) * logits
+    loss_b = np.where(unfused, UNFUSED_LOSS_BYTES_PER_LOGIT[1], 0.5 * LOSS_BYTES_PER_LOGIT) * logits
     fwd_layer = k["dense_f"] + k["attn_f"] + elem_f * moved
     bwd_layer = k["dense_b"] + k["attn_b"] + elem_b * moved
     rc = c["recompute"]
@@ -266,8 +274,8 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     ovh = per_stage * layer_ovh + cl.overhead_microbatch_s + gpu * per_row(fw, "microbatch_s", frameworks)
     re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
     return {
-        "fwd": per_stage * fwd_layer + k["logit_f"] + 0.5 * loss + ovh / 3.0,
-        "bwd": per_stage * (bwd_layer + re_layer) + k["logit_b"] + 0.5 * loss + 2.0 * ovh / 3.0 + re_ovh,
+        "fwd": per_stage * fwd_layer + k["logit_f"] + loss_f + ovh / 3.0,
+        "bwd": per_stage * (bwd_layer + re_layer) + k["logit_b"] + loss_b + 2.0 * ovh / 3.0 + re_ovh,
         "gemm": per_stage * (k["dense_f"] + k["dense_b"] + np.where(rc == 2, k["dense_f"], 0.0)),
     }
 

@@ -75,6 +75,7 @@ class PublishedRow:
     dist_adam: int = 0  # NeMo's distributed_fused_adam: its optim.dtype in bytes (4 by default, 2 bf16)
     defer_embedding_wgrad: int = 0  # defer_embedding_wgrad_compute's wgrad_deferral_limit (pipelined rows)
     attention_unpad: bool = False  # FlashAttention's varlen kernel behind bert_padding (llm-foundry's flash)
+    unfused_loss: bool = False  # Megatron's vocab-parallel cross-entropy without --cross-entropy-loss-fusion
     reduce_bytes: int = 0  # bytes the gradients are reduced in where the source's software says (0: the dtype)
     metric: str  # METRICS
     value: float | None = None  # None for a layout that ran out of memory (`oom`)
@@ -107,7 +108,7 @@ class PublishedRow:
                             cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, tp_comm_overlap=self.tp_comm_overlap,
                             moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32,
                             dist_adam=self.dist_adam, defer_embedding_wgrad=self.defer_embedding_wgrad,
-                            attention_unpad=self.attention_unpad,
+                            attention_unpad=self.attention_unpad, unfused_loss=self.unfused_loss,
                             reduce_bytes=self.reduce_bytes)
 
 

@@ -269,6 +269,9 @@ class ParallelSpec:
     # llm-foundry's flash_attn_fn runs it: q, k and v gathered by unpad_input, the output scattered back by
     # pad_input, and the reverse in backward; their bytes priced as memory-bound (tuning/sim/compute.py)
     attention_unpad: bool = False
+    # the loss as Megatron's vocab_parallel_cross_entropy runs without --cross-entropy-loss-fusion (Megatron-LM's
+    # default): 52 bytes a logit against the fused 24 (tuning/sim/compute.py UNFUSED_LOSS_BYTES_PER_LOGIT)
+    unfused_loss: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):
