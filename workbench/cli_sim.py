@@ -401,8 +401,9 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
               force: bool = typer.Option(False, "--force", help="Save even when the check run is off by more "
                                                                 "than the threshold"),
               gpu: bool = typer.Option(False, "--gpu", help="Measure this CUDA GPU's GEMM, fused-attention and "
-                                                            "HBM rates instead (about 3 minutes) into a kernel "
-                                                            "profile, compared with the hardware-fact prior")) -> None:
+                                                            "HBM rates instead (under a minute on an H100) into a "
+                                                            "kernel profile, compared with the hardware-fact prior; "
+                                                            "--world, --check and --force do not apply")) -> None:
     """Measure this machine (GEMM rates at the engine's shapes, memory-bound ops, AdamW,
     framework overhead, gloo all-reduce alpha-beta) into a hardware profile for the simulator,
     then check it against a short real run (refused above 25% error unless --force)."""
