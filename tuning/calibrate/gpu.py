@@ -15,7 +15,6 @@ What is measured, and what is kept from the prior:
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,42 +46,22 @@ def gemm_shapes() -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class Timer:
-    """Seconds per call of `fn` on `device`: CUDA events around a batch of calls lasting about
-    `min_s`, the median of `repeats` batches; `perf_counter` on the CPU (for tests)."""
+    """Seconds per call of `fn` on `device`: the CPU calibration's probe timer (the median of `repeats`
+    batches of calls lasting about `min_s`, the device synchronised after each batch)."""
 
     device: str = "cuda"
     min_s: float = 0.02
     repeats: int = 3
 
     def __call__(self, fn: Callable[[], Any]) -> float:
-        import statistics
+        from tuning.calibrate.kernels import _device_sync, _time_call
 
-        import torch
+        return _time_call(fn, min_time_s=self.min_s, repeats=self.repeats, sync=_device_sync(self.device))
 
-        cuda = self.device.startswith("cuda")
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        fn()
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        calls = max(1, int(self.min_s / max(time.perf_counter() - t0, 1e-7)))
-        samples = []
-        for _ in range(self.repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(calls):
-                    fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3 / calls)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                samples.append((time.perf_counter() - t0) / calls)
-        return statistics.median(samples)
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of fused attention in FlashAttention's convention (4 s^2 d per head, causal half)."""
+    return 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
 
 
 def measure_gemms(shapes: Sequence[tuple[int, int, int]], *, timer: Timer, dtype: str = "bfloat16",
@@ -133,7 +112,7 @@ def measure_attention(*, timer: Timer, backends: dict[str, list[Any]], seqs: Seq
                     q, k, v = (torch.randn(shape, device=timer.device, dtype=getattr(torch, dtype),
                                            requires_grad=True) for _ in range(3))
                     grad = torch.randn(shape, device=timer.device, dtype=getattr(torch, dtype))
-                    work = 4.0 * batch * heads * seq * seq * hd * (0.5 if causal else 1.0)
+                    work = attention_flops(batch, heads, seq, hd, causal)
                     row: dict[str, Any] = {"impl": impl, "head_dim": hd, "causal": causal, "seq": seq,
                                            "batch": batch, "heads": heads}
                     try:
@@ -184,8 +163,7 @@ def with_prior(measurements: dict[str, Any], *, prior: str | None, peak: float) 
     rate (`prior_*` keys, and the prior's Triad bandwidth); unchanged without a prior."""
     from tuning.sim.kernels import fused_attention_seconds, gemm_seconds, gpu_facts
 
-    gemms = [{k: v for k, v in r.items() if not k.startswith("prior_")} for r in measurements["gemm"]]
-    attention = [{k: v for k, v in r.items() if not k.startswith("prior_")} for r in measurements["attention"]]
+    gemms, attention = ([dict(r) for r in measurements[kind]] for kind in ("gemm", "attention"))
     hbm = {"triad_gb_s": measurements["hbm"]["triad_gb_s"], "prior_gb_s": None}
     if prior is None:
         return {"gemm": gemms, "attention": attention, "hbm": hbm}
@@ -196,7 +174,7 @@ def with_prior(measurements: dict[str, Any], *, prior: str | None, peak: float) 
     for r in attention:
         if "refused" in r or r["impl"] not in facts.attention:
             continue
-        work = 4.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] * (0.5 if r["causal"] else 1.0)
+        work = attention_flops(r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"])
         fwd, bwd = fused_attention_seconds(facts, r["impl"], heads=r["batch"] * r["heads"], seq_q=r["seq"],
                                            seq_k=r["seq"], head_dim=r["head_dim"], causal=r["causal"])
         r["prior_fwd_flops_s"], r["prior_bwd_flops_s"] = work / float(fwd), 2.5 * work / float(bwd)
@@ -225,7 +203,7 @@ def measure_gpu(*, budget_s: float = 170.0, progress: Callable[[str], None] = la
     points past the budget are left out and the profile says how many."""
     import torch
 
-    from engine.peaks import peak_bf16
+    from engine.device import peak_flops
 
     if not torch.cuda.is_available():
         raise RuntimeError(f"calibrate --gpu needs a CUDA GPU: torch.cuda.is_available() is False "
@@ -233,7 +211,7 @@ def measure_gpu(*, budget_s: float = 170.0, progress: Callable[[str], None] = la
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
     name, memory_gb = torch.cuda.get_device_name(0), props.total_memory / 1e9
-    peak = float(os.environ.get("WORKBENCH_PEAK_FLOPS") or peak_bf16(name) or 0) or None
+    peak = peak_flops(torch.device("cuda", 0))
     device = prior_kind(name, memory_gb)
     prior = PRIORS[device][0] if device else None
     if peak is None:
@@ -280,10 +258,9 @@ def derive_facts(measurements: dict[str, Any], *, sms: int, peak: float, prior: 
 
     from tuning.sim.kernels import gpu_facts, quantisation
 
-    tiles = [list(t) for t in gpu_facts(prior).tiles] if prior else [[256, 128], [128, 256], [128, 128]]
     hbm = measurements["hbm"]["triad_gb_s"]
-    shape_facts = dataclasses.replace(gpu_facts(prior) if prior else gpu_facts("h100-published"), sms=sms,
-                                      tiles=tuple(map(tuple, tiles)), hbm_gb_s=hbm)
+    shape_facts = dataclasses.replace(gpu_facts(prior or "h100-published"), sms=sms, hbm_gb_s=hbm)
+    tiles = [list(t) for t in shape_facts.tiles]
     bound = [r for r in measurements["gemm"] if compute_bound(shape_facts, peak, r["m"], r["n"], r["k"])]
     effs = [r["flops_s"] / (peak * float(quantisation(shape_facts, r["m"], r["n"])))
             for r in bound or measurements["gemm"]]  # none compute-bound: a tiny device or sweep
@@ -399,6 +376,6 @@ def save_profile(profile: dict[str, Any], path: Path) -> tuple[Path, Path | None
     return path, save_cluster(cluster, path.with_name(f"{path.stem}-cluster.yaml"))
 
 
-__all__ = ["Timer", "attention_tables", "gemm_shapes", "measure_attention", "measure_gemms", "measure_gpu",
+__all__ = ["Timer", "attention_flops", "attention_tables", "gemm_shapes", "measure_attention", "measure_gemms", "measure_gpu",
            "measure_triad", "prior_kind", "save_profile", "sdpa_backends", "summary", "with_prior",
            "combine", "compute_bound", "derive_facts"]
