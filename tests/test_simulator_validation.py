@@ -90,7 +90,7 @@ def test_framework_terms_are_the_fit_on_every_source_and_no_kernel_rate_is_fitte
         flavour, field = name.split(".")
         assert getattr(FRAMEWORKS[flavour], field) == pytest.approx(value, rel=0.01, abs=1e-6), name
     # a small, named set, every one a framework's term: no GEMM, attention or bandwidth rate of a GPU
-    assert len(FITTED_TERMS) == 14 and all(t.split(".")[0] in FRAMEWORKS for t in FITTED_TERMS)
+    assert len(FITTED_TERMS) == 15 and all(t.split(".")[0] in FRAMEWORKS for t in FITTED_TERMS)
     for preset in ("dgx-a100-80gb", "dgx-a100-40gb", "dgx-h100", "frontier", "jean-zay-a100"):
         cluster = PRESETS[preset]
         assert cluster.kernels and cluster.attention_max_efficiency == 0.0 and not cluster.gemm_table
@@ -355,10 +355,15 @@ def test_memory_facts_trained_layouts_fit(table) -> None:
     facts = memory_check(memory_facts())
     trained, oom = facts[~facts["oom"]], facts[facts["oom"]]
     assert trained["fits"].all() and len(oom) == 3 and (~oom["fits"]).sum() >= 2
-    # nvidia-smi's peak includes the allocator cache and reads MiB: the chronicles' "GB" are GiB (1.074 GB).
+    # nvidia-smi's peak includes the allocator's cache, which DeepSpeed's fitted allocator_reserve prices: the
+    # prediction is centred on the readings (tests/test_sim_memory.py fits it without each table in turn).
     # The 02-25 table lists DP 8 TP 4 PP 12 MBS 2 twice, "44GB" and "38GB" (a snapshot, not a peak): the larger counts
     trained = trained[trained["id"] != "bloom-0225-72x14336-dp8tp4pp12-mb2-b2048-2"]
-    assert (trained["ratio"].dropna() < 2**30 / 1e9).all()
+    # 02-21's 84 x 13824 DP 8 TP 8 PP 6 reads "65GB" at MBS 2 and "56GB" at MBS 4: the MBS 2 reading is off
+    ratio = trained.set_index("id")["ratio"].dropna()
+    assert len(ratio) >= 30 and abs(ratio.median() - 1.0) <= 0.03, ratio
+    off = ratio[~ratio.between(0.9, 1.12)]
+    assert list(off.index) == ["bloom-0221-84x13824-dp8tp8pp6-mb2-b2048"], off
 
 
 # ---------------------------------------------------------------- domain of validity
@@ -466,7 +471,7 @@ def test_validate_json_reports_leave_one_source_out_per_source() -> None:
     for key in ("rows", "loso_median_pct", "loso_worst_pct", "baseline_median_pct", "in_sample_median_pct",
                 "spearman", "top1_regret"):
         assert key in per["bloom-0225"], key
-    assert per["bloom-0221"]["rows"] == 15 and data["fitted_term_count"] == len(data["fitted_terms"]) == 14
+    assert per["bloom-0221"]["rows"] == 15 and data["fitted_term_count"] == len(data["fitted_terms"]) == 15
     assert data["in_sample_pooled_median_abs_error_pct"] > 0
     tables = {t["source"]: t for t in data["tables"] if t["search_table"]}
     assert "bloom-0225" in tables and all(np.isfinite(t["spearman"]) and t["top1_regret"] >= 0 for t in tables.values())
@@ -475,7 +480,7 @@ def test_validate_json_reports_leave_one_source_out_per_source() -> None:
     assert cited["bloom-0221"]["priced"] + cited["bloom-0221"]["excluded"] == 17
     text = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--validate"], capture_output=True,
                           text=True, timeout=900).stdout
-    for needle in ("Leave-one-source-out, per source", "Fitted terms: 14", "In-sample", "Ranking per table",
+    for needle in ("Leave-one-source-out, per source", "Fitted terms: 15", "In-sample", "Ranking per table",
                    "nar-t2-zero3-175b-1536", "chronicles-prequel.md", "excluded 18", "Memory facts"):
         assert needle in text, needle
 

@@ -285,6 +285,7 @@ def _validate(as_json: bool) -> None:
     fitted terms; ranking per table; every row; memory facts; sources."""
     from tuning.sim.published import memory_facts, sources, summarize, unvalidated, validation_table
     from tuning.sim.fit import FITTED_TERMS, fitted_rows
+    from tuning.sim.memory_facts import walk
     from tuning.sim.validation import loso, loso_by_source, memory_check, per_source, ranking
 
     table, srcs, out_of_source = validation_table(), sources(), loso()
@@ -295,6 +296,10 @@ def _validate(as_json: bool) -> None:
     loso_table = loso_table.assign(simulated=loso_table["loso"], error_pct=loso_table["loso_error_pct"], fitted=False)
     tables, cited = ranking(loso_table, srcs), per_source(loso_table, srcs)
     summary, missing, memory = summarize(loso_table), unvalidated(loso_table), memory_check(memory_facts())
+    facts = walk(leave_one_source_out=True)
+    memory_loso = {"facts": len(facts), "agree": int(facts["agrees"].sum()),
+                   "disagree": facts.loc[~facts["agrees"], ["id", "outcome", "predicted_gb", "usable_gb"]].to_dict(
+                       orient="records")}
     pooled = float(out_of_source["in_sample_error_pct"].abs().median())
     if as_json:
         print_json({"loso": by_source.to_dict(orient="records"), "fitted_terms": list(FITTED_TERMS),
@@ -302,7 +307,8 @@ def _validate(as_json: bool) -> None:
                      "tables": tables.to_dict(orient="records"), "sources": srcs,
                      "cited_tables": cited.to_dict(orient="records"), "rows": loso_table.to_dict(orient="records"),
                      "summary": {k: v.to_dict(orient="records") for k, v in summary.items()},
-                     "memory": memory.to_dict(orient="records"), "fitted_rows": fitted_rows(),
+                     "memory": memory.to_dict(orient="records"), "memory_facts_loso": memory_loso,
+                     "fitted_rows": fitted_rows(),
                      "unvalidated": missing})
         return
 
@@ -313,8 +319,9 @@ def _validate(as_json: bool) -> None:
          "that source; baseline = FLOPs / (GPUs x peak x 0.5); |error| in %; spearman / top1_regret on tables of "
          ">= 8 layouts of one model on one cluster (the worst such table)")
     show(by_source.round(3).to_string(index=False))
-    show(f"\nFitted terms: {len(FITTED_TERMS)} (per framework, on end-to-end rows; every kernel rate is a cited "
-         f"hardware fact, tuning/data/kernels.yaml): {', '.join(FITTED_TERMS)}")
+    show(f"\nFitted terms: {len(FITTED_TERMS)} (per framework, on end-to-end rows, and DeepSpeed's allocator_reserve "
+         f"on nvidia-smi readings of runs that ran; every kernel rate is a cited hardware fact, "
+         f"tuning/data/kernels.yaml): {', '.join(FITTED_TERMS)}")
     show(f"In-sample (terms fitted on every source), pooled median |error| over {len(out_of_source)} rows: {pooled:.1f}%")
     show("\nRanking per table, leave-one-source-out (one model, one sequence length, one cluster; targets on search "
          "tables of >= 8 rows: rho >= 0.8, regret <= 5%)")
@@ -332,6 +339,10 @@ def _validate(as_json: bool) -> None:
     agree = int(memory["agrees"].sum())
     show(f"\nMemory facts: {agree} of {len(memory)} agree (trained layouts fit, out-of-memory ones do not); "
          f"predicted / published peak, median {memory['ratio'].median():.2f}")
+    show(f"Every memory fact (tuning/sim/memory_facts.py walk, leave-one-source-out): {memory_loso['agree']} of "
+         f"{memory_loso['facts']} agree; not: "
+         + "; ".join(f"{d['id']} ({d['outcome']}, predicted {d['predicted_gb']:.1f} of {d['usable_gb']:.1f} GB)"
+                     for d in memory_loso["disagree"]))
     show("\nNo published row (predictions there are marked extrapolated): "
          + "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items() if v))
     show("\nSources")

@@ -7,7 +7,10 @@ its memory-bound kernels move per counted activation byte, and for DeepSpeed the
 its ZeRO collectives reach and how much of the compute under them they take), all of a flavour's terms
 fitted jointly on the rows of its own framework by a zooming grid (a few parameters and rows: an explicit
 search needs no optimiser dependency; every grid point of a row is priced in one vectorised call); a
-term no row left informs (ZeRO-3's, without a ZeRO-3 row) keeps its default.
+term no row left informs (ZeRO-3's, without a ZeRO-3 row) keeps its default. One term is fitted on memory
+readings instead: `allocator_reserve` of the flavours in RESERVE_FITS, the median share their nvidia-smi
+readings of runs that ran sit above the tensors the memory model counts (`fit_allocator_reserve`; an
+out-of-memory fact has no reading and is never fitted on).
 
 `fit_frameworks(exclude_source=...)` leaves one source's rows out: `tuning.sim.validation.loso` refits
 without each source in turn and prices that source with the result (leave-one-source-out). The
@@ -26,7 +29,8 @@ import numpy as np
 from tuning.sim.hardware import ClusterSpec, load_cluster
 from tuning.sim.published import DATA, PublishedRow, calibration_rows, held_out_rows, metric_of
 from tuning.sim.core import evaluate_arrays
-from tuning.sim.framework import FRAMEWORKS, Framework
+from tuning.sim.framework import FRAMEWORKS, Framework, with_terms
+from tuning.sim.memory_facts import RESERVE_FITS, RESERVE_TERMS, fit_allocator_reserve
 from tuning.sim.spec import columns
 
 
@@ -100,7 +104,7 @@ FRAMEWORK_FITS = {  # flavour: the fields fitted on that flavour's rows
                   Param(name="deepspeed.zero3_bw_efficiency", lo=0.01, hi=1.0, log=True),
                   Param(name="deepspeed.overlap_interference", lo=0.0, hi=1.0)],
 }
-FITTED_TERMS = tuple(p.name for params in FRAMEWORK_FITS.values() for p in params)
+FITTED_TERMS = tuple(p.name for params in FRAMEWORK_FITS.values() for p in params) + RESERVE_TERMS
 # fields only ZeRO-3 rows inform (the block collectives that overlap compute): left at their defaults when no
 # ZeRO-3 row of the flavour is fitted
 ZERO3_FIELDS = ("zero3_bw_efficiency", "overlap_interference")
@@ -130,16 +134,10 @@ def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None
             continue
         informed = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS or any(r.zero == 3 for r in mine)]
         out.update(grid_fit(mine, informed, clusters=clusters, frameworks=base, zooms=zooms))
+    if only is None or set(only) & set(RESERVE_FITS):
+        out.update({k: v for k, v in fit_allocator_reserve(exclude_source=exclude_source).items()
+                    if only is None or k.split(".")[0] in only})
     return out
-
-
-def with_terms(values: dict[str, float], frameworks: dict[str, Framework] | None = None) -> dict[str, Framework]:
-    """The flavours with fitted `values` ("flavour.field": value) in their fields."""
-    fws = dict(frameworks or FRAMEWORKS)
-    for key, v in values.items():
-        name, field = key.split(".")
-        fws[name] = dataclasses.replace(fws[name], **{field: v})
-    return fws
 
 
 def fitted_rows(path: str | Path = DATA) -> dict[str, list[str]]:

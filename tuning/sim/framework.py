@@ -14,12 +14,16 @@ Two kinds of difference:
   bookkeeping, kernel launches of small blocks), and the share of the link's bandwidth that
   ZeRO-3's gathers achieve. The presets' GEMM curves were fitted with Megatron-LM rows, so
   Megatron-LM's own fixed costs are in its GEMM rates (zero here by construction).
+- **Memory held beyond the tensors** (`allocator_reserve`, fitted on the flavour's nvidia-smi readings of runs
+  that ran, `tuning.sim.memory_facts.fit_allocator_reserve`; never on an out-of-memory fact): counted in the fit test,
+  so a layout fits only where its tensors and this reserve do.
 
 The engine's CPU profiles carry their host costs in the cluster (`overhead_*` fields measured by
 `tuning.calibrate.calibration`), so the `engine` flavour adds nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +59,13 @@ class Framework:
     # structural: the distributed optimizer's parameter all-gather overlaps the next forward
     # (megatron-core --overlap-param-gather, which its recipes set beside --overlap-grad-reduce)
     overlap_param_gather: bool = False
+    # fitted on memory readings, not end-to-end rows: the device memory its processes hold beyond the tensors the
+    # memory model counts, as a share of those tensors -- the caching allocator's cached and fragmented blocks
+    # (ZeRO, Rajbhandari et al. 2020 sec. 3.2: "out of memory issue with over 30% of memory still available";
+    # GMLake, Guo et al. 2024: 15% of reserved memory on average in A100-80GB LLM training) and what the model
+    # does not count; the median over the flavour's nvidia-smi readings of runs that ran
+    # (tuning.sim.memory_facts.fit_allocator_reserve), 0 where it has none
+    allocator_reserve: float = 0.0
 
 
 # The fitted fields hold tuning.sim.fit.fit_frameworks() on every published row of the flavour
@@ -62,7 +73,8 @@ class Framework:
 FITTED = {
     "megatron": dict(layer_microbatch_s=0.004342, elementwise_traffic=2.259),
     "deepspeed": dict(layer_microbatch_s=0.01123, elementwise_traffic=3.997, dp_bw_efficiency=0.3074,
-                      zero3_bw_efficiency=0.1056, overlap_interference=0.3714),
+                      zero3_bw_efficiency=0.1056, overlap_interference=0.3714,
+                      allocator_reserve=0.1168),
     "fsdp": dict(layer_microbatch_s=0.001039, elementwise_traffic=1.660, zero3_bw_efficiency=0.6260,
                  overlap_interference=0.4825),
     "megatron-core": dict(layer_microbatch_s=0.0001749, elementwise_traffic=2.672, microbatch_s=0.008230),
@@ -108,3 +120,12 @@ def per_row(codes: np.ndarray, field: str, frameworks: dict[str, Framework] | No
     codes = np.asarray(codes)
     choices = [np.asarray(getattr(table[name], field), dtype=float) for name in FRAMEWORK_NAMES]
     return np.select([codes == i for i in range(len(FRAMEWORK_NAMES))], choices, 0.0)
+
+
+def with_terms(values: dict[str, float], frameworks: dict[str, Framework] | None = None) -> dict[str, Framework]:
+    """The flavours with fitted `values` ("flavour.field": value) in their fields."""
+    fws = dict(frameworks or FRAMEWORKS)
+    for key, v in values.items():
+        name, field = key.split(".")
+        fws[name] = dataclasses.replace(fws[name], **{field: v})
+    return fws

@@ -27,13 +27,17 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | temp | `temp_grad_accum` | the engine under FSDP2's mixed precision and pipelining: the stage's fp32 accumulated unsharded gradients (FSDP2 keeps them apart from `.grad`, so trackers see them as Temp) |
 | runtime | `cuda_context` | the CUDA context and the kernels loaded (measured per GPU and software generation) |
 | runtime | `nccl_buffers` | NCCL's FIFOs: communicators x channels x 2 connections x the default buffers |
+| runtime | `allocator_reserve` | what the framework's processes hold beyond these tensors, as its fitted share of them (`Framework.allocator_reserve`: the caching allocator's cached and fragmented blocks, fitted on nvidia-smi readings) |
 
 The `runtime` category is what a process holds beyond its tensors: torch's trackers do not see it, nvidia-smi
 does. `fits` compares everything with the device's memory (`ClusterSpec.memory_gb`). The caching allocator's
-reserve (blocks cached but free) is not a term: before it raises an out-of-memory error it frees its cached
-segments and retries (c10/cuda/CUDACachingAllocator.cpp, release_cached_blocks), so what it holds at an
-nvidia-smi reading (GMLake, Guo et al. 2024: 15% of the reserved memory on average, up to 33%, on A100-80GB
-LLM training) is not what it needs; docs/simulator.md compares the readings with the model.
+reserve is a term only where a framework's own readings measure it (`allocator_reserve`, fitted per flavour on
+its nvidia-smi readings of runs that ran; 0 elsewhere). Before the allocator raises an out-of-memory error it
+frees its wholly free cached segments and retries (c10/cuda/CUDACachingAllocator.cpp, release_cached_blocks),
+but not the free blocks inside segments still in use: fragmentation ends runs with memory to spare (ZeRO,
+Rajbhandari et al. 2020 sec. 3.2: "out of memory issue with over 30% of memory still available"; GMLake, Guo
+et al. 2024: 15% of the reserved memory on average, up to 33%, on A100-80GB LLM training). docs/simulator.md
+compares the readings with the model.
 
 Sources:
 - Model states by framework: Rajbhandari et al. 2020 (ZeRO, sec. 3: 2 + 2 + K=12 bytes per parameter,
@@ -73,7 +77,7 @@ from typing import Any
 import numpy as np
 
 from tuning.sim.hardware import GB, ClusterSpec
-from tuning.sim.framework import FRAMEWORK_NAMES
+from tuning.sim.framework import FRAMEWORK_NAMES, per_row
 from tuning.sim.spec import SCHEDULES, ModelSpec, engine_rows, fsdp_bf16_rows, reduce_bytes, weight_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
@@ -84,7 +88,7 @@ TERMS = {
     "optimizer": ("optimizer",),
     "activations": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast", "act_stage_io"),
     "temp": ("temp_buckets", "temp_gather", "temp_loss", "temp_backward", "temp_reduce", "temp_grad_accum"),
-    "runtime": ("cuda_context", "nccl_buffers"),
+    "runtime": ("cuda_context", "nccl_buffers", "allocator_reserve"),
 }
 NCCL_CONNECTION_BYTES = 10 * 2**20  # Simple 4 MiB + LL128 4.6875 MiB + LL 0.5 MiB, in 2 MiB pages
 NCCL_CONNECTIONS_PER_CHANNEL = 2
@@ -358,7 +362,7 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
         seen.append((r, terms))
     # the winning rank's terms: one more pass at each row's rank costs less than choosing term by term
     terms = next((t for r, t in seen if np.array_equal(r, best_r)), None) or terms_at(best_r, best_rank)
-    return finish({**terms, "stage": best_r, **runtime(c, cl)}, cl)
+    return finish({**terms, "stage": best_r, **runtime(c, cl)}, cl, reserve_share(c, frameworks))
 
 
 def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, rank: tuple[Any, Any, Any],
@@ -525,10 +529,28 @@ def _table_tp(c: dict[str, np.ndarray]) -> Any:
     return np.where(engine_rows(c), 1, c["tp"]) if "framework" in c else c["tp"]
 
 
-def finish(terms: dict[str, Any], cl: ClusterSpec) -> dict[str, Any]:
-    """The categories and total of `terms` (after a caller added to them, e.g. MoE expert states) and
-    whether the total fits the cluster's usable memory."""
+# The reserve is fitted on ZeRO-1 readings (BigScience's): it applies up to ZeRO-2, whose states are allocated
+# once as flat buffers as ZeRO-1's are. ZeRO-3 gathers and frees parameters layer by layer, an allocation pattern
+# no reading here measured, and keeps none (one ZeRO-3 run that ran, Narayanan et al. 2021 Table 2's 530B on 640
+# GPUs, is priced at 82.3 of 85.9 GB: DeepSpeed's reserve would refuse it)
+RESERVE_MAX_ZERO = 2
+
+
+def reserve_share(c: dict[str, np.ndarray], frameworks: Any = None) -> Any:
+    """Each row's framework's `allocator_reserve` up to ZeRO-2 (RESERVE_MAX_ZERO), else 0 (a scalar 0.0 where
+    no row has one: no pass in a search)."""
+    share = per_row(c.get("framework", np.asarray(0)), "allocator_reserve", frameworks)
+    share = np.where(np.asarray(c["zero"]) <= RESERVE_MAX_ZERO, share, 0.0)
+    return share if np.any(share) else 0.0
+
+
+def finish(terms: dict[str, Any], cl: ClusterSpec, reserve: Any = 0.0) -> dict[str, Any]:
+    """The categories and total of `terms` (after a caller added to them, e.g. MoE expert states), the
+    allocator's reserve as `reserve` (a share) of the tensors, and whether the total fits the cluster's
+    usable memory."""
     out = dict(terms)
+    tensors = total_of(out[name] for category in TENSORS for name in TERMS[category])
+    out["allocator_reserve"] = reserve * tensors if _held(reserve) else 0.0
     for category, names in TERMS.items():
         out[category] = total_of(out[name] for name in names)
     out["total"] = total_of(out[category] for category in CATEGORIES)

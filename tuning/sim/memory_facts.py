@@ -5,7 +5,9 @@ measured `memory_gb` or `oom: true`; read through `tuning.sim.published`) and tu
 (layouts whose throughput is not priced: Llama 3's Table 4, NeMo's H100 recipes, torchtitan's memory
 tables, BLOOM's 02-28 layout search). `walk()` prices all of them with `tuning.sim.simulator.simulate` and
 says, for each, whether the model predicts it fits, the predicted GB, its largest term and the measured
-GB where the source gives one. Nothing is fitted on them.
+GB where the source gives one. Nothing is fitted on whether a layout ran; the one memory term fitted on readings
+(`allocator_reserve`, DeepSpeed's: `tuning.sim.memory_facts.fit_allocator_reserve`) is fitted on the nvidia-smi readings
+of runs that ran, and `walk(leave_one_source_out=True)` prices each source with it refitted without that source.
 
 A measured figure says what it measured (`memory_kind`, per source): `nvidia-smi` (the device memory in use:
 tensors, the caching allocator's free cached blocks, the CUDA context, NCCL), `reserved` (torch's
@@ -22,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import yaml
 
+from tuning.sim.framework import with_terms
 from tuning.sim.hardware import GIB, ClusterSpec, load_cluster
 from tuning.sim.spec import ModelSpec, ParallelSpec
 
@@ -32,6 +36,10 @@ DATA = Path(__file__).parents[1] / "data" / "memory_facts.yaml"
 _MODEL_KEYS = ("model", "heads", "seq")
 _FACT_KEYS = ("id", "row", "outcome", "memory_gb", "memory_unit", "cluster", "cluster_memory_gb")
 MEMORY_KINDS = ("nvidia-smi", "reserved", "allocated")
+# flavours whose memory readings (nvidia-smi, of runs that ran) fit `allocator_reserve` (fit_allocator_reserve):
+# DeepSpeed's are BigScience's 49; the other flavours have no nvidia-smi reading
+RESERVE_FITS = ("deepspeed",)
+RESERVE_TERMS = tuple(f"{name}.allocator_reserve" for name in RESERVE_FITS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,15 +130,49 @@ def published_facts() -> list[MemoryFact]:
     return out
 
 
-def walk(path: str | Path = DATA) -> pd.DataFrame:
+def fit_allocator_reserve(*, exclude_source: str | None = None) -> dict[str, float]:
+    """Each flavour of RESERVE_FITS's `allocator_reserve`: the median over its nvidia-smi readings of runs that
+    ran (tuning/sim/memory_facts.py), without `exclude_source`'s, of reading / (tensors + runtime the model
+    prices with no reserve) - 1 taken on the tensors: (reading - runtime) / tensors - 1. An out-of-memory fact
+    has no reading, so none is fitted on; a flavour with no reading left keeps 0."""
+    from tuning.sim.memory import RESERVE_MAX_ZERO, TENSORS
+    from tuning.sim.simulator import simulate
+
+    base = with_terms({name: 0.0 for name in RESERVE_TERMS})
+    out: dict[str, float] = {}
+    for flavour in RESERVE_FITS:
+        shares = []
+        for f in published_facts() + facts():
+            if (f.memory_kind != "nvidia-smi" or f.source == exclude_source or f.parallel.framework != flavour
+                    or f.parallel.zero > RESERVE_MAX_ZERO):
+                continue
+            b = simulate(f.model, f.cluster, f.parallel, frameworks=base).memory_breakdown_gb
+            tensors = sum(b[c] for c in TENSORS)
+            shares.append((f.memory_gb - b["runtime"]) / tensors - 1.0)
+        if shares:
+            out[f"{flavour}.allocator_reserve"] = float(np.median(shares))
+    return out
+
+
+def walk(path: str | Path = DATA, *, leave_one_source_out: bool = False) -> pd.DataFrame:
     """Every memory fact priced: outcome, predicted GB and fit, usable GB, measured GB, the largest term,
-    the pipeline rank priced, the categories; `agrees` is True where the prediction matches the outcome."""
+    the pipeline rank priced, the categories; `agrees` is True where the prediction matches the outcome.
+    With `leave_one_source_out`, each fact is priced with the memory term fitted on readings
+    (`allocator_reserve`) refitted without its source's readings; otherwise with the shipped fit."""
     from tuning.sim.memory import TENSORS
     from tuning.sim.simulator import simulate
 
+    every = published_facts() + facts(path)
+    fitted_on = {f.source for f in every if f.memory_kind == "nvidia-smi" and f.parallel.framework in RESERVE_FITS}
+
+    @functools.cache
+    def without(source: str | None) -> Any:  # a source none of whose readings is fitted on prices with the full fit
+        return with_terms({**dict.fromkeys(RESERVE_TERMS, 0.0), **fit_allocator_reserve(exclude_source=source)})
+
     rows = []
-    for f in published_facts() + facts(path):
-        res = simulate(f.model, f.cluster, f.parallel)
+    for f in every:
+        fws = without(f.source if f.source in fitted_on else None) if leave_one_source_out else None
+        res = simulate(f.model, f.cluster, f.parallel, frameworks=fws)
         usable = f.cluster.memory_gb * f.cluster.usable_memory_fraction
         tensors = sum(res.memory_breakdown_gb[k] for k in TENSORS)
         kind = {"nvidia-smi": res.memory_per_gpu_gb, "reserved": tensors, "allocated": tensors}.get(f.memory_kind)
@@ -138,8 +180,10 @@ def walk(path: str | Path = DATA) -> pd.DataFrame:
                      "usable_gb": usable, "fits": res.fits, "agrees": res.fits == (f.outcome == "ran"),
                      "measured_gb": f.memory_gb, "memory_kind": f.memory_kind, "predicted_kind_gb": kind,
                      "dominant": res.extra["memory_dominant"], "stage": res.extra["memory_stage"],
+                     "allocator_reserve_gb": res.extra["memory_terms_gb"]["allocator_reserve"],
                      **{f"{k}_gb": v for k, v in res.memory_breakdown_gb.items()}})
     return pd.DataFrame(rows)
 
 
-__all__ = ["DATA", "MEMORY_KINDS", "MemoryFact", "facts", "memory_kind", "published_facts", "sources", "walk"]
+__all__ = ["DATA", "MEMORY_KINDS", "RESERVE_FITS", "RESERVE_TERMS", "MemoryFact", "facts", "fit_allocator_reserve",
+           "memory_kind", "published_facts", "sources", "walk"]

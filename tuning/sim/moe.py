@@ -26,7 +26,7 @@ import numpy as np
 from engine.model.shapes import moe_layer_indices
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.comm import all_to_all_time
-from tuning.sim.memory import finish, memory
+from tuning.sim.memory import finish, memory, reserve_share
 from tuning.sim.zero import dp_comm
 
 A2A_PER_LAYER = 4  # dispatch + combine in forward, their gradients in backward (GShard, DeepSpeed-MoE)
@@ -225,7 +225,7 @@ def dp_and_memory(model: Any, local: Any, cl: ClusterSpec, gpus: int, cg: dict[s
     mem = dict(memory(local, cl, cg, psi_d, act, frameworks))
     for key, value in expert_states(psi_e, cg, ce["dp"]).items():
         mem[key] = mem[key] + value
-    mem = finish(mem, cl)
+    mem = finish(mem, cl, reserve_share(cg, frameworks))
     zero = cg["zero"] >= 1
     psi_opt = psi_d / np.where(zero, cg["dp"], 1) + psi_e / np.where(zero, ce["dp"], 1)
     dp = {"total": dense["total"] + expert["total"], "exposed": dense["exposed"] + expert["exposed"],

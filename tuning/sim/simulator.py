@@ -126,12 +126,14 @@ _MEMORY = CATEGORIES  # params, grads, optimizer, activations, temp (torch MemTr
 
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
-             gpus: int | None = None) -> SimResult:
-    """Simulate one iteration of `par`; raises ValueError listing every reason it is invalid."""
+             gpus: int | None = None, frameworks: Any = None) -> SimResult:
+    """Simulate one iteration of `par`; raises ValueError listing every reason it is invalid. `frameworks`
+    replaces the flavour presets (a fit's terms: `tuning.sim.fit.with_terms`)."""
     reasons = validate_parallel(model, cluster, par, gpus=gpus)
     if reasons:
         raise ValueError("invalid parallel config: " + "; ".join(reasons))
-    r = {k: np.asarray(v).item() for k, v in evaluate_arrays(model, cluster, par.gpus, columns(par)).items()}
+    out = evaluate_arrays(model, cluster, par.gpus, columns(par), frameworks=frameworks)
+    r = {k: np.asarray(v).item() for k, v in out.items()}
     result = SimResult(
         iteration_time_s=r["iteration_time_s"],
         breakdown={k: r[f"{k}_s"] for k in _BREAKDOWN},

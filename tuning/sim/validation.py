@@ -86,8 +86,8 @@ def per_source(table: pd.DataFrame, sources: dict[str, dict[str, Any]]) -> pd.Da
 
 def memory_check(rows: list[Any]) -> pd.DataFrame:
     """Each memory fact against the simulator: did a layout that trained fit, did one that ran out
-    not, and the predicted over the published peak (the sources read nvidia-smi: reserved memory,
-    allocator cache and CUDA context included, so the prediction should not be above it)."""
+    not, and the predicted over the published peak (the sources read nvidia-smi: tensors, the allocator's
+    cache and the CUDA context, which the prediction prices with the framework's fitted allocator_reserve)."""
     from tuning.sim.hardware import load_cluster
     from tuning.sim.simulator import simulate
 
