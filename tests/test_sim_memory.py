@@ -183,7 +183,7 @@ def test_deepspeeds_reserve_fitted_without_a_table_prices_its_readings_and_its_o
     """DeepSpeed's `allocator_reserve` is fitted on nvidia-smi readings of runs that ran. Fitted without each
     BigScience table in turn, it is within the fragmentation published for PyTorch's allocator (GMLake: 15%
     of reserved memory on average; ZeRO sec. 3.2: over 30% free at an out-of-memory error in extreme
-    cases), it brings that table's readings from a median 10-12% off to within 5%, and it predicts that
+    cases), it brings that table's readings from a median 9-11% off to within 5%, and it predicts that
     table's out-of-memory facts, which the model without it puts under the device's memory (one of them
     by 0.9 GB, one by 3.3 GB): no out-of-memory fact is fitted on."""
     from tuning.sim.memory_facts import fit_allocator_reserve, walk
