@@ -30,7 +30,7 @@ from tuning.sim.hardware import ClusterSpec, load_cluster
 from tuning.sim.published import DATA, PublishedRow, calibration_rows, held_out_rows, metric_of
 from tuning.sim.core import evaluate_arrays
 from tuning.sim.framework import FRAMEWORKS, Framework, with_terms
-from tuning.sim.memory_facts import RESERVE_FITS, RESERVE_TERMS, fit_allocator_reserve
+from tuning.sim.memory_facts import RESERVE_TERMS, fit_allocator_reserve
 from tuning.sim.spec import columns
 
 
@@ -50,11 +50,7 @@ def _apply(values: dict[str, np.ndarray], cluster: ClusterSpec,
            frameworks: dict[str, Framework]) -> tuple[ClusterSpec, dict[str, Framework]]:
     """The cluster and flavours with the parameters' (array) values in their fields."""
     cl_fields = {k: v for k, v in values.items() if "." not in k}
-    fws = dict(frameworks)
-    for key, v in values.items():
-        if "." in key:
-            name, field = key.split(".")
-            fws[name] = dataclasses.replace(fws[name], **{field: v})
+    fws = with_terms({k: v for k, v in values.items() if "." in k}, frameworks)
     return dataclasses.replace(cluster, **cl_fields), fws
 
 
@@ -134,9 +130,8 @@ def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None
             continue
         informed = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS or any(r.zero == 3 for r in mine)]
         out.update(grid_fit(mine, informed, clusters=clusters, frameworks=base, zooms=zooms))
-    if only is None or set(only) & set(RESERVE_FITS):
-        out.update({k: v for k, v in fit_allocator_reserve(exclude_source=exclude_source).items()
-                    if only is None or k.split(".")[0] in only})
+    reserve = fit_allocator_reserve(exclude_source=exclude_source)
+    out.update({k: v for k, v in reserve.items() if only is None or k.split(".")[0] in only})
     return out
 
 

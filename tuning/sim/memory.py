@@ -549,10 +549,10 @@ def finish(terms: dict[str, Any], cl: ClusterSpec, reserve: Any = 0.0) -> dict[s
     allocator's reserve as `reserve` (a share) of the tensors, and whether the total fits the cluster's
     usable memory."""
     out = dict(terms)
-    tensors = total_of(out[name] for category in TENSORS for name in TERMS[category])
-    out["allocator_reserve"] = reserve * tensors if _held(reserve) else 0.0
-    for category, names in TERMS.items():
-        out[category] = total_of(out[name] for name in names)
+    for category in TENSORS:
+        out[category] = total_of(out[name] for name in TERMS[category])
+    out["allocator_reserve"] = reserve * total_of(out[c] for c in TENSORS) if _held(reserve) else 0.0
+    out["runtime"] = total_of(out[name] for name in TERMS["runtime"])
     out["total"] = total_of(out[category] for category in CATEGORIES)
     out["fits"] = out["total"] <= cl.memory_gb * cl.usable_memory_fraction * GB
     return out

@@ -130,25 +130,32 @@ def published_facts() -> list[MemoryFact]:
     return out
 
 
-def fit_allocator_reserve(*, exclude_source: str | None = None) -> dict[str, float]:
-    """Each flavour of RESERVE_FITS's `allocator_reserve`: the median over its nvidia-smi readings of runs that
-    ran (tuning/sim/memory_facts.py), without `exclude_source`'s, of reading / (tensors + runtime the model
-    prices with no reserve) - 1 taken on the tensors: (reading - runtime) / tensors - 1. An out-of-memory fact
-    has no reading, so none is fitted on; a flavour with no reading left keeps 0."""
+@functools.lru_cache(maxsize=1)
+def _reserve_readings() -> tuple[tuple[str, str, float], ...]:
+    """(source, flavour, share) of every reading `allocator_reserve` is fitted on: an nvidia-smi reading of a
+    run that ran, of a flavour in RESERVE_FITS, up to ZeRO-2 (RESERVE_MAX_ZERO); share = (reading - runtime) /
+    tensors - 1, with the model priced without any reserve."""
     from tuning.sim.memory import RESERVE_MAX_ZERO, TENSORS
     from tuning.sim.simulator import simulate
 
-    base = with_terms({name: 0.0 for name in RESERVE_TERMS})
+    base = with_terms(dict.fromkeys(RESERVE_TERMS, 0.0))
+    out = []
+    for f in published_facts() + facts():
+        par = f.parallel
+        if f.memory_kind != "nvidia-smi" or par.framework not in RESERVE_FITS or par.zero > RESERVE_MAX_ZERO:
+            continue
+        b = simulate(f.model, f.cluster, par, frameworks=base).memory_breakdown_gb
+        out.append((f.source, par.framework, (f.memory_gb - b["runtime"]) / sum(b[c] for c in TENSORS) - 1.0))
+    return tuple(out)
+
+
+def fit_allocator_reserve(*, exclude_source: str | None = None) -> dict[str, float]:
+    """Each flavour of RESERVE_FITS's `allocator_reserve`: the median share of its readings (`_reserve_readings`)
+    without `exclude_source`'s. An out-of-memory fact has no reading, so none is fitted on; a flavour with no
+    reading left keeps 0 (it is not in the result)."""
     out: dict[str, float] = {}
     for flavour in RESERVE_FITS:
-        shares = []
-        for f in published_facts() + facts():
-            if (f.memory_kind != "nvidia-smi" or f.source == exclude_source or f.parallel.framework != flavour
-                    or f.parallel.zero > RESERVE_MAX_ZERO):
-                continue
-            b = simulate(f.model, f.cluster, f.parallel, frameworks=base).memory_breakdown_gb
-            tensors = sum(b[c] for c in TENSORS)
-            shares.append((f.memory_gb - b["runtime"]) / tensors - 1.0)
+        shares = [share for source, name, share in _reserve_readings() if name == flavour and source != exclude_source]
         if shares:
             out[f"{flavour}.allocator_reserve"] = float(np.median(shares))
     return out
@@ -162,16 +169,13 @@ def walk(path: str | Path = DATA, *, leave_one_source_out: bool = False) -> pd.D
     from tuning.sim.memory import TENSORS
     from tuning.sim.simulator import simulate
 
-    every = published_facts() + facts(path)
-    fitted_on = {f.source for f in every if f.memory_kind == "nvidia-smi" and f.parallel.framework in RESERVE_FITS}
-
     @functools.cache
-    def without(source: str | None) -> Any:  # a source none of whose readings is fitted on prices with the full fit
+    def without(source: str) -> Any:
         return with_terms({**dict.fromkeys(RESERVE_TERMS, 0.0), **fit_allocator_reserve(exclude_source=source)})
 
     rows = []
-    for f in every:
-        fws = without(f.source if f.source in fitted_on else None) if leave_one_source_out else None
+    for f in published_facts() + facts(path):
+        fws = without(f.source) if leave_one_source_out else None
         res = simulate(f.model, f.cluster, f.parallel, frameworks=fws)
         usable = f.cluster.memory_gb * f.cluster.usable_memory_fraction
         tensors = sum(res.memory_breakdown_gb[k] for k in TENSORS)

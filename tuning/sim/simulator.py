@@ -128,7 +128,7 @@ _MEMORY = CATEGORIES  # params, grads, optimizer, activations, temp (torch MemTr
 def simulate(model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *,
              gpus: int | None = None, frameworks: Any = None) -> SimResult:
     """Simulate one iteration of `par`; raises ValueError listing every reason it is invalid. `frameworks`
-    replaces the flavour presets (a fit's terms: `tuning.sim.fit.with_terms`)."""
+    replaces the flavour presets (a fit's terms: `tuning.sim.framework.with_terms`)."""
     reasons = validate_parallel(model, cluster, par, gpus=gpus)
     if reasons:
         raise ValueError("invalid parallel config: " + "; ".join(reasons))
