@@ -206,6 +206,86 @@ def test_a_checkpoint_item_stored_as_pickled_bytes_runs_nothing(tmp_path, small_
     assert not marker.exists()
 
 
+_REFUSED_SHARD = "outside the checkpoint folder (a shard must lie inside it: no '..', no absolute path, no symlink out)"
+
+
+def _shard_elsewhere(ckpt: Path, folder: Path, key: str, shard: str) -> Path:
+    """A copy of `ckpt` at folder/ckpts/ whose .metadata reads `key` from `shard`; folder/outside.distcp is
+    a shard torch's DCP wrote, holding `key` as 666, 667, 668, ..."""
+    import dataclasses
+    import pickle
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from engine.train.checkpoint import _reader
+
+    copy = Path(shutil.copytree(ckpt, folder / "ckpts" / ckpt.name))
+    metadata = _reader(copy).read_metadata()
+    saved = metadata.state_dict_metadata[key]
+    values = 666 + torch.arange(saved.size.numel(), dtype=saved.properties.dtype).reshape(saved.size)
+    dcp.save({key: values}, checkpoint_id=str(folder / "other"), no_dist=True)
+    other = next(info for index, info in _reader(folder / "other").read_metadata().storage_data.items()
+                 if index.fqn == key)
+    (folder / "other" / other.relative_path).rename(folder / "outside.distcp")
+    for index in [i for i in metadata.storage_data if i.fqn == key]:
+        metadata.storage_data[index] = dataclasses.replace(other, relative_path=shard)
+    metadata.storage_meta = None
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    return copy
+
+
+@pytest.mark.parametrize("where", ["../../outside.distcp", "absolute", "symlink"])
+def test_a_shard_outside_the_checkpoint_folder_is_refused_before_any_rank_reads_it(tmp_path, small_checkpoint,
+                                                                                     where):
+    """A .metadata rewritten so a tensor's shard is ../../outside.distcp, an absolute path, or a symlink
+    out of the folder. Old code: the pre-flight accepted it and a resumed rank loaded the outside file's
+    tensors (tok_emb = 666, 667, ...). Now the pre-flight and the reader refuse it in one line."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from engine.config.schema import load_config
+    from engine.train.checkpoint import _reader, check_resume
+    from engine.train.trainer import Trainer
+
+    key, outside = "model.tok_emb.weight", tmp_path / "outside.distcp"
+    shard = {"absolute": str(outside), "symlink": "linked.distcp"}.get(where, where)
+    copy = _shard_elsewhere(small_checkpoint, tmp_path, key, shard)
+    if where == "symlink":
+        (copy / shard).symlink_to(outside)
+    cfg = load_config(None, [*TINY_CKPT, "train.steps=2", f"train.resume_from={copy}"])
+    with pytest.raises(ConfigError) as raised:  # the launcher's pre-flight, before any rank starts
+        check_resume(cfg)
+    assert str(raised.value).startswith(f"train.resume_from={str(copy)!r}: its .metadata puts {key} in shard "
+                                        f"{shard!r}, {_REFUSED_SHARD}; refused") and "\n" not in str(raised.value)
+    got = {key: torch.zeros(256, 16)}
+    with pytest.raises(BaseException, match=re.escape(f"{shard!r}, {_REFUSED_SHARD}")):  # each rank's reader
+        dcp.load(got, storage_reader=_reader(copy), no_dist=True)
+    assert got[key].abs().sum() == 0
+    with pytest.raises(Exception, match=re.escape(_REFUSED_SHARD)):  # noqa: PT011 (old code: it trained on)
+        list(Trainer(cfg, device=torch.device("cpu")).run())
+
+
+def test_the_crafted_shard_loads_when_it_lies_inside_the_folder(tmp_path, small_checkpoint):
+    """The crafting above is sound: the same shard copied into the folder passes and loads 666, 667, ..."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from engine.config.schema import load_config
+    from engine.train.checkpoint import _reader, check_resume
+
+    key = "model.tok_emb.weight"
+    copy = _shard_elsewhere(small_checkpoint, tmp_path, key, "inside.distcp")
+    shutil.copy(tmp_path / "outside.distcp", copy / "inside.distcp")
+    check_resume(load_config(None, [*TINY_CKPT, "train.steps=2", f"train.resume_from={copy}"]))
+    got = {key: torch.zeros(256, 16)}
+    dcp.load(got, storage_reader=_reader(copy), no_dist=True)
+    assert got[key].flatten()[:4].tolist() == [666.0, 667.0, 668.0, 669.0]
+
+
 # ---------------------------------------------------------------- data, weights, dashboard
 
 def test_a_token_id_beyond_the_vocabulary_is_named_not_looked_up(tmp_path):

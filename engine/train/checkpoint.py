@@ -43,7 +43,7 @@ import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -214,9 +214,9 @@ def check_resume(cfg: RunConfig) -> None:
 
     Reads the checkpoint's `.metadata` (the saved tensors' names and full shapes) and compares them
     with the model the config builds on the meta device (no memory, no weights); checks that each
-    saved item lies inside its shard file and starts as torch.save writes it, and that nothing but
-    param_groups is stored as pickled bytes. Raises a ConfigError naming the first mismatched tensor
-    and both shapes, or the unreadable file or item."""
+    shard file lies inside the checkpoint folder, each saved item inside its shard file and starts as
+    torch.save writes it, and that nothing but param_groups is stored as pickled bytes. Raises a
+    ConfigError naming the first mismatched tensor and both shapes, or the unreadable file or item."""
     if not cfg.train.resume_from:
         return
     path = Path(cfg.train.resume_from)
@@ -237,7 +237,7 @@ def check_resume(cfg: RunConfig) -> None:
 
 def _check_shards(path: Path, storage: dict[Any, Any]) -> None:
     for index, info in storage.items():
-        shard = path / info.relative_path
+        shard = _shard_file(path, info.relative_path, index.fqn)
         size = shard.stat().st_size if shard.is_file() else None
         if size is None or size < info.offset + info.length:
             found = "is missing" if size is None else f"has {size} bytes, {info.offset + info.length} needed"
@@ -477,7 +477,7 @@ def _reader(path: Path):
     with weights_only=True, but an item the metadata calls bytes (BytesStorageMetadata) with
     torch.load(weights_only=False), whatever the state dict asked for. The engine reads tensors
     only (param_groups, saved as bytes, are never read back), so a checkpoint file can hold data
-    only, never code.
+    only, never code. Every shard the metadata names must lie inside the checkpoint folder.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -487,6 +487,8 @@ def _reader(path: Path):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             with open(path / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(f, path / ".metadata").load()
+            for index, info in metadata.storage_data.items():  # before any rank opens a shard
+                _shard_file(path, info.relative_path, index.fqn)
             metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -501,6 +503,17 @@ def _reader(path: Path):
         raise FileNotFoundError(f"train.resume_from={path}: not a checkpoint folder (no .metadata); "
                                 "checkpoints are folders named stepNNNNNN")
     return SafeReader(str(path))
+
+
+def _shard_file(path: Path, relative: Any, fqn: str) -> Path:
+    """The shard file of `fqn`, refused unless `relative` (from .metadata) names a file inside the checkpoint
+    folder `path`: a relative path without `..` that no symlink leads out of."""
+    name = Path(relative) if isinstance(relative, (str, PurePath)) else None
+    if name is None or name.is_absolute() or ".." in name.parts \
+            or not (path / name).resolve().is_relative_to(path.resolve()):
+        raise RefusedCheckpoint(path / ".metadata", f"puts {fqn} in shard {relative!r}, outside the checkpoint "
+                                "folder (a shard must lie inside it: no '..', no absolute path, no symlink out)")
+    return path / name
 
 
 def _tensors_only(path: Path, saved: dict[str, Any], keys: Iterable[str]) -> None:
