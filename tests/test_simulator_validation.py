@@ -251,13 +251,75 @@ def test_mosaicml_rows_count_the_parameters_their_tables_give() -> None:
     assert counted == {key: MPT_NUM_PARAMS[key[0]][key[1]] for key in counted}
 
 
-def test_a_term_no_row_informs_keeps_its_default() -> None:
-    """Without Narayanan et al.'s ZeRO-3 rows no DeepSpeed row is ZeRO-3: its ZeRO-3 terms are not fitted."""
-    from tuning.sim.fit import fit_frameworks
+def test_a_term_no_row_informs_takes_its_documented_default() -> None:
+    """Issue 63 item 1: without Narayanan et al.'s Table 2 no DeepSpeed row is ZeRO-3, so no row left moves
+    with its ZeRO-3 terms: the fit returns each at the Framework dataclass default, not the shipped value
+    fitted on that table; with every source the same terms are fitted, away from their defaults."""
+    from tuning.sim.fit import FRAMEWORK_FITS, fit_frameworks, fit_rows, informed, term_defaults, with_terms
+    from tuning.sim.framework import Framework
 
+    zero3 = ("deepspeed.zero3_bw_efficiency", "deepspeed.overlap_interference")
+    defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
     without = fit_frameworks(exclude_source="narayanan2021-t2", zooms=2, only=("deepspeed",))
-    assert "deepspeed.zero3_bw_efficiency" not in without and "deepspeed.layer_microbatch_s" in without
-    assert "deepspeed.zero3_bw_efficiency" in fit_frameworks(zooms=2, only=("deepspeed",))
+    assert {k: without[k] for k in zero3} == {k: defaults[k.split(".")[1]] for k in zero3} == {k: term_defaults()[k]
+                                                                                               for k in zero3}
+    assert without["deepspeed.layer_microbatch_s"] != defaults["layer_microbatch_s"]  # the rest is fitted
+    every = fit_frameworks(zooms=2, only=("deepspeed",))
+    assert all(every[k] != defaults[k.split(".")[1]] for k in zero3), every
+    # what decides it is whether a row's metric moves with the term, not a list of field names
+    rows = fit_rows()
+    base, clusters = with_terms(term_defaults()), {r.cluster: load_cluster(r.cluster) for r in rows}
+    params = FRAMEWORK_FITS["deepspeed"]
+    names = lambda rs: {p.name for p in informed(rs, params, clusters=clusters, frameworks=base)}  # noqa: E731
+    zero1 = [r for r in rows if r.source == "bloom-0225"]
+    assert not names(zero1) & set(zero3) and "deepspeed.layer_microbatch_s" in names(zero1)
+    assert names([r for r in rows if r.id == "nar-t2-zero3-175b-384"]) >= set(zero3)
+
+
+def test_leave_one_source_out_prices_a_source_with_nothing_fitted_on_it(tmp_path, monkeypatch) -> None:
+    """Issue 63 item 1: the leave-one-source-out walk priced Narayanan et al.'s Table 2 ZeRO-3 rows with the
+    shipped DeepSpeed ZeRO-3 terms (0.1056, 0.3714), fitted on those six rows alone. On a published file of
+    that table and BLOOM's 02-25 (ZeRO-1) table, the walk prices them with the ZeRO-3 terms at their
+    documented defaults and the other DeepSpeed terms fitted on 02-25; the Megatron rows, with no Megatron
+    row left, at Megatron's defaults."""
+    from tuning.sim.fit import FRAMEWORK_FITS, fit_frameworks, row_metric, with_terms
+    from tuning.sim.framework import FRAMEWORKS, Framework
+    from tuning.sim.validation import loso
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = yaml.safe_load(DATA.read_text())
+    kept = ("narayanan2021-t2", "bloom-0225")
+    data["sources"] = {k: v for k, v in data["sources"].items() if k in kept}
+    data["rows"] = [r for r in data["rows"] if r["source"] in kept]
+    path = tmp_path / "published.yaml"
+    path.write_text(yaml.safe_dump(data))
+    table = loso(path, zooms=2).set_index("id")
+    defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
+    fitted = fit_frameworks(path, exclude_source="narayanan2021-t2", zooms=2, only=("deepspeed",))
+    expected = with_terms({**fitted, "deepspeed.zero3_bw_efficiency": defaults["zero3_bw_efficiency"],
+                           "deepspeed.overlap_interference": defaults["overlap_interference"],
+                           **{p.name: defaults[p.name.split(".")[1]] for p in FRAMEWORK_FITS["megatron"]}})
+    t2 = [r for r in calibration_rows(path) + held_out_rows(path) if r.source == "narayanan2021-t2"]
+    assert len(t2) == 12
+    for r in t2:
+        priced = float(np.asarray(row_metric(r, load_cluster(r.cluster), expected)).reshape(-1)[0])
+        shipped = float(np.asarray(row_metric(r, load_cluster(r.cluster), FRAMEWORKS)).reshape(-1)[0])
+        assert table.loc[r.id, "loso"] == pytest.approx(priced, rel=1e-9), r.id
+        assert abs(priced / shipped - 1.0) > 0.01, r.id  # the shipped terms price it otherwise
+    zero3_rows = table.loc[[r.id for r in t2 if r.zero == 3]]
+    assert set(zero3_rows["terms_at_default"]) == {"deepspeed.zero3_bw_efficiency deepspeed.overlap_interference"}
+
+
+# Sources whose leave-one-source-out median is over 10% or not under the flat baseline's, each with its cause
+# (issue 63: listed, not tuned away; every other source is held to both bounds)
+LOSO_EXCEPTIONS = {
+    # its six ZeRO-3 rows are the only DeepSpeed ZeRO-3 rows: left out, zero3_bw_efficiency and
+    # overlap_interference have no row to be fitted on and take their defaults (1.0, 0.0), which price
+    # ZeRO-3's per-parameter gathers at the link's full bus bandwidth with no cost to the compute under them:
+    # 40-351% too fast (median 25.9% over the table's 12 rows, baseline 9.7%); with the shipped terms, fitted
+    # on these rows, it read 5.9%
+    "narayanan2021-t2": "no other DeepSpeed ZeRO-3 row: its ZeRO-3 terms at their defaults",
+}
 
 
 def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
@@ -278,10 +340,14 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     priced = per[per["rows"] > 0]
     assert set(priced.index) >= {"narayanan2021-t1", "mosaicml-h100-80", "bloom-0221", "smith2022-mtnlg",
                                  "dgxc-llama31-8b", "dgxc-llama31-70b", "dgxc-grok1-314b", "mcore-moe-mixtral"}
-    assert priced["loso_median_pct"].max() <= 10.0, priced
+    missed = priced[(priced["loso_median_pct"] > 10.0) | ~priced["beats_baseline"].astype(bool)]
+    assert set(missed.index) == set(LOSO_EXCEPTIONS), missed
+    held = rows[rows["source"] == "narayanan2021-t2"].fillna({"terms_at_default": ""})
+    zero3 = held[held["id"].str.startswith("nar-t2-zero3")]
+    assert set(zero3["terms_at_default"]) == {"deepspeed.zero3_bw_efficiency deepspeed.overlap_interference"}
+    assert (held["terms_at_default"] != "").sum() == 6  # the cause named above: the ZeRO-3 rows alone
     assert priced.loc["dgxc-nemotron4-15b", "loso_median_pct"] < 6.0  # 10.8 with the published H100 facts
     assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 9.0  # 11.7 without its unpadding's bytes
-    assert priced["beats_baseline"].astype(bool).all(), priced
     assert priced.loc["mcore-h100-weak", "loso_median_pct"] < 6.9  # 7.9 with its loss priced fused
     assert priced.loc["mosaicml-a100-40", "loso_median_pct"] < 5.0
     assert per.loc["bloom-0225", "spearman"] >= 0.8 and per.loc["bloom-0225", "top1_regret"] <= 0.05
@@ -305,14 +371,14 @@ def test_ranking_metrics_by_hand() -> None:
 def test_zero3_rows_fall_with_gpu_count_as_measured(table) -> None:
     from tuning.sim.validation import loso
 
-    zero3 = table[table["id"].str.startswith("nar-t2-zero3")].merge(loso()[["id", "loso_error_pct"]], on="id")
+    zero3 = table[table["id"].str.startswith("nar-t2-zero3")].merge(loso()[["id", "loso"]], on="id")
     for size in ("175b", "530b"):
         part = zero3[zero3["id"].str.contains(size)].sort_values("gpus")
         assert list(part["published"]) == sorted(part["published"], reverse=True)
         assert list(part["simulated"]) == sorted(part["simulated"], reverse=True)  # falls as measured
-    # issue 38: each within 25%, in sample and with Narayanan et al.'s Table 2 left out of the fit
+        assert list(part["loso"]) == sorted(part["loso"], reverse=True)  # also with ZeRO-3's terms at defaults
+    # issue 38: each within 25% in sample. Out of sample no row informs ZeRO-3's terms (LOSO_EXCEPTIONS)
     assert (zero3["error_pct"].abs() <= 25.0).all(), zero3[["id", "error_pct"]]
-    assert (zero3["loso_error_pct"].abs() <= 25.0).all(), zero3[["id", "loso_error_pct"]]
 
 
 def test_the_expected_slowest_gpu_is_the_order_statistic_of_its_spread() -> None:

@@ -1,38 +1,95 @@
 """The simulator's tables kept between processes (pricing and fitting the published rows takes seconds to
-minutes on a busy 2-core host, for each `workbench simulate`): keyed by the data file and by every source
-file that prices or fits them (tuning/, its data, engine/model/shapes.py), so any change recomputes."""
+minutes on a busy 2-core host, for each `workbench simulate`): keyed by the data file, the data the code
+reads (tuning/data/**/*.yaml) and every project module the tables' code imports (`simulator_modules`: a walk
+of the import statements from `ENTRY_MODULES`, those inside functions included), so any change recomputes.
+Each writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file
+system): two processes filling the same table never interleave their bytes."""
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[2]
+# the modules whose functions compute the cached tables (validation.loso, domain's validated table)
+ENTRY_MODULES = ("tuning.sim.validation", "tuning.sim.domain")
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """The project file of module `name` (a package's __init__.py), None where it is not the project's."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported(path: Path, name: str, root: Path) -> set[str]:
+    """Project modules `path` (module `name`) imports anywhere in its body, with their parent packages."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".") if package else []
+            head = ".".join(parts[:len(parts) - node.level + 1] if node.level else [])
+            target = ".".join(x for x in (head, node.module or "") if x)
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
+    return {m for m in found | parents if _module_file(m, root) is not None}
+
+
+@functools.lru_cache(maxsize=4)
+def simulator_modules(entries: tuple[str, ...] = ENTRY_MODULES, root: Path = ROOT) -> tuple[Path, ...]:
+    """Every project file reachable from `entries` through import statements (sorted)."""
+    seen: dict[str, Path] = {}
+    todo = [m for e in entries for m in [".".join(e.split(".")[:i]) for i in range(1, e.count(".") + 2)]]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name, root)
+        if name in seen or path is None:
+            continue
+        seen[name] = path
+        todo.extend(_imported(path, name, root) - set(seen))
+    return tuple(sorted(seen.values()))
 
 
 def cache_path(kind: str, data: str | Path) -> Path:
     """Where the `kind` table of `data` is kept for the code as it is."""
     digest = hashlib.sha256(Path(data).read_bytes())
-    sources = sorted((ROOT / "tuning").rglob("*.py")) + sorted((ROOT / "tuning" / "data").glob("*.yaml"))
-    for source in sources + [ROOT / "engine" / "model" / "shapes.py"]:
-        digest.update(source.read_bytes())
+    for source in simulator_modules() + tuple(sorted((ROOT / "tuning" / "data").rglob("*.yaml"))):
+        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + _read(source))
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
     return home / f"{kind}-{digest.hexdigest()[:16]}.csv"
 
 
+def _read(path: Path) -> bytes:
+    return path.read_bytes()
+
+
 def cached_frame(cache: Path, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
-    """The table kept at `cache`, else `compute()` written there (best effort: a read-only home only costs the
-    next process the work again)."""
+    """The table kept at `cache`, else `compute()` written there through a temporary file of this writer's own
+    (best effort: a read-only home only costs the next process the work again)."""
     if cache.is_file():
         return pd.read_csv(cache)
     table = compute()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(cache.with_suffix(".tmp"), index=False)
-        cache.with_suffix(".tmp").replace(cache)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.stem}-", suffix=".tmp")
+        os.close(fd)
+        try:
+            table.to_csv(tmp, index=False)
+            os.replace(tmp, cache)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     except OSError:
         pass
     return table

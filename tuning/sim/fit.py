@@ -6,16 +6,21 @@ attention rate is fitted to a training row. What end-to-end rows do fit are the 
 its memory-bound kernels move per counted activation byte, and for DeepSpeed the share of the link
 its ZeRO collectives reach and how much of the compute under them they take), all of a flavour's terms
 fitted jointly on the rows of its own framework by a zooming grid (a few parameters and rows: an explicit
-search needs no optimiser dependency; every grid point of a row is priced in one vectorised call); a
-term no row left informs (ZeRO-3's, without a ZeRO-3 row) keeps its default. One term is fitted on memory
+search needs no optimiser dependency; every grid point of a row is priced in one vectorised call). A term
+no row left informs (`informed`: no row's metric moves between the term's bounds -- ZeRO-3's, without a
+ZeRO-3 row) is not fitted: it takes its documented default, the `Framework` dataclass default, and so does
+every term of a flavour with no row left. The shipped values are never a fit's starting point, so a
+leave-one-out fit holds nothing fitted on the source it leaves out. One term is fitted on memory
 readings instead: `allocator_reserve` of the flavours in RESERVE_FITS, the median share their nvidia-smi
 readings of runs that ran sit above the tensors the memory model counts (`fit_allocator_reserve`; an
 out-of-memory fact has no reading and is never fitted on).
 
-`fit_frameworks(exclude_source=...)` leaves one source's rows out: `tuning.sim.validation.loso` refits
-without each source in turn and prices that source with the result (leave-one-source-out). The
-flavours in `tuning.sim.framework` hold the fit on every source; tests/test_simulator_validation.py
-checks they equal what `fit_frameworks()` returns.
+Every published row with a measured value is fitted on (`fit_rows`: the `fitted` flag of published.yaml
+marks the rows a table was first calibrated with; the fit reads held-out rows too, so in-sample figures
+are not held-out ones). `fit_frameworks(exclude_source=...)` leaves one source's rows out:
+`tuning.sim.validation.loso` refits without each source in turn and prices that source with the result
+(leave-one-source-out). The flavours in `tuning.sim.framework` hold the fit on every source;
+tests/test_simulator_validation.py checks they equal what `fit_frameworks()` returns.
 """
 from __future__ import annotations
 
@@ -101,9 +106,34 @@ FRAMEWORK_FITS = {  # flavour: the fields fitted on that flavour's rows
                   Param(name="deepspeed.overlap_interference", lo=0.0, hi=1.0)],
 }
 FITTED_TERMS = tuple(p.name for params in FRAMEWORK_FITS.values() for p in params) + RESERVE_TERMS
-# fields only ZeRO-3 rows inform (the block collectives that overlap compute): left at their defaults when no
-# ZeRO-3 row of the flavour is fitted
-ZERO3_FIELDS = ("zero3_bw_efficiency", "overlap_interference")
+INFORMED_REL = 1e-6  # a row informs a term when its metric at the term's two bounds differs by more than this
+
+
+def term_defaults(flavours: tuple[str, ...] | None = None) -> dict[str, float]:
+    """The documented default (the `Framework` dataclass default) of every fitted term of `flavours` (all
+    when None): what a term takes when no row is left to fit it on."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
+    return {name: float(defaults[name.split(".")[1]]) for name in FITTED_TERMS
+            if flavours is None or name.split(".")[0] in flavours}
+
+
+def informed(rows: list[PublishedRow], params: list[Param], *, clusters: dict[str, ClusterSpec],
+             frameworks: dict[str, Framework]) -> list[Param]:
+    """The params some row's metric moves with: each priced at its bounds, the others at their values in
+    `frameworks` (one vectorised call per row)."""
+    names = [p.name.split(".") for p in params]
+    values = {}
+    for i, p in enumerate(params):
+        flavour, field = names[i]
+        column = np.full(2 * len(params), float(getattr(frameworks[flavour], field)))
+        column[2 * i:2 * i + 2] = (p.lo, p.hi)
+        values[p.name] = column
+    moved = np.zeros(len(params), dtype=bool)
+    for r in rows:
+        cl, fw = _apply(values, clusters[r.cluster], frameworks)
+        pairs = np.broadcast_to(row_metric(r, cl, fw), (2 * len(params),)).reshape(len(params), 2)
+        moved |= np.abs(pairs[:, 1] / pairs[:, 0] - 1.0) > INFORMED_REL
+    return [p for p, m in zip(params, moved) if m]
 
 
 def fit_rows(path: str | Path = DATA, exclude_source: str | None = None) -> list[PublishedRow]:
@@ -113,23 +143,27 @@ def fit_rows(path: str | Path = DATA, exclude_source: str | None = None) -> list
 
 def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,
                    only: tuple[str, ...] | None = None) -> dict[str, float]:
-    """Each flavour's terms (`FRAMEWORK_FITS`) fitted jointly on all its rows, without `exclude_source`'s;
-    the fields only ZeRO-3 rows inform (`ZERO3_FIELDS`) keep their unfitted defaults when no ZeRO-3 row
-    of the flavour is left (a field no row informs is not fitted). A flavour with no row left keeps its
-    unfitted defaults. `only` limits the flavours fitted."""
+    """Every fitted term of each flavour (`FITTED_TERMS`; `only` limits the flavours): fitted on the flavour's
+    rows without `exclude_source`'s where a row left informs it (`fit_terms`), else its documented default
+    (`term_defaults`); never the shipped value, which may hold the left-out source."""
+    return {**term_defaults(only), **fit_terms(path, exclude_source=exclude_source, zooms=zooms, only=only)}
+
+
+def fit_terms(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,
+              only: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Only the terms some row left informs (`informed`), each flavour's fitted jointly on its rows; a term
+    no row informs is absent."""
     rows = fit_rows(path, exclude_source)
     clusters = {r.cluster: load_cluster(r.cluster) for r in rows}
-    defaults = {f.name: f.default for f in dataclasses.fields(Framework)}
-    base = with_terms({name: defaults[name.split(".")[1]] for name in FITTED_TERMS})  # never the shipped values
+    base = with_terms(term_defaults())  # never the shipped values
     out: dict[str, float] = {}
     for flavour, params in FRAMEWORK_FITS.items():
-        if only is not None and flavour not in only:
-            continue
         mine = [r for r in rows if r.framework == flavour]
-        if not mine:
+        if (only is not None and flavour not in only) or not mine:
             continue
-        informed = [p for p in params if p.name.split(".")[1] not in ZERO3_FIELDS or any(r.zero == 3 for r in mine)]
-        out.update(grid_fit(mine, informed, clusters=clusters, frameworks=base, zooms=zooms))
+        moved = informed(mine, params, clusters=clusters, frameworks=base)
+        if moved:
+            out.update(grid_fit(mine, moved, clusters=clusters, frameworks=base, zooms=zooms))
     reserve = fit_allocator_reserve(exclude_source=exclude_source)
     out.update({k: v for k, v in reserve.items() if only is None or k.split(".")[0] in only})
     return out
@@ -144,8 +178,8 @@ def fitted_rows(path: str | Path = DATA) -> dict[str, list[str]]:
     return out
 
 
-__all__ = ["FITTED_TERMS", "FRAMEWORK_FITS", "Param", "ZERO3_FIELDS", "fit_frameworks", "fit_rows", "fitted_rows",
-           "grid_fit", "row_metric", "with_terms"]
+__all__ = ["FITTED_TERMS", "FRAMEWORK_FITS", "INFORMED_REL", "Param", "fit_frameworks", "fit_rows", "fit_terms",
+           "fitted_rows", "grid_fit", "informed", "row_metric", "term_defaults", "with_terms"]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m tuning.sim.fit` prints the fit on every source

@@ -122,16 +122,27 @@ def _price(rows: list[Any], frameworks: Any) -> list[float]:
 
 def loso(path: str | Path | None = None, *, zooms: int = 6) -> pd.DataFrame:
     """Every priced row predicted with the per-framework terms fitted on every source (`in_sample`)
-    and fitted without any row of its own source (`loso`: leave-one-source-out), beside the flat
-    baseline; errors in percent of the published value. Cached per data and code (minutes to fit)."""
+    and fitted without any row of its own source (`loso`: leave-one-source-out; a term no other source's
+    row informs takes its documented default, `tuning.sim.fit.term_defaults`, listed in `terms_at_default`),
+    beside the flat baseline; errors in percent of the published value. Cached per data and code."""
     from tuning.sim.published import DATA
 
     path = Path(path or DATA)
     return cached_frame(cache_path("loso", path), lambda: _loso_table(path, zooms))
 
 
+def out_of_sample_frameworks(path: Path, source: str, flavours: tuple[str, ...], zooms: int) -> tuple[Any, list[str]]:
+    """The flavours priced without `source`: each fitted term of `flavours` refitted without its rows, or at
+    its default where no row left informs it (never the shipped value); and the terms left at default."""
+    from tuning.sim.fit import fit_terms, term_defaults, with_terms
+
+    fitted = fit_terms(path, exclude_source=source, zooms=zooms, only=flavours)
+    defaults = term_defaults(flavours)
+    return with_terms({**defaults, **fitted}), [name for name in defaults if name not in fitted]
+
+
 def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
-    from tuning.sim.fit import FRAMEWORK_FITS, fit_frameworks, with_terms
+    from tuning.sim.fit import FRAMEWORK_FITS
     from tuning.sim.framework import FRAMEWORKS
     from tuning.sim.hardware import load_cluster
     from tuning.sim.published import calibration_rows, held_out_rows
@@ -142,13 +153,14 @@ def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
     for source in dict.fromkeys(r.source for r in rows):
         mine = [r for r in rows if r.source == source]
         refit = tuple(sorted({r.framework for r in mine} & set(FRAMEWORK_FITS)))
-        fws = with_terms(fit_frameworks(path, exclude_source=source, zooms=zooms, only=refit)) if refit else FRAMEWORKS
+        fws, held = out_of_sample_frameworks(path, source, refit, zooms) if refit else (FRAMEWORKS, [])
         for r, inside, outside in zip(mine, _price(mine, FRAMEWORKS), _price(mine, fws)):
             base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops, value=r.value, source_mfu=r.source_mfu)
             out.append({"id": r.id, "source": source, "published": r.value, "in_sample": inside, "loso": outside,
                         "baseline": base, "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
                         "loso_error_pct": 100.0 * (outside / r.value - 1.0),
-                        "baseline_error_pct": 100.0 * (base / r.value - 1.0)})
+                        "baseline_error_pct": 100.0 * (base / r.value - 1.0),
+                        "terms_at_default": " ".join(t for t in held if t.startswith(f"{r.framework}."))})
     return pd.DataFrame(out).sort_values("id", key=lambda s: s.map(order)).reset_index(drop=True)
 
 
@@ -174,4 +186,5 @@ def loso_by_source(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[s
 
 
 __all__ = ["BASELINE_MFU", "MIN_RANKED", "SEARCH_MIN_ROWS", "TARGET_REGRET", "TARGET_SPEARMAN", "baseline_metric",
-           "loso", "loso_by_source", "memory_check", "per_source", "ranking", "spearman", "top1_regret"]
+           "loso", "loso_by_source", "memory_check", "out_of_sample_frameworks", "per_source", "ranking", "spearman",
+           "top1_regret"]

@@ -1,0 +1,72 @@
+"""The simulator's disk cache (tuning/sim/cache.py, issue 63 item 5): its key covers every module the cached
+tables' code imports, and two writers of one table never mix their bytes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+
+from tuning.sim import cache
+from tuning.sim.cache import ROOT, cache_path, cached_frame
+
+
+def test_the_key_covers_every_project_module_the_simulator_imports(monkeypatch) -> None:
+    """engine/peaks.py (the GPUs' peak FLOP/s) was outside the key: a change there served a stale table."""
+    from tuning.sim.cache import simulator_modules
+
+    files = {str(p.relative_to(ROOT)) for p in simulator_modules()}
+    assert {"engine/peaks.py", "engine/model/shapes.py", "tuning/sim/fit.py", "tuning/sim/memory.py"} <= files
+    code = ("import sys, tuning.sim.validation, tuning.sim.domain, tuning.sim.fit, tuning.sim.memory_facts\n"
+            "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    project = {p for p in loaded.stdout.split() if p.startswith(str(ROOT)) and "/.venv/" not in p}
+    assert project and project <= {str(p) for p in simulator_modules()}
+    peaks = ROOT / "engine" / "peaks.py"
+    before = cache_path("loso", ROOT / "tuning" / "data" / "published.yaml")
+    monkeypatch.setattr(cache, "_read", lambda p: p.read_bytes() + (b"# edited" if p == peaks else b""))
+    assert cache_path("loso", ROOT / "tuning" / "data" / "published.yaml") != before
+
+
+def test_the_walk_follows_imports_inside_functions(tmp_path) -> None:
+    from tuning.sim.cache import simulator_modules
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "entry.py").write_text("def f():\n    from pkg import lazy\n    from .rel import x\n")
+    (pkg / "lazy.py").write_text("import json\n")
+    (pkg / "rel.py").write_text("x = 1\n")
+    (pkg / "unused.py").write_text("")
+    found = {p.name for p in simulator_modules(("pkg.entry",), tmp_path)}
+    assert found == {"__init__.py", "entry.py", "lazy.py", "rel.py"}
+
+
+def test_two_writers_of_one_table_do_not_mix_their_bytes(tmp_path, monkeypatch) -> None:
+    """A second process fills the same table while the first is half-way through writing it: with one shared
+    temporary name the first kept writing into the file the second had renamed into place."""
+    target = tmp_path / "loso-x.csv"
+    first = pd.DataFrame({"id": [f"a{i}" for i in range(200)], "v": range(200)})
+    second = pd.DataFrame({"id": [f"b{i}" for i in range(200)], "v": range(200, 400)})
+    write = pd.DataFrame.to_csv
+    calls = []
+
+    def interleaved(frame, path, **kw):
+        calls.append(path)
+        if len(calls) > 1:
+            return write(frame, path, **kw)
+        text = write(frame, None, **kw)
+        with open(path, "w") as out:  # noqa: PTH123 - the writer's own handle, as to_csv holds one
+            out.write(text[:len(text) // 2])
+            out.flush()
+            cached_frame(target, lambda: second)  # the other writer, start to finish
+            out.write(text[len(text) // 2:])
+        return None
+
+    monkeypatch.setattr(pd.DataFrame, "to_csv", interleaved)
+    cached_frame(target, lambda: first)
+    monkeypatch.setattr(pd.DataFrame, "to_csv", write)
+    kept = pd.read_csv(target)
+    assert kept.equals(first) or kept.equals(second), kept
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert [p.name for p in tmp_path.iterdir()] == ["loso-x.csv"]  # no temporary file left behind
