@@ -208,15 +208,21 @@ def test_deepspeeds_reserve_fitted_without_a_table_prices_its_readings_and_its_o
 
 def test_the_known_oom_fact_is_contradicted_by_its_table():
     """KNOWN's out-of-memory fact holds no more of any term than a row of its own table that ran (within 1%),
-    and that row's reading leaves 18 GB free: no memory model that grows with its terms can part them."""
+    and that row's reading leaves 18 GB free: no memory model that grows with its terms can part them. What
+    makes the exception the source's and not the model's (issue 63 item 5: checks on the data alone cannot
+    fail): the model prices that twin within 5% of its nvidia-smi reading, in sample and with DeepSpeed's
+    reserve fitted without the table, so the fact it admits is one it prices where a run that ran was read."""
     from tuning.sim.memory_facts import walk
 
-    table = walk().set_index("id")
-    oom, ran = table.loc["bloom-0228-14336x82-dp8tp4pp12-mb2-h128"], table.loc["bloom-0228-13312x94-dp8tp4pp12-mb2-h128"]
-    assert oom["outcome"] == "oom" and ran["outcome"] == "ran" and ran["measured_gb"] == 67
-    for category in CATEGORIES:
-        assert oom[f"{category}_gb"] <= ran[f"{category}_gb"] * 1.01 + 1e-9, category
-    assert ran["usable_gb"] - ran["measured_gb"] > 18
+    for table in (walk().set_index("id"), walk(leave_one_source_out=True).set_index("id")):
+        oom = table.loc["bloom-0228-14336x82-dp8tp4pp12-mb2-h128"]
+        ran = table.loc["bloom-0228-13312x94-dp8tp4pp12-mb2-h128"]
+        assert oom["outcome"] == "oom" and ran["outcome"] == "ran" and ran["measured_gb"] == 67
+        for category in CATEGORIES:
+            assert oom[f"{category}_gb"] <= ran[f"{category}_gb"] * 1.01 + 1e-9, category
+        assert ran["usable_gb"] - ran["measured_gb"] > 18
+        assert abs(ran["predicted_kind_gb"] / ran["measured_gb"] - 1.0) <= 0.05, ran["predicted_kind_gb"]
+        assert oom["predicted_gb"] <= ran["measured_gb"] * 1.05 and ran["fits"] and oom["fits"]
 
 
 def test_llama3_frees_each_stage_input():

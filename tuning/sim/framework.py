@@ -8,12 +8,13 @@ Two kinds of difference:
   slice of an activation (Megatron-LM's scatter/gather, Narayanan et al. 2021 sec. 4.1; DeepSpeed's
   `PipelineEngine` partitions it the same way by default, `pipeline.pipe_partitioned: True` in
   deepspeed/runtime/config.py).
-- **Fixed costs** (fitted on calibration rows only, `tuning.sim.fit.fit_frameworks`): host and
-  launch work per layer and micro-batch and per micro-batch that GPU kernels do not hide (the
-  Python instruction loop of DeepSpeed's pipeline engine, its activation-checkpointing
-  bookkeeping, kernel launches of small blocks), and the share of the link's bandwidth that
-  ZeRO-3's gathers achieve. The presets' GEMM curves were fitted with Megatron-LM rows, so
-  Megatron-LM's own fixed costs are in its GEMM rates (zero here by construction).
+- **Fixed costs** (fitted on every published row of the flavour, `tuning.sim.fit.fit_frameworks`; a
+  term no row informs keeps the dataclass default below): host and launch work per layer and
+  micro-batch and per micro-batch that GPU kernels do not hide (the Python instruction loop of
+  DeepSpeed's pipeline engine, its activation-checkpointing bookkeeping, kernel launches of small
+  blocks), the bytes its memory-bound kernels move, and the share of the link's bandwidth that its
+  ZeRO collectives achieve. Kernel rates are measured hardware facts (tuning/data/kernels.yaml), not
+  fitted to any framework's rows, so Megatron-LM has fixed costs of its own too (`FITTED`).
 - **Memory held beyond the tensors** (`allocator_reserve`, fitted on the flavour's nvidia-smi readings of runs
   that ran, `tuning.sim.memory_facts.fit_allocator_reserve`; never on an out-of-memory fact): counted in the fit test,
   so a layout fits only where its tensors and this reserve do.
@@ -31,7 +32,8 @@ import numpy as np
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Framework:
-    """One framework flavour: structure (read) and fixed costs (fitted on calibration rows)."""
+    """One framework flavour: structure (read) and fixed costs (fitted on its published rows; the defaults
+    here are what a term takes where no row informs it)."""
 
     name: str
     description: str
@@ -39,6 +41,8 @@ class Framework:
     # FSDP-style ZeRO-2 keeps the gathered parameters across the step's micro-batches: one all-gather
     # per block and step (the engine's `keep_gathered`), not one per block and micro-batch
     zero2_gather_once: bool = False
+    # "fitted" below: for the flavours whose tuning.sim.fit.FRAMEWORK_FITS (or RESERVE_FITS) names the field;
+    # every other flavour, and a fit where no row informs the field, keeps the default written here
     layer_microbatch_s: float = 0.0  # fitted: fixed s per layer and micro-batch (forward + backward)
     microbatch_s: float = 0.0  # fitted: fixed s per micro-batch on a pipeline stage
     zero3_bw_efficiency: float = 1.0  # fitted: share of the link's bus bandwidth ZeRO-3's collectives reach

@@ -65,8 +65,8 @@ class ClusterSpec:
     gemm_max_efficiency: float = 0.8  # achieved/peak of a very large GEMM
     gemm_half_flops: float = 1e9  # GEMM size (FLOPs) reaching half of the max efficiency
     gemm_table: tuple[tuple[float, float], ...] = ()  # measured (GEMM FLOPs, FLOP/s); overrides the curve
-    # attention's max efficiency on the GEMM curve's shape (fitted on long-sequence rows, where attention
-    # dominates); 0 = the GEMM curve's own (attention priced as GEMMs)
+    # attention's max efficiency on the GEMM curve's shape (a profile's own; no preset sets it: their attention
+    # is the measured kernels of `kernels`); 0 = the GEMM curve's own (attention priced as GEMMs)
     attention_max_efficiency: float = 0.0
     # measured fused attention (one of its two GEMMs' FLOPs, FLOP/s); empty = attention at the GEMM rate
     attention_table: tuple[tuple[float, float], ...] = ()
@@ -77,8 +77,9 @@ class ClusterSpec:
     cuda_context_gb: float = 0.0
     nccl_channels: int = 0
     # Achieved share of hbm_gb_s in memory-bound kernels (norms, softmax, dropout, GeLU, Adam): they
-    # read and write more than the activation bytes the model counts; fitted on GPU presets
-    # (tuning/sim/published.py), 1 on measured hosts whose hbm_gb_s is itself a kernel measurement.
+    # read and write more than the activation bytes the model counts. Not fitted: GPU presets take the
+    # measured streaming rate of `kernels` (tuning.sim.kernels.memory_bandwidth) and leave it at 1, as do
+    # measured hosts, whose hbm_gb_s is itself a kernel measurement.
     hbm_efficiency: float = 1.0
     # Measured hosts: GB/s at which few-token linear layers stream their weights, forward + backward
     # with gradient accumulation (tuning.calibrate.calibration.measure_weight_stream); 0 = hbm_gb_s x hbm_efficiency.
@@ -138,8 +139,9 @@ class ClusterSpec:
     def attention_rate(self, flops: np.ndarray | float) -> np.ndarray:
         """Achieved FLOP/s of one attention GEMM (Q K^T or scores x V) of `flops` FLOPs of work done:
         the measured fused-attention table where there is one (CPU hosts, `tuning.calibrate.calibration`), else
-        the GEMM curve at `attention_max_efficiency` (GPU presets, fitted on long-sequence rows; a
-        fused kernel's softmax and its backward's recomputation keep it below the GEMMs' rate)."""
+        the GEMM curve at `attention_max_efficiency` (a profile's own, not fitted; a fused kernel's softmax
+        and its backward's recomputation keep it below the GEMMs' rate). GPU presets' fused attention is
+        priced from tuning/data/kernels.yaml's measurements (`tuning.sim.kernels`), not here."""
         if self.attention_table:
             return table_rate(self.attention_table, flops)
         eff = self.attention_max_efficiency
@@ -247,7 +249,7 @@ _FRONTIER = ClusterSpec(
 _A100_40 = dataclasses.replace(_A100, name="dgx-a100-40gb", memory_gb=42.9, hbm_gb_s=1555.0, kernels="a100-40")
 
 # Jean Zay gpu_p5 (IDRIS), where BigScience searched BLOOM-176B's layout: the same A100 80GB SXM
-# (the GEMM curve fitted on DGX rows), 8 per node on NVLink (assumed switched as in a DGX), and
+# (the same measured kernels, `kernels="a100"`), 8 per node on NVLink (assumed switched as in a DGX), and
 # "4 OmniPath links" of 100 Gb/s per node (bigscience train/tr11-176B-ml/README.md, Hardware):
 # 4 x 12.5 GB/s shared by 8 GPUs = 6.25 GB/s per GPU; assumed 90%.
 _JEAN_ZAY = dataclasses.replace(_A100, name="jean-zay-a100", inter_bw_gb_s=5.625,

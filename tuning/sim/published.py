@@ -2,11 +2,12 @@
 
 `tuning/data/published.yaml` holds every row of every cited table with its source (paper or
 repository, table, the configuration as published, the framework) and a `fitted` flag; tables
-or rows that cannot be priced are listed as `excluded` with the reason. Fitting code reads rows
-only through `calibration_rows()`, which drops held-out rows before any row object exists;
-`held_out_rows()` is for comparison only. `validation_table()` prices every row; `summarize()`
-gives the held-out median absolute error by group; ranking per table is `tuning.sim.validation`;
-intervals and the domain of validity are `tuning.sim.domain`.
+or rows that cannot be priced are listed as `excluded` with the reason. The `fitted` flag marks the
+rows a table was first calibrated with; the per-framework fit (`tuning.sim.fit.fit_rows`) reads
+`calibration_rows()` and `held_out_rows()` alike, so only leave-one-source-out figures
+(`tuning.sim.validation.loso`) are out of sample. `validation_table()` prices every row;
+`summarize()` gives the median absolute error of the rows flagged `fitted: false` by group;
+ranking per table is `tuning.sim.validation`; intervals and the domain of validity are `tuning.sim.domain`.
 """
 from __future__ import annotations
 
@@ -144,12 +145,12 @@ def _rows(path: str | Path, fitted: bool) -> list[PublishedRow]:
 
 
 def calibration_rows(path: str | Path = DATA) -> list[PublishedRow]:
-    """Rows flagged `fitted: true` with a measured value: the only rows fitting code may read."""
+    """Rows flagged `fitted: true` with a measured value."""
     return _rows(path, True)
 
 
 def held_out_rows(path: str | Path = DATA) -> list[PublishedRow]:
-    """Rows flagged `fitted: false` with a measured value: compared with, never fitted on."""
+    """Rows flagged `fitted: false` with a measured value (the fit reads them too: `tuning.sim.fit.fit_rows`)."""
     return _rows(path, False)
 
 
@@ -233,8 +234,8 @@ def validation_table(path: str | Path = DATA, *, clusters: dict[str, ClusterSpec
 
 
 def summarize(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """Held-out median/max |error| and row count: overall, per class, hardware, framework,
-    recompute mode and source."""
+    """Median/max |error| and row count of the rows `table` flags `fitted: false`: overall, per class,
+    hardware, framework, recompute mode and source (out of sample only where `table` is priced so)."""
     held = table[~table["fitted"]].assign(abs_err=lambda d: d["error_pct"].abs())
 
     def agg(df: pd.DataFrame, key: str | None) -> pd.DataFrame:
