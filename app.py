@@ -11,6 +11,7 @@ st.set_page_config(page_title="Workbench", page_icon=":material/tune:", layout="
 
 PAGES = [
     st.Page("workbench/app_pages/home.py", title="Overview", icon=":material/home:", default=True),
+    st.Page("workbench/app_pages/plan.py", title="Plan", icon=":material/format_list_numbered:"),
     st.Page("workbench/app_pages/hardware.py", title="Hardware", icon=":material/memory:"),
     st.Page("workbench/app_pages/run.py", title="Run", icon=":material/play_circle:"),
     st.Page("workbench/app_pages/tune.py", title="Tune", icon=":material/tune:"),
