@@ -60,10 +60,12 @@ postgres:
 test: $(STAMP) chromium slurm postgres
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30
 
-# the compatibility matrix (docs/compatibility.md): re-runs every accepted cell without a current passing result
-# (stale: another plan or code; not run; failed), or CELLS=a+b,c+d, or CELLS=all; each result goes to
-# docs/data/matrix.json as it ends, with the document re-rendered (a killed run keeps every finished cell)
+# the compatibility matrix (docs/compatibility.md): re-runs the accepted cells whose result is stale (another
+# plan, or a change to the code that cell runs: tools/matrix/compat_code.py) or missing, or CELLS=a+b,c+d, or
+# CELLS=all; it prints how many and about how long first; each result goes to docs/data/matrix.json as it
+# ends, with the document re-rendered (a killed run keeps every finished cell)
 matrix: $(STAMP)
+	@$(BIN)/python -m tools.matrix --estimate "$(or $(CELLS),stale)"
 	@status=0; MATRIX_CELLS="$(or $(CELLS),stale)" MATRIX_RECORD=docs/data/matrix.json OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider -rf tests/test_matrix.py::test_cell || status=$$?; \
 	$(BIN)/python -m tools.matrix --write docs/compatibility.md; \

@@ -244,7 +244,7 @@ def _parity(plan: compat.Plan, knobs: dict[str, Any], cell_run: dict[str, Any],
 def run_cell(cell_id: str, timeout: float = 400.0) -> dict[str, Any]:
     """Run an accepted cell; its result (what docs/data/matrix.json records), with the code it ran."""
     plan = compat.plan(compat.Cell.parse(cell_id))
-    code = compat_results.code_state()
+    code = compat_results.code_state(compat.Cell.parse(cell_id))  # the hash of the code this cell runs
     t0 = time.perf_counter()
     knobs = acting_knobs(plan.config, compat.LIVE_CANDIDATES) if plan.live else {}
     runs, chain = _runs(plan, knobs)

@@ -6,7 +6,7 @@ current result first, one of more than 4 ranks, then cells of <= 4 ranks shuffle
 (`MATRIX_SEED` overrides it) within SAMPLE_BUDGET_S of recorded seconds), and records each result
 into docs/data/matrix.json and re-renders docs/compatibility.md (`MATRIX_RECORD=` turns that off,
 `MATRIX_RECORD=PATH` records elsewhere). `MATRIX_CELLS=a+b,c+d` runs those cells, `MATRIX_CELLS=stale`
-every accepted cell without a current passing result (`make matrix`), `MATRIX_CELLS=all` all of them.
+every accepted cell whose result is stale or missing (`make matrix`), `MATRIX_CELLS=all` all of them.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.matrix import compat, compat_doc, compat_results
+from tools.matrix import compat, compat_code, compat_doc, compat_results
 from tools.matrix.compat import FEATURES, Cell
 from tools.matrix.compat_doc import render
 from tools.matrix.compat_results import load_results, status
@@ -29,13 +29,9 @@ SEED = os.environ.get("MATRIX_SEED") or datetime.datetime.now(datetime.timezone.
 
 def _selected() -> list[str]:
     wanted = os.environ.get("MATRIX_CELLS", "")
-    if wanted == "all":
-        return [c.id for c in compat.cells() if compat.verdict(c).kind == "accepted"]
-    if wanted == "stale":
-        return compat_results.to_refresh(load_results(RESULTS), compat_results.code_state()["code"])
-    if wanted:
-        return [Cell.parse(c.strip()).id for c in wanted.split(",") if c.strip()]
-    return compat_results.sample(SEED, load_results(RESULTS), compat_results.code_state()["code"])
+    if wanted and wanted not in ("stale", "all"):  # named cells: no need to hash every cell's code
+        return compat_results.select(wanted, {}, {}, SEED)
+    return compat_results.select(wanted, load_results(RESULTS), compat_results.cell_codes(), SEED)
 
 
 SELECTED = _selected()
@@ -47,7 +43,7 @@ _DONE: list[float] = []  # seconds of each cell run so far (the progress line)
 @pytest.mark.xdist_group("matrix")  # with test_cell, which rewrites both files
 def test_committed_document_is_the_generated_one() -> None:
     """docs/compatibility.md is `python -m tools.matrix --write` of the recorded results for the code
-    as it is: a change to engine/ or profilers/ shows its cells as stale once the page is rendered."""
+    as it is: a change to the code a cell runs shows that cell as stale once the page is rendered."""
     committed = (ROOT / compat_results.DOC_PATH).read_text()
     assert committed == render(load_results(RESULTS)), \
         "docs/compatibility.md is not the render of docs/data/matrix.json for the current code: run " \
@@ -61,8 +57,8 @@ def test_every_accepted_cell_has_a_passing_current_result() -> None:
     Only `make matrix` (hours) can make this true after a code change, so CI shows it as a skip with
     the counts (`-rs`) until the recorded results are complete; MATRIX_COMPLETE=1 makes it a failure."""
     results = load_results(RESULTS)
-    code = compat_results.code_state()["code"]
-    statuses = {c.id: status(c, results, code) for c in compat.cells()}
+    codes = compat_results.cell_codes()
+    statuses = {c.id: status(c, results, codes) for c in compat.cells()}
     bad = {cid: s for cid, s in statuses.items() if s[0] in ("not run", "stale", "failed")}
     if bad and not os.environ.get("MATRIX_COMPLETE"):
         kinds = [k for k, _ in bad.values()]
@@ -127,7 +123,7 @@ def test_a_feature_broken_on_purpose_fails_its_cell(monkeypatch: pytest.MonkeyPa
         assert not result["ok"] and not result["parity"]["ok"], result
         first = result["parity"]["losses"][0]
         assert result["parity"]["diff"] >= first * (PLANTED_SCALE - 1) / PLANTED_SCALE * 0.99
-        assert status(Cell.parse("planted"), {"planted": result}, result["code"])[0] == "failed"
+        assert status(Cell.parse("planted"), {"planted": result}, {"planted": result["code"]})[0] == "failed"
         one = compat.plan(Cell.parse("planted1"))
         assert one.reference is None and one.reference_kind == "none"
         assert one.other is not None and compat.dims_of(one.other) != compat.dims_of(one.config)
@@ -252,57 +248,147 @@ def test_cells_are_every_pair_and_the_triples() -> None:
 
 @pytest.mark.xdist_group("matrix")  # reads docs/data/matrix.json, which test_cell rewrites
 def test_the_sample_is_seeded_within_budget_and_draws_a_big_cell() -> None:
-    results, code = load_results(RESULTS), compat_results.code_state()["code"]
-    a, b = compat_results.sample("20260101", results, code), compat_results.sample("20260101", results, code)
-    assert a == b and a != compat_results.sample("20260102", results, code)
+    results, codes = load_results(RESULTS), compat_results.cell_codes()
+    a, b = compat_results.sample("20260101", results, codes), compat_results.sample("20260101", results, codes)
+    assert a == b and a != compat_results.sample("20260102", results, codes)
     worlds = [compat.world_of(compat.merge(Cell.parse(c).features).knobs) for c in a]
     assert sum(w > compat_results.SAMPLE_MAX_WORLD for w in worlds) == compat_results.SAMPLE_BIG == 1
     for cell in a:
         assert compat.verdict(Cell.parse(cell)).kind == "accepted"
     assert sum(compat_results._estimate_s(Cell.parse(c), results) for c in a) <= compat_results.SAMPLE_BUDGET_S
     # cells without a current result come first: a current one is drawn only when none is left
-    kinds = [status(Cell.parse(c), results, code)[0] for c in a]
+    kinds = [status(Cell.parse(c), results, codes)[0] for c in a]
     assert kinds == sorted(kinds, key=lambda k: k in compat_results.CURRENT) or len(set(kinds)) == 1
+
+
+def _passed(cell_id: str, code: str) -> dict:
+    """A passing result of the cell's current plan, recorded for `code`."""
+    return {"cell": cell_id, "key": compat.plan(Cell.parse(cell_id)).key, "code": code, "commit": "0123456789ab",
+            "dirty": False, "ok": True,
+            "parity": {"reference": "one process", "layout": "one process", "diff": 0.0, "tol": 1e-4, "ok": True},
+            "resume_same": {"diff": 0.0, "ok": True}, "resume_other": {"na": "x", "ok": True}, "errors": {},
+            "test": "t"}
 
 
 def test_a_result_of_other_code_is_stale_and_names_its_commit() -> None:
     cell = Cell.parse("dp")
-    result = {"cell": "dp", "key": compat.plan(cell).key, "code": "old", "commit": "0123456789ab", "dirty": False,
-              "ok": True, "parity": {"reference": "one process", "layout": "one process", "diff": 0.0, "tol": 1e-4,
-                                     "ok": True},
-              "resume_same": {"diff": 0.0, "ok": True}, "resume_other": {"na": "x", "ok": True}, "errors": {},
-              "test": "t"}
-    assert status(cell, {"dp": result}, "old")[0] == "verified"
-    kind, detail = status(cell, {"dp": result}, "new")
-    assert kind == "stale" and detail == "last verified on commit 0123456; the code changed since"
-    assert status(cell, {"dp": {**result, "key": "other"}}, "old")[0] == "stale"
+    result = _passed("dp", "old")
+    assert status(cell, {"dp": result}, {"dp": "old"})[0] == "verified"
+    kind, detail = status(cell, {"dp": result}, {"dp": "new"})
+    assert kind == "stale" and detail == "last verified on commit 0123456; its code changed since"
+    assert status(cell, {"dp": {**result, "key": "other"}}, {"dp": "old"})[0] == "stale"
     none = {**result, "parity": {"reference": "none", "why": "x", "ok": True}}
-    assert status(cell, {"dp": none}, "old")[0] == "no reference"  # counted apart, never as verified
-    assert "dp" in compat_results.to_refresh({"dp": result}, "new")
-    assert "dp" not in compat_results.to_refresh({"dp": result}, "old")
+    assert status(cell, {"dp": none}, {"dp": "old"})[0] == "no reference"  # counted apart, never as verified
+    assert "dp" in compat_results.to_refresh({"dp": result}, {"dp": "new"})
+    assert "dp" not in compat_results.to_refresh({"dp": result}, {"dp": "old"})
+    failed = {**result, "ok": False}  # a current failure re-runs once its code changes, not before
+    assert "dp" not in compat_results.to_refresh({"dp": failed}, {"dp": "old"})
+    assert "ac" in compat_results.to_refresh({}, {})  # never run
 
 
-def test_the_code_hash_covers_uncommitted_changes(tmp_path: Path) -> None:
-    """The hash is of the .py files' content under engine/ and profilers/, committed or not."""
+def _copy_code(root: Path, into: Path) -> Path:
+    """A git checkout at `into` of the files a cell's code hash reads (engine/, profilers/, the runner's)."""
+    import shutil
     import subprocess
 
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "profilers").mkdir()
-    (tmp_path / "engine" / "a.py").write_text("x = 1\n")
-    (tmp_path / "profilers" / "b.py").write_text("y = 1\n")
-    (tmp_path / "tools" / "matrix").mkdir(parents=True)  # the matrix runner: outside the hashed code
-    (tmp_path / "tools" / "matrix" / "compat_doc.py").write_text("# renders only\n")
-    git = ["git", "-C", str(tmp_path), "-c", "user.email=m@x", "-c", "user.name=m"]
+    for part in (*compat_code.PACKAGES, *compat_code.RUNNER_FILES.values()):
+        copy = shutil.copytree if (root / part).is_dir() else shutil.copy
+        (into / part).parent.mkdir(parents=True, exist_ok=True)
+        copy(root / part, into / part)
+    git = ["git", "-C", str(into), "-c", "user.email=m@x", "-c", "user.name=m"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "c"], check=True)
-    first = compat_results.code_state(tmp_path)
-    assert not first["dirty"] and len(first["commit"]) == 12
-    (tmp_path / "tools" / "matrix" / "compat_doc.py").write_text("# renders otherwise\n")
-    assert compat_results.code_state(tmp_path)["code"] == first["code"]
-    (tmp_path / "profilers" / "b.py").write_text("y = 2\n")  # uncommitted
-    second = compat_results.code_state(tmp_path)
-    assert second["code"] != first["code"] and second["dirty"] and second["commit"] == first["commit"]
+    return into
+
+
+def test_a_change_stales_only_the_cells_that_run_the_changed_module(tmp_path: Path) -> None:
+    """Results are keyed by the code their cell runs (tools/matrix/compat_code.py), not by the whole
+    product: in a copy of the code, a change to tensor parallelism's module stales exactly the cells whose
+    plan runs tp > 1 in some config; a change to the trainer stales every cell. Old code: one hash of
+    engine/ and profilers/, so every change staled all 503 cells."""
+    copy = _copy_code(ROOT, tmp_path)
+    before = compat_results.cell_codes(copy)
+    assert before == compat_results.cell_codes(ROOT)  # the copy hashes like the tree it came from
+    results = {cid: _passed(cid, code) for cid, code in before.items()}
+    assert compat_results.to_refresh(results, before) == []
+    runs_tp = {cid for cid in before if any(c.get("parallel.tp", 1) > 1 for c in
+                                            compat_code.plan_configs(compat.plan(Cell.parse(cid))))}
+    assert 0 < len(runs_tp) < len(before) and "dp+tp" in runs_tp and "hf+tokens" not in runs_tp
+    with open(copy / "engine/parallel/tensor.py", "a") as f:
+        f.write("\n# a change to tensor parallelism\n")
+    after = compat_results.cell_codes(copy)
+    assert set(compat_results.to_refresh(results, after)) == runs_tp
+    state = compat_results.code_state(Cell.parse("dp+tp"), copy)
+    assert state["code"] == after["dp+tp"] and state["dirty"]  # uncommitted changes count, and are flagged
+    assert not compat_results.code_state(Cell.parse("hf+tokens"), copy)["dirty"]  # its files are as committed
+    with open(copy / "engine/train/trainer.py", "a") as f:
+        f.write("\n# a change every run executes\n")
+    assert set(compat_results.to_refresh(results, compat_results.cell_codes(copy))) == set(before)
+
+
+def test_the_code_a_featureless_run_loads_is_in_every_cells_hash() -> None:
+    """The gates are honest: a one-process run of the matrix's base config (no feature) imports no module of
+    engine/ or profilers/ outside the core, and no core module imports a gated one at its top (which would
+    run it in every process). A cell of a gated feature hashes what its run loads (tokens)."""
+    import json
+    import subprocess
+    import sys
+
+    script = ("import json, sys, torch\n"
+              "from tools.matrix import compat\n"
+              "from engine.config.schema import from_dict\n"
+              "from engine.train.trainer import Trainer\n"
+              "loaded = {}\n"
+              "for name, knobs in (('base', {}), ('tokens', compat.FEATURES['tokens'].set)):\n"
+              "    flat = {**compat.overrides(knobs), 'train.steps': 1, 'train.eval_interval': 1}\n"
+              "    list(Trainer(from_dict(compat.nested(flat)), device=torch.device('cpu')).run())\n"
+              "    loaded[name] = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'profilers'))\n"
+              "print(json.dumps(loaded))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=240, check=True)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    index = compat_code.build_index(ROOT)
+    core = index.core()
+    assert set(loaded["base"]) - core == set()
+    assert set(loaded["tokens"]) - compat_code.cell_modules(Cell.parse("tokens"), index) == set()
+    assert set(loaded["tokens"]) - core  # the token file's reader is gated: the check can fail
+    gated = {m for m in index.paths if compat_code._is_gated(m)}
+    assert {m: sorted(index.top[m] & gated) for m in core if index.top[m] & gated} == {}
+
+
+# each place the core imports a gated module, read when its gate was written (tools/matrix/compat_code.py GATES)
+REVIEWED_GATE_SITES = {
+    "engine.data.batches": ["engine.data.lengths", "engine.data.sources"],
+    "engine.model.build": ["engine.model.hf"],
+    "engine.parallel.parallelize": ["engine.comm", "engine.comm.link", "engine.parallel.adaptive_sp",
+                                    "engine.parallel.expert", "engine.parallel.expert_fused",
+                                    "engine.parallel.layer_split", "engine.parallel.skippipe", "engine.parallel.tensor"],
+    "engine.train.checkpoint": ["engine.data.sources"],
+    "engine.train.comm_setup": ["engine.comm", "engine.comm.adaptive", "engine.comm.bidirectional",
+                                "engine.comm.bucket_order", "engine.comm.co2", "engine.comm.compress",
+                                "engine.comm.fsdp_compress", "engine.comm.link", "engine.comm.link_patch"],
+    "engine.train.memory": ["engine.parallel.layer_split"],
+    "engine.train.trainer": ["engine.parallel.adaptive_sp"],
+}
+
+
+def test_every_import_of_a_gated_module_from_the_core_is_a_reviewed_site() -> None:
+    """A new import of a gated module from the core may run it where its gate is closed: this fails until
+    the site is read and the gate's condition still holds (then add it here)."""
+    index = compat_code.build_index(ROOT)
+    sites = {m: sorted(x for x in index.imports[m] if compat_code._is_gated(x)) for m in index.core()}
+    assert {m: got for m, got in sites.items() if got} == REVIEWED_GATE_SITES
+
+
+def test_make_matrix_says_how_many_cells_and_how_long_before_it_starts() -> None:
+    results = {"ac": {"key": compat.plan(Cell.parse("ac")).key, "code": "old", "ok": True, "seconds": 600.0}}
+    line = compat_results.estimate_line(["ac", "dp"], results, {"ac": "new", "dp": "x"})
+    assert line.startswith("2 cells to run (1 stale, 1 not run), about 10 min 20 s")  # 600 s + dp's 20 s estimate
+    assert compat_results.estimate_line([], {}, {}).startswith("0 cells to run (none), about 0 min 00 s")
+    many = {**results, "ac": {**results["ac"], "seconds": 7300.0}}
+    assert "about 2 h 01 min" in compat_results.estimate_line(["ac"], many, {"ac": "new"})
 
 
 def test_the_token_file_is_private_and_written_through_tempfile(tmp_path: Path,

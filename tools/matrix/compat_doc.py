@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tools.matrix import compat, compat_results
+from tools.matrix import compat, compat_code, compat_results
 from tools.matrix.compat import FEATURES, Cell
 from tools.matrix.compat_results import SYMBOLS, checks, commit_text, load_results
 
@@ -21,8 +21,8 @@ _METHOD = """\
 Every feature of the engine, every pair of features and the triples people use, each with one
 verdict. The matrix is data (`tools/matrix/compat.py`); this page is generated from it and from the
 recorded runs in `docs/data/matrix.json` by `python -m tools.matrix --write docs/compatibility.md`
-for the code as it is now (`make matrix` re-runs the stale cells and then writes it). Do not edit
-it by hand.
+for the code as it is now (`make matrix` re-runs the stale and never-run cells and then writes it).
+Do not edit it by hand.
 
 ## How a verdict is derived
 
@@ -54,10 +54,11 @@ it by hand.
   resumes hold but the cell has no other layout to compare with (a one-process cell with no
   layout knob, or a number-changing feature alone in its minimal layout): counted apart, never as
   verified; **failed** when a check does not hold (accepted by `validate()` and wrong: a defect or
-  a missing refusal); **stale** when the recorded result is of another plan or another code: the
-  result records a content hash of the .py files of `engine/` and `profilers/` and of the runner
-  (uncommitted changes count) and its commit, and any change makes it stale ("last verified on
-  commit X"); **not run** without a result; a feature that has not landed makes its cells **pending**.
+  a missing refusal); **stale** when the recorded result is of another plan or of other code than
+  the cell runs now: each result records a content hash of the files its cell's runs can execute
+  (uncommitted changes count; "Code each cell runs" below) and its commit, so a change stales only
+  the cells that can run it ("last verified on commit X"); **not run** without a result; a feature
+  that has not landed makes its cells **pending**.
 - **References**: a feature that only places the computation (`layout`) must follow **one process**
   running the same model with every layout knob removed (the engine's Trainer, one process; each
   distinct reference is computed once). Dropout is 0 in the parity runs: each rank draws its own
@@ -78,8 +79,9 @@ it by hand.
   result first: {big} cell(s) of more than {max_world} ranks, then cells of at most {max_world} ranks
   while their recorded seconds fit {budget:.0f} s in all. It records what it runs into
   `docs/data/matrix.json` and re-renders this page (`MATRIX_RECORD=` turns that off). A failure names
-  its cell; `make matrix` re-runs every cell without a current passing result (resumable: each
-  result is recorded as it ends), `make matrix CELLS=a+b,c+d` the cells named, `CELLS=all` all.
+  its cell; `make matrix` re-runs every stale or never-run cell, after printing how many and about
+  how long by their recorded durations (resumable: each result is recorded as it ends),
+  `make matrix CELLS=a+b,c+d` the cells named, `CELLS=all` all.
 """
 
 
@@ -162,10 +164,26 @@ def _check_totals(statuses: Mapping[str, tuple[str, str]], results: Mapping[str,
     return rows
 
 
-def render(results: Mapping[str, Any], code: str | None = None) -> str:
-    """The whole document for these recorded results and the `code` hash (default: the current code)."""
-    code = code or compat_results.code_state()["code"]
-    statuses = {c.id: compat_results.status(c, results, code) for c in compat.cells()}
+def _code_section(codes: Mapping[str, str]) -> list[str]:
+    """What the cells' code hashes cover (tools/matrix/compat_code.py): the core, and each gate's cells."""
+    index = compat_code.build_index(compat_results.ROOT)
+    opened = Counter(g for c in compat.cells() if c.id in codes for g in compat_code.gates_of(c))
+    rows = ["| modules (and what they import) | imported where a config of the cell's plan sets | cells |",
+            "|---|---|---|"]
+    rows += [f"| {', '.join(f'`{m}`' for m in g.modules)} | {g.when} | {opened[g]} |" for g in compat_code.GATES]
+    return [f"Every result is keyed by the content of the files its cell's runs can execute, read from the "
+            f"imports (`tools/matrix/compat_code.py`): the core every run executes ({len(index.core())} modules "
+            f"of `engine/` and `profilers/` the trainer, the checkpoint and the runner import, "
+            f"`tests/matrix_runner.py` and `tests/parallel_harness.py` included), and the modules below where a "
+            f"config of its plan (the cell's run, its reference, the dropout chain, the other layout) sets "
+            f"their knobs. A change to the core stales every cell; a change to a module below only the cells "
+            f"that open it ({len(set(codes.values()))} distinct code sets).", "", *rows]
+
+
+def render(results: Mapping[str, Any], codes: Mapping[str, str] | None = None) -> str:
+    """The whole document for these recorded results and the cells' code hashes (default: the current code)."""
+    codes = compat_results.cell_codes() if codes is None else codes
+    statuses = {c.id: compat_results.status(c, results, codes) for c in compat.cells()}
     counts = Counter(kind for kind, _ in statuses.values())
     method = _METHOD.format(base=_base_text(), steps=compat.STEPS, tol=compat.PARITY_TOL, bf16=compat.BF16_TOL,
                             ckpt=compat.CHECKPOINT_STEP, last=compat.STEPS - 1, rtol=compat.RESUME_TOL,
@@ -178,12 +196,13 @@ def render(results: Mapping[str, Any], code: str | None = None) -> str:
     stale = Counter(detail.split(";")[0] for kind, detail in statuses.values() if kind == "stale")
     lines = ["# Compatibility matrix", "", method, "## Summary", "",
              f"{len(statuses)} cells ({len(FEATURES)} features alone, every pair, {len(compat.TRIPLES)} triples): "
-             f"{summary}. Code hash `{code}` (`tools/matrix/compat_results.py` code_state).", "",
+             f"{summary}.", "",
              *_check_totals(statuses, results), "",
              "Stale cells by the commit of their last result: "
              + (", ".join(f"{n} {k}" for k, n in stale.most_common()) or "none") + ".", "",
              "Failed (accepted by `validate()`, and a check does not hold):", "",
              *(failed or ["- none"]), "", "## Features", "", *_features_table(), "",
+             "## Code each cell runs", "", *_code_section(codes), "",
              "## Pairs", "", "Row feature x column feature (the diagonal: the feature alone). "
              + " ".join(f"{s} {k}" for k, s in SYMBOLS.items()) + ".", "", *_grid(statuses), "",
              "## Accepted cells", "", *_cell_rows(statuses, results), "",

@@ -2,10 +2,11 @@
 CI's rotating sample and the cells `make matrix` re-runs.
 
 A result is current when it is of the cell's current plan (`tools.matrix.compat.plan(...).key`) and of the
-current code (`code_state`: a content hash of the tracked .py files of engine/ and profilers/ and
-of tests/matrix_runner.py, so uncommitted changes count; the commit is recorded beside it for
-the reader). Any other result is `stale`: shown with the commit it was last verified on, never
-as verified. Torch-free.
+code that cell runs (`code_state`: tools/matrix/compat_code.py's content hash of the modules its runs
+can execute, uncommitted changes included; the commit is recorded beside it for the reader). Any
+other result is `stale`: shown with the commit it was last verified on, never as verified. A change
+stales only the cells whose code it touches; `make matrix` re-runs those and the cells never run.
+Torch-free.
 """
 from __future__ import annotations
 
@@ -13,21 +14,23 @@ import hashlib
 import json
 import random
 import subprocess
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tools.matrix.compat import RESUME_TOL, Cell, cells, merge, plan, verdict, world_of
+from tools.matrix.compat_code import build_index, cell_code, cell_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_PATH = "docs/data/matrix.json"
 DOC_PATH = "docs/compatibility.md"
-CODE_PATHS = ("engine", "profilers", "tests/matrix_runner.py")
 SAMPLE_BUDGET_S = 180.0  # CI's slice: recorded seconds of the sampled cells (issue 36: at most 4 minutes)
 SAMPLE_MAX_WORLD = 4  # CI's 2 cores: cells of at most 4 ranks, and SAMPLE_BIG above that
 SAMPLE_BIG = 1  # cells of more than SAMPLE_MAX_WORLD ranks in every slice (issue 48)
 OLDER_PLAN_FACTOR = 2.0  # seconds of a result of an older plan x this: the estimate of the current plan's run
 CURRENT = ("verified", "no reference", "failed")  # kinds of a current result
+TO_RUN = ("stale", "not run")  # what `make matrix` re-runs (a current failure re-runs once its code changes)
 SYMBOLS = {"verified": "✓", "no reference": "○", "failed": "!", "stale": "↻", "not run": "?",
            "refused": "✗", "exclusive": "⊘", "pending": "…"}
 
@@ -36,28 +39,21 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=False)
 
 
-def _code_files(root: Path) -> list[str]:
-    """The tracked .py files under CODE_PATHS (every .py file there outside a git checkout)."""
-    got = _git(root, "ls-files", "-z", "--", *CODE_PATHS)
-    if got.returncode == 0 and got.stdout:
-        names = got.stdout.split("\0")
-    else:
-        names = [str(p.relative_to(root)) for part in CODE_PATHS for p in sorted((root / part).rglob("*.py"))
-                 if (root / part).is_dir()] + [p for p in CODE_PATHS if p.endswith(".py")]
-    return sorted(n for n in names if n.endswith(".py") and (root / n).is_file())
-
-
-def code_state(root: Path = ROOT) -> dict[str, Any]:
-    """{"code": content hash of the code a cell exercises, "commit": HEAD, "dirty": whether those files
-    differ from HEAD}; the hash decides staleness, the commit only names where to look."""
-    files = _code_files(root)
-    digest = hashlib.sha256()
-    for name in files:
-        digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
+def code_state(cell: Cell, root: Path = ROOT) -> dict[str, Any]:
+    """{"code": the hash of the code `cell` runs, "commit": HEAD, "dirty": whether those files differ from
+    HEAD}; the hash decides staleness, the commit only names where to look."""
+    index = build_index(root)
+    files = sorted(index.paths[m] for m in cell_modules(cell, index))
     head = _git(root, "rev-parse", "--short=12", "HEAD")
     dirty = _git(root, "diff", "--quiet", "HEAD", "--", *files).returncode != 0 if head.returncode == 0 else False
-    return {"code": digest.hexdigest()[:16], "commit": head.stdout.strip() if head.returncode == 0 else "unknown",
+    return {"code": cell_code(cell, index), "commit": head.stdout.strip() if head.returncode == 0 else "unknown",
             "dirty": dirty}
+
+
+def cell_codes(root: Path = ROOT) -> dict[str, str]:
+    """Each accepted cell's code hash (`code_state`'s "code") in the checkout at `root`."""
+    index = build_index(root)
+    return {c.id: cell_code(c, index) for c in cells() if verdict(c).kind == "accepted"}
 
 
 def load_results(path: str | Path = ROOT / RESULTS_PATH) -> dict[str, Any]:
@@ -72,17 +68,17 @@ def commit_text(r: Mapping[str, Any]) -> str:
     return r["commit"][:7] + ("+" if r.get("dirty") else "")
 
 
-def status(cell: Cell, results: Mapping[str, Any], code: str) -> tuple[str, str]:
-    """(kind, detail): a verdict other than accepted; else, from `results` and the current `code` hash,
-    verified / no reference / failed (current), stale or not run."""
+def status(cell: Cell, results: Mapping[str, Any], codes: Mapping[str, str]) -> tuple[str, str]:
+    """(kind, detail): a verdict other than accepted; else, from `results` and the cells' current code
+    hashes (`cell_codes`), verified / no reference / failed (current), stale or not run."""
     v = verdict(cell)
     if v.kind != "accepted":
         return v.kind, v.reason
     r = results.get(cell.id)
     if r is None:
         return "not run", "no recorded result"
-    if r.get("key") != plan(cell).key or r.get("code") != code:
-        changed = "the cell's plan changed" if r.get("key") != plan(cell).key else "the code changed"
+    if r.get("key") != plan(cell).key or r.get("code") != codes.get(cell.id):
+        changed = "the cell's plan changed" if r.get("key") != plan(cell).key else "its code changed"
         was = "verified" if r.get("ok") else "run (failed)"
         where = f"on commit {commit_text(r)}" if "commit" in r else "before results recorded their commit"
         return "stale", f"last {was} {where}; {changed} since"
@@ -128,13 +124,14 @@ def _estimate_s(cell: Cell, results: Mapping[str, Any]) -> float:
     return 10.0 + 5.0 * world_of(merge(cell.features).knobs)
 
 
-def sample(seed: str, results: Mapping[str, Any], code: str, budget_s: float = SAMPLE_BUDGET_S) -> list[str]:
+def sample(seed: str, results: Mapping[str, Any], codes: Mapping[str, str],
+           budget_s: float = SAMPLE_BUDGET_S) -> list[str]:
     """CI's rotating slice, shuffled by `seed`, cells without a current result first (so CI refreshes
     them): SAMPLE_BIG cells of more than SAMPLE_MAX_WORLD ranks, then cells of at most that many
     while their recorded (or estimated) seconds fit `budget_s`. A cell whose current result failed is
     left out, and so is every cell with a feature that fails alone: the document lists them as
     failed, and their fix re-runs them (`make matrix`)."""
-    statuses = {c.id: status(c, results, code) for c in cells()}
+    statuses = {c.id: status(c, results, codes) for c in cells()}
     failing = {c.features[0] for c in cells() if len(c.features) == 1 and statuses[c.id][0] == "failed"}
     pool = [c for c in cells() if verdict(c).kind == "accepted" and statuses[c.id][0] != "failed"
             and not failing.intersection(c.features)]
@@ -150,7 +147,26 @@ def sample(seed: str, results: Mapping[str, Any], code: str, budget_s: float = S
     return out
 
 
-def to_refresh(results: Mapping[str, Any], code: str) -> list[str]:
-    """The accepted cells without a current passing result (stale, not run, failed): `make matrix`."""
-    return [c.id for c in cells() if verdict(c).kind == "accepted"
-            and status(c, results, code)[0] not in ("verified", "no reference")]
+def to_refresh(results: Mapping[str, Any], codes: Mapping[str, str]) -> list[str]:
+    """The accepted cells whose result is stale or missing: what `make matrix` re-runs."""
+    return [c.id for c in cells() if verdict(c).kind == "accepted" and status(c, results, codes)[0] in TO_RUN]
+
+
+def select(wanted: str, results: Mapping[str, Any], codes: Mapping[str, str], seed: str) -> list[str]:
+    """The cells a run takes: `stale` (to_refresh), `all` accepted cells, `a+b,c+d` those, '' CI's sample."""
+    if wanted == "all":
+        return [c.id for c in cells() if verdict(c).kind == "accepted"]
+    if wanted == "stale":
+        return to_refresh(results, codes)
+    if wanted:
+        return [Cell.parse(c.strip()).id for c in wanted.split(",") if c.strip()]
+    return sample(seed, results, codes)
+
+
+def estimate_line(chosen: list[str], results: Mapping[str, Any], codes: Mapping[str, str]) -> str:
+    """`N cells to run (S stale, M not run, ...), about 3 h 05 min (or 4 min 10 s) by their recorded durations`."""
+    kinds = Counter(status(Cell.parse(c), results, codes)[0] for c in chosen)
+    s = round(sum(_estimate_s(Cell.parse(c), results) for c in chosen))
+    parts = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    took = f"{s // 3600} h {s % 3600 // 60:02d} min" if s >= 3600 else f"{s // 60} min {s % 60:02d} s"
+    return f"{len(chosen)} cells to run ({parts or 'none'}), about {took} by their recorded durations (one at a time)"
