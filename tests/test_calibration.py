@@ -6,6 +6,7 @@ short micro-benchmarks and prices one 1-rank engine config (its real step time b
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -333,6 +334,7 @@ def test_calibrate_refuses_to_save_when_the_check_run_is_off(monkeypatch, tmp_pa
     app = typer.Typer()
     app.command()(cli_sim.calibrate)  # one command: its options are the app's
 
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))  # a quiet host: the check runs (above)
     monkeypatch.setattr(cal, "measure_host", lambda progress=None: None)
     monkeypatch.setattr(cal, "calibrate_local", lambda world, host=None, progress=None: _cluster(world))
     verdict = {"config": "model.layers=3 ...", "load1": 1.0, **cal.check_error(predicted_s=0.04, measured_s=0.1)}
@@ -344,6 +346,47 @@ def test_calibrate_refuses_to_save_when_the_check_run_is_off(monkeypatch, tmp_pa
     assert "--force" in bad.output and "--no-check" in bad.output and "load1" in bad.output
     forced = CliRunner().invoke(app, ["--world", "2", "-o", str(out), "--force"])
     assert forced.exit_code == 0 and out.exists()
+
+
+def test_calibrate_says_what_it_will_do_at_the_hosts_load_before_measuring(monkeypatch, tmp_path) -> None:
+    """Issue 65: on a shared host `calibrate` measured for 391 s, then refused to save ("off by +290.7% ...
+    rerun when load1 is below 2"). It reads the load first: at or above the check's bound (a task per
+    cpu) it refuses at once (exit 2) unless --no-check or --force, which proceed with a warning; below
+    it, one line says what it will do. Old code: measured at load 6.3 (the test's measure_host fails)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from tuning.calibrate import calibration as cal
+    from workbench import cli_sim
+
+    app = typer.Typer()
+    app.command()(cli_sim.calibrate)
+    load = [6.3]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 5.0, 4.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def measured_at_load(progress=None):
+        raise AssertionError(f"measured at load1 {load[0]}")
+
+    monkeypatch.setattr(cal, "measure_host", measured_at_load)
+    refused = CliRunner().invoke(app, ["--world", "2", "-o", str(tmp_path / "p.yaml")])
+    assert refused.exit_code == 2, (refused.output, refused.exception)
+    assert refused.output.strip() == (
+        "error: load1=6.3: must be below 2 (one task per cpu, 2 cpus) for calibrate's check run to judge the "
+        "profile; rerun when it is, or measure this busy host anyway with --no-check (or --force: save whatever "
+        "the check says)"), refused.output
+    monkeypatch.setattr(cal, "measure_host", lambda progress=None: None)
+    monkeypatch.setattr(cal, "calibrate_local", lambda world, host=None, progress=None: _cluster(world))
+    unchecked = CliRunner().invoke(app, ["--world", "2", "--no-check", "--json", "-o", str(tmp_path / "n.yaml")])
+    assert unchecked.exit_code == 0 and (tmp_path / "n.yaml").exists(), unchecked.output
+    assert ("warning: load1 6.3 on 2 cpus (not below 2): the profile will price this busy host, not a quiet one; "
+            "measuring anyway (minutes), saving without a check run (--no-check)") in unchecked.output
+    load[0] = 0.5
+    verdict = {"config": "model.layers=3 ...", "load1": 0.5, **cal.check_error(predicted_s=0.1, measured_s=0.1)}
+    monkeypatch.setattr(cal, "check_calibration", lambda spec, world, host=None: verdict)
+    quiet = CliRunner().invoke(app, ["--world", "2", "-o", str(tmp_path / "q.yaml")])
+    assert quiet.exit_code == 0 and quiet.output.startswith(
+        "load1 0.5 on 2 cpus (below 2): measuring this machine (minutes), then a check run before saving\n"), quiet.output
 
 
 def test_the_check_run_is_judged_at_the_hosts_speed_and_repeated_when_off(monkeypatch) -> None:

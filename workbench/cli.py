@@ -90,7 +90,7 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
     try:
         cfg = _load(config, set_)
         if launcher == "slurm":
-            return _run_on_slurm(cfg, timeout, dry_run, as_json)
+            return _run_on_slurm(cfg, timeout, dry_run, as_json, run_id)
         if cfg.world_size % nnodes:
             from engine.mesh import world_product
 
@@ -125,17 +125,18 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
         _print_summary(result)
 
 
-def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -> None:
-    """`run --launcher slurm`: print the job (--dry-run) or submit it and follow it to its end."""
+def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool, run_id: Optional[str] = None) -> None:
+    """`run --launcher slurm`: print the job (--dry-run) or submit it and follow it to its end, as run `run_id`
+    (default: the config's name and a random suffix)."""
     from engine.launch.slurm import SlurmError, dry_run as slurm_dry_run
 
     if dry_run:
-        sys.stdout.write(slurm_dry_run(cfg))
+        sys.stdout.write(slurm_dry_run(cfg, run_id=run_id))
         return
     stop_on_sigterm()
     try:
-        result = _run_with_progress(cfg, 1, 0, None, timeout, launcher="slurm") if not as_json else \
-            _launch_slurm_quietly(cfg, timeout)
+        result = _run_with_progress(cfg, 1, 0, None, timeout, launcher="slurm", run_id=run_id) if not as_json else \
+            _launch_slurm_quietly(cfg, timeout, run_id)
     except RankFailure as exc:
         fail(str(exc), code=1)
     except SlurmError as exc:
@@ -145,10 +146,10 @@ def _run_on_slurm(cfg, timeout: Optional[float], dry_run: bool, as_json: bool) -
     print_json(_run_json(result)) if as_json else _print_summary(result)
 
 
-def _launch_slurm_quietly(cfg, timeout: Optional[float]):
+def _launch_slurm_quietly(cfg, timeout: Optional[float], run_id: Optional[str] = None):
     from engine.launch.local import launch
 
-    return launch(cfg, timeout_s=timeout, launcher="slurm")
+    return launch(cfg, timeout_s=timeout, launcher="slurm", run_id=run_id)
 
 
 def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], timeout: Optional[float],
@@ -172,7 +173,8 @@ def _run_with_progress(cfg, nnodes: int, node_rank: int, rdzv: Optional[str], ti
             progress.update(task, info=f"Slurm job {state.job_id} {state.state.lower()}")
 
         if launcher == "slurm":
-            return launch(cfg, timeout_s=timeout, on_progress=on_progress, launcher="slurm", on_job=on_job)
+            return launch(cfg, timeout_s=timeout, on_progress=on_progress, launcher="slurm", on_job=on_job,
+                          run_id=run_id)
         return launch(cfg, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv, timeout_s=timeout,
                       on_progress=on_progress, run_id=run_id, rdzv_timeout_s=rdzv_timeout,
                       device_memory_gib=device_memory_gib)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -33,6 +35,19 @@ def check_number(flag: str, value: float | None, minimum: float, *, exclusive: b
         fail(f"{flag}={value}: must be {'>' if exclusive else '>='} {minimum:g}")
     if maximum is not None and value > maximum:
         fail(f"{flag}={value}: must be <= {maximum:g}")
+
+
+def check_writable_folder(flag: str, folder: Path | None) -> None:
+    """Exit 2 with `flag=folder: why; ...` when `folder` cannot be made or written, before any work
+    (None passes: no folder was asked for)."""
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        fail(f"{flag}={str(folder)!r}: {exc.strerror or exc}; must be a folder you can write: choose another {flag}")
 
 
 def print_json(obj: Any) -> None:

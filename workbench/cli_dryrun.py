@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from workbench.cli_common import check_number, console, fail, print_json
+from workbench.cli_common import check_number, console, err, fail, print_json
 
 DEVICE_MEMORY_HELP = "Device memory per rank in GiB: refuse (exit 2) when the busiest rank's peak is above it"
 
@@ -35,7 +35,8 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
     except ValueError as exc:
         fail(f"--cluster={cluster!r}: {exc}")
     try:
-        cfg = at_world(from_dict(apply_overrides(load_yaml(config), set_)), world)  # validated at its world
+        cfg = from_dict(apply_overrides(load_yaml(config), set_))
+        cfg = at_world(_cluster_at_world(cfg, world, set_), world)  # validated at its world
         bad = [r for r in rank if not 0 <= r < cfg.world_size]
         if bad:
             fail(f"--rank={bad[0]}: must be in 0..{cfg.world_size - 1} (world size {cfg.world_size})")
@@ -51,6 +52,24 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
         _print_report(cfg, report)
     if error is not None:
         fail(str(error))
+
+
+def _cluster_at_world(cfg, world: Optional[int], overrides: list[str]):
+    """`cfg` with its Slurm job (cluster.nodes x cluster.gpus_per_node) rescaled to --world ranks, said in one
+    line; left as given without --world, for CPU ranks (gpus_per_node 0) or where --set names cluster.nodes."""
+    from dataclasses import replace
+
+    c = cfg.cluster
+    named = any(o.split("=", 1)[0].strip() == "cluster.nodes" for o in overrides)
+    if world is None or named or c.gpus_per_node < 1 or c.nodes * c.gpus_per_node == world:
+        return cfg
+    if world > c.gpus_per_node and world % c.gpus_per_node:
+        fail(f"--world={world}: must fit in one node or fill whole nodes of the config's Slurm job (a multiple of "
+             f"cluster.gpus_per_node={c.gpus_per_node}); or --set cluster.gpus_per_node=N")
+    nodes, per_node = max(world // c.gpus_per_node, 1), min(world, c.gpus_per_node)
+    err.print(f"--world {world}: the Slurm job (cluster:) rescaled from {c.nodes} x {c.gpus_per_node} to {nodes} "
+              f"x {per_node} GPUs", highlight=False, markup=False, soft_wrap=True)
+    return replace(cfg, cluster=replace(c, nodes=nodes, gpus_per_node=per_node))
 
 
 def _print_report(cfg, report: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from workbench.cli_common import check_number, console, err, fail, print_json
+from workbench.cli_common import check_number, check_writable_folder, console, err, fail, print_json
 
 EXPORT_FILES = {"yaml": "config.yaml", "megatron": "megatron.sh", "deepspeed": "deepspeed.json",
                 "torchtitan": "torchtitan.toml", "accelerate": "accelerate.yaml"}
@@ -35,6 +35,37 @@ def _study(name: Optional[str], storage: Optional[str]):
         fail(f"--study={name!r}: no such study; see `workbench studies`")
 
 
+def _check_whole_nodes(gpus: int, cluster) -> None:
+    """--gpus fills whole nodes of the cluster, or fits in one."""
+    per_node = cluster.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        fail(f"--gpus={gpus}: must fit in one node or fill whole nodes of {cluster.name} (a multiple of its "
+             f"{per_node} GPUs per node)")
+
+
+def _data_parallel_sizes(mdl, gpus: int, global_batch: int, target: str) -> list[int]:
+    """The data-parallel sizes the search can give `mdl` on `gpus` GPUs: GPUs / (tp x pp x cp)."""
+    from tuning.plan import TARGET_AXES
+    from tuning.search import candidate_axes
+
+    axes = candidate_axes(mdl, gpus, global_batch) | TARGET_AXES[target]
+    splits = {tp * pp * cp for tp in axes["tp"] for pp in axes["pp"] for cp in axes["cp"]}
+    return sorted(gpus // split for split in splits if gpus % split == 0)
+
+
+def _check_global_batch(mdl, gpus: int, global_batch: int, target: str) -> None:
+    """Refuse a global batch no data-parallel size divides; say when it leaves little data parallelism."""
+    sizes = _data_parallel_sizes(mdl, gpus, global_batch, target)
+    usable = [dp for dp in sizes if global_batch % dp == 0]
+    if not usable:
+        fail(f"--global-batch={global_batch}: must be a multiple of a data-parallel size this model can have on "
+             f"{gpus} GPUs ({', '.join(map(str, sizes))}; dp = GPUs / (tp x pp x cp)); change it or --gpus")
+    if global_batch < gpus:
+        err.print(f"note: --global-batch={global_batch} on {gpus} GPUs: the data-parallel size divides it, so "
+                  f"every layout has dp <= {max(usable)} and splits the model over the other GPUs",
+                  highlight=False, markup=False, soft_wrap=True)
+
+
 def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its folder), a preset (22b, 175b, 1t) "
                                               "or layers=..,hidden=..,heads=..,seq=..,vocab=.."),
          gpus: int = typer.Option(..., help="GPUs of the real job"),
@@ -58,6 +89,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
                                                        "are judged against (default: the cluster's)"),
          output: Optional[Path] = typer.Option(None, "-o", "--output", help="Folder for the exports (and the "
                                                "top layouts' run configs, for `workbench dryrun`)"),
+         wide: bool = typer.Option(False, "--wide", help="Every column of the table, however wide the terminal"),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """Rank the layouts of the real model on the real cluster for a target framework (simulator: time
     interval, memory), dry-run the top ones (--dry-run K), and export one of them."""
@@ -67,7 +99,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     from workbench.cli_sim import _model
 
     for flag, value, least in (("--gpus", gpus, 1), ("--global-batch", global_batch, 1), ("--top", top, 1),
-                               ("--dry-run", dry_run, 0)):
+                               ("--dry-run", dry_run, 0), ("--seq", seq, 1)):
         check_number(flag, value, least)
     check_number("--device-memory", device_memory, 0, exclusive=True)
     formats = _formats(target, export, output)
@@ -75,10 +107,13 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
         spec = load_cluster(cluster)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         fail(f"--cluster={cluster!r}: {exc}")
+    _check_whole_nodes(gpus, spec)
     try:
         mdl = _model(model, seq)
     except typer.BadParameter as exc:
         fail(exc.message)
+    _check_global_batch(mdl, gpus, global_batch, target)
+    check_writable_folder("-o", output)
     try:
         the_base = base_config(base, set_ or [])
         result = make_plan(mdl, spec, gpus=gpus, global_batch=global_batch, target=target, top=top,
@@ -86,7 +121,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
         checks = _dry_runs(result, dry_run, device_memory) if dry_run else []
     except (ValueError, ConfigError) as exc:
         fail(str(exc))
-    _show(result, as_json, checks)
+    _show(result, as_json, checks, wide)
     if output is not None:
         _write_configs(result, output)
     unfit = [c.refusal for c in checks if c.pick == pick and c.fits is False]
@@ -123,7 +158,7 @@ def _dry_runs(result, k: int, device_memory: Optional[float]) -> list:
     return dry_run_top(result, k, device_memory_gib=device_memory, progress=progress)
 
 
-def _show(result, as_json: bool, checks: list) -> None:
+def _show(result, as_json: bool, checks: list, wide: bool = False) -> None:
     from workbench.cli_sim import _shape_text, print_frame
 
     if as_json:
@@ -136,7 +171,7 @@ def _show(result, as_json: bool, checks: list) -> None:
     title = f"{result.target} layouts on {result.gpus} GPUs of {result.cluster.name}, best first (simulated)"
     table = result.table.copy()
     table.insert(0, "pick", range(1, len(table) + 1))
-    print_frame(title, table, wide=False, first=("pick",))
+    print_frame(title, table, wide=wide, first=("pick",))
     cal = result.calibration
     if cal:
         console.print(f"ranked by the time corrected with study {cal['study']}'s measured/predicted factors per "

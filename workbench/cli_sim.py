@@ -398,6 +398,28 @@ def _calibrate_gpu(output: Optional[Path], as_json: bool) -> None:
         console.print(f"use it: workbench simulate --cluster {cluster} ...")
 
 
+def _say_load(*, check: bool, force: bool, as_json: bool) -> None:
+    """One line before calibrate measures anything: what it will do at this host's load. With the check run
+    on and no --force, refuse (exit 2) at the load its check refusal names, before minutes of measuring."""
+    from tuning.calibrate.share import check_load_limit, host_load
+
+    load1, cpus = host_load()
+    limit = check_load_limit(cpus)
+    then = ("saving without a check run (--no-check)" if not check else "then a check run, saving whatever it "
+            "says (--force)" if force else "then a check run before saving")
+    if load1 < limit:
+        if not as_json:
+            err.print(f"load1 {load1:.1f} on {cpus} cpus (below {limit:g}): measuring this machine (minutes), {then}",
+                      highlight=False, markup=False, soft_wrap=True)
+        return
+    if check and not force:
+        fail(f"load1={load1:.1f}: must be below {limit:g} (one task per cpu, {cpus} cpus) for calibrate's check run "
+             f"to judge the profile; rerun when it is, or measure this busy host anyway with --no-check (or --force: "
+             f"save whatever the check says)")
+    err.print(f"warning: load1 {load1:.1f} on {cpus} cpus (not below {limit:g}): the profile will price this busy "
+              f"host, not a quiet one; measuring anyway (minutes), {then}", highlight=False, markup=False, soft_wrap=True)
+
+
 def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one 'GPU' per rank)"),
               output: Optional[Path] = typer.Option(None, "-o", "--output",
                                                     help="Profile file (default: <home>/hardware/cpu-local-WORLD.yaml)"),
@@ -413,16 +435,16 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     """Measure this machine (GEMM rates at the engine's shapes, memory-bound ops, AdamW,
     framework overhead, gloo all-reduce alpha-beta) into a hardware profile for the simulator,
     then check it against a short real run (refused above 25% error unless --force)."""
-    import os
-
     from profilers.store import default_home
     from tuning.calibrate.calibration import calibrate_local, measure_host
+    from tuning.calibrate.share import check_load_limit, host_load
     from tuning.sim.hardware import cluster_to_dict, save_cluster
 
     if gpu:
         _calibrate_gpu(output, as_json)
         return
     check_number("--world", world, 1)
+    _say_load(check=check, force=force, as_json=as_json)
     import contextlib
 
     import time
@@ -452,11 +474,12 @@ def calibrate(world: int = typer.Option(2, help="Ranks the profile is for (one '
     if verdict is not None and not as_json:
         console.print(_check_line(verdict), soft_wrap=True, markup=False, highlight=False)
     if verdict is not None and not verdict["ok"] and not force:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = host_load()[1]
         fail(f"calibration not saved: the check run was off by {verdict['error_pct']:+.1f}% (> "
              f"{verdict['threshold_pct']:.0f}%) over {len(verdict.get('runs') or [1])} run(s), each at the host's speed "
              f"of that moment (load1 {verdict['load1']:.1f} on {cpus} cpus). The profile does not price this "
-             f"machine's runs as they run now: rerun when load1 is below {cpus}, save anyway with --force, or skip "
+             f"machine's runs as they run now: rerun when load1 is below {check_load_limit(cpus):g}, save anyway with "
+             f"--force, or skip "
              f"the check with --no-check", code=1)
     path = save_cluster(spec, output or default_home() / "hardware" / f"cpu-local-{world}.yaml")
     if as_json:

@@ -137,6 +137,17 @@ def measure_rate_share(world: int, *, seconds: float = 0.5, repeats: int = 8) ->
     return rate_share(alone, together, world=world, cpus=len(os.sched_getaffinity(0)))
 
 
+def host_load() -> tuple[float, int]:
+    """(1-minute load average, cores this process may use) of this host now."""
+    return os.getloadavg()[0], len(os.sched_getaffinity(0))
+
+
+def check_load_limit(cpus: int) -> float:
+    """The load1 below which `workbench calibrate`'s check run is worth its minutes: one runnable task per
+    core. Above it the check measured a busy host (issue 65: +290.7% at load 6-16 on 2 cores, after 391 s)."""
+    return float(cpus)
+
+
 def busy_reason(*, load1: float, cpus: int, measured_share: float, model_share: float) -> str | None:
     """Why this host is too busy for a trustworthy calibration, or None.
 

@@ -126,14 +126,22 @@ def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tup
     backward = input and weight gradients, `tuning.sim.kernels`). CPU profiles: the measured rate by
     FLOPs, no faster than the weights stream at the measured few-token rate."""
     b, t, s, h, f = c["micro"], c["tp"], m.seq, m.hidden, m.ffn
+    fp8 = np.asarray(c.get("fp8", False), dtype=bool)
     if cl.kernels:
-        from tuning.sim.kernels import gemm_pairs, gpu_facts
+        from tuning.sim.kernels import fp8_facts, gemm_pairs, gpu_facts
 
         facts, tok = gpu_facts(cl.kernels), b * s
         shapes = [(tok, (m.q_dim + 2 * m.kv_dim) / t, h), (tok, h, m.q_dim / t)]  # q, k, v fused; out
         shapes += [(tok, f / t, h)] * (m.mlp_mats - 1) + [(tok, h, f / t)]  # gate and up; down
         fwd, bwd = gemm_pairs(facts, cl.peak_flops, [*shapes, (tok, m.vocab / t, h)])
-        return sum(fwd[:-1]), sum(bwd[:-1]), fwd[-1], bwd[-1]
+        dense_f, dense_b = sum(fwd[:-1]), sum(bwd[:-1])
+        if np.any(fp8):  # the blocks' linear layers in FP8 (Transformer Engine); the output layer stays 16-bit
+            fp8_facts(facts, cl.name)  # ValueError naming the GPU where it has no FP8 rate
+            fwd8, bwd8 = gemm_pairs(facts, cl.peak_flops, shapes, fp8=True)
+            dense_f, dense_b = np.where(fp8, sum(fwd8), dense_f), np.where(fp8, sum(bwd8), dense_b)
+        return dense_f, dense_b, fwd[-1], bwd[-1]
+    if np.any(fp8):
+        raise ValueError(f"fp8=true: cluster {cl.name!r} is a measured CPU profile with no FP8 GEMM rate; use fp8=false")
     bt = b / t
     dense = [2 * bt * s * h * (m.q_dim + 2 * m.kv_dim), 2 * bt * s * m.q_dim * h]
     dense += [2 * bt * s * h * f] * (m.mlp_mats - 1) + [2 * bt * s * f * h]
@@ -148,7 +156,7 @@ def _dense_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray]) -> tup
 
 
 KERNEL_KEYS = ("micro", "tp", "flash_attention", "framework", "dtype_bytes", "attn_density",
-               "attention_kernel")  # what kernel times depend on
+               "attention_kernel", "fp8")  # what kernel times depend on
 
 
 def per_unique(c: dict[str, np.ndarray], fn: Any) -> Any:
@@ -214,6 +222,36 @@ def fused_block_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarra
     return fwd, bwd
 
 
+# Transformer Engine keeps an amax history per FP8 tensor of each GEMM (fp8_meta: forward input, weight and output,
+# backward output gradient and input gradient, recipe.DelayedScaling amax_history_len 1024 fp32 values each):
+FP8_AMAX_BYTES_PER_GEMM = 5 * 1024 * 4
+# bytes a Transformer Engine cast-transpose moves per element cast to FP8 (tex.fp8_cast_transpose_fused: read the
+# 16-bit tensor, write its FP8 copy and the FP8 copy of its transpose, one byte each; the amax reduction is fused)
+FP8_CAST_BYTES = 4.0
+
+
+def fp8_cast_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) bytes per layer and micro-batch on a tp rank that Transformer Engine's FP8 casts move
+    where a row runs FP8 (`fp8`), 0 elsewhere. Forward: each linear layer's input cast with its transpose (the
+    transpose is what wgrad reads): q/k/v's and fc1's h-wide inputs, the output projection's q/t and fc2's f/t;
+    and the block's weights (layer_matmul_params / t) cast the same way, each micro-batch, but once a step where
+    Megatron-core passes is_first_microbatch (TE caches the FP8 weights and their transposes across the step's
+    micro-batches; other callers, Composer's amp_fp8 among them, pass None: no cache). Backward: each GEMM's
+    output gradient cast with its transpose (dgrad and wgrad read both): (q + 2 kv)/t, h, (mlp_mats - 1) f/t, h."""
+    from tuning.sim.framework import FRAMEWORK_NAMES
+
+    on = np.asarray(c.get("fp8", False), dtype=bool)
+    t, tok = c["tp"], c["micro"] * m.seq
+    inputs = 2.0 * m.hidden + (m.q_dim + m.ffn) / t
+    grads = 2.0 * m.hidden + (m.q_dim + 2.0 * m.kv_dim + (m.mlp_mats - 1) * m.ffn) / t
+    fw = np.asarray(c.get("framework", 0))
+    cached = (fw == FRAMEWORK_NAMES.index("megatron-core")) | (fw == FRAMEWORK_NAMES.index("megatron"))
+    weights = m.layer_matmul_params / t / np.where(cached, np.maximum(np.asarray(c.get("num_mb", 1)), 1), 1)
+    fwd = np.where(on, FP8_CAST_BYTES * (tok * inputs + weights), 0.0)
+    bwd = np.where(on, FP8_CAST_BYTES * tok * grads, 0.0)
+    return fwd, bwd
+
+
 def unpad_bytes(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) bytes per layer and micro-batch on a tp rank that flash-attn's bert_padding moves
     around FlashAttention's varlen kernel where a row runs it so (`attention_unpad`: llm-foundry's
@@ -263,6 +301,9 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
     loss_b = np.where(unfused, UNFUSED_LOSS_BYTES_PER_LOGIT[1], 0.5 * LOSS_BYTES_PER_LOGIT) * logits
     fwd_layer = k["dense_f"] + k["attn_f"] + elem_f * moved
     bwd_layer = k["dense_b"] + k["attn_b"] + elem_b * moved
+    if np.any(c.get("fp8", False)):  # Transformer Engine's casts to FP8, at the measured streaming rate
+        cast_f, cast_b = fp8_cast_bytes(m, c)
+        fwd_layer, bwd_layer = fwd_layer + cast_f / hbm, bwd_layer + cast_b / hbm
     rc = c["recompute"]
     re_layer = np.select([rc == 2, rc == 1], [fwd_layer, k["attn_f"] + act["attn"] * moved], 0.0)
     per_stage = m.layers / c["pp"]

@@ -137,8 +137,9 @@ def informed(rows: list[PublishedRow], params: list[Param], *, clusters: dict[st
 
 
 def fit_rows(path: str | Path = DATA, exclude_source: str | None = None) -> list[PublishedRow]:
-    """Every published row with a measured value, less those of `exclude_source`."""
-    return [r for r in calibration_rows(path) + held_out_rows(path) if r.source != exclude_source]
+    """Every published row with a measured value, less those of `exclude_source` and the FP8 rows (priced for
+    validation only: no term is fitted on a Transformer Engine FP8 run)."""
+    return [r for r in calibration_rows(path) + held_out_rows(path) if r.source != exclude_source and not r.fp8]
 
 
 def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,

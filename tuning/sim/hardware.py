@@ -118,6 +118,17 @@ class ClusterSpec:
         nodes = self.num_nodes or sum(g.nodes for g in self.node_groups) or None
         return None if nodes is None else nodes * self.gpus_per_node
 
+    @property
+    def fp8_peak_flops(self) -> float:
+        """Dense FP8 tensor-core peak FLOP/s of this cluster's GPU (tuning/data/kernels.yaml `fp8`); 0 where it has
+        none (A100, MI250X, CPU profiles): `ParallelSpec.fp8` is refused there (`tuning.sim.kernels.fp8_facts`)."""
+        if not self.kernels:
+            return 0.0
+        from tuning.sim.kernels import gpu_facts
+
+        facts = gpu_facts(self.kernels)
+        return facts.fp8_peak_tflops * 1e12 if facts.fp8_speedup > 0 else 0.0
+
     def gemm_rate(self, flops: np.ndarray | float) -> np.ndarray:
         """Achieved FLOP/s of one GEMM of `flops` FLOPs (vectorised).
 

@@ -12,6 +12,9 @@ cites its source. Nothing here is fitted to a training run.
   4 s^2 d per head, backward 2.5x, causal half).
 - **Memory-bound kernels** (norms, activations, dropout, rotary, casts, the loss, the optimizer) at
   the measured streaming bandwidth.
+- **FP8 GEMMs** (Transformer Engine's linear layers, `ParallelSpec.fp8`): the GPU's cited FP8 / BF16 rate
+  ratio on the same shapes (`fp8_speedup` in kernels.yaml) over the BF16 compute time, 1-byte operands and a
+  16-bit output streamed; a GPU without that fact has no FP8 (`fp8_facts` refuses it).
 
 A cluster names its GPU's facts in `ClusterSpec.kernels` ("a100", "h100", ...); CPU profiles
 (`tuning.calibrate.calibration`) leave it empty and keep their measured tables.
@@ -55,6 +58,8 @@ class GpuFacts:
     tiles: tuple[tuple[int, int], ...]
     hbm_gb_s: float
     attention: dict[str, AttentionTable] = field(default_factory=dict)
+    fp8_peak_tflops: float = 0.0  # dense FP8 tensor-core peak (0: no FP8)
+    fp8_speedup: float = 0.0  # achieved FP8 / BF16 rate of the same GEMMs (0: no FP8)
 
 
 def _table(raw: dict[str, Any], like: AttentionTable | None) -> AttentionTable:
@@ -130,7 +135,8 @@ def gpu_facts(kind: str, path: str = str(KERNELS)) -> GpuFacts:
     attention = {impl: attention[impl] for impl in tables}  # the file's order: the first is the fallback
     return GpuFacts(kind=kind, sms=int(raw["sms"]), gemm_efficiency=float(raw["gemm_efficiency"]),
                     tiles=tuple((int(a), int(b)) for a, b in raw["tiles"]), hbm_gb_s=float(raw["hbm_gb_s"]),
-                    attention=attention)
+                    attention=attention, fp8_peak_tflops=float((raw.get("fp8") or {}).get("peak_tflops", 0.0)),
+                    fp8_speedup=float((raw.get("fp8") or {}).get("speedup", 0.0)))
 
 
 def quantisation(facts: GpuFacts, m: Any, n: Any, batch: Any = 1) -> np.ndarray:
@@ -145,26 +151,44 @@ def quantisation(facts: GpuFacts, m: Any, n: Any, batch: Any = 1) -> np.ndarray:
 
 
 def gemm_seconds(facts: GpuFacts, peak: float, m: Any, n: Any, k: Any, batch: Any = 1,
-                 dtype_bytes: float = 2.0) -> np.ndarray:
+                 dtype_bytes: float = 2.0, fp8: bool = False) -> np.ndarray:
     """Seconds of `batch` GEMMs of an M x N output over K: compute at the quantised MAMF rate, or
-    streaming the operands at the measured bandwidth, whichever is slower."""
+    streaming the operands at the measured bandwidth, whichever is slower. `fp8`: an FP8 GEMM
+    (`fp8_facts`' speedup over the 16-bit compute time; 1-byte operands, a 16-bit output)."""
     m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
     compute = 2.0 * m * n * k * batch / (peak * facts.gemm_efficiency * quantisation(facts, m, n, batch))
+    if fp8:
+        compute = compute / fp8_facts(facts)[1]
+        return np.maximum(compute, batch * (m * k + k * n + dtype_bytes * m * n) / (facts.hbm_gb_s * GB))
     memory = dtype_bytes * batch * (m * k + k * n + m * n) / (facts.hbm_gb_s * GB)
     return np.maximum(compute, memory)
 
 
-def fwd_bwd_gemm_seconds(facts: GpuFacts, peak: float, m: Any, n: Any, k: Any) -> tuple[np.ndarray, np.ndarray]:
+def fp8_facts(facts: GpuFacts, cluster: str = "") -> tuple[float, float]:
+    """(dense FP8 peak FLOP/s, FP8 / BF16 GEMM rate ratio) of this GPU; ValueError naming the GPU where
+    kernels.yaml cites no FP8 rate for it (A100 has no FP8 tensor cores)."""
+    if facts.fp8_speedup <= 0 or facts.fp8_peak_tflops <= 0:
+        where = f" (cluster {cluster})" if cluster else ""
+        raise ValueError(f"fp8=true: GPU {facts.kind!r}{where} has no FP8 GEMM rate in tuning/data/kernels.yaml "
+                         "(FP8 tensor cores start with Hopper/Ada); use fp8=false")
+    return facts.fp8_peak_tflops * 1e12, facts.fp8_speedup
+
+
+def fwd_bwd_gemm_seconds(facts: GpuFacts, peak: float, m: Any, n: Any, k: Any,
+                         fp8: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of a linear layer's GEMM (M x N over K): backward is the input
-    gradient (M x K over N) and the weight gradient (K x N over M)."""
-    return gemm_seconds(facts, peak, m, n, k), gemm_seconds(facts, peak, m, k, n) + gemm_seconds(facts, peak, k, n, m)
+    gradient (M x K over N) and the weight gradient (K x N over M); `fp8`: all three in FP8 (Transformer
+    Engine's fprop, dgrad and wgrad under its default recipe)."""
+    return (gemm_seconds(facts, peak, m, n, k, fp8=fp8),
+            gemm_seconds(facts, peak, m, k, n, fp8=fp8) + gemm_seconds(facts, peak, k, n, m, fp8=fp8))
 
 
-def gemm_pairs(facts: GpuFacts, peak: float, shapes: list[tuple[Any, Any, Any]]) -> tuple[list, list]:
+def gemm_pairs(facts: GpuFacts, peak: float, shapes: list[tuple[Any, Any, Any]],
+               fp8: bool = False) -> tuple[list, list]:
     """(forward, backward) seconds (`fwd_bwd_gemm_seconds`) of each (M, N, K) in `shapes`, one entry per
     shape, priced in one vectorised call (a search prices all its rows' GEMMs at once)."""
     cols = np.broadcast_arrays(*(np.asarray(x, dtype=float) for shape in shapes for x in shape))
-    fwd, bwd = fwd_bwd_gemm_seconds(facts, peak, *(np.stack(cols[j::3]) for j in range(3)))
+    fwd, bwd = fwd_bwd_gemm_seconds(facts, peak, *(np.stack(cols[j::3]) for j in range(3)), fp8=fp8)
     return list(fwd), list(bwd)
 
 
@@ -195,5 +219,5 @@ def memory_bandwidth(cluster: Any) -> float:
     return cluster.hbm_gb_s * cluster.hbm_efficiency * GB
 
 
-__all__ = ["AttentionTable", "GpuFacts", "KERNELS", "attention_impls", "fused_attention_seconds",
+__all__ = ["AttentionTable", "GpuFacts", "KERNELS", "attention_impls", "fp8_facts", "fused_attention_seconds",
            "fwd_bwd_gemm_seconds", "gemm_seconds", "gpu_facts", "memory_bandwidth", "quantisation"]

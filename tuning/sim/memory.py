@@ -8,7 +8,8 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | category | term | what |
 |---|---|---|
 | params | `params_weights` | the trained weights (sharded over dp x cp at ZeRO-3, and at ZeRO-2 in FSDP) |
-| params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding; the engine's in its weights' dtype (`tuning.sim.spec.weight_bytes`) |
+| params | `params_gathered` | unsharded 16-bit copies: two units at ZeRO-3 (current + prefetched), every block from forward to backward at FSDP ZeRO-2 / ZeRO-3 without resharding; the engine's in its weights' dtype (`tuning.sim.spec.weight_bytes`), and its whole model under FSDP2's `replicate` (tp with ZeRO-0/1, `replicated_rows`) |
+| params | `params_fp8` | Transformer Engine's FP8 copies of the blocks' linear weights (`fp8`): the FP8 weight and its FP8 transpose, kept for the step where Megatron-core caches them (is_first_microbatch), else the transpose each layer in flight saves for its dgrad; and each GEMM's amax history |
 | grads | `grads_main` | the gradient buffer (Megatron: fp32 main grads) |
 | grads | `grads_partition` | DeepSpeed ZeRO-1/2's fp32 gradient of its own optimizer shard; Apex DistributedFusedAdam's reduced shard where it outgrows the activations it replaces |
 | grads | `grads_gathered` | one unit's unsharded gradients before its reduce-scatter |
@@ -83,7 +84,7 @@ from tuning.sim.spec import SCHEDULES, ModelSpec, engine_rows, fsdp_bf16_rows, r
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
 TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
 TERMS = {
-    "params": ("params_weights", "params_gathered"),
+    "params": ("params_weights", "params_gathered", "params_fp8"),
     "grads": ("grads_main", "grads_partition", "grads_gathered"),
     "optimizer": ("optimizer",),
     "activations": ("act_layers", "act_logits", "act_recompute", "act_wgrad_deferred", "act_autocast", "act_stage_io"),
@@ -94,10 +95,10 @@ NCCL_CONNECTION_BYTES = 10 * 2**20  # Simple 4 MiB + LL128 4.6875 MiB + LL 0.5 M
 NCCL_CONNECTIONS_PER_CHANNEL = 2
 # The categories as torch.distributed._tools name them (MemTracker's _MemRefType; FSDPMemTracker's
 # _FSDPRefType for FSDP2, the engine's ZeRO-2/3), each the sum of these terms, for comparing a dry run
-MEMTRACKER = {"Parameter": ("params_weights", "params_gathered"),
+MEMTRACKER = {"Parameter": ("params_weights", "params_gathered", "params_fp8"),
               "Gradient": ("grads_main", "grads_partition", "grads_gathered"), "Optstate": ("optimizer",),
               "Activation": TERMS["activations"], "Temp": TERMS["temp"]}
-FSDP_MEMTRACKER = {"Sharded Param": ("params_weights",), "Unsharded Param": ("params_gathered",),
+FSDP_MEMTRACKER = {"Sharded Param": ("params_weights",), "Unsharded Param": ("params_gathered", "params_fp8"),
                    "Sharded Grad": ("grads_main", "grads_partition"), "Unsharded Grad": ("grads_gathered",),
                    "OptState": ("optimizer",),
                    "Activation": TERMS["activations"], "Temp": TERMS["temp"]}
@@ -217,7 +218,7 @@ def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any,
     engine = k.get("engine", False)
     return {
         "params_weights": (k["weight"] / np.where(shard_w, group, 1), 0.0),
-        "params_gathered": (np.where(held_all, weight_bytes(c, engine), 0.0),
+        "params_gathered": (np.where(held_all | replicated_rows(c, engine, group), weight_bytes(c, engine), 0.0),
                             np.where(sharded & ~held_all, np.where(engine, unit + root, 2.0 * unit), 0.0)),
         "grads_main": (k["grad"] / np.where(z >= 2, group, 1), 0.0),
         "grads_partition": (k["grad_partition"] / by_opt, 0.0),
@@ -227,6 +228,15 @@ def _state_rates(c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any,
                            np.where(sharded & ~accumulate & ~np.asarray(engine), unit, 0.0)),
         "optimizer": (k["optimizer"] / by_opt, 0.0),
     }
+
+
+def replicated_rows(c: dict[str, np.ndarray], engine: Any, group: Any) -> Any:
+    """The engine's rows whose data parallelism is FSDP2's `replicate` (engine/parallel/data.py: DDP refuses tp's
+    DTensor parameters; ZeRO-0/1 with tp > 1, no pipeline, no CO2): it unshards every parameter into a copy of
+    its own (FSDP2's world-size-1 all-gather copies; fp32, no mixed-precision policy) from the forward to the end
+    of the backward, so the step's peak holds the weights twice (Llama-3.1-8B at tp 4: 2 x 11.2 GB)."""
+    return (np.asarray(engine, dtype=bool) & (np.asarray(c["zero"]) < 2) & (np.asarray(c["tp"]) > 1)
+            & (np.asarray(c["pp"]) == 1) & (np.asarray(group) > 1) & ~np.asarray(c.get("co2", False), dtype=bool))
 
 
 def state_terms(psi: Any, c: dict[str, np.ndarray], k: dict[str, np.ndarray], group: Any, unit: Any = 0.0
@@ -302,7 +312,8 @@ def _engine_activations(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[Any, An
     - fp32 residual stream and norms (RMSNorm computes in fp32): each norm keeps its input and its normalized
       output, 4 h each (+ 4 bytes of rsqrt), two norms: 16 h + 8;
     - each projection keeps its own bf16 cast of its input (autocast casts per call): q, k, v and the MLP's
-      input matrices (gate, up), 2 h each: 2 h (3 + mlp_mats - 1);
+      input matrices (gate, up), 2 h each: 2 h (3 + mlp_mats - 1), of the whole sequence also under sequence
+      parallelism (their input is the all-gathered norm output);
     - inside tp: SDPA keeps bf16 q (after the fp32 rotary: cast again), k, v, its output and an fp32
       log-sum-exp per head; the output projection its contiguous input: 6 q + 4 kv + 4 heads; the MLP keeps
       gate, silu(gate), up and their product (SwiGLU, 8 f) or the GELU's input and output (4 f);
@@ -316,9 +327,9 @@ def _engine_activations(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[Any, An
     t, sp = c["tp"], c["sequence_parallel"]
     tokens = m.seq * c["micro"]
     mixed = fsdp_bf16_rows(c)
-    outside = (16 + np.where(mixed, 0.0, 2 * (3 + m.mlp_mats - 1))) * m.hidden
+    casts = np.where(mixed, 0.0, 2 * (3 + m.mlp_mats - 1)) * m.hidden  # the projections' inputs: never sp-split
     inside = 6 * m.q_dim + 4 * m.kv_dim + (4 * m.mlp_mats - 4) * m.ffn + 4 * m.heads
-    layer = tokens * (outside / np.where(sp, t, 1) + inside / t + 8)
+    layer = tokens * (16 * m.hidden / np.where(sp, t, 1) + casts + inside / t + 8)
     kept = tokens * weight_bytes(c) * m.hidden / np.where(sp, t, 1)
     loss = tokens * (4 * m.vocab + np.where(mixed, 8, 10) * m.hidden)
     return layer, kept, loss
@@ -379,11 +390,33 @@ def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray]
     out["grads_main"] = out["grads_main"] + fp32_embedding
     out["grads_partition"] = out["grads_partition"] + apex_shard
     # a term no row holds stays the scalar 0.0 (broadcast where used): a search does not pay a pass for it
+    out["params_fp8"] = fp8_weight_copies(m, c, r, held) if np.any(c.get("fp8", False)) else 0.0
     out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather, temp_loss=loss,
                act_autocast=autocast, act_layers=held * stored, act_wgrad_deferred=deferred,
                act_logits=np.where(last, logits, 0.0), act_recompute=recompute, act_stage_io=0.0,
                temp_backward=0.0, temp_reduce=0.0, temp_grad_accum=0.0)
     return out
+
+
+def fp8_weight_copies(m: ModelSpec, c: dict[str, np.ndarray], r: Any, held: Any) -> Any:
+    """Bytes of Transformer Engine's FP8 weight copies on pipeline rank r where a row runs FP8 (`fp8`). TE's Linear
+    casts each weight to FP8 with its transpose (tex.fp8_cast_transpose_fused); Megatron-core passes
+    is_first_microbatch, so TE keeps both as workspaces for the whole step (`_fp8_workspaces` / weight1_fp8 and
+    weight1_t_fp8: 2 bytes a linear weight of the stage); a caller that passes None (Composer's amp_fp8) recasts
+    each call and keeps only what its backward reads, the FP8 transpose saved for dgrad (ctx.save_for_backward:
+    1 byte a linear weight per layer and micro-batch in flight, `held`; one layer under full recomputation). Each
+    of a layer's GEMMs keeps its amax history (FP8_AMAX_BYTES_PER_GEMM). MoE experts are not counted (their
+    GEMMs are priced 16-bit)."""
+    from tuning.sim.compute import FP8_AMAX_BYTES_PER_GEMM
+
+    on = np.asarray(c.get("fp8", False), dtype=bool)
+    fw = np.asarray(c.get("framework", 0))
+    cached = (fw == FRAMEWORK_NAMES.index("megatron-core")) | (fw == FRAMEWORK_NAMES.index("megatron"))
+    layers = _stage_layers(m, c, r)
+    per_layer = m.layer_matmul_params / c["tp"]
+    saved = per_layer * np.where(c["recompute"] == 2, 1.0, held)
+    gemms = layers * (3 + m.mlp_mats - 1 + 1)  # q/k/v (fused), out, the MLP's matrices
+    return np.where(on, np.where(cached, 2.0 * per_layer * layers, saved) + gemms * FP8_AMAX_BYTES_PER_GEMM, 0.0)
 
 
 def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, rank: tuple[Any, Any, Any],

@@ -78,6 +78,7 @@ class PublishedRow:
     attention_unpad: bool = False  # FlashAttention's varlen kernel behind bert_padding (llm-foundry's flash)
     unfused_loss: bool = False  # Megatron's vocab-parallel cross-entropy without --cross-entropy-loss-fusion
     reduce_bytes: int = 0  # bytes the gradients are reduced in where the source's software says (0: the dtype)
+    fp8: bool = False  # Transformer Engine FP8 linear layers (NeMo's fp8, llm-foundry's amp_fp8)
     metric: str  # METRICS
     value: float | None = None  # None for a layout that ran out of memory (`oom`)
     source_mfu: float | None = None  # the source's own MFU (%) of a tokens row: its FLOPs per token for the baseline
@@ -110,7 +111,7 @@ class PublishedRow:
                             moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32,
                             dist_adam=self.dist_adam, defer_embedding_wgrad=self.defer_embedding_wgrad,
                             attention_unpad=self.attention_unpad, unfused_loss=self.unfused_loss,
-                            reduce_bytes=self.reduce_bytes)
+                            reduce_bytes=self.reduce_bytes, fp8=self.fp8)
 
 
 @functools.lru_cache(maxsize=4)

@@ -272,6 +272,11 @@ class ParallelSpec:
     # the loss as Megatron's vocab_parallel_cross_entropy runs without --cross-entropy-loss-fusion (Megatron-LM's
     # default): 52 bytes a logit against the fused 24 (tuning/sim/compute.py UNFUSED_LOSS_BYTES_PER_LOGIT)
     unfused_loss: bool = False
+    # Transformer Engine FP8 (delayed or current scaling): the transformer blocks' linear-layer GEMMs (fprop, dgrad,
+    # wgrad) at the GPU's FP8 rate, their inputs and output gradients cast by memory-bound kernels, FP8 weight copies
+    # held (tuning/sim/compute.py, sim/memory.py); attention, norms, the output layer and the loss stay 16-bit;
+    # refused on a GPU without an FP8 rate (tuning/data/kernels.yaml)
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):

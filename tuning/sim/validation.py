@@ -152,7 +152,7 @@ def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
     out = []
     for source in dict.fromkeys(r.source for r in rows):
         mine = [r for r in rows if r.source == source]
-        refit = tuple(sorted({r.framework for r in mine} & set(FRAMEWORK_FITS)))
+        refit = tuple(sorted({r.framework for r in mine if not r.fp8} & set(FRAMEWORK_FITS)))  # FP8: never fitted
         fws, held = out_of_sample_frameworks(path, source, refit, zooms) if refit else (FRAMEWORKS, [])
         for r, inside, outside in zip(mine, _price(mine, FRAMEWORKS), _price(mine, fws)):
             base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops, value=r.value, source_mfu=r.source_mfu)
