@@ -51,6 +51,11 @@ def _page(home: Path, monkeypatch: pytest.MonkeyPatch, rank: bool = True, **inpu
     for name, value in inputs.items():
         if name == "target":
             at.selectbox(key="plan_target").set_value(value)
+        elif name == "upload":
+            at.radio(key="plan_model_kind").set_value("an uploaded config.json")
+            at.run()
+            at.file_uploader(key="plan_upload").set_value(("config.json", value, "application/json"))
+            at.run()  # the other inputs are drawn once a model is given
         elif name == "overrides":
             at.text_area(key="plan_set").set_value(value)
         else:
@@ -182,10 +187,36 @@ def test_the_dry_run_of_the_top_layouts_draws_its_progress(tmp_path, monkeypatch
     assert any(c.value.startswith("Layout 1: parallel.zero=0: the dry run cannot play DDP") for c in at.caption)
 
 
+def test_an_uploaded_config_json_ranks_as_its_file_does_and_its_export_carries_it(tmp_path, monkeypatch):
+    from streamlit.delta_generator import DeltaGenerator
+
+    from tuning.plan import make_plan
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.simulator import ModelSpec
+
+    downloads: dict[str, str] = {}
+    real = DeltaGenerator.download_button
+
+    def recorded(self, label, data, *args, **kwargs):
+        downloads[kwargs["file_name"]] = data
+        return real(self, label, data, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaGenerator, "download_button", recorded)
+    at = _page(tmp_path, monkeypatch, upload=json.dumps(TINY_LLAMA).encode(), **TINY)
+    plan = make_plan(ModelSpec.from_hf(TINY_LLAMA, seq=64), load_cluster("dgx-h100"), gpus=4, global_batch=8,
+                     target="yaml")
+    shown = at.dataframe[0].value
+    assert list(shown["iteration (s)"]) == list(plan.table["iteration_time_s"])
+    assert "model_type: llama" in downloads["config.yaml"] and "num_key_value_heads: 4" in downloads["config.yaml"]
+
+
 def test_bad_inputs_are_said_in_one_line(tmp_path, monkeypatch):
     at = _page(tmp_path, monkeypatch, rank=False, path=str(tmp_path / "missing.json"))
     assert [len(e.value.splitlines()) for e in at.error] == [1] and at.error[0].value.startswith("model: ")
     assert not [b for b in at.button if b.key == "plan_rank"]
+    at = _page(tmp_path, monkeypatch, rank=False, gpus=100)  # old page: "zero-size array to reduction operation"
+    assert [e.value for e in at.error] == ["GPUs=100: must fit in one node or fill whole nodes of dgx-h100 (a "
+                                           "multiple of its 8 GPUs per node)"]
     at = _page(tmp_path, monkeypatch, gpus=1)  # Llama 3.1 8B at 8,192 tokens fits no H100 alone
     assert [e.value for e in at.error][0].startswith("no layout of this model fits in 85.5 GB per GPU on 1 GPUs")
 

@@ -233,6 +233,11 @@ TOP = int(c[3].number_input("Layouts shown", 1, 50, 5, key="plan_top"))
 BASE = base_input()
 KEY = json.dumps([str(SOURCE) if not isinstance(SOURCE, dict) else SOURCE, repr(MODEL), CLUSTER.name,
                   repr(CLUSTER), GPUS, GLOBAL, TARGET, TOP, BASE], sort_keys=True, default=str)
+PER_NODE = CLUSTER.gpus_per_node
+if GPUS > PER_NODE and GPUS % PER_NODE:  # the search would find no layout (as `workbench plan --gpus` refuses)
+    st.error(f"GPUs={GPUS}: must fit in one node or fill whole nodes of {CLUSTER.name} (a multiple of its "
+             f"{PER_NODE} GPUs per node)")
+    st.stop()
 if st.button("Rank layouts", type="primary", icon=":material/sort:", key="plan_rank"):
     try:
         with st.spinner("Pricing every layout"):
