@@ -55,6 +55,7 @@ def test_the_docs_state_no_count_of_published_rows_the_code_does_not_have():
     from tuning.sim.published import calibration_rows, held_out_rows
 
     rows = len(calibration_rows()) + len(held_out_rows())
-    for page in (ROOT / "README.md", ROOT / "docs" / "cli.md", ROOT / "docs" / "config.md"):
+    for page in (ROOT / "README.md", ROOT / "docs" / "cli.md", ROOT / "docs" / "config.md", ROOT / "docs" / "simulator.md",
+                 ROOT / "docs" / "simulator-reference.md"):
         for count in re.findall(r"(\d[\d,]*) published (?:measurements|rows)", page.read_text()):
             assert int(count.replace(",", "")) == rows, page
