@@ -44,6 +44,29 @@ class RunQueries:
                 for (step, rank), v in sorted(table.items())]
         return pd.DataFrame(data, columns=columns)
 
+    def breakdown_means(self, run_id: str, first_step: int = 0) -> pd.DataFrame:
+        """Each rank's mean seconds per phase over its steps from ``first_step`` on (index ``rank``, a
+        column per recorded phase; a phase a step did not record counts 0, as in `breakdown_table`),
+        averaged in SQL: the rows of `breakdown_table` grouped by rank, without reading them."""
+        import pandas as pd
+
+        where = "WHERE run_id = ? AND kind = 'breakdown' AND step >= ?"
+        counts = dict(self._query(f"SELECT rank, COUNT(DISTINCT step) FROM metrics {where} GROUP BY rank",
+                                  (run_id, first_step)))
+        sums = self._frame(f"SELECT rank, name, SUM(value) FROM metrics {where} GROUP BY rank, name",
+                           (run_id, first_step), ["rank", "name", "value"])
+        if sums.empty:
+            return pd.DataFrame(columns=list(PHASES), index=pd.Index([], name="rank"))
+        sums["value"] /= sums["rank"].map(counts)
+        wide = sums.assign(name=sums["name"].map(_phase)).pivot(index="rank", columns="name", values="value")
+        wide.columns.name = None
+        return wide.fillna(0.0)
+
+    def recorded_steps(self, run_id: str, kind: str) -> list[int]:
+        """The steps with a record of ``kind``, in order."""
+        return [row[0] for row in self._query("SELECT DISTINCT step FROM metrics WHERE run_id = ? AND kind = ? "
+                                              "ORDER BY step", (run_id, kind))]
+
     def comm_totals(self, run_id: str) -> dict[str, dict[str, float]]:
         """Per collective op over the whole run: bytes and time per rank, count and busbw.
 
@@ -51,28 +74,20 @@ class RunQueries:
         is time-weighted (sum of busbw x time over sum of time), which equals the bus bytes over
         the total time (nccl-tests definitions, see collectives.py).
         """
-        rows = self._query("SELECT rank, step, name, value FROM metrics WHERE run_id = ? AND "
-                           "kind = 'comm' AND name LIKE '%/%'", (run_id,))
-        per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        ranks: dict[str, set[int]] = defaultdict(set)
-        cells: dict[tuple[str, int, int], dict[str, float]] = defaultdict(dict)
-        for row in rows:
-            op, _, field = row["name"].partition("/")
-            cells[(op, row["rank"], row["step"])][field] = row["value"]
-            ranks[op].add(row["rank"])
-        for (op, _, _), cell in cells.items():
-            agg = per[op]
-            seconds = cell.get("time(s)", 0.0)
-            agg["bytes"] += cell.get("bytes", 0.0)
-            agg["time(s)"] += seconds
-            agg["count"] += cell.get("count", 1.0)
-            agg["_bus_seconds"] += cell.get("busbw(GB/s)", 0.0) * seconds
+        # summed in SQL, one row per op: the Python loop over every record took 0.1 s at 100k records
+        field = "substr(name, instr(name, '/') + 1)"
+        cells = ("SELECT substr(name, 1, instr(name, '/') - 1) AS op, rank, step, "
+                 + ", ".join(f"SUM(CASE WHEN {field} = '{f}' THEN value END) AS {alias}" for f, alias in
+                             (("bytes", "b"), ("time(s)", "t"), ("count", "c"), ("busbw(GB/s)", "bw")))
+                 + " FROM metrics WHERE run_id = ? AND kind = 'comm' AND instr(name, '/') > 0 GROUP BY op, rank, step")
+        rows = self._query("SELECT op, COUNT(DISTINCT rank), SUM(COALESCE(b, 0.0)), SUM(COALESCE(t, 0.0)), "
+                           "SUM(COALESCE(c, 1.0)), SUM(COALESCE(bw, 0.0) * COALESCE(t, 0.0)) "
+                           f"FROM ({cells}) AS cells GROUP BY op ORDER BY op", (run_id,))
         out = {}
-        for op, agg in per.items():
-            n = max(len(ranks[op]), 1)
-            out[op] = {"bytes": agg["bytes"] / n, "time(s)": agg["time(s)"] / n,
-                       "count": agg["count"] / n, "ranks": float(n),
-                       "busbw(GB/s)": agg["_bus_seconds"] / agg["time(s)"] if agg["time(s)"] else 0.0}
+        for op, ranks, total_bytes, seconds, calls, bus_seconds in rows:
+            n = max(int(ranks), 1)
+            out[op] = {"bytes": total_bytes / n, "time(s)": seconds / n, "count": calls / n, "ranks": float(n),
+                       "busbw(GB/s)": bus_seconds / seconds if seconds else 0.0}
         return out
 
     def wire_totals(self, run_id: str) -> dict[str, float]:

@@ -110,7 +110,7 @@ def test_every_page_renders_with_finished_runs_and_studies(page, finished_home, 
         assert {"Loss", "Throughput and MFU", "Collective bus bandwidth by message size",
                 "Memory per rank (peak)"} <= set(titles)
         assert {"Step-time breakdown per rank (latest step)", "Step-time breakdown over the run (mean of ranks)"} <= set(titles)
-        assert any(t.startswith("Host timeline (%)") for t in titles)
+        assert {"Host utilisation (%)", "Host transfer rate (bytes/s)", "Host memory (GiB)"} <= set(titles)
     if page == "tune":
         assert titles[:3] == ["Optimisation history", "Parallel coordinates (tokens/s)",
                               "Parameter importances for tokens/s"]
@@ -701,3 +701,44 @@ def test_a_live_runs_per_rank_breakdown_draws_the_last_step_every_rank_reported(
     st.cache_data.clear()
     last = run_data(str(tmp_path), "part-1")["breakdown_ranks"]
     assert list(last["rank"]) == [0, 1] and set(last["step"]) == {2}
+
+
+def test_run_charts_name_every_legend_and_axis_with_a_unit_and_draw_mfu_only_with_a_peak(tmp_path):
+    """Issue 64 item 3: legends read raw keys (estimate_activations(GiB), cpu(%) r0, comm_exposed), bandwidth
+    raw GB/s, and a CPU run (no peak FLOP/s, no MFU recorded) drew an empty MFU axis."""
+    import streamlit as st
+
+    from profilers.records import Record
+    from workbench.app_pages.common import run_chart_list, run_data
+
+    store = RunStore.open_home(tmp_path)
+    write_run(store, "cpu-1", steps=12, ranks=2)
+    store.write([Record("cpu-1", r, 0, "memory", "estimate_activations(GiB)", 0.1, 0.0) for r in (0, 1)])
+    store.close()
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "runs.db") as db:  # a CPU run records no MFU (engine.device.peak_flops is None)
+        db.execute("DELETE FROM metrics WHERE name = 'mfu'")
+    st.cache_data.clear()
+    charts = {c.title: c for c in run_chart_list(run_data(str(tmp_path), "cpu-1"))}
+    raw = re.compile(r"[a-z]_[a-z]|[A-Za-z]\((GiB|B/s|GB/s|%|s)\)")
+    for chart in charts.values():
+        layers = chart.spec.get("layer", [chart.spec])
+        axes = [enc for layer in layers for enc in layer.get("encoding", {}).values() if isinstance(enc, dict)]
+        titles = [a["title"] for a in axes if a.get("title")]
+        legends = [str(v) for col in ("series", "name", "phase", "op") if col in chart.data
+                   for v in chart.data[col].unique()]
+        assert not [t for t in titles + legends if raw.search(t)], (chart.title, titles, legends)
+        assert not any("MFU" in t for t in titles + legends + [chart.title]), chart.title
+    assert "Throughput" in charts and "Throughput and MFU" not in charts
+    memory = set(charts["Memory per rank (peak)"].data["name"])
+    assert "activations, estimated (GiB)" in memory and "resident memory (GiB)" in memory
+    rate = charts["Host transfer rate (bytes/s)"].spec["encoding"]["y"]
+    assert rate["title"] == "transfer rate (bytes/s)" and "MB/s" in rate["axis"]["labelExpr"]
+    bus = charts["Collective bus bandwidth by message size"]
+    bus_y = bus.spec["encoding"]["y"]
+    assert bus_y["title"] == "bus bandwidth (bytes/s)" and "GB/s" in bus_y["axis"]["labelExpr"]
+    assert set(bus.data["op"]) == {"all-reduce"} and bus.data["busbw"].max() > 1e8  # bytes/s, not GB/s
+    with_peak = run_chart_list(run_data(str(tmp_path), "cpu-1") | {"steps": pd.DataFrame(
+        {"step": [0, 1], "ranks": [2, 2], "tokens_per_s": [10.0, 11.0], "mfu": [0.3, 0.31]})})
+    assert with_peak[1].title == "Throughput and MFU"

@@ -3,9 +3,10 @@ downloaded): start the app, screenshot every page empty, launch a tiny 2-rank ru
 page and watch its charts update, check that the Run page draws the executed schedule of a
 2-step pp=4 run as a rank x time grid, start a 3-trial study from the Tune page, download the
 exported YAML, screenshot every page again; and the simulator's HTML report laid out by the
-browser; and a live run's charts, all drawn in two screenshots 5 s apart.
-Screenshots go to artifacts/ (gitignored): PAGE-empty.png, run-live.png, run-live-1.png, run-live-2.png, run-done.png,
-run-schedule.png, tune-finished.png, PAGE-finished.png, sim-report.png."""
+browser; and a live run's charts: the first screen, never dimmed while polled, every axis and legend named
+with its unit, all drawn in two screenshots 5 s apart.
+Screenshots go to artifacts/ (gitignored): PAGE-empty.png, run-live.png, run-live-1.png, run-live-2.png,
+run-live-first-screen.png, run-done.png, run-schedule.png, tune-finished.png, PAGE-finished.png, sim-report.png."""
 from __future__ import annotations
 
 import os
@@ -173,10 +174,55 @@ CHARTS_DRAWN = """() => {
 }"""
 
 
+# what each Run-page chart drew (SVG: live_charts draws every chart as SVG, so its text is in the page)
+CHART_TEXT = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')].map(c => {
+    const svg = c.querySelector('svg.marks');
+    const texts = (root, sel) => root ? [...root.querySelectorAll(sel)].map(t => t.textContent) : [];
+    const box = c.getBoundingClientRect(), title = svg && svg.querySelector('.role-title-text text');
+    return {svg: !!svg, title: texts(svg, '.role-title-text text').join(' '), all: texts(svg, 'text'),
+            axes: svg ? [...svg.querySelectorAll('g.role-axis')].map(a => ({
+                title: texts(a, '.role-axis-title text').join(' '), labels: texts(a, '.role-axis-label text')})) : [],
+            legends: texts(svg, '.role-legend-label text'), legendTitles: texts(svg, '.role-legend-title text'),
+            top: box.top, bottom: box.bottom, right: box.right,
+            svgRight: svg ? svg.getBoundingClientRect().right : null,
+            titleRight: title ? title.getBoundingClientRect().right : null};
+})"""
+# the least opacity of any Run-page chart (its element container is what Streamlit fades while stale)
+CHART_OPACITY = """() => Math.min(...[...document.querySelectorAll('[data-testid="stVegaLiteChart"]')].map(c => {
+    let o = 1;
+    for (let e = c; e; e = e.parentElement) o *= parseFloat(getComputedStyle(e).opacity);
+    return o;
+}))"""
+RAW_KEY = re.compile(r"[a-z]_[a-z]|[A-Za-z]\((GiB|MiB|B/s|GB/s|%|s|W|C|MHz)\)")  # estimate_activations(GiB), cpu(%)
+UNITLESS_AXES = {"step", "rank", "expert"}  # counts and names
+
+
+def _check_live_chart_text(charts: list[dict]) -> None:
+    """Every chart drawn as SVG, its title whole, every axis titled with a unit, every legend a human name,
+    bytes per second in kB/s, MB/s or GB/s, and no MFU axis (a CPU run: no peak FLOP/s)."""
+    assert charts and all(c["svg"] for c in charts), [c["title"] for c in charts]
+    for c in charts:
+        texts = c["all"]
+        assert not any("…" in t for t in texts), (c["title"], texts)  # nothing cut short with an ellipsis
+        assert c["svgRight"] <= c["right"] + 1 and c["titleRight"] <= c["right"] + 1, c  # not cut by its frame
+        raw = [t for t in c["legends"] + c["legendTitles"] + [a["title"] for a in c["axes"]] if RAW_KEY.search(t)]
+        assert not raw, (c["title"], raw)
+        for axis in (a for a in c["axes"] if a["title"] or a["labels"]):  # not the grid lines' axes
+            assert "(" in axis["title"] or axis["title"] in UNITLESS_AXES, (c["title"], axis["title"])
+            if "bytes/s" in axis["title"]:  # scaled: '12 MB/s', never a raw count of bytes per second
+                assert axis["labels"] and all(re.fullmatch(r"[\d.]+ [kMGT]?B/s", v) for v in axis["labels"]), axis
+        assert not any("MFU" in t for t in texts), (c["title"], texts)
+    rates = [a for c in charts for a in c["axes"] if "bytes/s" in a["title"]]
+    assert len(rates) >= 2, "the bus bandwidth and the host's network chart"
+
+
 def test_a_live_runs_charts_stay_drawn_between_refreshes(server, page):
     """Issue 52 item 6: while a run is live, two screenshots 5 s apart each show every Run-page chart
     (old code: each poll remounted every Plotly chart, blank until redrawn: 4 of 9 drawn), and the
-    step counter moves between them."""
+    step counter moves between them. Issue 64 item 3: the charts are the first screen (the New-run form
+    folded away), they keep full opacity while the page polls, and every axis and legend reads as a
+    quantity with its unit (old code: the form filled the first screen, the charts faded on every poll,
+    legends read raw keys such as cpu(%), bandwidth raw GB/s and a CPU run drew an empty MFU axis)."""
     url, home = server
     env = {**os.environ, "WORKBENCH_HOME": str(home), "OMP_NUM_THREADS": "1"}
     log = open(home / "livecharts.log", "w")
@@ -194,6 +240,18 @@ def test_a_live_runs_charts_stay_drawn_between_refreshes(server, page):
         _wait_for(lambda: "livecharts" in _selectboxes(page), 60, "the live run in the picker")
         _wait_for(lambda: _step(page) >= 3, 180, "the live run's third step")
         _settle(page)
+        page.screenshot(path=str(ARTIFACTS / "run-live-first-screen.png"),
+                        clip={"x": 0, "y": 0, "width": 1500, "height": LAPTOP_HEIGHT})
+        assert not page.get_by_label("Sequence length").is_visible()  # the form folded away
+        charts = page.evaluate(CHART_TEXT)
+        assert charts[0]["bottom"] < LAPTOP_HEIGHT and charts[1]["bottom"] < LAPTOP_HEIGHT, charts[:2]
+        _check_live_chart_text(charts)
+        assert _metric(page, "MFU") == "n/a"
+        opacity = []
+        for _ in range(60):  # 6 s: several polls, each a rerun of the live panel
+            opacity.append(page.evaluate(CHART_OPACITY))
+            page.wait_for_timeout(100)
+        assert min(opacity) == 1, opacity
         shots = []
         for i in (1, 2):
             if i == 2:

@@ -114,3 +114,42 @@ def bandwidth(gb_per_s: Any) -> str:
             break
         value /= 1000
     return f"{num(value, 4)} {unit}"
+
+
+QUANTITY_NAMES = {
+    "cpu": "CPU busy", "rss": "resident memory", "peak_rss": "peak resident memory",
+    "sys_mem_used": "system memory used",
+    "sys_mem": "system memory used", "net_rx": "network received", "net_tx": "network sent", "params": "parameters",
+    "grads": "gradients", "optimizer": "optimizer state", "activations": "activations", "allocated": "allocated",
+    "peak_allocated": "peak allocated", "peak_reserved": "peak reserved", "peak_memory": "peak memory",
+    "util": "busy", "mem_util": "memory bus busy", "mem_used": "memory used", "mem_total": "memory total",
+    "memory_total": "memory total", "power": "power draw", "power_limit": "power limit", "temp": "temperature",
+    "sm_clock": "SM clock", "max_sm_clock": "SM clock, maximum", "mem_clock": "memory clock",
+    "pcie_rx": "PCIe received", "pcie_tx": "PCIe sent", "nvlink_rx": "NVLink received", "nvlink_tx": "NVLink sent",
+    "cpu_count": "CPU cores (logical)", "cpu_count_physical": "CPU cores (physical)", "os": "operating system",
+    "hostname": "host name", "machine": "architecture",
+}
+"""What a recorded name (the part before its unit) means, for legends and tables."""
+UNIT_NAMES = {"B/s": "bytes/s", "C": "°C"}
+
+
+def split_unit(name: str) -> tuple[str, str]:
+    """'rss(GiB)' -> ('rss', 'GiB'); a name without a unit -> (name, '')."""
+    if name.endswith(")") and "(" in name:
+        stem, _, unit = name[:-1].rpartition("(")
+        return stem, unit
+    return name, ""
+
+
+def quantity(name: str) -> str:
+    """A recorded name as people read it, its unit kept: 'estimate_activations(GiB)' -> 'activations,
+    estimated (GiB)', 'gpu0/util(%)' -> 'GPU 0 busy (%)', 'net_rx(B/s)' -> 'network received (bytes/s)'."""
+    stem, unit = split_unit(name)
+    device, _, stem = stem.rpartition("/")
+    estimated = stem.startswith("estimate_")
+    stem = stem.removeprefix("estimate_")
+    text = QUANTITY_NAMES.get(stem, stem.replace("_", " "))
+    if device:
+        text = f"{device.upper().replace('GPU', 'GPU ')} {text}" if device.startswith("gpu") else f"{device} {text}"
+    text += ", estimated" if estimated else ""
+    return f"{text} ({UNIT_NAMES.get(unit, unit)})" if unit else text

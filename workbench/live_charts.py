@@ -5,7 +5,11 @@ run remounted every chart, blank until the browser drew it again (issue 52 item 
 ten charts drawn at a time while a run was live). A Vega-Lite chart keeps its view: while its spec
 stays the same, Streamlit swaps the data into the drawn view. So every spec here is a constant of
 the chart's kind (nothing of the data in titles or axes: the step drawn is in the data and the
-tooltip), and the data are long frames. Nothing here reads the store (STYLE habit 7).
+tooltip), and the data are long frames. Every axis and legend names a quantity and its unit for people
+(`fmt.quantity`: 'activations, estimated (GiB)', not 'estimate_activations(GiB)'); bytes and bytes per
+second are labelled in the decimal unit that reads best (kB/s, MB/s, GB/s) by a Vega expression, so the
+spec stays the same as the values grow. Charts are drawn as SVG, so their text is in the page.
+Nothing here reads the store (STYLE habit 7).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 
+from workbench import fmt
 from workbench.plots import PHASE_COLORS, thin
 
 HEIGHT = 260
@@ -30,7 +35,23 @@ class Chart:
 
 
 def _spec(title: str, height: int = HEIGHT, **body: Any) -> dict[str, Any]:
-    return {"title": {"text": title, "anchor": "start"}, "height": height, **body}
+    # legend labels whole (Vega cuts them at 160 px with an ellipsis); SVG: the text is in the page
+    return {"title": {"text": title, "anchor": "start", "limit": 0}, "height": height, **body,
+            "config": {"legend": {"labelLimit": 0}, "axis": {"titleLimit": 0}},
+            "usermeta": {"embedOptions": {"renderer": "svg"}}}
+
+
+def _si_label(expr: str, unit: str) -> str:
+    """A Vega expression writing ``expr`` (a count of ``unit``) in kilo/mega/giga/tera: '12.5 MB/s'."""
+    steps = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
+    out = f"format({expr}, '.3~g') + ' {unit}'"
+    for size, prefix in reversed(steps):
+        out = f"abs({expr}) >= {size:g} ? format({expr} / {size:g}, '.3~g') + ' {prefix}{unit}' : {out}"
+    return out
+
+
+BYTES_PER_S_LABEL = _si_label("datum.value", "B/s")
+BYTES_LABEL = _si_label("datum.value", "B")
 
 
 def _axis(field: str, kind: str, title: str, **extra: Any) -> dict[str, Any]:
@@ -44,6 +65,9 @@ def message(title: str, text: str) -> Chart:
     return Chart(title, spec, pd.DataFrame({"message": [text]}))
 
 
+LOSS_NAMES = {"train loss": "training loss", "val loss": "validation loss"}
+
+
 def loss(steps: pd.DataFrame, evals: pd.DataFrame | None = None) -> Chart:
     """Training loss per step (mean over ranks) as a line, validation loss as diamonds."""
     rows = [thin(steps.dropna(subset=["loss"]))[["step", "loss"]].assign(series="train loss")
@@ -51,27 +75,39 @@ def loss(steps: pd.DataFrame, evals: pd.DataFrame | None = None) -> Chart:
     if evals is not None and len(evals):
         rows.append(evals[["step", "value"]].rename(columns={"value": "loss"}).assign(series="val loss"))
     data = pd.concat(rows, ignore_index=True)
+    data["series"] = data["series"].map(LOSS_NAMES)
     x = _axis("step", "quantitative", "step")
     y = _axis("loss", "quantitative", "loss (nats/token)", scale={"zero": False})
     color = {"field": "series", "type": "nominal", "title": None,
-             "scale": {"domain": ["train loss", "val loss"]}}
+             "scale": {"domain": list(LOSS_NAMES.values())}}
     spec = _spec("Loss", layer=[
-        {"transform": [{"filter": "datum.series == 'train loss'"}], "mark": "line",
+        {"transform": [{"filter": "datum.series == 'training loss'"}], "mark": "line",
          "encoding": {"x": x, "y": y, "color": color}},
-        {"transform": [{"filter": "datum.series == 'val loss'"}],
+        {"transform": [{"filter": "datum.series == 'validation loss'"}],
          "mark": {"type": "point", "shape": "diamond", "size": 90, "filled": True},
          "encoding": {"x": x, "y": y, "color": color}}])
     return Chart("Loss", spec, data)
 
 
+def has_mfu(steps: pd.DataFrame) -> bool:
+    """Whether the run recorded MFU: only where the device's peak FLOP/s is known (engine.device.peak_flops)."""
+    return "mfu" in steps and bool(steps["mfu"].notna().any())
+
+
 def throughput(steps: pd.DataFrame) -> Chart:
-    """Tokens/s (left axis) and MFU (right axis, %) per step."""
+    """Tokens/s per step (left axis) and, where the run recorded it, MFU (right axis, %). A CPU run has no
+    peak FLOP/s, hence no MFU: its chart draws throughput alone, with no empty MFU axis."""
     data = thin(steps)
-    frame = pd.DataFrame({"step": data["step"], "tokens/s": data.get("tokens_per_s"),
-                          "MFU (%)": 100 * data["mfu"] if "mfu" in data else None})
     x = _axis("step", "quantitative", "step")
+    tokens = "throughput (tokens/s)"
+    if not has_mfu(steps):
+        frame = pd.DataFrame({"step": data["step"], "value": data.get("tokens_per_s")})
+        spec = _spec("Throughput", mark="line", encoding={
+            "x": x, "y": _axis("value", "quantitative", tokens, axis={"format": "~s"}, scale={"zero": False})})
+        return Chart("Throughput", spec, frame)
+    frame = pd.DataFrame({"step": data["step"], tokens: data.get("tokens_per_s"), "MFU (%)": 100 * data["mfu"]})
     color = {"field": "series", "type": "nominal", "title": None,
-             "scale": {"domain": ["tokens/s", "MFU (%)"]}, "legend": {"orient": "bottom"}}
+             "scale": {"domain": [tokens, "MFU (%)"]}, "legend": {"orient": "bottom"}}
 
     def layer(series: str, title: str, orient: str, dash: list[int] | None) -> dict[str, Any]:
         return {"transform": [{"fold": [series], "as": ["series", "value"]}, {"filter": "isValid(datum.value)"}],
@@ -79,20 +115,24 @@ def throughput(steps: pd.DataFrame) -> Chart:
                 "encoding": {"x": x, "y": _axis("value", "quantitative", title, axis={"orient": orient, "format": "~s"},
                                                 scale={"zero": False}), "color": color}}
 
-    spec = _spec("Throughput and MFU", layer=[layer("tokens/s", "throughput (tokens/s)", "left", None),
+    spec = _spec("Throughput and MFU", layer=[layer(tokens, tokens, "left", None),
                                               layer("MFU (%)", "MFU (%)", "right", [4, 3])],
                  resolve={"scale": {"y": "independent"}})
     return Chart("Throughput and MFU", spec, frame)
 
 
+PHASE_NAMES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "optimizer step",
+               "comm_exposed": "exposed communication", "bubble": "pipeline bubble", "other": "other"}
+"""The step-time phases (profilers.records.PHASES) as the legends name them."""
 PHASE_COLOR = {"field": "phase", "type": "nominal", "title": None,
-               "scale": {"domain": list(PHASE_COLORS), "range": list(PHASE_COLORS.values())}}
-PHASE_ORDER = {p: i for i, p in enumerate(PHASE_COLORS)}
+               "scale": {"domain": [PHASE_NAMES[p] for p in PHASE_COLORS], "range": list(PHASE_COLORS.values())}}
+PHASE_ORDER = {PHASE_NAMES[p]: i for i, p in enumerate(PHASE_COLORS)}
 
 
 def _phase_long(table: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     phases = [c for c in table.columns if c not in ("step", "rank", "total", "run")]
     long = table.melt(id_vars=index, value_vars=phases, var_name="phase", value_name="seconds")
+    long["phase"] = long["phase"].map(lambda p: PHASE_NAMES.get(p) or fmt.quantity(p))
     return long.assign(phase_order=long["phase"].map(PHASE_ORDER).fillna(len(PHASE_ORDER)))
 
 
@@ -123,38 +163,57 @@ def breakdown_steps(table: pd.DataFrame) -> Chart:
     return Chart(title, spec, long)
 
 
+def _collective_name(op: str) -> str:
+    """'dp:all_reduce' -> 'all-reduce (dp)'."""
+    axis, _, name = op.rpartition(":")
+    return f"{name.replace('_', '-')} ({axis})" if axis else name.replace("_", "-")
+
+
 def busbw(comm: pd.DataFrame) -> Chart:
     """Bus bandwidth against message size (log), one colour per collective op."""
     data = pd.concat([thin(rows.sort_values("size(B)")) for _, rows in comm.groupby("op")], ignore_index=True)
-    data = data.rename(columns={"size(B)": "size", "busbw(GB/s)": "busbw"})
+    ops = {op: _collective_name(op) for op in data["op"].unique()}
+    data = pd.DataFrame({"op": data["op"].map(ops), "size": data["size(B)"],
+                         "busbw": data["busbw(GB/s)"] * 1e9})  # bytes/s: the axis writes kB/s ... GB/s
     title = "Collective bus bandwidth by message size"
     spec = _spec(title, mark={"type": "point", "filled": True, "opacity": 0.7}, encoding={
-        "x": _axis("size", "quantitative", "message size (bytes, log)", scale={"type": "log"}),
-        "y": _axis("busbw", "quantitative", "bus bandwidth (GB/s)"),
-        "color": {"field": "op", "type": "nominal", "title": None}})
-    return Chart(title, spec, data[["op", "size", "busbw"]])
+        "x": _axis("size", "quantitative", "message size (bytes, log scale)", scale={"type": "log"},
+                   axis={"labelExpr": BYTES_LABEL}),
+        "y": _axis("busbw", "quantitative", "bus bandwidth (bytes/s)", axis={"labelExpr": BYTES_PER_S_LABEL}),
+        "color": {"field": "op", "type": "nominal", "title": "collective"},
+        "tooltip": [{"field": "op", "type": "nominal", "title": "collective"},
+                    {"field": "size", "type": "quantitative", "title": "message size (B)", "format": ".4~s"},
+                    {"field": "busbw", "type": "quantitative", "title": "bus bandwidth (B/s)", "format": ".4~s"}]})
+    return Chart(title, spec, data)
 
 
 def memory(peaks: pd.DataFrame) -> Chart:
     """Peak memory per rank (GiB), one bar per record name in each rank's group."""
-    data = peaks.assign(rank="rank " + peaks["rank"].astype(int).astype(str))
+    names = {n: fmt.quantity(n) for n in peaks["name"].unique()}
+    data = peaks.assign(rank="rank " + peaks["rank"].astype(int).astype(str), name=peaks["name"].map(names))
     title = "Memory per rank (peak)"
     spec = _spec(title, mark="bar", encoding={
         "x": _axis("rank", "nominal", "rank", sort=None, axis={"labelAngle": 0}), "xOffset": {"field": "name", "type": "nominal"},
-        "y": _axis("value", "quantitative", "memory (GiB)"),
+        "y": _axis("value", "quantitative", "peak memory (GiB)"),
         "color": {"field": "name", "type": "nominal", "title": None}})
     return Chart(title, spec, data[["rank", "name", "value"]])
 
 
 def timeline(samples: pd.DataFrame, title: str, unit_label: str) -> Chart:
-    """Sampled values (columns time, name, value, rank) against wall-clock time, a line per name and rank."""
-    parts = [thin(rows.sort_values("time")) for _, rows in samples.groupby(["name", "rank"])]
+    """Sampled values (columns time, name, value, rank) against wall-clock time, a line per name and rank,
+    each named for people ('network received (bytes/s)', ', rank 1' where several ranks report)."""
+    parts = [thin(rows.sort_values("time")) for _, rows in samples.groupby(["name", "rank"], sort=False)]
     data = pd.concat(parts, ignore_index=True) if parts else samples
+    several = data["rank"].nunique() > 1
+    keys = data[["name", "rank"]].drop_duplicates()
+    names = {(n, r): fmt.quantity(n) + (f", rank {int(r)}" if several else "")
+             for n, r in zip(keys["name"], keys["rank"])}
     data = pd.DataFrame({"time": pd.to_datetime(data["time"], unit="s"), "value": data["value"],
-                         "series": data["name"] + " r" + data["rank"].astype(int).astype(str)})
+                         "series": [names[k] for k in zip(data["name"], data["rank"])]})
+    rate = unit_label.endswith("(bytes/s)")  # kB/s ... GB/s on the axis, not raw bytes per second
     spec = _spec(title, mark="line", encoding={
         "x": _axis("time", "temporal", "time (UTC)", axis={"format": "%H:%M:%S"}, scale={"type": "utc"}),
-        "y": _axis("value", "quantitative", unit_label),
+        "y": _axis("value", "quantitative", unit_label, **({"axis": {"labelExpr": BYTES_PER_S_LABEL}} if rate else {})),
         "color": {"field": "series", "type": "nominal", "title": None}})
     return Chart(title, spec, data)
 
@@ -215,5 +274,5 @@ def flexsp_groups(groups: pd.DataFrame) -> Chart:
     spec = _spec(title, mark="bar", encoding={
         "x": _axis("step", "ordinal", "step", axis={"labelAngle": 0}),
         "y": _axis("size", "quantitative", "ranks per group (count)", stack=True, axis={"tickMinStep": 1}),
-        "color": {"field": "tokens", "type": "quantitative", "title": "tokens"}, "tooltip": tips})
+        "color": {"field": "tokens", "type": "quantitative", "title": "tokens (count)"}, "tooltip": tips})
     return Chart(title, spec, data)

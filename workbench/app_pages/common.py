@@ -94,10 +94,16 @@ def run_version(data: dict[str, Any]) -> tuple[Any, ...]:
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
+def comm_totals(home_path: str, run_id: str, version: tuple[Any, ...]) -> dict[str, dict[str, float]]:
+    """The run's `RunStore.comm_totals` (a scan of its whole run), read again only when `version`
+    (`run_version`) changes, so a live run still updates; the collectives table and the diagnosis share it."""
+    return _store(home_path).comm_totals(run_id)
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
 def collectives_table(home_path: str, run_id: str, version: tuple[Any, ...]) -> pd.DataFrame:
-    """`report.collectives_frame` of the run's `comm_totals` (a scan of its whole run), read again
-    only when `version` (`run_version`) changes, so a live run still updates."""
-    return report.collectives_frame(_store(home_path).comm_totals(run_id))
+    """`report.collectives_frame` of the run's `comm_totals`, read again only when `version` changes."""
+    return report.collectives_frame(comm_totals(home_path, run_id, version))
 
 
 def empty_runs_message() -> None:
@@ -155,22 +161,32 @@ def headline(data: dict[str, Any]) -> None:
         return None if v is None or pd.isna(v) else float(v)
 
     cols[0].metric("step", fmt.count(last["step"]))
-    cols[1].metric("loss", fmt.num(value("loss")))
-    cols[2].metric("tokens/s", fmt.num(value("tokens_per_s")))
-    cols[3].metric("MFU", fmt.pct(value("mfu")))
+    cols[1].metric("loss (nats/token)", fmt.num(value("loss")))
+    cols[2].metric("throughput (tokens/s)", fmt.num(value("tokens_per_s")))
+    cols[3].metric("MFU", fmt.pct(value("mfu")) if live_charts.has_mfu(steps) else "n/a",
+                   help=None if live_charts.has_mfu(steps) else "no peak FLOP/s known for this device (a CPU run): "
+                   "set WORKBENCH_PEAK_FLOPS to the rate `workbench calibrate` measured")
 
 
-UNIT_LABELS = {"%": "percent (%)", "GiB": "memory (GiB)", "B/s": "throughput (B/s)", "W": "power (W)",
-               "C": "temperature (°C)", "MHz": "clock (MHz)"}
+TIMELINE_TOPICS = {"%": ("utilisation", "percent (%)"), "GiB": ("memory", "memory (GiB)"),
+                   "B/s": ("transfer rate", "transfer rate (bytes/s)"), "W": ("power", "power (W)"),
+                   "C": ("temperature", "temperature (°C)"), "MHz": ("clocks", "clock (MHz)")}
+"""A timeline's unit -> (what its chart title calls it, its y axis title)."""
 
 
 def timeline_charts(samples: pd.DataFrame, what: str) -> list[live_charts.Chart]:
     """One timeline per unit (names carry their unit, e.g. ``cpu(%)``): never mixed axes."""
     if samples.empty:
         return []
-    units = samples["name"].str.extract(r"\(([^()]*)\)$")[0].fillna("")
-    return [live_charts.timeline(samples[units == unit], f"{what} timeline ({unit or 'no unit'})",
-                                 UNIT_LABELS.get(unit, unit or "value")) for unit in sorted(units.unique())]
+    unit_of = {name: fmt.split_unit(name)[1] for name in samples["name"].unique()}  # a few names, many rows
+    units = samples["name"].map(unit_of)
+    charts = []
+    for unit in sorted(set(unit_of.values())):
+        topic, axis = TIMELINE_TOPICS.get(unit, (f"values ({unit})" if unit else "values",
+                                                 f"value ({unit or 'no unit'})"))
+        title = f"{what} {topic} ({fmt.UNIT_NAMES.get(unit, unit)})" if unit in TIMELINE_TOPICS else f"{what} {topic}"
+        charts.append(live_charts.timeline(samples[units == unit], title, axis))
+    return charts
 
 
 def _no_breakdown_reason(data: dict[str, Any]) -> str:
@@ -188,7 +204,7 @@ def run_chart_list(data: dict[str, Any]) -> list[live_charts.Chart]:
     waiting = "waiting for the first step"
     no_breakdown = _no_breakdown_reason(data)
     charts = [live_charts.loss(steps, data["evals"]) if len(steps) else live_charts.message("Loss", waiting),
-              live_charts.throughput(steps) if len(steps) else live_charts.message("Throughput and MFU", waiting),
+              live_charts.throughput(steps) if len(steps) else live_charts.message("Throughput", waiting),
               live_charts.breakdown_ranks(last) if len(last) else
               live_charts.message("Step-time breakdown per rank (latest step)", no_breakdown),
               live_charts.breakdown_steps(table) if len(table) else
@@ -198,7 +214,7 @@ def run_chart_list(data: dict[str, Any]) -> list[live_charts.Chart]:
               live_charts.memory(data["memory"]) if len(data["memory"]) else
               live_charts.message("Memory per rank (peak)", "no memory records yet")]
     charts += timeline_charts(data["host"], "Host") or [
-        live_charts.message("Host timeline", "no host samples (profile.host_interval_s)")]
+        live_charts.message("Host utilisation", "no host samples (profile.host_interval_s)")]
     charts += timeline_charts(data["gpu"], "GPU")
     if data["segments"]:
         charts.append(live_charts.segments(steps, data["segments"]))
@@ -332,13 +348,17 @@ DIAGNOSIS_EVERY = 20  # a live run's diagnosis is read again every this many ste
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
-def run_diagnosis(home_path: str, run_id: str, version: tuple[Any, ...]) -> dict[str, Any] | None:
-    """`tuning.diagnose.diagnose` of the run as plain data, read again only when `version` moves."""
+def run_diagnosis(home_path: str, run_id: str, version: tuple[Any, ...],
+                  _comm_version: tuple[Any, ...] | None = None) -> dict[str, Any] | None:
+    """`tuning.diagnose.diagnose` of the run as plain data, read again only when `version` moves; with
+    ``_comm_version`` (`run_version`; not part of the cache key), its collectives are the cached
+    `comm_totals` the Run page read."""
     from dataclasses import asdict
 
     from tuning.diagnose import diagnose
 
-    found = diagnose(_store(home_path), run_id, home=home_path)
+    totals = comm_totals(home_path, run_id, _comm_version) if _comm_version is not None else None
+    found = diagnose(_store(home_path), run_id, home=home_path, collectives=totals)
     return asdict(found) if found is not None else None
 
 

@@ -13,7 +13,13 @@ from workbench import fmt, live_charts, report, ui_state
 from workbench.app_pages import common
 
 FORM_KEY = "new_run_open"
+FOLDED_FOR = "new_run_folded_for"  # the live run the form last folded away for
 FOLLOW_S = 60.0  # the picker gives up following a launched run not listed after this long
+LIVE_KEY = "run_live"
+# a polled panel's elements are marked stale while the fragment reruns, and Streamlit fades stale elements
+# (a live run's charts dimmed on every poll): the live panel keeps full opacity, its data arrive in place
+NO_DIM = (f"<style>.st-key-{LIVE_KEY} [data-stale='true'] {{opacity: 1 !important; transition: none !important;}}"
+          "</style>")
 
 
 def form_config() -> dict[str, Any]:
@@ -144,15 +150,20 @@ def live_panel(run_id: str, shown_status: str) -> None:
     if run is None:
         st.warning(f"Run `{run_id}` disappeared from the store.")
         return
+    live = run["status"] == "running"
     # containers keep the element count fixed when optional parts come and go between polls
     with st.container():
         common.run_header(run)
     with st.container():
         stop_button(run)
     common.headline(data)
-    with st.container():  # what bounds the run and what to try (tuning/diagnose.py)
-        diagnosis_panel(run, data)
+    if not live:  # a finished run opens with what bounds it; a live one with its charts
+        with st.container():  # what bounds the run and what to try (tuning/diagnose.py)
+            diagnosis_panel(run, data)
     common.run_charts(data, key=f"run-{run_id}")
+    if live:
+        with st.container():
+            diagnosis_panel(run, data)
     with st.container():  # TP/SP, DP/FSDP and pipeline traffic per collective type
         collectives = common.collectives_table(home, run_id, common.run_version(data))
         if len(collectives):
@@ -178,7 +189,7 @@ def diagnosis_panel(run: dict[str, Any], data: dict[str, Any]) -> None:
     from engine.config.schema import apply_overrides
 
     home = str(common.home())
-    diag = common.run_diagnosis(home, run["run_id"], common.diagnosis_version(data))
+    diag = common.run_diagnosis(home, run["run_id"], common.diagnosis_version(data), common.run_version(data))
     if diag is None:
         return
     with st.container(border=True):
@@ -240,14 +251,29 @@ def flexsp_panel(run_id: str) -> None:
     st.dataframe(fmt.frame(steps, {**seconds_columns, **counts, **ratio}), hide_index=True)
 
 
+def fold_form_while_live(runs: Any) -> None:
+    """Fold the New-run form away once for each live run the picker shows, so its charts are the first
+    screen; a user who opens the form again keeps it open."""
+    if runs.empty:
+        return
+    picked = st.session_state.get("run_pick")
+    row = runs[runs["run_id"] == picked] if picked in set(runs["run_id"]) else runs.head(1)
+    run_id, status = row["run_id"].iloc[0], row["status"].iloc[0]
+    if status == "running" and st.session_state.get(FOLDED_FOR) != run_id:
+        st.session_state[FORM_KEY] = False
+        st.session_state[FOLDED_FOR] = run_id
+
+
 st.title("Run")
-# the form stays open until a launch folds it (the user can reopen it); state in FORM_KEY
+st.html(NO_DIM)
+runs = common.runs_table(str(common.home()))
+follow_launched(list(runs["run_id"]))  # before the poller: once it is picked, polling stops
+# the form stays open until a launch or a live run folds it (the user can reopen it); state in FORM_KEY
 st.session_state.setdefault(FORM_KEY, True)
+fold_form_while_live(runs)
 with st.expander("New run", key=FORM_KEY, on_change="rerun", icon=":material/edit_note:"):
     launch_panel()
 pending_slot = st.container()
-runs = common.runs_table(str(common.home()))
-follow_launched(list(runs["run_id"]))  # before the poller: once it is picked, polling stops
 with pending_slot:
     st.fragment(run_every=1.0 if launched_job() else None)(pending_panel)()
 if launched_job() is not None:  # "Starting…" alone: not the previous run's charts under it
@@ -258,5 +284,6 @@ if runs.empty:
 labels = {row["run_id"]: common.run_label(row) for _, row in runs.iterrows()}
 RUN_ID = st.selectbox("Run", list(labels), format_func=labels.__getitem__, key="run_pick")
 STATUS = runs.loc[runs["run_id"] == RUN_ID, "status"].iloc[0]
-st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID, STATUS)
+with st.container(key=LIVE_KEY):
+    st.fragment(run_every=common.REFRESH_S if STATUS == "running" else None)(live_panel)(RUN_ID, STATUS)
 schedule_panel(RUN_ID, STATUS)
