@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: app test demo install clean chromium slurm slurm-local postgres netns matrix
+.PHONY: app test durations demo install clean chromium slurm slurm-local postgres netns matrix
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || { apt-get install -y python3-venv && $(PY) -m venv $(VENV); }
@@ -56,9 +56,13 @@ netns: $(STAMP)
 postgres:
 	@bash tests/postgres_server.sh
 
-# -rs: every skipped test is listed with its reason
+# -rs: every skipped test is listed with its reason; the slowest work starts first, by tests/durations.json
+# (tests/suite_order.py), which `make durations` rewrites from a whole run (commit it when the times have moved)
 test: $(STAMP) chromium slurm postgres
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30
+
+durations: $(STAMP) chromium slurm postgres
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30 --record-durations
 
 # the compatibility matrix (docs/compatibility.md): re-runs the accepted cells whose result is stale (another
 # plan, or a change to the code that cell runs: tools/matrix/compat_code.py) or missing, or CELLS=a+b,c+d, or

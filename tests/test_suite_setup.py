@@ -38,3 +38,18 @@ def test_postgres_setup_without_root_skips_with_a_reason():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("PostgreSQL not set up (no server on 127.0.0.1:5999; installing one needs root "
                                   "and apt-get): the PostgreSQL tests will skip")
+
+
+def test_postgres_setup_says_what_it_found_when_a_server_is_there():
+    """Issue 65: `make postgres` printed nothing at all where the server was already up (old code: "")."""
+    import socket
+
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", 5432)) != 0:
+            pytest.skip("no PostgreSQL on 127.0.0.1:5432 (make postgres starts one)")
+    out = subprocess.run(["bash", str(ROOT / "tests" / "postgres_server.sh")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in {f"PostgreSQL for the PostgreSQL tests on 127.0.0.1:5432: found a server already "
+                                  f"listening; {db}" for db in ("database test was there", "created database test")}, \
+        out.stdout

@@ -1,0 +1,84 @@
+"""The suite's order under xdist (`make test`: -n 2 --dist loadgroup): the slowest work first, so no worker is
+left alone with a long test at the end. A unit is an xdist_group (xdist hands it to one worker at once) or a
+module (its tests kept together in their order; xdist hands them out one at a time). Units run by their
+recorded seconds, most first (tests/durations.json, which `make test` rewrites: --record-durations);
+a test with no record counts as UNRECORDED_S. Runs without xdist keep pytest's own order.
+
+A pytest plugin: tests/conftest.py imports its hooks; `-p tests.suite_order` loads it elsewhere."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNRECORDED_S = {"slow": 30.0, "other": 1.0}  # a test marked slow runs "more than a few seconds" (pyproject)
+_SECONDS: dict[str, float] = defaultdict(float)  # this run's seconds per test, for --record-durations
+
+
+def plain_nodeid(nodeid: str) -> str:
+    """The nodeid without the @group suffix xdist's loadgroup adds on its workers."""
+    return nodeid.split("@")[0] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
+def unit_of(item: pytest.Item) -> str:
+    """The work unit xdist's loadgroup hands a worker: the test's group names joined as xdist joins them, else
+    its module."""
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    return "@" + "_".join(names) if names else item.nodeid.split("::")[0]
+
+
+def expected_s(item: pytest.Item, durations: dict[str, float]) -> float:
+    recorded = durations.get(plain_nodeid(item.nodeid))
+    if recorded is not None:
+        return recorded
+    return UNRECORDED_S["slow" if item.get_closest_marker("slow") else "other"]
+
+
+def slowest_units_first(items: list[pytest.Item], durations: dict[str, float]) -> list[pytest.Item]:
+    """`items` regrouped by work unit, units by their seconds (most first, ties in collection order), each unit's
+    tests in collection order."""
+    units: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        units[unit_of(item)].append(item)
+    seconds = {name: sum(expected_s(i, durations) for i in members) for name, members in units.items()}
+    order = sorted(units, key=lambda name: -seconds[name])  # stable: dict order is first appearance
+    return [item for name in order for item in units[name]]
+
+
+def read_durations(path: Path) -> dict[str, float]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help="Write each test's seconds (setup + call + teardown) into tests/durations.json at the end, "
+                          "beside the recorded tests this run did not run")
+    parser.addoption("--durations-file", default=str(DURATIONS), help="The durations file (default: %(default)s)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # xdist's own order (most tests per unit first) would undo ours
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker computes the same order from the same file
+        items[:] = slowest_units_first(items, read_durations(Path(config.getoption("durations_file"))))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS[plain_nodeid(report.nodeid)] += report.duration  # on xdist's controller: every worker's reports
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("record_durations"):
+        return
+    path = Path(config.getoption("durations_file"))
+    merged = read_durations(path) | {k: round(v, 2) for k, v in _SECONDS.items()}
+    path.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")

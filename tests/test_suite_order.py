@@ -1,0 +1,70 @@
+"""Issue 65 item 3: under `make test`'s -n 2 --dist loadgroup the slowest work units start first (tests/suite_order.py),
+an xdist_group still runs on one worker, and --record-durations writes what each test took."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTED = "import os, pathlib\ndef started(name):\n    with open(pathlib.Path(__file__).with_name('started.log'), 'a') as f:\n" \
+          "        f.write(os.environ['PYTEST_XDIST_WORKER'] + ' ' + name + '\\n')\n"
+
+
+def _suite(folder: Path) -> None:
+    """Three units: a group of two tests (test_a), a module of one (test_b), a module of two (test_c)."""
+    (folder / "test_a.py").write_text("import pytest\nfrom helper import started\n"
+                                      'pytestmark = pytest.mark.xdist_group("g")\n'
+                                      + "".join(f"def test_a{i}():\n    started('a{i}')\n" for i in range(2)))
+    (folder / "test_b.py").write_text("from helper import started\ndef test_b0():\n    started('b0')\n")
+    (folder / "test_c.py").write_text("from helper import started\n"
+                                      + "".join(f"def test_c{i}():\n    started('c{i}')\n" for i in range(2)))
+    (folder / "helper.py").write_text(STARTED)
+
+
+def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{folder}"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
+                           "-n", "2", "--dist", "loadgroup", "--durations-file", "durations.json", *args],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_slowest_units_start_first_and_a_group_stays_on_one_worker(tmp_path):
+    """Recorded: test_b's one test 50 s, test_c's 10 + 10 s, the group's 1 + 1 s. xdist's own order (most tests per
+    unit first) would start the group and test_c; ours starts test_b and test_c, the group last on one worker."""
+    _suite(tmp_path)
+    (tmp_path / "durations.json").write_text(json.dumps({"test_a.py::test_a0": 1, "test_a.py::test_a1": 1,
+                                                         "test_b.py::test_b0": 50, "test_c.py::test_c0": 10,
+                                                         "test_c.py::test_c1": 10}))
+    out = _pytest(tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    started = [line.split() for line in (tmp_path / "started.log").read_text().splitlines()]
+    first = {}
+    for worker, name in started:
+        first.setdefault(worker, name)
+    assert sorted(first.values()) == ["b0", "c0"], started
+    assert len({worker for worker, name in started if name.startswith("a")}) == 1, started
+
+
+def test_record_durations_writes_each_tests_seconds_without_the_group_suffix(tmp_path):
+    _suite(tmp_path)
+    (tmp_path / "durations.json").write_text(json.dumps({"test_gone.py::test_x": 3.0}))
+    out = _pytest(tmp_path, "--record-durations")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    recorded = json.loads((tmp_path / "durations.json").read_text())
+    assert set(recorded) == {"test_gone.py::test_x", "test_a.py::test_a0", "test_a.py::test_a1", "test_b.py::test_b0",
+                             "test_c.py::test_c0", "test_c.py::test_c1"}, recorded
+    assert all(isinstance(s, float) and 0 <= s < 60 for s in recorded.values()), recorded
+
+
+def test_make_test_runs_the_suite_in_this_order():
+    """The Makefile's test target runs xdist's loadgroup (the order above applies); `make durations` records."""
+    text = (ROOT / "Makefile").read_text()
+    test = re.search(r"^test:.*\n\t(.*)\n", text, re.M).group(1)
+    assert "-n 2 --dist loadgroup" in test and "--record-durations" not in test, test
+    durations = re.search(r"^durations:.*\n\t(.*)\n", text, re.M).group(1)
+    assert "-n 2 --dist loadgroup" in durations and "--record-durations" in durations, durations
+    assert (ROOT / "tests" / "conftest.py").read_text().count("tests.suite_order") == 1
