@@ -268,6 +268,7 @@ def test_the_browser_ranks_a_small_job_on_the_plan_page(server, tmp_path):
         page.get_by_role("heading", name="Ranked layouts").wait_for(timeout=120_000)
         table = page.locator('[data-testid="stDataFrame"]').first
         table.wait_for(timeout=30_000)
+        page.get_by_role("button", name="accelerate.yaml").wait_for(timeout=60_000)  # the last export drawn
         (REPO / "artifacts").mkdir(exist_ok=True)
         page.screenshot(path=str(REPO / "artifacts" / "plan-ranked.png"), full_page=True)
         assert table.bounding_box()["height"] > 100

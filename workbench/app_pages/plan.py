@@ -198,15 +198,18 @@ def show_exports(plan: Any, checks: list[Any]) -> None:
     if unfit:
         st.warning(f"Layout {pick} does not fit (its dry run): export another layout.")
     notes: dict[str, list[str]] = {}
+    refused: list[str] = []
     for col, fmt in zip(st.columns(len(TARGETS)), TARGETS):
         try:
             text, notes[fmt] = export_plan(plan, pick, fmt)
-        except ValueError as exc:
+        except ValueError as exc:  # the target cannot take the model (torchtitan: no flavor of its shape)
             col.button(EXPORT_FILES[fmt], disabled=True, key=f"plan_export_{fmt}", help=str(exc))
-            col.caption(str(exc))
+            refused.append(str(exc) if str(exc).startswith(f"{fmt}:") else f"{fmt}: {exc}")
             continue
         col.download_button(EXPORT_FILES[fmt], text, file_name=EXPORT_FILES[fmt], mime=MIME[fmt],
                             disabled=unfit is not None, icon=":material/download:", key=f"plan_export_{fmt}")
+    for line in refused:
+        st.caption(line)
     unmapped = [f"{fmt}: {note}" for fmt, lines in notes.items() for note in lines]
     if unmapped:
         with st.expander(f"Notes on the exports: what they do not carry, defaults they took ({len(unmapped)})"):
