@@ -20,7 +20,7 @@ from optuna.trial import create_trial
 
 from engine.config.schema import RunConfig, load_config
 from engine.train.trainer import lr_at
-from tuning.export.trial import export_notes, export_trial, to_deepspeed
+from tuning.export.trial import export_trial, to_deepspeed
 
 pytestmark = pytest.mark.xdist_group("launch")
 
@@ -202,16 +202,15 @@ def test_deepspeed_accepts_every_schedule_with_the_runs_lr_curve(schedule, warmu
 
 
 def test_deepspeed_buckets_in_elements_and_checkpointing_switched_on(monkeypatch):
-    cfg = load_config(None, ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2", "model.layers=4", "batch.global=8",
+    cfg = load_config(None, ["parallel.dp=2", "parallel.pp=2", "model.layers=4", "batch.global=8",
                              "batch.micro=2", "ddp.bucket_cap_mb=25", "train.activation_checkpointing=true",
                              "precision=bf16"])
     ds, notes = to_deepspeed(cfg)
-    config = _ds_config(ds, dp=1, monkeypatch=monkeypatch)
+    config = _ds_config(ds, dp=2, monkeypatch=monkeypatch)
     assert config.zero_config.reduce_bucket_size == 25 * 2**20 // 2  # bf16 gradients: 2 bytes per element
-    assert config.activation_checkpointing_config.partition_activations is True  # tp=2 shards them
+    assert config.activation_checkpointing_config.partition_activations is False  # no model parallel ranks
     assert config.activation_checkpointing_config.number_checkpoints == 4
     assert config.pipeline["activation_checkpoint_interval"] == 1  # a PipelineModule recomputes each layer
-    assert any(n.startswith("parallel.tp=2") for n in notes)
     assert any("deepspeed.checkpointing.checkpoint" in n for n in notes)
     assert notes[-1].startswith("the workbench GPT, data.source=text, train.steps=10: a DeepSpeed config holds none")
 
@@ -312,11 +311,9 @@ def _seen_by(tool: str, study: optuna.Study, monkeypatch) -> dict:
                 "pp": a["pipeline_model_parallel_size"], "micro": a["micro_batch_size"],
                 "global": a["global_batch_size"], "bf16": a["bf16"], "recompute": a["recompute_granularity"] == "full"}
     ds = json.loads(export_trial(study, fmt="deepspeed"))
-    notes = export_notes(study, fmt="deepspeed")
     c = _ds_config(ds, dp=2, monkeypatch=monkeypatch)  # DeepSpeed checks global = micro * accum * dp
-    tp = int(next(re.match(r"parallel\.tp=(\d+)", n).group(1) for n in notes if n.startswith("parallel.tp=")))
     return {"dp": c.train_batch_size // (c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps),
-            "tp": tp, "pp": c.pipeline["stages"], "micro": c.train_micro_batch_size_per_gpu,
+            "tp": 1, "pp": c.pipeline["stages"], "micro": c.train_micro_batch_size_per_gpu,
             "global": c.train_batch_size, "bf16": c.bfloat16_config.enabled,
             "recompute": c.pipeline["activation_checkpoint_interval"] == 1
             and c.activation_checkpointing_config.number_checkpoints == 4}
@@ -330,6 +327,14 @@ def load_config_text(text: str) -> RunConfig:
 
 @pytest.mark.parametrize("tool", ["yaml", "torchrun", "megatron", "deepspeed"])
 def test_best_config_round_trips_through_each_tool(tool, tmp_path, monkeypatch):
+    """Each tool reads the layout it was given; DeepSpeed, which has no tensor parallelism of its own, refuses tp=2 in
+    one line and reads the same job at tp=1."""
     _, study = _study(tmp_path, ROUND_TRIP, base=None)
     want = {"dp": 2, "tp": 2, "pp": 2, "micro": 2, "global": 16, "bf16": True, "recompute": True}
+    if tool == "deepspeed":
+        with pytest.raises(ValueError, match=r"^deepspeed: tp=2 cp=1: DeepSpeed has no tensor or context parallel"):
+            export_trial(study, fmt="deepspeed")
+        (tmp_path / "tp1").mkdir()
+        _, study = _study(tmp_path / "tp1", ROUND_TRIP + ["parallel.tp=1"], base=None)
+        want["tp"] = 1
     assert _seen_by(tool, study, monkeypatch) == want

@@ -70,7 +70,8 @@ def test_torchtitan_config_manager_reads_the_layout_batch_and_precision(tmp_path
     shard = par.data_parallel_shard_degree
     assert (par.data_parallel_replicate_degree * shard, par.tensor_parallel_degree, par.pipeline_parallel_degree,
             par.context_parallel_degree) == (p.dp, p.tp, p.pp, p.cp)
-    assert shard == (p.dp if p.zero >= 2 else 1)
+    # FSDP but for plain fp32 data parallel (torchtitan's DDP keeps fp32 replicas and runs without tp / cp / pp)
+    assert shard == (1 if p.zero == 0 and cfg.precision != "bf16" and p.tp * p.cp * p.pp == 1 else p.dp)
     assert job.training.global_batch_size == cfg.batch.global_
     assert job.training.seq_len == cfg.model.seq_len and job.training.steps == cfg.train.steps
     if p.pp > 1:  # a pipeline step takes the dp rank's batch in micro-batches of batch.micro
@@ -172,8 +173,8 @@ def test_accelerate_plain_data_parallel_is_multi_gpu_and_batch_sizes_are_named(t
     assert env["ACCELERATE_MIXED_PRECISION"] == "no"
     assert notes[0].startswith("batch.micro=4, batch.global=16") and f"gradient_accumulation_steps={cfg.grad_accum}" \
         in notes[0]
-    pp_notes = to_accelerate(_gpu_cfg("pp2-interleaved"))[1]
-    assert any(n.startswith("parallel.pp=2") for n in pp_notes)
+    with pytest.raises(ValueError, match=r"^accelerate: pp=2: accelerate has no pipeline parallelism of its own"):
+        to_accelerate(_gpu_cfg("pp2-interleaved"))  # its ParallelismConfig would hold 2 of the 4 ranks
     # accelerate refuses tp/cp over replicated dp ("cannot be used with pure data parallelism"): sharded, said so
     assert to_accelerate(_gpu_cfg("cp2-ring"))[0]["parallelism_config"]["parallelism_config_dp_shard_size"] == 2
     assert any(n.startswith("parallel.zero=0 with tp/cp") for n in to_accelerate(_gpu_cfg("cp2-ring"))[1])

@@ -40,7 +40,7 @@ TRAINING_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-siz
                   "--clip-grad", "--seed", "--bf16", "--use-distributed-optimizer", "--tokenizer-type",
                   "--tokenizer-model", "--data-path", "--split", "--mock-data", "--sequence-parallel",
                   "--context-parallel-size", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
-                  "--seq-length", "--eval-interval"}
+                  "--seq-length", "--eval-interval", "--num-layers-per-virtual-pipeline-stage"}
 
 
 def _transformer_config_parser(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,8 @@ def _transformer_config_parser(parser: argparse.ArgumentParser) -> None:
     (argparse_meta's arg_names where given), bools store_true, or store_false as --no-/--disable- when True."""
     from megatron.core.transformer import TransformerConfig
 
-    handled = {"moe_aux_loss_coeff", "moe_layer_freq", "num_moe_experts"}  # arguments.py declares these itself
+    handled = {"moe_aux_loss_coeff", "moe_layer_freq", "num_moe_experts", "window_size",
+               "window_attn_skip_freq"}  # arguments.py declares these itself
     for f in dataclasses.fields(TransformerConfig):
         meta = dict(f.metadata.get("argparse_meta", {}))
         kind = typing.get_args(f.type)[0] if typing.get_origin(f.type) is typing.Union else f.type
@@ -87,6 +88,10 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-experts", type=int, default=None)
     parser.add_argument("--moe-layer-freq", type=lambda s: ast.literal_eval(s) if "[" in s else int(s), default=1)
     parser.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    # its tuple_type ("4095,0" -> (4095, 0)) and moe_freq_type (an int, or a list's Python expression)
+    parser.add_argument("--window-size", type=lambda s: tuple(int(i) for i in s.strip("()").split(",")), default=None)
+    parser.add_argument("--window-attn-skip-freq", type=lambda s: ast.literal_eval(s) if "[" in s else int(s),
+                        default=None)
     return parser
 
 
@@ -107,8 +112,12 @@ def build_gpt_model(args: list[str]):
               moe_aux_loss_coeff=coeff[0] if isinstance(coeff, list) and len(coeff) == 1 else coeff,
               num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
               use_cpu_initialization=True, init_model_with_meta_device=True)
+    dtype = torch.bfloat16 if ns.bf16 else torch.float32  # validate_args' params_dtype, the pipeline's dtype
+    kw.update(params_dtype=dtype, pipeline_dtype=dtype)
     if ns.swiglu:
         kw.update(activation_func=F.silu, gated_linear_unit=True, bias_activation_fusion=False)
+    # grouped GEMM experts need Transformer Engine or grouped_gemm (GPU packages) and hold SequentialMLP's parameters
+    kw["moe_grouped_gemm"] = False
     config = TransformerConfig(**kw)
     if ns.num_experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=ns.normalization)
@@ -119,6 +128,10 @@ def build_gpt_model(args: list[str]):
     if vocab is None:  # build_tokenizer: a null tokenizer's ids and its end-of-document id, padded to 128 * tp
         multiple = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
         vocab = -(-(ns.vocab_size + 1) // multiple) * multiple
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:  # all-to-all dispatch opens a CUDA stream when built
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # (no parameters): a placeholder on this CPU machine
     with torch.device("meta"):
         return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                         max_sequence_length=ns.max_position_embeddings,

@@ -128,7 +128,9 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     if formats and unfit:
         fail(f"--pick={pick}: layout {pick} does not fit: {unfit[0]}; export another --pick")
     refused = [fmt for fmt in formats if not _export(result, pick, fmt, output)]
-    if refused:
+    # `--export all` asks each target for what it can take (a refusal is one line); a format named, or the
+    # plan's own target, that refuses is the user's request not met
+    if refused and ("all" not in (export or []) or target in refused):
         raise typer.Exit(2)
 
 
@@ -215,25 +217,36 @@ def _write_configs(result, output: Path) -> None:
 
 
 def _export(result, pick: int, fmt: str, output: Optional[Path]) -> bool:
-    """Write (or print) one export and its notes; False where the target refused the model (said in one line)."""
+    """Write (or print) one export and its notes, and name each value it carries that the user did not give (the
+    workbench's defaults); False where the target refused the layout or the model (said in one line)."""
+    from tuning.export.common import defaults_carried
     from tuning.export.frameworks import write_accelerate_bundle
+    from tuning.export.trial import engine_refusal
     from tuning.plan import export_plan, plan_config
 
+    cfg = plan_config(result, pick)
     try:
+        refusal = engine_refusal(cfg) if fmt == "yaml" else None
+        if refusal:
+            raise ValueError(refusal)
         text, notes = export_plan(result, pick, fmt)
-    except ValueError as exc:  # a target that cannot take the model (torchtitan: no flavor of its shape)
+    except ValueError as exc:  # a target that cannot take the layout (deepspeed: tp/cp) or the model (torchtitan)
         line = str(exc) if str(exc).startswith(f"{fmt}:") else f"{fmt}: {exc}"
         err.print(line, highlight=False, markup=False, soft_wrap=True)
         return False
+    defaults = defaults_carried(cfg, result.base, fmt)
+    preface = "" if fmt == "deepspeed" else "".join(f"# {d}\n" for d in defaults)  # JSON has no comments
     if output is None:
-        sys.stdout.write(text)
+        sys.stdout.write(preface + text)
     elif fmt == "accelerate":
-        line = write_accelerate_bundle(plan_config(result, pick), output / EXPORT_FILES[fmt])
+        line = write_accelerate_bundle(cfg, output / EXPORT_FILES[fmt], defaults)
         console.print(f"{fmt}: wrote {output / EXPORT_FILES[fmt]} and its script; run from {output}: {line}",
                       highlight=False, soft_wrap=True)
     else:
-        (output / EXPORT_FILES[fmt]).write_text(text)
+        (output / EXPORT_FILES[fmt]).write_text(preface + text)
         console.print(f"{fmt}: wrote {output / EXPORT_FILES[fmt]}", highlight=False, soft_wrap=True)
     for note in notes if fmt != "megatron" else []:  # megatron's are comments in the script
         typer.echo(f"{fmt}: not mapped: {note}", err=True)
+    for line in defaults:
+        typer.echo(f"{fmt}: {line}", err=True)
     return True

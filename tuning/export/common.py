@@ -57,3 +57,35 @@ def tokenizer_folder(cfg: RunConfig) -> str | None:
         if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             return str(folder)
     return None
+
+
+def knob(cfg: RunConfig, name: str, default: Any) -> Any:
+    """A knob of the run config wherever its section holds it (the plan's knob columns: moe_dispatcher, ...), else
+    `default`: exports read knobs a newer config may carry without requiring them."""
+    for section in (cfg, cfg.parallel, cfg.model, cfg.train):
+        value = getattr(section, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+# the job's values each export carries (train.*: steps, schedule, optimizer; deepspeed: its bucket size, no seed;
+# torchtitan: its timeout): where the user's base config does not give them, they are the workbench's defaults
+JOB_KEYS = ("train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.schedule",
+            "train.weight_decay", "train.beta1", "train.beta2", "train.grad_clip", "train.seed")
+CARRIED = {"deepspeed": tuple(k for k in JOB_KEYS if k != "train.seed") + ("ddp.bucket_cap_mb",),
+           "torchtitan": JOB_KEYS + ("train.timeout_s",)}
+
+
+def defaults_carried(cfg: RunConfig, given: dict[str, Any], fmt: str) -> list[str]:
+    """One line per value export `fmt` carries that `given` (the user's base config) does not set: the workbench's
+    default, named so it is not taken for the user's."""
+    out = []
+    for key in CARRIED.get(fmt, JOB_KEYS):
+        section, name = key.split(".")
+        if name in (given.get(section) or {}):
+            continue
+        value = getattr(getattr(cfg, section), name)
+        out.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+    return [f"{kv}: the workbench's default, not yours (set it: --set {kv.split('=')[0]}=VALUE or --base FILE)"
+            for kv in out]

@@ -67,7 +67,7 @@ def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
 def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """A torchtitan JobConfig as nested sections, and the knobs it does not carry."""
     m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.batch
-    shard = p.zero >= 2
+    shard = titan_shards(cfg)
     unmapped: list[str] = []
     model, note = _titan_model(cfg)
     unmapped += note
@@ -84,11 +84,10 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
                 "mixed_precision_param": "bfloat16" if cfg.precision == "bf16" else "float32"}
     training.update(_titan_data(cfg))
     unmapped += _titan_parallel(cfg, parallelism)
-    if p.zero == 1:
-        unmapped.append("parallel.zero=1 (torchtitan shards parameters too, FSDP; optimizer-only sharding is "
-                        "not offered: exported as plain data parallel)")
-    if cfg.precision == "bf16" and not shard:
-        unmapped.append("precision=bf16 (torchtitan's mixed precision acts under FSDP only; dp replicas stay fp32)")
+    if shard and p.zero < 2:
+        unmapped.append(f"parallel.zero={p.zero}: torchtitan's data parallel {_WHY_SHARD[p.zero]}; exported as FSDP "
+                        f"over dp={p.dp} without resharding after forward (ZeRO-2: gradients and optimizer state "
+                        "sharded, parameters gathered)")
     decay = {"cosine": ("cosine", None), "linear": ("linear", None), "constant": ("linear", 0.0)}[t.schedule]
     lr_scheduler: dict[str, Any] = {"warmup_steps": t.warmup_steps, "decay_type": decay[0],
                                     "min_lr_factor": _num(t.min_lr_ratio)}
@@ -108,6 +107,18 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
     if m.dropout > 0:
         unmapped.append(f"model.dropout={m.dropout} (torchtitan's models have no dropout)")
     return out, unmapped + _data_unmapped(cfg, "torchtitan") + engine_only(cfg, "torchtitan")
+
+
+_WHY_SHARD = {0: "is FSDP wherever it runs in bf16 or beside tp / cp / pp (its DDP keeps fp32 replicas and runs "
+                  "alone)", 1: "has no optimizer-only sharding"}
+
+
+def titan_shards(cfg: RunConfig) -> bool:
+    """Whether torchtitan runs the data parallel ranks as FSDP (shard degree dp): always but for plain fp32 data
+    parallel, which its DDP runs as is. Its DDP keeps fp32 replicas (mixed precision acts under FSDP only) and
+    does not compose with tp, cp or pp, so ZeRO-0/1 there is FSDP without resharding after forward."""
+    p = cfg.parallel
+    return p.zero >= 1 or cfg.precision == "bf16" or p.tp * p.cp * p.pp > 1
 
 
 def _titan_data(cfg: RunConfig) -> dict[str, Any]:
@@ -143,8 +154,9 @@ def _titan_model(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
         model["hf_assets_path"] = tok or assets
     if tok:
         return model, []
-    return model, [f"tokenizer: none given (data.tokenizer, or a tokenizer.json beside model.hf): torchtitan reads "
-                   f"the one in model.hf_assets_path ({assets or 'its ./tests/assets/tokenizer'})"]
+    where = f"{assets}, which holds none" if assets else "its default ./tests/assets/tokenizer, a test tokenizer"
+    return model, [f"tokenizer: needed, and none given: torchtitan loads tokenizer.json from model.hf_assets_path "
+                   f"({where}); set data.tokenizer to your tokenizer's folder (plan: --set data.tokenizer=FOLDER)"]
 
 
 def titan_flavor(cfg: RunConfig) -> tuple[str, str]:
@@ -289,6 +301,9 @@ def to_accelerate(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     launch is MULTI_GPU's (torchrun, one process per rank) and the script asks for the CPU (`cpu=True`).
     """
     p, b = cfg.parallel, cfg.batch
+    if p.pp > 1:  # its ParallelismConfig would hold world / pp ranks: the launch refuses it
+        raise ValueError(f"accelerate: pp={p.pp}: accelerate has no pipeline parallelism of its own (only through its "
+                         "DeepSpeed or Megatron-LM plugins); export megatron or deepspeed, or pick a layout with pp=1")
     gpu = gpu_target(cfg)
     fsdp = gpu and (p.zero >= 2 or p.tp > 1 or p.cp > 1)
     model_type, _ = _hf(cfg)
@@ -346,8 +361,6 @@ def _accelerate_unmapped(cfg: RunConfig, fsdp: bool) -> list[str]:
     if cfg.model.hf is None:
         out.append("model: the workbench GPT (engine/model/gpt.py) is not a Hugging Face model; the script trains "
                    "model.hf configs only")
-    if p.pp > 1:
-        out.append(f"parallel.pp={p.pp} (accelerate pipelines only through its DeepSpeed or Megatron-LM plugins)")
     if p.ep > 1:
         out.append(f"parallel.ep={p.ep} (no expert parallelism in accelerate's ParallelismConfig)")
     if fsdp and p.cp > 1 and p.cp_impl == "ulysses":
@@ -374,12 +387,14 @@ def _decoder_layer(model_type: str | None) -> str:
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._no_split_modules[0]
 
 
-def accelerate_yaml(cfg: RunConfig) -> str:
-    """The accelerate config file (`accelerate launch --config_file`), unmapped knobs as comments."""
+def accelerate_yaml(cfg: RunConfig, preface: list[str] = ()) -> str:
+    """The accelerate config file (`accelerate launch --config_file`), `preface` and unmapped knobs as comments
+    (ValueError, one line: a layout accelerate does not run)."""
     import yaml
 
     config, notes = to_accelerate(cfg)
-    return "".join(f"# not mapped: {n}\n" for n in notes) + yaml.safe_dump(config, sort_keys=False)
+    return "".join(f"# {line}\n" for line in preface) + "".join(f"# not mapped: {n}\n" for n in notes) + \
+        yaml.safe_dump(config, sort_keys=False)
 
 
 def accelerate_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -406,11 +421,12 @@ def accelerate_script(cfg: RunConfig) -> str:
     return source.replace("SETTINGS: dict = {}  # the export fills this in", f"SETTINGS: dict = {body}", 1)
 
 
-def write_accelerate_bundle(cfg: RunConfig, config_path: Path) -> str:
-    """Write the accelerate config and, beside it, its training script (`<stem>_train.py`); return the launch
-    line (run from the config's folder)."""
+def write_accelerate_bundle(cfg: RunConfig, config_path: Path, preface: list[str] = ()) -> str:
+    """Write the accelerate config (`preface` as comments at its top) and, beside it, its training script
+    (`<stem>_train.py`); return the launch line (run from the config's folder)."""
+    text = accelerate_yaml(cfg, preface)
     config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(accelerate_yaml(cfg))
+    config_path.write_text(text)
     script = config_path.with_name(f"{config_path.stem}_train.py")
     script.write_text(accelerate_script(cfg))
     return f"accelerate launch --config_file {config_path.name} {script.name}"

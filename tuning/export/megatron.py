@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.schema import RunConfig
-from tuning.export.common import engine_only, rope_of, tokenizer_folder
+from tuning.export.common import engine_only, knob, rope_of, tokenizer_folder
 
 # megatron-core's llama3 rope scaling has these fixed (RotaryEmbedding._apply_scaling's defaults)
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -69,6 +69,22 @@ def _bias_flags(shape: Any) -> tuple[list[str], list[str]]:
     return args, []
 
 
+def _window_flags(data: dict[str, Any], seq_len: int) -> list[str]:
+    """The sliding window as megatron-core takes it: --window-size LEFT,0 (transformers lets a token see itself and
+    the window - 1 before it) and, where only some layers slide, --window-attn-skip-freq's pattern (1: sliding).
+    Nothing where no window is shorter than the sequence (it masks nothing)."""
+    from engine.config.hf_fields import sliding_windows
+
+    windows = sliding_windows(data)
+    sizes = {w for w in windows if w is not None}
+    if not sizes or min(sizes) >= seq_len:
+        return []
+    args = ["--window-size", f"{min(sizes) - 1},0"]
+    if None in windows:
+        args += ["--window-attn-skip-freq", str([int(w is not None) for w in windows]).replace(" ", "")]
+    return args
+
+
 def _moe_flags(cfg: RunConfig, shape: Any, data: dict[str, Any]) -> tuple[list[str], list[str]]:
     """Experts, top-k, expert size, shared expert, router and its aux loss, the MoE layer pattern, ep."""
     if not shape.experts:
@@ -91,9 +107,11 @@ def _moe_flags(cfg: RunConfig, shape: Any, data: dict[str, Any]) -> tuple[list[s
         args += ["--moe-shared-expert-intermediate-size", str(shape.shared_ffn_hidden), "--moe-shared-expert-gate"]
     if pre_softmax:
         args.append("--moe-router-pre-softmax")
+    # megatron-core's recipes for Mixtral / Qwen-MoE: grouped GEMM experts, all-to-all token dispatch (its default,
+    # allgather, gathers every token on every expert rank)
+    args += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", knob(cfg, "moe_dispatcher", "alltoall")]
     if not data and cfg.model.capacity_factor:  # the workbench GPT's experts drop tokens past their capacity
-        args += ["--moe-expert-capacity-factor", _num(cfg.model.capacity_factor), "--moe-token-dispatcher-type",
-                 "alltoall"]
+        args += ["--moe-expert-capacity-factor", _num(cfg.model.capacity_factor)]
     return args, []
 
 
@@ -119,7 +137,7 @@ def model_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
                         ("--init-method-std", float(data.get("initializer_range", 0.02)))])
         args.append("--swiglu")
         rope, note = _rope_flags(data)
-        args += rope
+        args += rope + _window_flags(data, m.seq_len)
         notes += note
         if shape.qk_norm:
             args.append("--qk-layernorm")

@@ -45,6 +45,18 @@ def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def engine_refusal(cfg: RunConfig) -> str | None:
+    """Why the workbench's engine does not run this config (its validate()), in one line, or None."""
+    from engine.config.validate import validate
+    from engine.errors import ConfigError
+
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        return f"yaml: the workbench's engine does not run this layout: {str(exc).splitlines()[0]}"
+    return None
+
+
 def _num(x: float) -> str:
     """A number as people write it: 12 significant digits, so 3e-3 * 0.1 prints 0.0003, not float noise."""
     return f"{x:.12g}"
@@ -156,8 +168,27 @@ def _ds_warmup_decay(schedule: str, lr: float, w: int, steps: int,
     return {"type": "WarmupCosineLR", "params": params}, [note]
 
 
+def deepspeed_refusal(cfg: RunConfig) -> str | None:
+    """Why DeepSpeed cannot run this layout as one job, in one line, or None. DeepSpeed's engine has no tensor or
+    context parallelism of its own: without a Megatron mpu its config check counts every rank as data parallel
+    (train_batch_size == micro * accumulation * world_size); a PipelineModule counts pp * dp ranks and takes ZeRO-0/1."""
+    p, b = cfg.parallel, cfg.batch
+    if p.tp > 1 or p.cp > 1:
+        return (f"deepspeed: tp={p.tp} cp={p.cp}: DeepSpeed has no tensor or context parallelism of its own (its config "
+                f"check would count all {cfg.world_size} ranks as data parallel: {b.global_} != {b.micro} * "
+                f"{cfg.grad_accum} * {cfg.world_size}); export megatron, or pick a layout with tp=1 and cp=1")
+    if p.pp > 1 and p.zero >= 2:
+        return (f"deepspeed: pp={p.pp} with parallel.zero={p.zero}: DeepSpeed's pipeline engine takes ZeRO-0/1 only; "
+                "pick a layout with zero <= 1 or pp=1")
+    return None
+
+
 def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
-    """A DeepSpeed config dict (nothing but DeepSpeed keys), and the knobs and differences beside it."""
+    """A DeepSpeed config dict (nothing but DeepSpeed keys), and the knobs and differences beside it; ValueError (one
+    line, `deepspeed_refusal`) for a layout DeepSpeed does not run."""
+    refusal = deepspeed_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
     p, t, b = cfg.parallel, cfg.train, cfg.batch
     # our DDP bucket is bytes of gradients; DeepSpeed counts elements of its gradient dtype
     grad_bytes = 2 if cfg.precision == "bf16" else 4
@@ -176,7 +207,7 @@ def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     if t.activation_checkpointing:
         # the config tunes DeepSpeed's checkpointing; the model turns it on by wrapping each block in
         # deepspeed.checkpointing.checkpoint (a PipelineModule does it with activation_checkpoint_interval)
-        ds["activation_checkpointing"] = {"partition_activations": p.tp > 1, "number_checkpoints": cfg.model.layers,
+        ds["activation_checkpointing"] = {"partition_activations": False, "number_checkpoints": cfg.model.layers,
                                           "contiguous_memory_optimization": False, "cpu_checkpointing": False}
         unmapped.append("train.activation_checkpointing: wrap each block in deepspeed.checkpointing.checkpoint"
                         + (" (pipeline.activation_checkpoint_interval=1 is set)" if p.pp > 1 else ""))
@@ -185,8 +216,6 @@ def to_deepspeed(cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
     if p.pp > 1:
         ds["pipeline"] = {"stages": p.pp, "partition": "uniform",
                           "activation_checkpoint_interval": 1 if t.activation_checkpointing else 0}
-    if p.tp > 1:
-        unmapped.append(f"parallel.tp={p.tp} (DeepSpeed needs Megatron-DeepSpeed or AutoTP for tensor parallel)")
     if p.schedule != "1f1b" and p.pp > 1:
         unmapped.append(f"parallel.schedule={p.schedule} (DeepSpeed pipelines run 1F1B)")
     if cfg.comm.compressor in ("fp16", "bf16"):
