@@ -347,9 +347,6 @@ LOSO_EXCEPTIONS = {
     # issue 62: llm-foundry's amp_fp8 table, never fitted on (tests/test_sim_fp8.py): 12.0% against the flat
     # baseline's 17.3%, too slow at 8k-32k tokens (-12 to -20%) where its attention kernel is not published
     "mosaicml-h100-fp8": "FP8 rows priced from kernel facts only; 12.0% median, under its baseline's 17.3%",
-    # issue 62: llm-foundry's amp_fp8 table, never fitted on (tests/test_sim_fp8.py): 12.0% against the flat
-    # baseline's 17.3%, too slow at 8k-32k tokens (-12 to -20%) where its attention kernel is not published
-    "mosaicml-h100-fp8": "FP8 rows priced from kernel facts only; 12.0% median, under its baseline's 17.3%",
 }
 
 
@@ -385,6 +382,76 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     # the H100 Megatron-class tables, 1.2-2x too slow with the 2021 Megatron-LM terms, within 10% out of sample
     h100 = priced[priced.index.str.startswith(("dgxc-", "mcore-"))]
     assert len(h100) == 9 and h100["loso_median_pct"].median() < 8.0
+
+
+# Leave-one-family-out misses (issue 63 item 2), each with its cause: listed, not tuned away; every other source and
+# family is held to <= 10% and under the flat baseline's median
+LOFO_SOURCE_EXCEPTIONS = {
+    # the Megatron-LM 2021 flavour's only priced rows are this paper's: left out with Table 2, its terms take their
+    # defaults (no fixed cost per layer, fused kernels' bytes): Table 1 priced 23% too fast against 10.6
+    "narayanan2021-t1": "no megatron row outside the paper: megatron terms at their defaults",
+    "narayanan2021-t2": "megatron terms and DeepSpeed's ZeRO-3 terms at their defaults (LOSO_EXCEPTIONS)",
+    # every FSDP row priced is MosaicML's: the family out, all four fsdp terms take their defaults (no fixed cost,
+    # ZeRO-3 gathers at the link's full bandwidth with no interference): 10.8-18.2% against 7.5-25.7
+    "mosaicml-a100-80": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
+    "mosaicml-a100-40": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
+    "mosaicml-h100-80": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
+    "mosaicml-h100-large": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
+    "mosaicml-h100-fp8": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
+    # without BLOOM's log DeepSpeed's terms are fitted on Narayanan's six ZeRO-3 rows and MT-NLG's three: their
+    # fixed costs and ZeRO-1 bandwidth share price the Jean Zay runs 11-21% too slow (93% of rows under)
+    "bloom-0221": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only: too slow",
+    "bloom-0223": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only: too slow",
+    "bloom-0225": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only: too slow",
+    # the recipe ran at the baseline's own 50% MFU (baseline 1.3% off): 1.4% without the dgxc family, 0.2% LOSO
+    "dgxc-gpt3-175b": "the baseline is exact here (its run's MFU is 50%)",
+}
+LOFO_FAMILY_EXCEPTIONS = {
+    "narayanan2021": "no megatron row left: megatron terms at their defaults (23.2% against 10.3)",
+    "mosaicml": "no fsdp row left: fsdp terms at their defaults (12.2% against 12.3)",
+    "bigscience": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only (18.3% against 18.8)",
+}
+
+
+def test_families_group_the_tables_of_one_file_and_every_family_is_cited() -> None:
+    """A family is the tables of one campaign, repository or report: every member is a cited source, no source is
+    in two, and sources whose `where` is one file of one repository (MosaicML's README, BigScience's log) share
+    one."""
+    import re
+    from collections import Counter
+
+    from tuning.sim.validation import FAMILIES, family_of
+
+    cited = sources()
+    members = [key for keys in FAMILIES.values() for key in keys]
+    assert set(members) <= set(cited) and max(Counter(members).values()) == 1
+    files: dict[tuple[str, str], set[str]] = {}
+    for key, src in cited.items():
+        where = re.match(r"\s*([\w.-]+/[\w.-]+)(?:@\w+)?(?: \([^)]*\))?:([\w./-]+)", str(src["where"]))
+        if where:
+            files.setdefault(where.groups(), set()).add(family_of(key))
+    assert files and all(len(f) == 1 for f in files.values()), files
+    assert family_of("bloom-0223") == family_of("bloom-0225") == "bigscience" and family_of("llama3-t4") == "llama3-t4"
+
+
+def test_every_source_and_family_leave_one_family_out_beside_the_baseline() -> None:
+    """Issue 63 item 2: each family's tables left out together (`lofo`); MosaicML's four tables then read 10.8 /
+    12.2 / 12.8 / 18.2% (baselines 9.6 / 7.5 / 25.7 / 21.0), BigScience's three 11.5 / 20.7 / 18.2% (19.7 / 20.2 /
+    16.4): the exceptions above, each with its cause."""
+    from tuning.sim.validation import lofo_by_family, loso, loso_by_source
+
+    rows, table = loso(), validation_table()
+    assert (rows["lofo_error_pct"] == rows["loso_error_pct"])[~rows["family"].isin(
+        ["narayanan2021", "mosaicml", "bigscience", "dgxc", "megatron-lm-readmes"])].all()  # a family of one
+    per = loso_by_source(table, rows, sources()).set_index("source")
+    priced = per[per["rows"] > 0]
+    missed = priced[(priced["lofo_median_pct"] > 10.0) | ~priced["lofo_beats_baseline"].astype(bool)]
+    assert set(missed.index) == set(LOFO_SOURCE_EXCEPTIONS) & set(priced.index), missed
+    families = lofo_by_family(table, rows, sources()).set_index("family")
+    missed = families[(families["lofo_median_pct"] > 10.0) | ~families["beats_baseline"].astype(bool)]
+    assert set(missed.index) == set(LOFO_FAMILY_EXCEPTIONS), missed
+    fsdp = rows[rows["family"] == "mosaicml"]["lofo_terms_at_default"].fillna("")
+    assert fsdp.str.contains("fsdp.layer_microbatch_s").all()  # the cause named for MosaicML
 
 
 # ---------------------------------------------------------------- ranking and errors
@@ -568,7 +635,20 @@ def test_validate_json_reports_leave_one_source_out_per_source() -> None:
     for key in ("rows", "loso_median_pct", "loso_worst_pct", "baseline_median_pct", "in_sample_median_pct",
                 "spearman", "top1_regret"):
         assert key in per["bloom-0225"], key
-    assert per["bloom-0221"]["rows"] == 15 and data["fitted_term_count"] == len(data["fitted_terms"]) == 15
+    for key in ("family", "lofo_median_pct", "lofo_spearman", "lofo_top1_regret"):
+        assert key in per["bloom-0225"], key
+    families = {row["family"]: row for row in data["lofo"]}
+    assert families["bigscience"]["sources"] == "bloom-0221 bloom-0223 bloom-0225"
+    assert families["bigscience"]["rows"] == sum(per[k]["rows"] for k in ("bloom-0221", "bloom-0223", "bloom-0225"))
+    for key in ("lofo_median_pct", "baseline_median_pct", "loso_median_pct", "spearman", "top1_regret"):
+        assert key in families["bigscience"], key
+    # every term it reports as fitted holds a fitted value, not the default a term no row informs takes
+    from tuning.sim.fit import term_defaults
+    from tuning.sim.framework import FRAMEWORKS
+
+    assert per["bloom-0221"]["rows"] == 15 and len(data["fitted_terms"]) == data["fitted_term_count"] == 15
+    shipped = {t: getattr(FRAMEWORKS[t.split(".")[0]], t.split(".")[1]) for t in data["fitted_terms"]}
+    assert all(shipped[t] != term_defaults()[t] for t in shipped), shipped
     assert data["in_sample_pooled_median_abs_error_pct"] > 0
     tables = {t["source"]: t for t in data["tables"] if t["search_table"]}
     assert "bloom-0225" in tables and all(np.isfinite(t["spearman"]) and t["top1_regret"] >= 0 for t in tables.values())
@@ -577,7 +657,7 @@ def test_validate_json_reports_leave_one_source_out_per_source() -> None:
     assert cited["bloom-0221"]["priced"] + cited["bloom-0221"]["excluded"] == 17
     text = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--validate"], capture_output=True,
                           text=True, timeout=900).stdout
-    for needle in ("Leave-one-source-out, per source", "Fitted terms: 15", "In-sample", "Ranking per table",
+    for needle in ("Leave-one-source-out, per source", "Leave-one-family-out, per family", "Fitted terms: 15", "In-sample", "Ranking per table",
                    "nar-t2-zero3-175b-1536", "chronicles-prequel.md", "excluded 18", "Memory facts"):
         assert needle in text, needle
 

@@ -281,18 +281,20 @@ def _search(mdl, spec, gpus: int, global_batch: int, top: int, optuna_trials: in
 
 
 def _validate(as_json: bool) -> None:
-    """`simulate --validate`: per source, leave-one-source-out errors beside the flat-MFU baseline; the
-    fitted terms; ranking per table; every row; memory facts; sources."""
+    """`simulate --validate`: per source, leave-one-source-out and leave-one-family-out errors beside the
+    flat-MFU baseline; per family, leave-one-family-out; the fitted terms; ranking per table; every row; memory
+    facts; sources."""
     from tuning.sim.published import memory_facts, sources, summarize, unvalidated, validation_table
     from tuning.sim.fit import FITTED_TERMS, fitted_rows
     from tuning.sim.memory_facts import walk
-    from tuning.sim.validation import loso, loso_by_source, memory_check, per_source, ranking
+    from tuning.sim.validation import lofo_by_family, loso, loso_by_source, memory_check, per_source, ranking
 
     table, srcs, out_of_source = validation_table(), sources(), loso()
-    by_source = loso_by_source(table, out_of_source, srcs)
+    by_source, by_family = loso_by_source(table, out_of_source, srcs), lofo_by_family(table, out_of_source, srcs)
     # every figure below is out of sample: each row priced with the terms fitted without its source
     loso_table = table.drop(columns=["simulated", "error_pct"]).merge(
-        out_of_source[["id", "loso", "loso_error_pct", "in_sample_error_pct", "baseline_error_pct"]], on="id")
+        out_of_source[["id", "family", "loso", "loso_error_pct", "lofo_error_pct", "in_sample_error_pct",
+                       "baseline_error_pct"]], on="id")
     loso_table = loso_table.assign(simulated=loso_table["loso"], error_pct=loso_table["loso_error_pct"], fitted=False)
     tables, cited = ranking(loso_table, srcs), per_source(loso_table, srcs)
     summary, missing, memory = summarize(loso_table), unvalidated(loso_table), memory_check(memory_facts())
@@ -302,7 +304,8 @@ def _validate(as_json: bool) -> None:
                        orient="records")}
     pooled = float(out_of_source["in_sample_error_pct"].abs().median())
     if as_json:
-        print_json({"loso": by_source.to_dict(orient="records"), "fitted_terms": list(FITTED_TERMS),
+        print_json({"loso": by_source.to_dict(orient="records"), "lofo": by_family.to_dict(orient="records"),
+                    "fitted_terms": list(FITTED_TERMS),
                      "fitted_term_count": len(FITTED_TERMS), "in_sample_pooled_median_abs_error_pct": pooled,
                      "tables": tables.to_dict(orient="records"), "sources": srcs,
                      "cited_tables": cited.to_dict(orient="records"), "rows": loso_table.to_dict(orient="records"),
@@ -319,6 +322,9 @@ def _validate(as_json: bool) -> None:
          "that source; baseline = FLOPs / (GPUs x peak x 0.5); |error| in %; spearman / top1_regret on tables of "
          ">= 8 layouts of one model on one cluster (the worst such table)")
     show(by_source.round(3).to_string(index=False))
+    show("\nLeave-one-family-out, per family (tables of one campaign, repository or report, left out together: "
+         "tuning.sim.validation.FAMILIES); baseline, spearman / top1_regret as above")
+    show(by_family.round(3).to_string(index=False))
     show(f"\nFitted terms: {len(FITTED_TERMS)} (per framework, on end-to-end rows, and DeepSpeed's allocator_reserve "
          f"on nvidia-smi readings of runs that ran; every kernel rate is a cited hardware fact, "
          f"tuning/data/kernels.yaml): {', '.join(FITTED_TERMS)}")
@@ -329,9 +335,9 @@ def _validate(as_json: bool) -> None:
     show("\nCited tables: rows in the source, priced, excluded (reasons under Sources)")
     show(cited.drop(columns=["calibration"]).round(1).to_string(index=False))
     shown = ["id", "hardware", "framework", "class", "recompute", "layout", "metric", "published", "simulated",
-             "loso_error_pct", "in_sample_error_pct", "baseline_error_pct"]
+             "loso_error_pct", "lofo_error_pct", "in_sample_error_pct", "baseline_error_pct"]
     show(f"\nRows: {len(loso_table)} (simulated = leave-one-source-out)")
-    show(loso_table[shown].round({"simulated": 1, "loso_error_pct": 1, "in_sample_error_pct": 1,
+    show(loso_table[shown].round({"simulated": 1, "loso_error_pct": 1, "lofo_error_pct": 1, "in_sample_error_pct": 1,
                                   "baseline_error_pct": 1}).to_string(index=False))
     for name, df in summary.items():
         show(f"\nLeave-one-source-out |error| by {name} (%)")

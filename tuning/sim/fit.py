@@ -35,7 +35,7 @@ from tuning.sim.hardware import ClusterSpec, load_cluster
 from tuning.sim.published import DATA, PublishedRow, calibration_rows, held_out_rows, metric_of
 from tuning.sim.core import evaluate_arrays
 from tuning.sim.framework import FRAMEWORKS, Framework, with_terms
-from tuning.sim.memory_facts import RESERVE_TERMS, fit_allocator_reserve
+from tuning.sim.memory_facts import RESERVE_TERMS, fit_allocator_reserve, source_set
 from tuning.sim.spec import columns
 
 
@@ -136,13 +136,14 @@ def informed(rows: list[PublishedRow], params: list[Param], *, clusters: dict[st
     return [p for p, m in zip(params, moved) if m]
 
 
-def fit_rows(path: str | Path = DATA, exclude_source: str | None = None) -> list[PublishedRow]:
-    """Every published row with a measured value, less those of `exclude_source` and the FP8 rows (priced for
-    validation only: no term is fitted on a Transformer Engine FP8 run)."""
-    return [r for r in calibration_rows(path) + held_out_rows(path) if r.source != exclude_source and not r.fp8]
+def fit_rows(path: str | Path = DATA, exclude_source: str | tuple[str, ...] | None = None) -> list[PublishedRow]:
+    """Every published row with a measured value, less those of `exclude_source` (one source or several)
+    and the FP8 rows (priced for validation only: no term is fitted on a Transformer Engine FP8 run)."""
+    left_out = source_set(exclude_source)
+    return [r for r in calibration_rows(path) + held_out_rows(path) if r.source not in left_out and not r.fp8]
 
 
-def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,
+def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | tuple[str, ...] | None = None, zooms: int = 6,
                    only: tuple[str, ...] | None = None) -> dict[str, float]:
     """Every fitted term of each flavour (`FITTED_TERMS`; `only` limits the flavours): fitted on the flavour's
     rows without `exclude_source`'s where a row left informs it (`fit_terms`), else its documented default
@@ -150,7 +151,7 @@ def fit_frameworks(path: str | Path = DATA, *, exclude_source: str | None = None
     return {**term_defaults(only), **fit_terms(path, exclude_source=exclude_source, zooms=zooms, only=only)}
 
 
-def fit_terms(path: str | Path = DATA, *, exclude_source: str | None = None, zooms: int = 6,
+def fit_terms(path: str | Path = DATA, *, exclude_source: str | tuple[str, ...] | None = None, zooms: int = 6,
               only: tuple[str, ...] | None = None) -> dict[str, float]:
     """Only the terms some row left informs (`informed`), each flavour's fitted jointly on its rows; a term
     no row informs is absent."""

@@ -149,13 +149,21 @@ def _reserve_readings() -> tuple[tuple[str, str, float], ...]:
     return tuple(out)
 
 
-def fit_allocator_reserve(*, exclude_source: str | None = None) -> dict[str, float]:
+def source_set(exclude_source: str | tuple[str, ...] | None) -> frozenset[str]:
+    """The sources a fit leaves out: one source's key, several (a family's), or none."""
+    if exclude_source is None:
+        return frozenset()
+    return frozenset((exclude_source,) if isinstance(exclude_source, str) else exclude_source)
+
+
+def fit_allocator_reserve(*, exclude_source: str | tuple[str, ...] | None = None) -> dict[str, float]:
     """Each flavour of RESERVE_FITS's `allocator_reserve`: the median share of its readings (`_reserve_readings`)
-    without `exclude_source`'s. An out-of-memory fact has no reading, so none is fitted on; a flavour with no
-    reading left keeps 0 (it is not in the result)."""
+    without `exclude_source`'s (one source or several). An out-of-memory fact has no reading, so none is fitted
+    on; a flavour with no reading left keeps 0 (it is not in the result)."""
     out: dict[str, float] = {}
     for flavour in RESERVE_FITS:
-        shares = [share for source, name, share in _reserve_readings() if name == flavour and source != exclude_source]
+        left_out = source_set(exclude_source)
+        shares = [share for source, name, share in _reserve_readings() if name == flavour and source not in left_out]
         if shares:
             out[f"{flavour}.allocator_reserve"] = float(np.median(shares))
     return out
@@ -190,4 +198,4 @@ def walk(path: str | Path = DATA, *, leave_one_source_out: bool = False) -> pd.D
 
 
 __all__ = ["DATA", "MEMORY_KINDS", "RESERVE_FITS", "RESERVE_TERMS", "MemoryFact", "facts", "fit_allocator_reserve",
-           "memory_kind", "published_facts", "sources", "walk"]
+           "memory_kind", "published_facts", "source_set", "sources", "walk"]

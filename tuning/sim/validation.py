@@ -120,71 +120,148 @@ def _price(rows: list[Any], frameworks: Any) -> list[float]:
     return [float(np.asarray(row_metric(r, load_cluster(r.cluster), frameworks)).reshape(-1)[0]) for r in rows]
 
 
+# Tables of one campaign, repository or report (issue 63 item 2): they share code, machines and authors, so a fit that
+# leaves one out leaves its siblings out too (`loso(...)["lofo"]`, leave-one-family-out). A source named in none is
+# a family of its own. Sources whose `where` is one file of one repository must share a family (tested).
+FAMILIES = {
+    "narayanan2021": ("narayanan2021-t1", "narayanan2021-t2"),  # one paper: Megatron-LM on Selene's A100s
+    # one README (mosaicml/llm-foundry scripts/train/benchmarking/README.md), one launcher, one codebase
+    "mosaicml": ("mosaicml-a100-80", "mosaicml-a100-40", "mosaicml-h100-80", "mosaicml-h100-large",
+                 "mosaicml-h100-fp8"),
+    "bigscience": ("bloom-0221", "bloom-0223", "bloom-0225"),  # one log: tr11-176B-ml/chronicles-prequel.md, Jean Zay
+    # one repository and release: NVIDIA/dgxc-benchmarking v24.11.1, NeMo 24.05/24.09 on DGX Cloud H100s
+    "dgxc": ("dgxc-llama31-8b", "dgxc-llama31-70b", "dgxc-llama31-405b", "dgxc-gpt3-175b", "dgxc-nemotron4-15b",
+             "dgxc-nemotron4-340b", "dgxc-grok1-314b"),
+    # NVIDIA/Megatron-LM's own READMEs (the 2022 MFU table, the 2024 Megatron-core scaling table, the MoE README)
+    "megatron-lm-readmes": ("megatron-readme-mfu", "mcore-h100-weak", "mcore-moe-mixtral"),
+}
+
+
+def family_of(source: str) -> str:
+    """The family of a source (`FAMILIES`), the source's own key where it is in none."""
+    return next((name for name, members in FAMILIES.items() if source in members), source)
+
+
 def loso(path: str | Path | None = None, *, zooms: int = 6) -> pd.DataFrame:
-    """Every priced row predicted with the per-framework terms fitted on every source (`in_sample`)
-    and fitted without any row of its own source (`loso`: leave-one-source-out; a term no other source's
-    row informs takes its documented default, `tuning.sim.fit.term_defaults`, listed in `terms_at_default`),
-    beside the flat baseline; errors in percent of the published value. Cached per data and code."""
+    """Every priced row predicted with the per-framework terms fitted on every source (`in_sample`), fitted
+    without any row of its own source (`loso`: leave-one-source-out) and without any row of its family
+    (`lofo`: leave-one-family-out, `FAMILIES`; the same as `loso` for a family of one); a term no row left
+    informs takes its documented default (`tuning.sim.fit.term_defaults`, listed in `terms_at_default` and
+    `lofo_terms_at_default`); beside the flat baseline; errors in percent of the published value. Cached per
+    data and code."""
     from tuning.sim.published import DATA
 
     path = Path(path or DATA)
     return cached_frame(cache_path("loso", path), lambda: _loso_table(path, zooms))
 
 
-def out_of_sample_frameworks(path: Path, source: str, flavours: tuple[str, ...], zooms: int) -> tuple[Any, list[str]]:
-    """The flavours priced without `source`: each fitted term of `flavours` refitted without its rows, or at
-    its default where no row left informs it (never the shipped value); and the terms left at default."""
+def out_of_sample_frameworks(path: Path, left_out: str | tuple[str, ...], flavours: tuple[str, ...],
+                             zooms: int) -> tuple[Any, list[str]]:
+    """The flavours priced without `left_out` (a source or several): each fitted term of `flavours` refitted
+    without their rows, or at its default where no row left informs it (never the shipped value); and the
+    terms left at default."""
     from tuning.sim.fit import fit_terms, term_defaults, with_terms
 
-    fitted = fit_terms(path, exclude_source=source, zooms=zooms, only=flavours)
+    fitted = fit_terms(path, exclude_source=left_out, zooms=zooms, only=flavours)
     defaults = term_defaults(flavours)
     return with_terms({**defaults, **fitted}), [name for name in defaults if name not in fitted]
 
 
-def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
+def _left_out(rows: list[Any], groups: dict[str, tuple[str, ...]], path: Path,
+              zooms: int) -> dict[str, tuple[float, str]]:
+    """Each row's metric priced with the terms fitted without its group's sources, and the terms at default."""
     from tuning.sim.fit import FRAMEWORK_FITS
+    from tuning.sim.framework import FRAMEWORKS
+
+    out = {}
+    for members in groups.values():
+        mine = [r for r in rows if r.source in members]
+        refit = tuple(sorted({r.framework for r in mine if not r.fp8} & set(FRAMEWORK_FITS)))  # FP8: never fitted
+        fws, held = out_of_sample_frameworks(path, members, refit, zooms) if refit else (FRAMEWORKS, [])
+        for r, price in zip(mine, _price(mine, fws)):
+            out[r.id] = (price, " ".join(t for t in held if t.startswith(f"{r.framework}.")))
+    return out
+
+
+def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
     from tuning.sim.framework import FRAMEWORKS
     from tuning.sim.hardware import load_cluster
     from tuning.sim.published import calibration_rows, held_out_rows
 
     rows = calibration_rows(path) + held_out_rows(path)
-    order = {r.id: i for i, r in enumerate(rows)}
+    present = list(dict.fromkeys(r.source for r in rows))
+    by_source = _left_out(rows, {s: (s,) for s in present}, path, zooms)
+    families: dict[str, tuple[str, ...]] = {}
+    for source in present:
+        families[family_of(source)] = families.get(family_of(source), ()) + (source,)
+    by_family = {**by_source, **_left_out(rows, {k: v for k, v in families.items() if len(v) > 1}, path, zooms)}
     out = []
-    for source in dict.fromkeys(r.source for r in rows):
-        mine = [r for r in rows if r.source == source]
-        refit = tuple(sorted({r.framework for r in mine if not r.fp8} & set(FRAMEWORK_FITS)))  # FP8: never fitted
-        fws, held = out_of_sample_frameworks(path, source, refit, zooms) if refit else (FRAMEWORKS, [])
-        for r, inside, outside in zip(mine, _price(mine, FRAMEWORKS), _price(mine, fws)):
-            base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops, value=r.value, source_mfu=r.source_mfu)
-            out.append({"id": r.id, "source": source, "published": r.value, "in_sample": inside, "loso": outside,
-                        "baseline": base, "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
-                        "loso_error_pct": 100.0 * (outside / r.value - 1.0),
-                        "baseline_error_pct": 100.0 * (base / r.value - 1.0),
-                        "terms_at_default": " ".join(t for t in held if t.startswith(f"{r.framework}."))})
-    return pd.DataFrame(out).sort_values("id", key=lambda s: s.map(order)).reset_index(drop=True)
+    for r, inside in zip(rows, _price(rows, FRAMEWORKS)):
+        base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops, value=r.value, source_mfu=r.source_mfu)
+        (outside, held), (family_out, family_held) = by_source[r.id], by_family[r.id]
+        out.append({"id": r.id, "source": r.source, "family": family_of(r.source), "published": r.value,
+                    "in_sample": inside, "loso": outside, "lofo": family_out, "baseline": base,
+                    "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
+                    "loso_error_pct": 100.0 * (outside / r.value - 1.0),
+                    "lofo_error_pct": 100.0 * (family_out / r.value - 1.0),
+                    "baseline_error_pct": 100.0 * (base / r.value - 1.0),
+                    "terms_at_default": held, "lofo_terms_at_default": family_held})
+    return pd.DataFrame(out)
+
+
+def _ranked_worst(merged: pd.DataFrame, column: str) -> tuple[float, float]:
+    """The worst Spearman's rho and top-1 regret of `column`'s prediction over the tables of >= 8 layouts of
+    one model on one cluster in `merged` (nan where there is none)."""
+    ranked = [grp for _, grp in merged.groupby("group") if len(grp) >= SEARCH_MIN_ROWS]
+    rho = min((spearman(grp[column], grp["published"]) for grp in ranked), default=float("nan"))
+    regret = max((top1_regret(grp["published"], grp[column]) for grp in ranked), default=float("nan"))
+    return rho, regret
+
+
+def _errors(g: pd.DataFrame, merged: pd.DataFrame, out_of_sample: str) -> dict[str, Any]:
+    """Rows, the out-of-sample (`out_of_sample`: "loso" or "lofo") median and worst |error|, the baseline's and
+    the in-sample median, the worst rho and regret over ranked tables, and whether it beats the baseline."""
+    med = lambda col: float(g[col].abs().median()) if len(g) else float("nan")  # noqa: E731
+    worst = float(g[f"{out_of_sample}_error_pct"].abs().max()) if len(g) else float("nan")
+    rho, regret = _ranked_worst(merged, out_of_sample)
+    return {"rows": len(g), f"{out_of_sample}_median_pct": med(f"{out_of_sample}_error_pct"),
+            f"{out_of_sample}_worst_pct": worst,
+            "baseline_median_pct": med("baseline_error_pct"), "in_sample_median_pct": med("in_sample_error_pct"),
+            "spearman": rho, "top1_regret": regret,
+            "beats_baseline": bool(med(f"{out_of_sample}_error_pct") < med("baseline_error_pct")) if len(g) else None}
 
 
 def loso_by_source(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """Per cited source: rows priced, leave-one-source-out median and worst |error|, the flat baseline's
     median |error| beside it, the in-sample median, and where the source has a table of >= 8 layouts of
     one model on one cluster, Spearman's rho and top-1 regret of the leave-one-source-out prediction
-    (the worst over such tables)."""
-    merged = table.merge(loso_rows[["id", "loso"]], on="id")
+    (the worst over such tables); beside them its family and the leave-one-family-out median, rho and regret."""
+    merged = table.merge(loso_rows[["id", "loso", "lofo"]], on="id")
     out = []
     for key in sources:
-        g = loso_rows[loso_rows["source"] == key]
-        ranked = [grp for _, grp in merged[merged["source"] == key].groupby("group") if len(grp) >= SEARCH_MIN_ROWS]
-        rho = min((spearman(grp["loso"], grp["published"]) for grp in ranked), default=float("nan"))
-        regret = max((top1_regret(grp["published"], grp["loso"]) for grp in ranked), default=float("nan"))
-        med = lambda col: float(g[col].abs().median()) if len(g) else float("nan")  # noqa: E731
-        out.append({"source": key, "rows": len(g), "loso_median_pct": med("loso_error_pct"),
-                    "loso_worst_pct": float(g["loso_error_pct"].abs().max()) if len(g) else float("nan"),
-                    "baseline_median_pct": med("baseline_error_pct"), "in_sample_median_pct": med("in_sample_error_pct"),
-                    "spearman": rho, "top1_regret": regret,
-                    "beats_baseline": bool(med("loso_error_pct") < med("baseline_error_pct")) if len(g) else None})
+        g, m = loso_rows[loso_rows["source"] == key], merged[merged["source"] == key]
+        family = _errors(g, m, "lofo")
+        out.append({"source": key, "family": family_of(key), **_errors(g, m, "loso"),
+                    "lofo_median_pct": family["lofo_median_pct"], "lofo_spearman": family["spearman"],
+                    "lofo_top1_regret": family["top1_regret"], "lofo_beats_baseline": family["beats_baseline"]})
     return pd.DataFrame(out)
 
 
-__all__ = ["BASELINE_MFU", "MIN_RANKED", "SEARCH_MIN_ROWS", "TARGET_REGRET", "TARGET_SPEARMAN", "baseline_metric",
-           "loso", "loso_by_source", "memory_check", "out_of_sample_frameworks", "per_source", "ranking", "spearman",
-           "top1_regret"]
+def lofo_by_family(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """Per family (`FAMILIES`) with a priced row: its sources, leave-one-family-out median and worst |error|,
+    the baseline's and the in-sample median, the leave-one-source-out median over the same rows, and the
+    worst rho and regret of the leave-one-family-out prediction over its ranked tables."""
+    merged = table.merge(loso_rows[["id", "loso", "lofo"]], on="id")
+    out = []
+    for family in dict.fromkeys(family_of(key) for key in sources):
+        members = [key for key in sources if family_of(key) == family]
+        g = loso_rows[loso_rows["source"].isin(members)]
+        if len(g):
+            out.append({"family": family, "sources": " ".join(members), **_errors(g, merged[merged["source"].isin(
+                members)], "lofo"), "loso_median_pct": float(g["loso_error_pct"].abs().median())})
+    return pd.DataFrame(out)
+
+
+__all__ = ["BASELINE_MFU", "FAMILIES", "MIN_RANKED", "SEARCH_MIN_ROWS", "TARGET_REGRET", "TARGET_SPEARMAN",
+           "baseline_metric", "family_of", "lofo_by_family", "loso", "loso_by_source", "memory_check",
+           "out_of_sample_frameworks", "per_source", "ranking", "spearman", "top1_regret"]
