@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from engine.config.schema import RunConfig, apply_overrides, from_dict
@@ -26,10 +27,11 @@ from tuning.sim.hardware import ClusterSpec
 from tuning.sim.simulator import ModelSpec
 
 TARGETS = ("yaml", "megatron", "deepspeed", "torchtitan", "accelerate")
-# the simulator's framework flavour each target is priced as (tuning/sim/framework.py); the engine on GPUs
+# the simulator's flavours (tuning/sim/framework.py) each target can be priced as, its current release first (the
+# default): Megatron-LM is megatron-core as NVIDIA's recipes run it ("megatron": as of 2021); the engine on GPUs
 # shards like torchtitan (FSDP2), its "engine" flavour carries a CPU host's costs
-SIM_FRAMEWORK = {"yaml": "fsdp", "megatron": "megatron", "deepspeed": "deepspeed", "torchtitan": "fsdp",
-                 "accelerate": "fsdp"}
+TARGET_FRAMEWORKS = {"yaml": ("fsdp", "engine"), "megatron": ("megatron-core", "megatron"),
+                     "deepspeed": ("deepspeed",), "torchtitan": ("fsdp",), "accelerate": ("fsdp",)}
 # what each target runs (the search never ranks a layout its export would have to change)
 TARGET_AXES: dict[str, dict[str, list[Any]]] = {
     "yaml": {},
@@ -38,8 +40,23 @@ TARGET_AXES: dict[str, dict[str, list[Any]]] = {
     "torchtitan": {"zero": [0, 2, 3], "cp_impl": ["ring"]},
     "accelerate": {"pp": [1], "ep": [1], "zero": [0, 2, 3], "cp_impl": ["ring"], "virtual": [1]},
 }
+# activation recomputation each target has: Megatron-LM --recompute-granularity selective|full, torchtitan
+# activation_checkpoint.mode selective|full; DeepSpeed, accelerate and the engine checkpoint whole blocks
+TARGET_RECOMPUTE = {"yaml": ["none", "full"], "megatron": ["none", "selective", "full"],
+                    "deepspeed": ["none", "full"], "torchtitan": ["none", "selective", "full"],
+                    "accelerate": ["none", "full"]}
+# targets whose current release trains the linear layers in FP8 on GPUs with an FP8 rate (tuning/sim/kernels.py):
+# Megatron-LM through Transformer Engine (--fp8-format hybrid), torchtitan through torchao's float8 converter
+FP8_TARGETS = ("megatron", "torchtitan")
+# the knobs a layout is priced with beside its degrees (plan_knobs: what its export sets)
+KNOB_COLUMNS = ["framework", "attention", "tp_comm_overlap", "precision"]
 SHOWN = ["tp", "pp", "dp", "cp", "cp_impl", "ep", "virtual", "micro", "zero", "recompute", "sequence_parallel",
-         "schedule", "iteration_time_s", "time_lo_s", "time_hi_s", "tokens_per_s", "mfu", "memory_per_gpu_gb"]
+         "schedule", "iteration_time_s", "time_lo_s", "time_hi_s", "tokens_per_s", "mfu", "memory_per_gpu_gb",
+         *KNOB_COLUMNS]
+# the largest micro-batch searched (MosaicML's small models run 96-104 sequences at seq 512)
+MAX_MICRO = 256
+# a published layout is this plan's layout where these agree (cp_impl only matters at cp > 1)
+LAYOUT_MATCH = ("tp", "pp", "dp", "cp", "ep", "virtual", "micro", "zero", "recompute", "sequence_parallel")
 
 
 @dataclass(slots=True)
@@ -55,11 +72,39 @@ class Plan:
     table: pd.DataFrame  # SHOWN columns (+ correction_factor, corrected_time_s with a study), best first
     base: dict[str, Any] = field(default_factory=dict)  # the user's run config: data, tokenizer, steps, lr
     calibration: dict[str, Any] | None = None  # the stand-in study whose factors ranked the layouts
+    framework: str = ""  # the flavour priced (TARGET_FRAMEWORKS)
+    knobs: dict[str, Any] = field(default_factory=dict)  # the flavour's knobs every layout is priced with
+    # the published layouts of this job (tuning/data/published.yaml): each with its rank and price in this plan
+    published: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def flavour(self) -> str:
+        """One line naming the flavour and attention kernel the plan prices."""
+        from tuning.sim.framework import flavour_line
+
+        return flavour_line(self.framework, flash_attention=bool(self.knobs.get("flash_attention")),
+                            attention_kernel=str(self.knobs.get("attention_kernel", "")))
 
 
-def _axes(model: ModelSpec, target: str) -> dict[str, list[Any]]:
-    axes = {"recompute": ["none", "full"], "schedule": ["1f1b"], "virtual": [1, 2, 4]}  # the engine's own knobs
+def _axes(model: ModelSpec, target: str, global_batch: int) -> dict[str, list[Any]]:
+    """The search axes of a target: its recomputation modes, micro-batches up to MAX_MICRO and, for Megatron-LM,
+    virtual stages up to one layer per chunk (its recipes interleave 5 and 8); the target's own restrictions
+    (TARGET_AXES)."""
+    virtual = [v for v in range(1, model.layers + 1) if model.layers % v == 0] if target == "megatron" else [1, 2, 4]
+    micro = [m for m in range(1, min(global_batch, MAX_MICRO) + 1) if global_batch % m == 0]
+    axes = {"recompute": TARGET_RECOMPUTE[target], "schedule": ["1f1b"], "virtual": virtual, "micro": micro}
     return axes | TARGET_AXES[target]
+
+
+def target_framework(target: str, framework: str | None = None) -> str:
+    """The flavour a target is priced as: its current release, or `framework` where the target runs it
+    (ValueError: a target or a flavour it does not run)."""
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} must be one of {', '.join(TARGETS)}")
+    choices = TARGET_FRAMEWORKS[target]
+    if framework is not None and framework not in choices:
+        raise ValueError(f"framework={framework!r}: target {target} is priced as {' or '.join(choices)}")
+    return framework or choices[0]
 
 
 def _runs(df: pd.DataFrame, model: ModelSpec, target: str) -> pd.DataFrame:
@@ -74,20 +119,22 @@ def _runs(df: pd.DataFrame, model: ModelSpec, target: str) -> pd.DataFrame:
 
 
 def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch: int, target: str = "megatron",
+              framework: str | None = None, precision: str | None = None,
               model_source: str | dict[str, Any] | None = None, base: dict[str, Any] | None = None,
               study: Any = None, top: int = 5) -> Plan:
-    """The `top` fastest layouts that fit in memory, with the simulator's measured-time interval; ranked by the
-    time a stand-in `study` corrects them to when one is given (ValueError: a target or a job nothing fits)."""
-    from tuning.search import add_uncertainty, enumerate_configs
-    from tuning.sim.framework import framework_code
+    """The `top` fastest layouts that fit in memory, with the simulator's measured-time interval, priced as the
+    target's current release runs them (or as `framework`, a flavour the target runs), in bf16 and FP8 where it
+    trains in FP8 (or `precision`); ranked by the time a
+    stand-in `study` corrects them to when one is given (ValueError: a target or a job nothing fits). The
+    published layouts of the same job are located in the ranking (`Plan.published`)."""
+    from tuning.search import add_uncertainty
+    from tuning.sim.framework import FLAVOUR_DEFAULTS
 
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r} must be one of {', '.join(TARGETS)}")
-    framework = SIM_FRAMEWORK[target]
-    df = enumerate_configs(model, cluster, gpus, global_batch, axes=_axes(model, target),
-                           knobs={"framework": framework_code(framework)})
-    df = _runs(df, model, target)
-    df = df[df["fits"]].copy()
+    framework = target_framework(target, framework)
+    knobs = dict(FLAVOUR_DEFAULTS[framework])
+    priced = price_layouts(model, cluster, gpus=gpus, global_batch=global_batch, target=target, framework=framework,
+                           precision=precision)
+    df = priced[priced["fits"]].copy()
     if df.empty:
         raise ValueError(f"no layout of this model fits in {cluster.memory_gb:g} GB per GPU on {gpus} GPUs "
                          f"({cluster.name}) at global batch {global_batch} for {target}; add GPUs or shorten seq")
@@ -100,9 +147,96 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch
     shown = SHOWN + (["correction_factor", "corrected_time_s"] if study is not None else [])
     ranked = df.sort_values(rank_by, kind="stable").reset_index(drop=True)[shown]
     plan = Plan(model=model, model_source=model_source, cluster=cluster, gpus=gpus, global_batch=global_batch,
-                target=target, table=ranked, base=dict(base or {}), calibration=calibration)
+                target=target, table=ranked, base=dict(base or {}), calibration=calibration, framework=framework,
+                knobs=knobs)
+    plan.published = published_layouts(priced, model=model, cluster=cluster, gpus=gpus, global_batch=global_batch,
+                                       framework=framework)
     plan.table = _engine_runs(plan, top) if target == "yaml" else ranked.head(top)
     return plan
+
+
+def price_layouts(model: ModelSpec, cluster: ClusterSpec, *, gpus: int, global_batch: int, target: str,
+                  framework: str | None = None, precision: str | None = None) -> pd.DataFrame:
+    """Every layout the target runs (its axes and rules), priced as its flavour runs it, with KNOB_COLUMNS; fitting
+    or not, unranked. `precision` ("bf16" or "fp8") keeps one; by default FP8 beside bf16 where the target trains
+    in FP8 on this GPU (FP8_TARGETS; ValueError: fp8 where it does not)."""
+    from tuning.search import enumerate_configs
+    from tuning.sim.framework import FLAVOUR_DEFAULTS, framework_code
+
+    framework = target_framework(target, framework)
+    knobs = dict(FLAVOUR_DEFAULTS[framework])
+    fp8 = [False, True] if target in FP8_TARGETS and cluster.fp8_peak_flops > 0 else [False]
+    if precision not in (None, "bf16", "fp8"):
+        raise ValueError(f"precision={precision!r} must be bf16 or fp8")
+    if precision == "fp8" and fp8 == [False]:
+        why = "no FP8 rate for its GPU" if target in FP8_TARGETS else f"FP8 targets: {', '.join(FP8_TARGETS)}"
+        raise ValueError(f"precision='fp8': {target} does not train in FP8 on {cluster.name} ({why})")
+    fp8 = [on for on in fp8 if precision is None or on == (precision == "fp8")]
+    frames = [_with_knobs(_runs(enumerate_configs(model, cluster, gpus, global_batch,
+                                                  axes=_axes(model, target, global_batch),
+                                                  knobs={**knobs, "framework": framework_code(framework),
+                                                         "fp8": on}), model, target),
+                          target, framework, knobs | {"fp8": on})
+              for on in fp8]
+    return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+
+
+def _with_knobs(df: pd.DataFrame, target: str, framework: str, knobs: dict[str, Any]) -> pd.DataFrame:
+    """The KNOB_COLUMNS of each row: the flavour, its attention kernel, whether its tp collectives run under the
+    GEMMs (tp_comm_overlap needs sequence parallelism, tuning/sim/tensor.py) and the precision."""
+    from tuning.sim.framework import FRAMEWORKS
+
+    attention = (knobs.get("attention_kernel") or FRAMEWORKS[framework].attention_kernel) \
+        if knobs.get("flash_attention") else "unfused"
+    df = df.copy()
+    if "cp_impl" in TARGET_AXES[target]:  # moot at cp = 1: the one the target runs, not the search's code 0
+        df.loc[df["cp"] == 1, "cp_impl"] = TARGET_AXES[target]["cp_impl"][0]
+    df["framework"] = framework
+    df["attention"] = attention
+    df["tp_comm_overlap"] = bool(knobs.get("tp_comm_overlap")) & df["sequence_parallel"] & (df["tp"] > 1)
+    df["precision"] = "fp8" if knobs.get("fp8") else "bf16"
+    return df
+
+
+def published_layouts(priced: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, gpus: int,
+                      global_batch: int, framework: str) -> list[dict[str, Any]]:
+    """The published rows of this job (same model, GPUs, global batch, sequence, cluster and flavour) located in
+    `price_layouts`' table at their precision: each layout with its rank among the fitting layouts by price (None: priced as not
+    fitting, or not in the search), its price, and the published measurement beside the same metric predicted."""
+    from tuning.sim.published import DATA, calibration_rows, held_out_rows, metric_of
+
+    times = np.sort(priced.loc[priced["fits"], "iteration_time_s"].to_numpy())
+    job = (cluster.name, gpus, global_batch, model.seq, framework, model.params,
+           (model.layers, model.hidden, model.heads, model.kv, model.experts))
+    out = []
+    for row in calibration_rows(DATA) + held_out_rows(DATA):
+        m = row.model()
+        if row.value is None or (row.cluster, row.gpus, row.global_batch, row.seq, row.framework, m.params,
+                                 (m.layers, m.hidden, m.heads, m.kv, m.experts)) != job:
+            continue
+        match = _locate(priced[priced["precision"] == ("fp8" if row.fp8 else "bf16")], row)
+        found = match is not None
+        out.append({"id": row.id, "source": row.source, "layout": {k: getattr(row, k) for k in LAYOUT_MATCH},
+                    "metric": row.metric, "measured": row.value, "in_search": found,
+                    "fits": found and bool(match["fits"]),
+                    "rank": 1 + int(np.searchsorted(times, match["iteration_time_s"] - 1e-12))
+                    if found and match["fits"] else None,
+                    "predicted": float(metric_of(row.metric, match.to_dict(), row.gpus, cluster.peak_flops))
+                    if found else None,
+                    **{k: float(match[k]) if found else None
+                       for k in ("iteration_time_s", "tokens_per_s", "memory_per_gpu_gb")}})
+    return out
+
+
+def _locate(priced: pd.DataFrame, row: Any) -> pd.Series | None:
+    """The priced layout that is the published row's (its degrees, micro-batch, ZeRO, recompute), or None."""
+    keep = pd.Series(True, index=priced.index)
+    for key in LAYOUT_MATCH:
+        keep &= priced[key].astype(str) == str(getattr(row, key))
+    if row.cp > 1:
+        keep &= priced["cp_impl"].astype(str) == row.cp_impl
+    hits = priced[keep]
+    return None if hits.empty else hits.sort_values("iteration_time_s").iloc[0]
 
 
 def _engine_runs(plan: Plan, top: int) -> pd.DataFrame:
@@ -185,6 +319,22 @@ def base_config(path: str | Path | None, overrides: list[str]) -> dict[str, Any]
     from engine.config.schema import load_yaml
 
     return apply_overrides(load_yaml(path) if path else {}, overrides)
+
+
+def plan_knobs(plan: Plan, pick: int = 1) -> dict[str, Any]:
+    """What layout `pick` was priced with beyond its run config, for its export: the flavour, the attention
+    kernel, tp communication under the GEMMs, the recompute mode (the engine's config has no selective), the
+    precision, and the flavour's own settings (megatron-core: the fused loss, the distributed optimizer's
+    gathers overlapped)."""
+    from tuning.sim.framework import FRAMEWORKS
+
+    if not 1 <= pick <= len(plan.table):
+        raise ValueError(f"pick={pick} must be 1..{len(plan.table)} (the ranked layouts)")
+    row, fw = plan.table.iloc[pick - 1], FRAMEWORKS[plan.framework]
+    return {"framework": plan.framework, "attention": str(row["attention"]),
+            "tp_comm_overlap": bool(row["tp_comm_overlap"]), "recompute": str(row["recompute"]),
+            "precision": str(row["precision"]), "fused_loss": fw.fused_kernels,
+            "overlap_param_gather": fw.overlap_param_gather and int(row["zero"]) >= 1}
 
 
 def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str, list[str]]:

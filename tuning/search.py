@@ -112,7 +112,9 @@ def _valid_grid(model: ModelSpec, gpus: int, global_batch: int, axes: dict[str, 
     dropped before they are multiplied by the knob axes (same rows as `_valid` on `_grid`)."""
     axes = {"cp": [1], "cp_impl": [CP_IMPLS[0]], "ep": [1]} | axes  # callers' axes without the new ones
     # stage 1: (cp, cp_impl) pairs x tp x pp, the divisibility rules (one cp_impl at cp = 1)
-    pairs = [(cp, CP_IMPLS.index(i)) for cp in axes["cp"] for i in axes["cp_impl"] if cp > 1 or i == axes["cp_impl"][0]]
+    # (at cp = 1 the implementation is moot: code 0, as `_layout_ok` keeps it, whatever the axis lists)
+    pairs = [(cp, CP_IMPLS.index(i) if cp > 1 else 0) for cp in axes["cp"] for i in axes["cp_impl"]
+             if cp > 1 or i == axes["cp_impl"][0]]
     base = _product({"pair": np.arange(len(pairs)), "tp": np.asarray(axes["tp"]), "pp": np.asarray(axes["pp"])})
     pair = base.pop("pair")
     base["cp"], base["cp_impl"] = (np.asarray([p[j] for p in pairs], dtype=int)[pair] for j in (0, 1))

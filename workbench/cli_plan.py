@@ -74,6 +74,12 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
          global_batch: int = typer.Option(512, help="Sequences per optimizer step"),
          target: str = typer.Option("megatron", help="Framework the layouts must run in: yaml (the workbench) | "
                                                       "megatron | deepspeed | torchtitan | accelerate"),
+         framework: Optional[str] = typer.Option(None, help="The flavour the target is priced as (default: its "
+                                                 "current release: megatron -> megatron-core, torchtitan and "
+                                                 "accelerate -> fsdp; megatron also takes megatron, Megatron-LM "
+                                                 "2021)"),
+         precision: Optional[str] = typer.Option(None, help="bf16 or fp8 only (default: both where the target "
+                                                 "trains in FP8 on the cluster's GPU: megatron, torchtitan on H100)"),
          top: int = typer.Option(5, help="Layouts shown"),
          base: Optional[Path] = typer.Option(None, help="Your run config (data, tokenizer, weights, steps, lr)"),
          set_: Optional[list[str]] = typer.Option(None, "--set", help="key=value on the base config, repeatable"),
@@ -116,7 +122,8 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     check_writable_folder("-o", output)
     try:
         the_base = base_config(base, set_ or [])
-        result = make_plan(mdl, spec, gpus=gpus, global_batch=global_batch, target=target, top=top,
+        result = make_plan(mdl, spec, gpus=gpus, global_batch=global_batch, target=target, framework=framework,
+                           precision=precision, top=top,
                            model_source=_model_source(model), base=the_base, study=_study(study, storage))
         checks = _dry_runs(result, dry_run, device_memory) if dry_run else []
     except (ValueError, ConfigError) as exc:
@@ -165,11 +172,14 @@ def _show(result, as_json: bool, checks: list, wide: bool = False) -> None:
 
     if as_json:
         print_json({"model": _shape_text(result.model), "params": result.model.params, "cluster": result.cluster.name,
-                     "gpus": result.gpus, "target": result.target, "calibration": result.calibration,
-                     "layouts": result.table.to_dict(orient="records"), "dry_runs": [c.to_dict() for c in checks]})
+                     "gpus": result.gpus, "target": result.target, "framework": result.framework,
+                     "flavour": result.flavour, "calibration": result.calibration,
+                     "layouts": result.table.to_dict(orient="records"), "published": result.published,
+                     "dry_runs": [c.to_dict() for c in checks]})
         return
     console.print(f"model {_shape_text(result.model)}; {result.model.params:,} parameters", markup=False,
                   highlight=False, soft_wrap=True)
+    console.print(f"priced as {result.flavour}", markup=False, highlight=False, soft_wrap=True)
     title = f"{result.target} layouts on {result.gpus} GPUs of {result.cluster.name}, best first (simulated)"
     table = result.table.copy()
     table.insert(0, "pick", range(1, len(table) + 1))
@@ -180,8 +190,25 @@ def _show(result, as_json: bool, checks: list, wide: bool = False) -> None:
                       f"strategy class ({cal['trials']} trials of a stand-in on its own host; they carry the "
                       f"engine's mispricing there, an assumption for {result.cluster.name})", markup=False,
                       highlight=False, soft_wrap=True)
+    for pub in result.published:
+        console.print(_published_line(pub), markup=False, highlight=False, soft_wrap=True)
     if checks:
         _show_dry_runs(result, checks)
+
+
+def _published_line(pub: dict) -> str:
+    """Where a published layout of this job ranks, its price and its measurement."""
+    from workbench.fmt import num
+
+    lay = pub["layout"]
+    name = " ".join(f"{k} {lay[k]}" for k in ("tp", "pp", "dp", "cp", "ep", "virtual", "micro", "zero")
+                    if k in ("tp", "pp", "dp", "micro") or lay[k] not in (0, 1)) + f", recompute {lay['recompute']}"
+    if not pub["in_search"]:
+        return f"published layout {pub['id']} ({name}): not a layout this target runs"
+    where = f"ranked {pub['rank']}" if pub["rank"] else f"priced as not fitting ({pub['memory_per_gpu_gb']:.1f} GB)"
+    error = 100 * (pub["predicted"] - pub["measured"]) / pub["measured"]
+    return (f"published layout {pub['id']} ({name}): {where}; {pub['metric']} measured {num(pub['measured'])}, "
+            f"priced {num(pub['predicted'])} ({error:+.1f}%)")
 
 
 def _show_dry_runs(result, checks: list) -> None:

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
+from tuning.sim.spec import KEY_ALIASES, PARALLEL_KEYS
 from workbench.cli_common import check_number, console, err, fail, print_json
 
 MODEL_PRESETS = {  # Narayanan et al. 2021 Table 1 shapes (seq 2048, vocab 51200)
@@ -17,13 +18,13 @@ MODEL_PRESETS = {  # Narayanan et al. 2021 Table 1 shapes (seq 2048, vocab 51200
 }
 MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 MOE_MODEL_KEYS = {"experts": int, "moe_every": int, "top_k": int, "capacity_factor": float}  # optional (issue 18)
-SHAPE_KEYS = {"kv_heads": int, "ffn_hidden": int, "gated_mlp": bool, "tied_embeddings": bool}  # optional
-CONFIG_KEYS = {"tp": int, "pp": int, "dp": int, "micro": int, "global_batch": int, "zero": int,
-               "virtual": int, "recompute": str, "sequence_parallel": bool, "compression_ratio": float,
-               "co2": bool, "schedule": str, "flash_attention": bool, "framework": str,
-               # issue 18 (MoE) and issue 19 (context parallelism)
-               "ep": int, "moe_hierarchical": bool, "moe_a2a_ratio": float, "moe_padded": bool,
-               "moe_imbalance": float, "cp": int, "cp_impl": str, "attn_density": float}
+# optional shape keys (published.yaml's model columns among them)
+SHAPE_KEYS = {"kv_heads": int, "ffn_hidden": int, "gated_mlp": bool, "tied_embeddings": bool, "head_dim": int,
+              "biases": bool, "learned_positions": bool, "dropout": bool, "norm_params": int}
+_KINDS = {"int": int, "float": float, "bool": bool, "str": str, "str | bool": str}
+# --config: every ParallelSpec field (tuning/sim/spec.py), and published.yaml's names for them
+CONFIG_KEYS: dict[str, type] = {k: _KINDS[t] for k, t in PARALLEL_KEYS.items()} \
+    | {alias: _KINDS[PARALLEL_KEYS[key]] for alias, key in KEY_ALIASES.items()}
 MODEL_HINT = (f"name a preset ({', '.join(MODEL_PRESETS)}), a Hugging Face config.json path, or "
               f"layers=..,hidden=..,heads=..,seq=..,vocab=..")
 
@@ -127,7 +128,8 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
              gpus: Optional[int] = typer.Option(None, help="Total GPUs (required unless --validate)"),
              model: Optional[str] = typer.Option(None, help="22b|175b|1t, a Hugging Face config.json path, or layers=..,hidden=..,heads=..,seq=..,vocab=..[,kv_heads=..,ffn_hidden=..,gated_mlp=..,experts=..,top_k=..,moe_every=..,capacity_factor=..] (required unless --validate)"),
              seq: Optional[int] = typer.Option(None, help="Sequence length (default: the preset's, or a config.json's max_position_embeddings up to 8192)"),
-             config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=..,virtual=..,framework=megatron|deepspeed|fsdp,ep=..,cp=..,cp_impl=ulysses|ring,flash_attention=..]"),
+             config: Optional[str] = typer.Option(None, help="tp=..,pp=..,dp=..,micro=..,global_batch=..[,zero=..,recompute=none|selective|full,virtual=..,ep=..,cp=..,cp_impl=ulysses|ring,flash_attention=..,attention=fa2|cudnn|triton,tp_comm_overlap=..,fp8=true (Transformer Engine FP8 GEMMs, H100),...]: any ParallelSpec field (docs/cli.md), on the framework's defaults"),
+             framework: Optional[str] = typer.Option(None, help="The framework flavour priced (megatron-core, megatron, deepspeed, fsdp, engine): its release's defaults under --config (default: megatron, Megatron-LM 2021)"),
              search: bool = typer.Option(False, help="Enumerate every valid config instead of one"),
              global_batch: int = typer.Option(1536, help="Global batch for --search"),
              top: int = typer.Option(10, help="Best configs shown by --search"),
@@ -142,9 +144,10 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         return
     if gpus is None or model is None:
         fail("--gpus and --model are required unless --validate is given")
+    from tuning.sim.framework import flavour_line
     from tuning.sim.hardware import load_cluster
-    from tuning.sim.simulator import ParallelSpec
     from tuning.sim.simulator import simulate as sim
+    from tuning.sim.spec import parallel_spec
 
     check_number("--gpus", gpus, 1)
     check_number("--seq", seq, 1)
@@ -166,14 +169,20 @@ def simulate(cluster: str = typer.Option("dgx-a100-80gb", help="Preset (dgx-a100
         return
     if not config:
         fail("--config is required unless --search is given")
-    par = ParallelSpec(**pairs)
+    if framework is not None:
+        if pairs.get("framework", framework) != framework:
+            fail(f"--framework={framework!r} and --config framework={pairs['framework']!r} disagree: name one")
+        pairs["framework"] = framework
     try:
+        par = parallel_spec(**pairs)
         result = sim(mdl, spec, par, gpus=gpus)
     except ValueError as exc:
         fail(str(exc))
     out = result.to_dict()
     out.update({"model_params": mdl.params, "model_params_active": mdl.active_params, "model": _shape_text(mdl),
-                "cluster": spec.name, "gpus": gpus, "framework": par.framework})
+                "cluster": spec.name, "gpus": gpus, "framework": par.framework,
+                "flavour": flavour_line(par.framework, flash_attention=par.flash_attention,
+                                        attention_kernel=par.attention_kernel)})
     out.update(_interval(result.iteration_time_s, mdl, spec, par))
     if as_json:
         print_json(out)
@@ -198,6 +207,7 @@ def _print_one(out: dict[str, Any], mdl, spec, gpus: int) -> None:
     active = f" ({format_count(mdl.active_params)} active)" if mdl.experts else ""
     console.print(f"model {out['model']}; {mdl.params:,} parameters{active}", markup=False, highlight=False,
                   soft_wrap=True)
+    console.print(out["flavour"], markup=False, highlight=False, soft_wrap=True)
     t = Table(title=f"{format_count(mdl.params)} params{active} on {gpus} GPUs ({spec.name}, {out['framework']})")
     t.add_column("metric")
     t.add_column("value", justify="right")

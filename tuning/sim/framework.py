@@ -109,6 +109,32 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
 )}
 FRAMEWORK_NAMES = tuple(FRAMEWORKS)
 
+# A flavour is a framework at a version: the knobs (ParallelSpec fields) its release runs unless a row or the user
+# names others, as its published rows run it. `spec.parallel_spec` starts from these, so `simulate --config
+# framework=NAME` and a plan for a target price what that framework runs by default.
+FLAVOUR_DEFAULTS: dict[str, dict[str, object]] = {
+    # Megatron-LM as of Narayanan et al. 2021 (PTD-P): materialised softmax attention, no overlap of tp collectives
+    "megatron": {},
+    # DeepSpeed today: its users' attention is fused (transformers' sdpa/flash_attention_2, Megatron-DeepSpeed's
+    # --use-flash-attn-v2); the fitted terms are BigScience's 2022 runs
+    "deepspeed": {"flash_attention": True},
+    # torchtitan and llm-foundry: scaled_dot_product_attention's flash kernel; FSDP's ZeRO-2 is SHARD_GRAD_OP
+    "fsdp": {"flash_attention": True, "zero2_fsdp": True},
+    # the workbench engine: scaled_dot_product_attention; ZeRO-2 as FSDP2 without reshard_after_forward
+    "engine": {"flash_attention": True, "zero2_fsdp": True},
+    # Megatron-core 0.8+ as NVIDIA's recipes run it: Transformer Engine's fused (cuDNN) attention, the tp
+    # collectives chunked under their GEMMs where sequence parallelism is on (--tp-comm-overlap), fused loss
+    "megatron-core": {"flash_attention": True, "tp_comm_overlap": True},
+}
+
+
+def flavour_line(name: str, *, flash_attention: bool, attention_kernel: str = "") -> str:
+    """One line naming the flavour priced and its attention kernel (what `simulate` and `plan` print)."""
+    fw = FRAMEWORKS[name]
+    kernel = (attention_kernel or fw.attention_kernel) if flash_attention else "unfused (s x s scores)"
+    kernels = {"fa2": "FlashAttention-2", "cudnn": "cuDNN fused attention", "triton": "Triton FlashAttention"}
+    return f"framework {name} ({fw.description}); attention: {kernels.get(kernel, kernel)}"
+
 
 def framework_code(name: str) -> int:
     """The column code of a flavour (its index in FRAMEWORK_NAMES); ValueError names the choices."""

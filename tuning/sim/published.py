@@ -23,6 +23,7 @@ import yaml
 from engine.mesh import world_size
 from tuning.sim.hardware import ClusterSpec, load_cluster
 from tuning.sim.simulator import ModelSpec, ParallelSpec, format_count, simulate
+from tuning.sim.spec import parallel_spec
 
 DATA = Path(__file__).parents[1] / "data" / "published.yaml"
 # Layout classes (one per row); recompute mode and sequence parallelism are reported as their own
@@ -100,18 +101,18 @@ class PublishedRow:
                          top_k=self.top_k, capacity_factor=self.capacity_factor)
 
     def parallel(self) -> ParallelSpec:
-        """The published layout as a ParallelSpec (16-bit); FSDP's ZeRO-2 is SHARD_GRAD_OP (per-block
-        gathers kept until backward)."""
-        return ParallelSpec(dp=self.dp, tp=self.tp, pp=self.pp, virtual=self.virtual, micro=self.micro,
-                            global_batch=self.global_batch, zero=self.zero, recompute=self.recompute,
-                            sequence_parallel=self.sequence_parallel, overlap_dp=self.overlap_dp,
-                            flash_attention=self.flash_attention, framework=self.framework,
-                            zero2_fsdp=self.framework in ("fsdp", "engine"), attention_kernel=self.attention,
-                            cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, tp_comm_overlap=self.tp_comm_overlap,
-                            moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32,
-                            dist_adam=self.dist_adam, defer_embedding_wgrad=self.defer_embedding_wgrad,
-                            attention_unpad=self.attention_unpad, unfused_loss=self.unfused_loss,
-                            reduce_bytes=self.reduce_bytes, fp8=self.fp8)
+        """The published layout as a ParallelSpec (16-bit) on its flavour's defaults (`spec.parallel_spec`: FSDP's
+        ZeRO-2 is SHARD_GRAD_OP, per-block gathers kept until backward); every other knob is the row's own."""
+        return parallel_spec(dp=self.dp, tp=self.tp, pp=self.pp, virtual=self.virtual, micro=self.micro,
+                             global_batch=self.global_batch, zero=self.zero, recompute=self.recompute,
+                             sequence_parallel=self.sequence_parallel, overlap_dp=self.overlap_dp,
+                             flash_attention=self.flash_attention, framework=self.framework,
+                             attention_kernel=self.attention,
+                             cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, tp_comm_overlap=self.tp_comm_overlap,
+                             moe_padded=self.capacity_factor > 0, grad_accum_fp32=self.grad_accum_fp32,
+                             dist_adam=self.dist_adam, defer_embedding_wgrad=self.defer_embedding_wgrad,
+                             attention_unpad=self.attention_unpad, unfused_loss=self.unfused_loss,
+                             reduce_bytes=self.reduce_bytes, fp8=self.fp8)
 
 
 @functools.lru_cache(maxsize=4)

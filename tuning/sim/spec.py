@@ -290,6 +290,25 @@ class ParallelSpec:
         return world_size(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
 
+# published.yaml's name for a key (the rows say `attention`, the spec `attention_kernel`)
+KEY_ALIASES = {"attention": "attention_kernel"}
+
+
+def parallel_spec(**keys: Any) -> ParallelSpec:
+    """A ParallelSpec from named keys (ParallelSpec's fields, or their KEY_ALIASES) on the flavour's defaults
+    (tuning/sim/framework.py FLAVOUR_DEFAULTS): what `framework` runs unless a key says otherwise. The one
+    constructor of published rows, `simulate --config` and the plan's knobs (ValueError: an unknown key)."""
+    from tuning.sim.framework import FLAVOUR_DEFAULTS, framework_code
+
+    keys = {KEY_ALIASES.get(k, k): v for k, v in keys.items()}
+    unknown = sorted(set(keys) - set(PARALLEL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}: the keys are {', '.join(sorted(PARALLEL_KEYS))}")
+    framework = str(keys.get("framework", ParallelSpec.__dataclass_fields__["framework"].default))
+    framework_code(framework)  # ValueError naming the flavours
+    return ParallelSpec(**(dict(FLAVOUR_DEFAULTS[framework]) | keys))
+
+
 @dataclass(kw_only=True, slots=True)
 class SimResult:
     """Simulated iteration; times in s, memory in GB (1e9 bytes), rates per GPU."""
@@ -312,6 +331,9 @@ class SimResult:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (used by `workbench simulate --json`)."""
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+PARALLEL_KEYS = {f.name: f.type for f in dataclasses.fields(ParallelSpec)}  # name -> annotation (a string)
 
 
 def columns(par: ParallelSpec) -> dict[str, np.ndarray]:
