@@ -2,6 +2,7 @@
 studies, and with a run in progress; plus the plotting module and the UI job registry."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -679,9 +680,10 @@ def test_whatif_prices_a_config_json_on_this_homes_calibrated_profile(tmp_path, 
     assert not at.exception and not at.error, [e.value for e in at.error]
     model = ModelSpec.from_hf(SMOLLM2, seq=2048)
     caption = " ".join(c.value for c in at.caption)
-    assert f"llama (config.json) ({model.params / 1e9:.3g}B parameters) on 2 GPUs of cpu-local-2" in caption
-    metrics = {m.label: m.value for m in at.metric}  # the sliders' defaults: tp 1 (2 divides no 9 heads), pp 2
-    par = ParallelSpec(dp=1, tp=1, pp=2, micro=1, global_batch=512, zero=1, recompute="selective")
+    assert f"llama (config.json) ({model.params / 1e6:.0f}M parameters) on 2 GPUs of cpu-local-2" in caption
+    metrics = {m.label: m.value for m in at.metric}  # the sliders' defaults: tp 1 (2 divides no 9 heads), pp 1
+    par = ParallelSpec(dp=2, tp=1, pp=1, micro=1, global_batch=512, zero=1, recompute="selective",
+                       framework="megatron-core", flash_attention=True)
     assert metrics["iteration (s)"] == f"{simulate(model, profile, par).iteration_time_s:.3f}"
     next(b for b in at.button if b.label == "Search").click().run()  # every configuration of it, on that profile
     assert not at.exception and any("valid configurations" in m.value for m in at.markdown), [m.value for m in at.markdown]
@@ -742,3 +744,41 @@ def test_run_charts_name_every_legend_and_axis_with_a_unit_and_draw_mfu_only_wit
     with_peak = run_chart_list(run_data(str(tmp_path), "cpu-1") | {"steps": pd.DataFrame(
         {"step": [0, 1], "ranks": [2, 2], "tokens_per_s": [10.0, 11.0], "mfu": [0.3, 0.31]})})
     assert with_peak[1].title == "Throughput and MFU"
+
+
+def test_whatif_opens_on_a_named_preset_inside_the_validated_domain_with_a_fused_attention_control(tmp_path,
+                                                                                                  monkeypatch):
+    """Issue 65 item 4: What-if opened on Frontier with an 18B GPT, extrapolated (a 16x-wide interval, model
+    sizes as 11-13 digit counts), and had no fused-attention control; its labels were bare keys (tp, pp, ZeRO)."""
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.simulator import ModelSpec, ParallelSpec, simulate
+
+    at = render(tmp_path, "whatif", monkeypatch)
+    assert at.selectbox[0].value == "dgx-h100"  # old code: frontier, GPT 18B
+    assert at.selectbox(key="whatif_model").value == "Llama-3.1-8B (8.0B parameters)"
+    shown = " ".join([c.value for c in at.caption] + [w.value for w in at.warning])
+    assert "Inside the validated domain" in shown and not re.search(r"\d{1,3}(,\d{3}){3,}", shown), shown
+    lo, hi = (float(x) for x in re.search(r"likely ([\d.]+)-([\d.]+) s", shown).groups())
+    assert hi / lo < 1.5, (lo, hi)  # old code: 4.89-80.9 s
+    llama = ModelSpec.from_hf(json.loads((REPO / "examples/llama3_8b/config.json").read_text()), seq=2048)
+    par = ParallelSpec(dp=32, tp=2, pp=1, micro=1, global_batch=512, zero=1, recompute="selective",
+                       framework="megatron-core", flash_attention=True)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["iteration (s)"] == f"{simulate(llama, load_cluster('dgx-h100'), par).iteration_time_s:.3f}"
+    at.checkbox(key="whatif_flash").uncheck().run()  # the fused-attention control reaches the simulator
+    unfused = simulate(llama, load_cluster("dgx-h100"), dataclasses.replace(par, flash_attention=False))
+    assert {m.label: m.value for m in at.metric}["iteration (s)"] == f"{unfused.iteration_time_s:.3f}"
+    labels = [w.label for w in [*at.get("select_slider"), *at.selectbox, *at.number_input]]
+    names = ("framework", "cp implementation", "activation recompute")  # choices, not quantities
+    assert all("(" in label or label in names for label in labels), labels
+
+
+def test_hardware_page_names_every_fact_with_its_unit(tmp_path, monkeypatch):
+    """Issue 65 item 4: the Hardware page showed recorded keys (memory_total(GiB), cpu_count) as labels."""
+    at = render(tmp_path, "hardware", monkeypatch)
+    facts = next(d.value for d in at.dataframe if "value" in d.value.columns)
+    assert "memory total (GiB)" in facts.index and "CPU cores (logical)" in facts.index, list(facts.index)
+    raw = re.compile(r"[a-z]_[a-z]|[A-Za-z]\((GiB|MiB|B/s|%|W|C|MHz)\)")
+    labels = [str(x) for d in at.dataframe if "version" not in d.value.columns
+              for x in [*d.value.index, *d.value.columns] if not isinstance(x, int)] + [m.label for m in at.metric]
+    assert not [x for x in labels if raw.search(x)], labels

@@ -127,7 +127,8 @@ QUANTITY_NAMES = {
     "sm_clock": "SM clock", "max_sm_clock": "SM clock, maximum", "mem_clock": "memory clock",
     "pcie_rx": "PCIe received", "pcie_tx": "PCIe sent", "nvlink_rx": "NVLink received", "nvlink_tx": "NVLink sent",
     "cpu_count": "CPU cores (logical)", "cpu_count_physical": "CPU cores (physical)", "os": "operating system",
-    "hostname": "host name", "machine": "architecture",
+    "hostname": "host name", "machine": "architecture", "python": "Python version", "uuid": "UUID",
+    "pcie_gen": "PCIe generation", "pcie_width": "PCIe lanes (count)", "nvlink_links": "NVLink links (count)",
 }
 """What a recorded name (the part before its unit) means, for legends and tables."""
 UNIT_NAMES = {"B/s": "bytes/s", "C": "°C"}

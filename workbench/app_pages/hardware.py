@@ -1,4 +1,6 @@
-"""Hardware: GPUs (NVML) with live utilisation, memory, power and clocks; CPU, memory, network."""
+"""Hardware: GPUs (NVML) with live utilisation, memory, power and clocks; CPU, memory, network. Every
+label is a quantity named for people with its unit (`fmt.quantity`: 'memory total (GiB)', not the
+recorded key 'memory_total(GiB)')."""
 from __future__ import annotations
 
 import time
@@ -9,6 +11,7 @@ import psutil
 import streamlit as st
 
 from profilers import nvml
+from workbench import fmt
 from workbench.app_pages import common
 
 GIB = float(1 << 30)
@@ -52,14 +55,16 @@ def live() -> None:
         for key, value in sample.items():
             gpu, _, field = key.partition("/")
             rows.setdefault(gpu, {})[field] = value
-        st.dataframe(pd.DataFrame.from_dict(rows, orient="index"), width="stretch")
+        gpus = pd.DataFrame.from_dict(rows, orient="index")
+        st.dataframe(gpus.rename(columns=fmt.quantity, index=lambda g: g.upper().replace("GPU", "GPU ")),
+                     width="stretch")
     mem = psutil.virtual_memory()
     net = _net_rates()
     cols = st.columns(4)
     cols[0].metric("CPU busy (%)", f"{psutil.cpu_percent(None):.0f}")
     cols[1].metric("memory used (GiB)", f"{(mem.total - mem.available) / GIB:.1f} / {mem.total / GIB:.1f}")
-    cols[2].metric("network rx (MB/s)", f"{net['rx'] / 1e6:.2f}")
-    cols[3].metric("network tx (MB/s)", f"{net['tx'] / 1e6:.2f}")
+    cols[2].metric("network received (MB/s)", f"{net['rx'] / 1e6:.2f}")
+    cols[3].metric("network sent (MB/s)", f"{net['tx'] / 1e6:.2f}")
     per_core = psutil.cpu_percent(None, percpu=True)
     st.bar_chart(pd.DataFrame({"busy (%)": per_core}, index=[f"cpu{i}" for i in range(len(per_core))]),
                  x_label="core", y_label="busy (%)", height=200)
@@ -69,7 +74,7 @@ st.title("Hardware")
 FACTS = _static_facts()
 st.subheader("GPUs")
 if FACTS["gpus"]:
-    st.dataframe(pd.DataFrame(FACTS["gpus"]), hide_index=True, width="stretch")
+    st.dataframe(pd.DataFrame(FACTS["gpus"]).rename(columns=fmt.quantity), hide_index=True, width="stretch")
 else:
     st.info(f"No NVIDIA GPU visible ({FACTS['nvml_reason'] or 'NVML unavailable'}): runs use CPU "
             "ranks over gloo; GPU timelines stay empty.")
@@ -79,7 +84,7 @@ st.subheader("Machine and software")
 host = dict(FACTS["host"])
 versions = host.pop("versions", {}) or {}
 left, right = st.columns(2)
-left.dataframe(pd.DataFrame({"value": {k: str(v) for k, v in host.items()}}), width="stretch")
+left.dataframe(pd.DataFrame({"value": {fmt.quantity(k): str(v) for k, v in host.items()}}), width="stretch")
 right.dataframe(pd.DataFrame({"version": {k: v or "not installed" for k, v in versions.items()}}), width="stretch")
 # last: the one fact that needs torch imported (~3 s the first time on a busy host); the rest is drawn
 st.caption("Distributed backends: " + ", ".join(f"{k}: {'yes' if v is True else ('no' if v is False else v)}"
