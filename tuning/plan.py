@@ -349,12 +349,13 @@ def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str,
     if fmt == "yaml":
         return to_yaml(cfg), []
     if fmt == "megatron":
-        return megatron_script(cfg), megatron_args(cfg)[1]
+        knobs = plan_knobs(plan, pick) if plan.target == "megatron" else None
+        return megatron_script(cfg, knobs), megatron_args(cfg, knobs)[1]
     if fmt == "deepspeed":
         ds, notes = to_deepspeed(cfg)
         return json.dumps(ds, indent=2) + "\n", notes
     if fmt == "torchtitan":
-        sections, notes = to_torchtitan(cfg)
+        sections, notes = to_torchtitan(cfg, plan_knobs(plan, pick) if plan.target == "torchtitan" else None)
         return to_toml(sections, notes), notes
     if fmt == "accelerate":
         return accelerate_yaml(cfg), to_accelerate(cfg)[1]

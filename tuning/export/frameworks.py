@@ -64,8 +64,9 @@ def _data_unmapped(cfg: RunConfig, target: str) -> list[str]:
 
 # ---------------------------------------------------------------- torchtitan
 
-def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """A torchtitan JobConfig as nested sections, and the knobs it does not carry."""
+def to_torchtitan(cfg: RunConfig, knobs: dict[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """A torchtitan JobConfig as nested sections, and the knobs it does not carry; `knobs`: what a plan priced the
+    layout with (tuning/plan.py plan_knobs: selective activation checkpointing, FP8 through torchao's float8)."""
     m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.batch
     shard = titan_shards(cfg)
     unmapped: list[str] = []
@@ -99,11 +100,16 @@ def to_torchtitan(cfg: RunConfig) -> tuple[dict[str, dict[str, Any]], list[str]]
         "optimizer": {"name": "AdamW", "lr": _num(t.lr), "beta1": _num(t.beta1), "beta2": _num(t.beta2),
                       "weight_decay": _num(t.weight_decay)},
         "lr_scheduler": lr_scheduler, "training": training, "parallelism": parallelism,
-        "activation_checkpoint": {"mode": "full" if t.activation_checkpointing else "none"},
+        "activation_checkpoint": {"mode": "full" if t.activation_checkpointing else
+                                  "selective" if (knobs or {}).get("recompute") == "selective" else "none"},
         "checkpoint": _titan_weights(cfg),
         "comm": {"train_timeout_seconds": int(t.timeout_s)},
         "debug": {"seed": t.seed},
     }
+    if (knobs or {}).get("precision") == "fp8":  # torchao's float8 linear layers, their FSDP gathers in float8
+        out["model"]["converters"] = ["quantize.linear.float8"]
+        out["quantize.linear.float8"] = {"enable_fsdp_float8_all_gather": True,
+                                         "precompute_float8_dynamic_scale_for_fsdp": True}
     if m.dropout > 0:
         unmapped.append(f"model.dropout={m.dropout} (torchtitan's models have no dropout)")
     return out, unmapped + _data_unmapped(cfg, "torchtitan") + engine_only(cfg, "torchtitan")

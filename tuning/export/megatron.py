@@ -238,18 +238,44 @@ def _layout_flags(cfg: RunConfig) -> tuple[list[str], list[str]]:
     return args, notes
 
 
-def megatron_args(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """Megatron-LM pretrain_gpt.py arguments (one token each), and what the export does not carry."""
+# Megatron-LM's --attention-backend for the plan's attention kernel (AttnBackend: fused is Transformer Engine's
+# cuDNN attention, flash is FlashAttention-2, unfused the materialised softmax)
+ATTENTION_BACKENDS = {"cudnn": "fused", "fa2": "flash", "unfused": "unfused"}
+
+
+def knob_flags(knobs: dict[str, Any] | None) -> list[str]:
+    """The flags of what a plan priced a layout with beyond its run config (tuning/plan.py plan_knobs): the
+    attention kernel, tp communication under the GEMMs, selective recompute, the fused loss, the distributed
+    optimizer's overlapped reductions and gathers, FP8 through Transformer Engine."""
+    if not knobs:
+        return []
+    args = ["--attention-backend", ATTENTION_BACKENDS[knobs["attention"]]] if knobs.get("attention") else []
+    if knobs.get("recompute") == "selective":
+        args += ["--recompute-granularity", "selective"]
+    if knobs.get("tp_comm_overlap"):
+        args.append("--tp-comm-overlap")
+    if knobs.get("fused_loss"):
+        args.append("--cross-entropy-loss-fusion")
+    if knobs.get("overlap_param_gather"):
+        args += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    if knobs.get("precision") == "fp8":
+        args += ["--fp8-format", "hybrid"]
+    return args
+
+
+def megatron_args(cfg: RunConfig, knobs: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+    """Megatron-LM pretrain_gpt.py arguments (one token each), and what the export does not carry; `knobs`: what a
+    plan priced the layout with (`knob_flags`)."""
     args, notes = [], []
     for part in (model_flags, _layout_flags, _schedule_flags):
         a, n = part(cfg)
         args += a
         notes += n
     data, _, note = _data_flags(cfg)
-    return args + data, notes + note + engine_only(cfg, "Megatron-LM")
+    return args + knob_flags(knobs) + data, notes + note + engine_only(cfg, "Megatron-LM")
 
 
-def megatron_command(cfg: RunConfig) -> list[str]:
+def megatron_command(cfg: RunConfig, knobs: dict[str, Any] | None = None) -> list[str]:
     """The full launch: torchrun with WORLD_SIZE = dp*tp*pp*cp, then pretrain_gpt.py and its args."""
     # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before Blackwell; its examples set it
     nodes = max(1, cfg.cluster.nodes)
@@ -257,19 +283,19 @@ def megatron_command(cfg: RunConfig) -> list[str]:
         [f"--nnodes={nodes}", "--node-rank=$NODE_RANK", "--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500"]
     launcher = ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", f"--nproc-per-node={cfg.world_size // nodes}", *where,
                 "pretrain_gpt.py"]
-    return launcher + megatron_args(cfg)[0]
+    return launcher + megatron_args(cfg, knobs)[0]
 
 
-def megatron_script(cfg: RunConfig) -> str:
+def megatron_script(cfg: RunConfig, knobs: dict[str, Any] | None = None) -> str:
     """The Megatron-LM launch as a shell script (run from a Megatron-LM checkout), unmapped knobs as comments."""
-    args, unmapped = megatron_args(cfg)
+    args, unmapped = megatron_args(cfg, knobs)
     note = "".join(f"# not mapped: {u}\n" for u in unmapped)
     nodes = max(1, cfg.cluster.nodes)
     multi = (f"# on N nodes: --nproc-per-node={cfg.world_size}/N --nnodes=N --node-rank=I "
              "--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT instead of --nnodes=1 --standalone\n") if nodes == 1 else \
         f"# on each of the {nodes} nodes, with NODE_RANK (0..{nodes - 1}) and MASTER_ADDR (node 0) set\n"
     first = "".join(line + "\n" for line in _data_flags(cfg)[1])
-    cmd = megatron_command(cfg)
+    cmd = megatron_command(cfg, knobs)
     i = cmd.index("pretrain_gpt.py") + 1
     lines = [" ".join(cmd[:i])]  # VAR=1 must stay unquoted to be an assignment; $NODE_RANK expands
     while i < len(cmd):  # one flag and its value per line

@@ -77,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from tuning.sim.fp8 import fp8_weight_copies
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.framework import FRAMEWORK_NAMES, per_row
 from tuning.sim.spec import SCHEDULES, ModelSpec, engine_rows, fsdp_bf16_rows, reduce_bytes, weight_bytes
@@ -390,33 +391,12 @@ def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray]
     out["grads_main"] = out["grads_main"] + fp32_embedding
     out["grads_partition"] = out["grads_partition"] + apex_shard
     # a term no row holds stays the scalar 0.0 (broadcast where used): a search does not pay a pass for it
-    out["params_fp8"] = fp8_weight_copies(m, c, r, held) if np.any(c.get("fp8", False)) else 0.0
+    out["params_fp8"] = fp8_weight_copies(m, c, _stage_layers(m, c, r), held) if np.any(c.get("fp8", False)) else 0.0
     out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather, temp_loss=loss,
                act_autocast=autocast, act_layers=held * stored, act_wgrad_deferred=deferred,
                act_logits=np.where(last, logits, 0.0), act_recompute=recompute, act_stage_io=0.0,
                temp_backward=0.0, temp_reduce=0.0, temp_grad_accum=0.0)
     return out
-
-
-def fp8_weight_copies(m: ModelSpec, c: dict[str, np.ndarray], r: Any, held: Any) -> Any:
-    """Bytes of Transformer Engine's FP8 weight copies on pipeline rank r where a row runs FP8 (`fp8`). TE's Linear
-    casts each weight to FP8 with its transpose (tex.fp8_cast_transpose_fused); Megatron-core passes
-    is_first_microbatch, so TE keeps both as workspaces for the whole step (`_fp8_workspaces` / weight1_fp8 and
-    weight1_t_fp8: 2 bytes a linear weight of the stage); a caller that passes None (Composer's amp_fp8) recasts
-    each call and keeps only what its backward reads, the FP8 transpose saved for dgrad (ctx.save_for_backward:
-    1 byte a linear weight per layer and micro-batch in flight, `held`; one layer under full recomputation). Each
-    of a layer's GEMMs keeps its amax history (FP8_AMAX_BYTES_PER_GEMM). MoE experts are not counted (their
-    GEMMs are priced 16-bit)."""
-    from tuning.sim.compute import FP8_AMAX_BYTES_PER_GEMM
-
-    on = np.asarray(c.get("fp8", False), dtype=bool)
-    fw = np.asarray(c.get("framework", 0))
-    cached = (fw == FRAMEWORK_NAMES.index("megatron-core")) | (fw == FRAMEWORK_NAMES.index("megatron"))
-    layers = _stage_layers(m, c, r)
-    per_layer = m.layer_matmul_params / c["tp"]
-    saved = per_layer * np.where(c["recompute"] == 2, 1.0, held)
-    gemms = layers * (3 + m.mlp_mats - 1 + 1)  # q/k/v (fused), out, the MLP's matrices
-    return np.where(on, np.where(cached, 2.0 * per_layer * layers, saved) + gemms * FP8_AMAX_BYTES_PER_GEMM, 0.0)
 
 
 def _fsdp_bf16_peak(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, rank: tuple[Any, Any, Any],
