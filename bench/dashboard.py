@@ -4,6 +4,11 @@ script from start to finish, figures serialised), median of a few repeats, wall 
 with the load average (the machine is shared: compare CPU seconds when it is busy).
 
     .venv/bin/python bench/dashboard.py [--records 100000] [--trials 5000] [--repeats 5] [--home DIR]
+    .venv/bin/python bench/dashboard.py --home DIR --against OTHER_CHECKOUT [--rounds 2]
+
+--against times the Run page of this tree and of another checkout (e.g. `git archive COMMIT | tar -x -C
+/tmp/old`) in turn, each in a fresh process on the same data, round after round, and prints them side by
+side with the load average of each: before and after a change, on the same busy machine.
 
 The data are synthetic but shaped like real telemetry (docs/architecture.md record format) and
 written through the real RunStore and Optuna storage. The builders are also the fixtures of
@@ -12,10 +17,12 @@ tests/test_app.py.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,6 +170,28 @@ def _line(what: str, t: dict[str, Any], goal: float) -> str:
             f"{t['first_wall']:.2f} s wall, {t['first_cpu']:.2f} s CPU")
 
 
+def time_checkout(checkout: Path, home: Path, repeats: int) -> dict[str, Any]:
+    """`time_page("run")` of another checkout's app (its own bench/dashboard.py), in a fresh process."""
+    code = (f"import json, sys; sys.path.insert(0, {str(checkout)!r}); from bench.dashboard import time_page; "
+            f"print('RESULT', json.dumps(time_page('run', repeats={repeats})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "WORKBENCH_HOME": str(home), "PYTHONPATH": str(checkout)})
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{checkout}: no timing:\n{out.stderr[-2000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def side_by_side(other: Path, home: Path, n: int, repeats: int, rounds: int) -> None:
+    """The Run page of this tree and of ``other``, alternately, ``rounds`` times each."""
+    for i in range(rounds):
+        for label, checkout in (("other", other), ("this tree", REPO)):
+            load = os.getloadavg()
+            t = time_checkout(checkout, home, repeats)
+            print(f"round {i + 1}, {label} ({checkout}), load {load[0]:.2f}: "
+                  + _line(f"Run page, {n:,} telemetry records", t, RUN_GOAL_S), flush=True)
+
+
 def build(home: Path, records: int, trials: int) -> int:
     """Write the run and the study into ``home`` unless a previous call already did."""
     done = home / "bench-data.txt"
@@ -180,6 +209,9 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--trials", type=int, default=5_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another checkout whose Run page is timed in turn with this tree's (side by side)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --against: rounds of the two")
     parser.add_argument("--home", type=Path, default=None,
                         help="keep the synthetic data here and reuse it next time (writing 5,000 trials "
                              "through Optuna takes minutes on a loaded machine)")
@@ -189,6 +221,9 @@ def main() -> None:
         home.mkdir(parents=True, exist_ok=True)
         os.environ["WORKBENCH_HOME"] = str(home)
         n = build(home, args.records, args.trials)
+        if args.against is not None:
+            side_by_side(args.against.resolve(), home, n, args.repeats, args.rounds)
+            return
         load = os.getloadavg()
         run_t = time_page("run", repeats=args.repeats)
         tune_t = time_page("tune", repeats=args.repeats)
