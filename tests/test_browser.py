@@ -185,7 +185,8 @@ CHART_TEXT = """() => [...document.querySelectorAll('[data-testid="stVegaLiteCha
             legends: texts(svg, '.role-legend-label text'), legendTitles: texts(svg, '.role-legend-title text'),
             top: box.top, bottom: box.bottom, right: box.right,
             svgRight: svg ? svg.getBoundingClientRect().right : null,
-            titleRight: title ? title.getBoundingClientRect().right : null};
+            titleRight: title ? title.getBoundingClientRect().right : null,
+            titleTop: title ? title.getBoundingClientRect().top - box.top : null};
 })"""
 # the least opacity of any Run-page chart (its element container is what Streamlit fades while stale)
 CHART_OPACITY = """() => Math.min(...[...document.querySelectorAll('[data-testid="stVegaLiteChart"]')].map(c => {
@@ -195,6 +196,7 @@ CHART_OPACITY = """() => Math.min(...[...document.querySelectorAll('[data-testid
 }))"""
 RAW_KEY = re.compile(r"[a-z]_[a-z]|[A-Za-z]\((GiB|MiB|B/s|GB/s|%|s|W|C|MHz)\)")  # estimate_activations(GiB), cpu(%)
 UNITLESS_AXES = {"step", "rank", "expert"}  # counts and names
+TITLE_TOP_PX = -6  # a title's text box may start a few px above its frame (its line height); the cut one was at -19
 
 
 def _check_live_chart_text(charts: list[dict]) -> None:
@@ -205,6 +207,7 @@ def _check_live_chart_text(charts: list[dict]) -> None:
         texts = c["all"]
         assert not any("…" in t for t in texts), (c["title"], texts)  # nothing cut short with an ellipsis
         assert c["svgRight"] <= c["right"] + 1 and c["titleRight"] <= c["right"] + 1, c  # not cut by its frame
+        assert c["titleTop"] >= TITLE_TOP_PX, c
         raw = [t for t in c["legends"] + c["legendTitles"] + [a["title"] for a in c["axes"]] if RAW_KEY.search(t)]
         assert not raw, (c["title"], raw)
         for axis in (a for a in c["axes"] if a["title"] or a["labels"]):  # not the grid lines' axes
@@ -264,6 +267,31 @@ def test_a_live_runs_charts_stay_drawn_between_refreshes(server, page):
     finally:
         os.killpg(run.pid, 15)  # the CLI's SIGTERM: ends the ranks, marks the run interrupted
         run.wait(timeout=60)
+
+
+def test_a_run_with_mfu_draws_it_and_every_chart_title_whole(server, page):
+    """Issue 64 item 3: on a run that recorded MFU (a known peak), the 'Throughput and MFU' title sat 19 px
+    above its chart's frame, cut off (its legend at the bottom pushed it out); the MFU axis is drawn there."""
+    url, home = server
+    sys.path.insert(0, str(REPO))
+    from bench.dashboard import write_run
+    from profilers.store import RunStore
+
+    with RunStore.open_home(home) as store:
+        write_run(store, "mfucheck-0001", steps=30, ranks=2)  # bench's synthetic run: it records MFU
+    page.goto(f"{url}/run")
+    picker = page.locator('[data-testid="stSelectbox"]').filter(has_text="Run").last
+    picker.wait_for(timeout=30_000)
+    if "mfucheck-0001" not in _selectboxes(page):
+        picker.click()
+        page.keyboard.type("mfucheck-0001")
+        page.keyboard.press("Enter")
+    page.locator(".role-title-text text", has_text="Throughput and MFU").wait_for(timeout=60_000)
+    _settle(page)
+    charts = page.evaluate(CHART_TEXT)
+    page.screenshot(path=str(ARTIFACTS / "run-mfu.png"), full_page=True)
+    assert all(c["titleTop"] >= TITLE_TOP_PX for c in charts), [(c["title"], c["titleTop"]) for c in charts]
+    assert any(a["title"] == "MFU (%)" for c in charts for a in c["axes"])
 
 
 PAGES = {"overview": ("", "Workbench overview"), "hardware": ("hardware", "Hardware"), "run": ("run", "Run"),

@@ -103,20 +103,20 @@ def throughput(steps: pd.DataFrame) -> Chart:
     if not has_mfu(steps):
         frame = pd.DataFrame({"step": data["step"], "value": data.get("tokens_per_s")})
         spec = _spec("Throughput", mark="line", encoding={
-            "x": x, "y": _axis("value", "quantitative", tokens, axis={"format": "~s"}, scale={"zero": False})})
+            "x": x, "y": _axis("value", "quantitative", tokens, axis={"format": ".3~s"}, scale={"zero": False})})
         return Chart("Throughput", spec, frame)
     frame = pd.DataFrame({"step": data["step"], tokens: data.get("tokens_per_s"), "MFU (%)": 100 * data["mfu"]})
-    color = {"field": "series", "type": "nominal", "title": None,
-             "scale": {"domain": [tokens, "MFU (%)"]}, "legend": {"orient": "bottom"}}
+    # the legend at the right, as every chart's: one at the bottom pushed this chart's title out of its frame
+    color = {"field": "series", "type": "nominal", "title": None, "scale": {"domain": [tokens, "MFU (%)"]}}
 
-    def layer(series: str, title: str, orient: str, dash: list[int] | None) -> dict[str, Any]:
+    def layer(series: str, title: str, orient: str, dash: list[int] | None, number: str) -> dict[str, Any]:
         return {"transform": [{"fold": [series], "as": ["series", "value"]}, {"filter": "isValid(datum.value)"}],
                 "mark": {"type": "line", **({"strokeDash": dash} if dash else {})},
-                "encoding": {"x": x, "y": _axis("value", "quantitative", title, axis={"orient": orient, "format": "~s"},
+                "encoding": {"x": x, "y": _axis("value", "quantitative", title, axis={"orient": orient, "format": number},
                                                 scale={"zero": False}), "color": color}}
 
-    spec = _spec("Throughput and MFU", layer=[layer(tokens, tokens, "left", None),
-                                              layer("MFU (%)", "MFU (%)", "right", [4, 3])],
+    spec = _spec("Throughput and MFU", layer=[layer(tokens, tokens, "left", None, ".3~s"),
+                                              layer("MFU (%)", "MFU (%)", "right", [4, 3], ".3~g")],
                  resolve={"scale": {"y": "independent"}})
     return Chart("Throughput and MFU", spec, frame)
 
