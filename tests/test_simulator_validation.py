@@ -680,3 +680,25 @@ def test_the_json_export_carries_the_model_shape() -> None:
     shape = json.loads(export_trial(study, fmt="json"))["model_shape"]
     assert shape["family"] == "gpt" and shape["layers"] == 3 and shape["kv_heads"] == 4 and shape["seq"] == 32
     assert shape["params"] == count_parameters(cfg.model)["total"]
+
+
+# sources whose framework-only reading is over 15%, each with its cause (issue 63 item 3; not tuned away)
+FRAMEWORK_ONLY_EXCEPTIONS = {
+    # llm-foundry's amp_fp8 runs ran Triton attention (the 2023 README's attn_impl default); the fsdp flavour's
+    # default kernel is FlashAttention-2, as torchtitan and llm-foundry's later releases run it
+    "mosaicml-h100-fp8": "Triton attention, where the flavour's default is FlashAttention-2",
+}
+
+
+def test_each_source_priced_with_only_its_framework_named_is_within_15pct() -> None:
+    """What a user who names only hardware, model, layout, framework and precision gets: every other knob at
+    the flavour's defaults (FLAVOUR_DEFAULTS). Per source median |error| <= 15%, but the sources listed with
+    their cause; `simulate --validate` reports the same reading (`framework_only_median_pct`)."""
+    from tuning.sim.validation import framework_only
+
+    rows = calibration_rows() + held_out_rows()
+    errors: dict[str, list[float]] = {}
+    for r, named in zip(rows, framework_only(rows)):
+        errors.setdefault(r.source, []).append(abs(named / r.value - 1.0) * 100.0)
+    over = {source for source, errs in errors.items() if float(np.median(errs)) > 15.0}
+    assert over == set(FRAMEWORK_ONLY_EXCEPTIONS), {s: float(np.median(errors[s])) for s in over}

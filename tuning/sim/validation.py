@@ -183,6 +183,28 @@ def _left_out(rows: list[Any], groups: dict[str, tuple[str, ...]], path: Path,
     return out
 
 
+# what a user who names only the hardware, the model, the layout and the framework (and the precision) sets
+# (issue 63 item 3): the row's other knobs (its attention kernel, overlaps, optimizer, loss, ...) at its flavour's
+# defaults (tuning/sim/framework.py FLAVOUR_DEFAULTS)
+NAMED_BY_A_USER = ("dp", "tp", "pp", "virtual", "micro", "global_batch", "zero", "recompute", "sequence_parallel", "cp",
+                   "cp_impl", "ep", "framework", "fp8")
+
+
+def framework_only(rows: list[Any]) -> list[float]:
+    """Each row's metric priced with the shipped terms from only NAMED_BY_A_USER (and its model's MoE padding)."""
+    from tuning.sim.hardware import load_cluster
+    from tuning.sim.published import metric_of
+    from tuning.sim.simulator import simulate
+    from tuning.sim.spec import parallel_spec
+
+    out = []
+    for r in rows:
+        cluster = load_cluster(r.cluster)
+        par = parallel_spec(**{k: getattr(r, k) for k in NAMED_BY_A_USER}, moe_padded=r.capacity_factor > 0)
+        out.append(float(metric_of(r.metric, simulate(r.model(), cluster, par), r.gpus, cluster.peak_flops)))
+    return out
+
+
 def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
     from tuning.sim.framework import FRAMEWORKS
     from tuning.sim.hardware import load_cluster
@@ -196,7 +218,7 @@ def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
         families[family_of(source)] = families.get(family_of(source), ()) + (source,)
     by_family = {**by_source, **_left_out(rows, {k: v for k, v in families.items() if len(v) > 1}, path, zooms)}
     out = []
-    for r, inside in zip(rows, _price(rows, FRAMEWORKS)):
+    for r, inside, named in zip(rows, _price(rows, FRAMEWORKS), framework_only(rows)):
         base = baseline_metric(r.metric, load_cluster(r.cluster).peak_flops, value=r.value, source_mfu=r.source_mfu)
         (outside, held), (family_out, family_held) = by_source[r.id], by_family[r.id]
         out.append({"id": r.id, "source": r.source, "family": family_of(r.source), "published": r.value,
@@ -204,7 +226,8 @@ def _loso_table(path: Path, zooms: int) -> pd.DataFrame:
                     "in_sample_error_pct": 100.0 * (inside / r.value - 1.0),
                     "loso_error_pct": 100.0 * (outside / r.value - 1.0),
                     "lofo_error_pct": 100.0 * (family_out / r.value - 1.0),
-                    "baseline_error_pct": 100.0 * (base / r.value - 1.0),
+                    "baseline_error_pct": 100.0 * (base / r.value - 1.0), "framework_only": named,
+                    "framework_only_error_pct": 100.0 * (named / r.value - 1.0),
                     "terms_at_default": held, "lofo_terms_at_default": family_held})
     return pd.DataFrame(out)
 
@@ -235,7 +258,8 @@ def loso_by_source(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[s
     """Per cited source: rows priced, leave-one-source-out median and worst |error|, the flat baseline's
     median |error| beside it, the in-sample median, and where the source has a table of >= 8 layouts of
     one model on one cluster, Spearman's rho and top-1 regret of the leave-one-source-out prediction
-    (the worst over such tables); beside them its family and the leave-one-family-out median, rho and regret."""
+    (the worst over such tables); beside them its family and the leave-one-family-out median, rho and regret,
+    and the framework-only reading's median (`framework_only`: what naming only the framework gets)."""
     merged = table.merge(loso_rows[["id", "loso", "lofo"]], on="id")
     out = []
     for key in sources:
@@ -243,7 +267,9 @@ def loso_by_source(table: pd.DataFrame, loso_rows: pd.DataFrame, sources: dict[s
         family = _errors(g, m, "lofo")
         out.append({"source": key, "family": family_of(key), **_errors(g, m, "loso"),
                     "lofo_median_pct": family["lofo_median_pct"], "lofo_spearman": family["spearman"],
-                    "lofo_top1_regret": family["top1_regret"], "lofo_beats_baseline": family["beats_baseline"]})
+                    "lofo_top1_regret": family["top1_regret"], "lofo_beats_baseline": family["beats_baseline"],
+                    "framework_only_median_pct": float(g["framework_only_error_pct"].abs().median())
+                    if len(g) else float("nan")})
     return pd.DataFrame(out)
 
 
