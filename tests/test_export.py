@@ -233,9 +233,11 @@ MEGATRON_REASON = ("Megatron-LM's megatron.training is not importable: PyPI's me
 # parse and validate our launch with Megatron's own code; the GPU generation is the one thing it asks a GPU
 _MEGATRON_PARSE = textwrap.dedent("""
     import json, os, sys
+    import torch
     import megatron.training.arguments as ma
     from megatron.training.arguments import parse_args, validate_args
     ma.get_device_arch_version = lambda: 9  # an H100: the only question validate_args asks the GPU
+    torch.cuda.get_device_capability = lambda *a: (9, 0)  # (asked again, for --moe-grouped-gemm)
     args = parse_args()
     validate_args(args)
     keys = ["world_size", "data_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -294,3 +294,16 @@ def test_export_all_exits_0_with_one_line_per_refusal_and_names_the_defaults(con
     assert not (tmp_path / "o" / "torchtitan.toml").exists()
     single = _plan_cli(tmp_path, "--model", str(configs["mixtral-8x7b"]), "--export", "torchtitan")
     assert single.returncode == 2 and single.stderr.strip().splitlines()[-1].startswith("torchtitan: model_type=mixtral")
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "mixtral-8x7b"])
+def test_megatron_lms_own_parse_args_and_validate_args_take_every_plans_launch(plans, name):
+    """With MEGATRON_PATH (a Megatron-LM core_v0.16.1 checkout; PyPI's megatron-core has no megatron.training):
+    Megatron-LM's parse_args + validate_args read each plan's launch at world size 64 with the plan's dp."""
+    from tests.test_export import _megatron_parse
+
+    for _, cfg, out in _exports(plans, name, "megatron", picks=(1,)):
+        args = _megatron_parse(out[0])
+        assert (args["world_size"], args["data_parallel_size"]) == (64, cfg.parallel.dp)
+        assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (cfg.parallel.tp,
+                                                                                              cfg.parallel.pp)
