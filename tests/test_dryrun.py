@@ -151,6 +151,73 @@ def test_a_pipeline_reports_each_stage_with_its_sends():
         assert role.tracker == "MemTracker" and role.memory["Optstate"] > 0
 
 
+def test_a_step_of_many_micro_batches_plays_three_and_counts_the_middle_one_for_the_rest(monkeypatch):
+    """tp2 x dp4 (FSDP2 replicate) and ZeRO-3, 6 micro-batches a step: the dry run plays the first, one middle and
+    the last; the collectives are the whole step's, call for call, and so is the memory at the peak, but for the
+    token ids of the 3 micro-batches not played (8 bytes a token)."""
+    import engine.train.dryrun as dryrun
+
+    for layout in (("parallel.tp=2", "parallel.dp=4", "parallel.zero=0"), ("parallel.dp=8", "parallel.zero=3")):
+        cfg = _cfg(*layout, "batch.global=48", "precision=bf16")
+        assert dryrun.played_config(cfg).grad_accum == 3
+        (played,) = dryrun.dry_run(cfg).roles
+        monkeypatch.setattr(dryrun, "PLAYED_MICRO_BATCHES", 6)
+        (whole,) = dryrun.dry_run(cfg).roles
+        monkeypatch.undo()
+        assert played.collectives == whole.collectives, layout
+        assert {k: v for k, v in played.memory.items() if k != "Activation"} == \
+            {k: v for k, v in whole.memory.items() if k != "Activation"}, layout
+        assert 0 <= whole.memory["Activation"] - played.memory["Activation"] <= 3 * 32 * 8 + 64, layout
+
+
+def test_the_dry_run_builds_parameters_without_storage():
+    """The build's allocation runs under the dry run's fake mode (engine/model/meta_init.py `allocating_under`):
+    FSDP2's replicate, which copies every parameter of a tp rank into storage of its own, copies fake tensors
+    (11 GiB of real pages for Llama-3.1-8B at tp 4 before)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.distributed.tensor import DTensor
+
+    from engine.model.meta_init import allocating_under
+    from engine.torch_compat import fake_tensor_mode
+    from engine.train.dryrun import _fake_world
+    from engine.train.trainer import Trainer
+
+    cfg = _cfg("parallel.tp=2", "parallel.dp=4", "batch.global=8")
+    with _fake_world(cfg.world_size, 0), allocating_under(fake_tensor_mode()(allow_non_fake_inputs=True)):
+        trainer = Trainer(cfg, device=torch.device("cpu"), init_values=False)
+        trainer.collectives.disable()  # one profiler per process: the next dry run enables its own
+        params = list(trainer.par.parameters())
+    assert params and all(is_fake(p.to_local() if isinstance(p, DTensor) else p) for p in params)
+
+
+def test_mixtral_dry_runs_as_the_same_tracker_on_a_real_step():
+    """transformers' Mixtral (fused experts, engine/parallel/expert_fused.py): the fake step answers the tokens per
+    expert (`torch.bincount`, whose output shape the fake mode cannot know) with a balanced router's counts; a real
+    step of the same dropless layer runs as many rows through its experts, so the bytes per category agree."""
+    from engine.train.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
+    from engine.train.trainer import Trainer
+
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4,
+               "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    base = [f"model.hf={json.dumps(mixtral)}", "model.seq_len=32", "data.source=synthetic", "batch.micro=1"]
+    cfg = load_config(None, [*base, "precision=fp32", "batch.global=2"])
+    (fake,) = dry_run(cfg).roles
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    _optimizer_states(trainer.par)
+    tracker, _ = _tracker(trainer.par)
+    with _per_micro_batch(tracker, trainer.par.modules), tracker:
+        trainer.train_step(1)
+    real = {getattr(k, "value", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()
+            if k != "Total"}
+    assert fake.memory == pytest.approx(real, rel=0.02) and fake.memory["Activation"] > 0
+    # FSDP2 over 4 fake ranks, bf16, the router's load-balancing loss on: routed as well
+    aux = json.dumps({**mixtral, "output_router_logits": True})
+    (sharded,) = dry_run(load_config(None, [*base, f"model.hf={aux}", "batch.global=8", "parallel.dp=4",
+                                            "parallel.zero=3", "precision=bf16"])).roles
+    assert sharded.collectives["dp:all_gather"]["count"] > 0 and sharded.memory["Unsharded Param"] > 0
+
+
 def test_layouts_the_dry_run_cannot_play_are_named_in_one_line():
     from engine.train.dryrun import at_world, dry_run
 
@@ -159,6 +226,13 @@ def test_layouts_the_dry_run_cannot_play_are_named_in_one_line():
     assert at_world(_cfg("parallel.tp=2", "batch.global=8"), 8).parallel.dp == 4
     with pytest.raises(ConfigError, match=r"--world=6: must be a multiple of tp\(4\)"):
         at_world(_cfg("parallel.tp=4"), 6)
+    gpt_moe = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.vocab=256", "model.seq_len=32",
+               "model.experts=4", "data.source=synthetic", "batch.global=4", "batch.micro=1", "parallel.dp=4",
+               "parallel.zero=3"]
+    with pytest.raises(ConfigError, match=r"model.capacity_factor=1.25: the dry run cannot play the GPT's token drop"):
+        dry_run(load_config(None, gpt_moe))
+    (role,) = dry_run(load_config(None, [*gpt_moe, "model.capacity_factor=0"])).roles  # dropless: played
+    assert role.memory["Activation"] > 0
 
 
 def cli(*args: str, home=None, timeout: int = 300) -> subprocess.CompletedProcess:

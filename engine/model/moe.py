@@ -74,11 +74,12 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
     gate = gates.t().reshape(-1)
     one_hot = F.one_hot(expert, experts)
     routed = one_hot.sum(0)
-    position = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # rank of each assignment within its expert
-    keep = position < capacity(n, experts=experts, top_k=top_k, factor=capacity_factor)
     f = routed.float() / (n * top_k)
     aux = experts * torch.sum(f * probs.mean(0))
-    expert, token, gate = expert[keep], token[keep], gate[keep]
+    if capacity_factor > 0:  # dropless keeps every assignment: no mask, whose size depends on values (dry runs)
+        position = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # rank of each assignment within its expert
+        keep = position < capacity(n, experts=experts, top_k=top_k, factor=capacity_factor)
+        expert, token, gate = expert[keep], token[keep], gate[keep]
     order = torch.argsort(expert, stable=True)
     return Routing(token=token[order], expert=expert[order], gate=gate[order],
                    counts=torch.bincount(expert, minlength=experts), routed=routed, aux_loss=aux)

@@ -13,8 +13,15 @@ comes back per rank role is what that step would hold and send:
   c10d calls, DTensor's functional collectives and the pipeline's send/recv), in nccl-tests sizes.
 
 Ranks of one pipeline stage hold equal shards (validate() requires even dp/tp/cp splits), so one
-rank per pp stage is run: rank 0 without pipelining. Nothing here imports the simulator
-(`tuning/sim/dryrun.py` sets its figures beside these).
+rank per pp stage is run: rank 0 without pipelining. Without pipelining a step of more than
+`PLAYED_MICRO_BATCHES` micro-batches is played with that many (`played_config`): the first, one
+from the middle and the last; every middle one holds and sends what the one played does (the
+same no_sync / keep_gathered state, the same gradients already accumulated), so the peak is the
+full step's (but for the token ids of the micro-batches left out: 8 bytes a token) and the middle
+one's collectives count once per middle micro-batch. The build allocates this rank's parameters under
+the step's fake mode (engine/model/meta_init.py `allocating_under`): no wrapper copies real storage.
+An MoE layer's tokens per expert are a balanced router's (`_balanced_counts`). Nothing here imports
+the simulator (`tuning/sim/dryrun.py` sets its figures beside these).
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from engine.torch_compat import LOCAL_SCALAR_DENSE, TorchDispatchMode
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+PLAYED_MICRO_BATCHES = 3  # without pipelining: the first, a middle one (repeated) and the last
 DEFAULT_DEVICE_GIB = 81559 / 1024  # an 80 GB-class GPU (H100 / A100 80GB): nvidia-smi shows 81559 MiB
 
 # torch's tracker categories, grouped as the simulator prices memory (params, grads, optimizer,
@@ -134,9 +142,18 @@ def dry_run(cfg: RunConfig, *, world: int | None = None, ranks: list[int] | None
     check_playable(cfg)
     out = DryRun(world=cfg.world_size, layout=ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
                                                           cfg.world_size, cp=cfg.parallel.cp).describe())
+    played = played_config(cfg)
     for rank in ranks if ranks is not None else role_ranks(cfg):
-        out.roles.append(run_role(cfg, rank))
+        out.roles.append(run_role(played, rank, micro_batches=cfg.grad_accum))
     return out
+
+
+def played_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` with at most PLAYED_MICRO_BATCHES micro-batches per step, without pipelining (the module
+    docstring; a pipeline schedule's peak depends on its micro-batch count: played whole)."""
+    if cfg.parallel.pp > 1 or cfg.grad_accum <= PLAYED_MICRO_BATCHES:
+        return cfg
+    return replace(cfg, {"batch.global": cfg.parallel.dp * cfg.batch.micro * PLAYED_MICRO_BATCHES})
 
 
 def check_playable(cfg: RunConfig) -> None:
@@ -150,6 +167,10 @@ def check_playable(cfg: RunConfig) -> None:
     if cfg.model.entry is not None:
         raise ConfigError("model.entry", cfg.model.entry, "the dry run builds the engine's own models (model.hf or "
                           "the GPT), not a user's")
+    if cfg.model.hf is None and cfg.model.experts > 0 and cfg.model.capacity_factor > 0:
+        raise ConfigError("model.capacity_factor", cfg.model.capacity_factor, "the dry run cannot play the GPT's "
+                          "token dropping (which assignments an expert drops depends on the router's values); "
+                          "dry-run model.capacity_factor=0 (dropless)")
 
 
 def _dry_config(cfg: RunConfig) -> RunConfig:
@@ -159,8 +180,11 @@ def _dry_config(cfg: RunConfig) -> RunConfig:
                          "train.eval_interval": 0, "live.every": 0, "train.checkpoint_interval": 0})
 
 
-def run_role(cfg: RunConfig, rank: int) -> RoleResult:
-    """One training step of global rank `rank` of `cfg`'s world (see the module docstring)."""
+def run_role(cfg: RunConfig, rank: int, *, micro_batches: int | None = None) -> RoleResult:
+    """One training step of global rank `rank` of `cfg`'s world (see the module docstring). `micro_batches`:
+    the real step's count where `cfg` plays fewer (`played_config`): the collectives of the middle one
+    played count once per middle micro-batch left out."""
+    from engine.model.meta_init import allocating_under
     from engine.torch_compat import fake_tensor_mode, own_sharding_fake_mode
     from engine.train.trainer import Trainer
 
@@ -170,23 +194,32 @@ def run_role(cfg: RunConfig, rank: int) -> RoleResult:
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         # the real program's build (engine/train/compose.py): on meta, laid out, then only this rank's parts
         # allocated, without values (nothing drawn, no hf_weights read)
-        trainer = Trainer(cfg, device=torch.device("cpu"), init_values=False)
+        fake = fake_tensor_mode()(allow_non_fake_inputs=True)
+        with allocating_under(fake):
+            trainer = Trainer(cfg, device=torch.device("cpu"), init_values=False)
         try:
             x, y = trainer._local_batch(0)  # real token ids, read before the fake mode
             trainer._local_batch = lambda step: (x, y)
-            with fake_tensor_mode()(allow_non_fake_inputs=True), own_sharding_fake_mode(), _ScalarReads():
+            with fake, own_sharding_fake_mode(), _ScalarReads():
                 _materialize(trainer)
                 if trainer.par.pipeline is not None:
                     _static_stage_meta(trainer, x)
                 _optimizer_states(trainer.par)
                 trainer.collectives.drain()  # the build's (TP's distribute_tensor, stage shapes): not the step's
                 tracker, name = _tracker(trainer.par)
-                with _per_micro_batch(tracker, trainer.par.modules), tracker:
+                chunks: list[list[dict[str, Any]]] = []  # the collectives before each micro-batch's forward
+
+                def drain() -> None:
+                    chunks.append(trainer.collectives.drain())
+
+                with _per_micro_batch(tracker, trainer.par.modules, drain), tracker:
                     # a step after the first: the first also samples model state at every gradient
                     # (ModelStatePeak, quadratic in parameter tensors: 250 of 280 s for Llama-3-8B here)
                     trainer.train_step(trainer.start_step + 1)
                 snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-            events = trainer._step_events
+            events = [e for chunk in chunks for e in chunk] + trainer._step_events
+            if micro_batches is not None and micro_batches > cfg.grad_accum:
+                events += chunks[2] * (micro_batches - cfg.grad_accum)  # chunks[2]: the second micro-batch's
         finally:
             trainer.collectives.disable()
     from profilers.bandwidth import aggregate
@@ -294,11 +327,11 @@ def _tracker(par: Any) -> tuple[Any, str]:
 
 
 @contextlib.contextmanager
-def _per_micro_batch(tracker: Any, roots: list[nn.Module]) -> Iterator[None]:
+def _per_micro_batch(tracker: Any, roots: list[nn.Module], before: Any = None) -> Iterator[None]:
     """Let the tracker see a root module run once per micro-batch (accumulation, pipeline schedules):
     its per-module stats are reset before each root forward outside backward, as the trackers ask
-    (`reset_mod_stats`); the peak snapshot spans the whole step. A global hook, registered before the
-    tracker's own, so it runs first."""
+    (`reset_mod_stats`); the peak snapshot spans the whole step. `before()` is called there too. A
+    global hook, registered before the tracker's own, so it runs first."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     from engine.torch_compat import tracker_in_backward
@@ -308,6 +341,8 @@ def _per_micro_batch(tracker: Any, roots: list[nn.Module]) -> Iterator[None]:
     def reset(module: nn.Module, args: Any) -> None:
         if id(module) in ids and not tracker_in_backward(tracker):
             tracker.reset_mod_stats()
+            if before is not None:
+                before()
 
     handle = register_module_forward_pre_hook(reset)
     try:
@@ -319,13 +354,42 @@ def _per_micro_batch(tracker: Any, roots: list[nn.Module]) -> Iterator[None]:
 class _ScalarReads(TorchDispatchMode):
     """Answers every host read of a tensor's value (`.item()`, `float(t)`) with 1: fake tensors hold
     none. The step reads values only for the loss it logs, the grad-norm clip coefficient (a norm
-    of 1 clips nothing) and the pipeline schedule's warm-up vote (1: every stage has static shapes,
-    which `_static_stage_meta` gave them)."""
+    of 1 clips nothing), the pipeline schedule's warm-up vote (1: every stage has static shapes,
+    which `_static_stage_meta` gave them) and an MoE layer's tokens per expert (`_balanced_counts`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is LOCAL_SCALAR_DENSE:
             return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+        if func is BINCOUNT and _is_fake(args[0]):
+            return _balanced_counts(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+BINCOUNT = torch.ops.aten.bincount.default
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+def _balanced_counts(ids: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+    """`torch.bincount` of an MoE layer's expert ids (engine/parallel/expert_fused.py, engine/model/moe.py)
+    under the fake mode, whose output shape depends on values it has not got: the counts of a balanced
+    router, every one of the `minlength` experts given len(ids) / minlength assignments (the first ones
+    one more where it does not divide), as a real tensor, so the split that reads them gets Python ints.
+    A real run's router is rarely balanced; a dropless layer still runs the same len(ids) rows through
+    its experts, so the bytes its experts keep are the same; only one expert's transient buffers, sized
+    by its own rows, differ."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if weights is not None or minlength < 1:
+        raise ConfigError("model.hf", "an MoE model", "the dry run answers bincount of expert ids only "
+                          f"(minlength the expert count; got minlength={minlength}, weights={weights is not None})")
+    base, extra = divmod(ids.numel(), minlength)
+    with unset_fake_temporarily():
+        return torch.tensor([base + (e < extra) for e in range(minlength)], dtype=torch.long)
 
 
 # ------------------------------------------------------------------ the launcher's pre-flight
