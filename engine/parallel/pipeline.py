@@ -44,6 +44,7 @@ from engine.parallel.schedules import (
     stage_to_rank,
     with_comms,
 )
+from engine.parallel.stages import stage_layers  # torch-free home, still importable from here
 from engine.config.validate import SCHEDULES
 
 
@@ -64,25 +65,6 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, virtual: int = 
         raise ValueError(f"need pp, n_microbatches, virtual >= 1; got {pp=}, {n_microbatches=}, {virtual=}")
     chunks = virtual if schedule == "interleaved" else 1
     return (pp - 1) / (chunks * n_microbatches)
-
-
-def stage_layers(layers: int, pp: int, virtual: int = 1, layer_split: list[int] | None = None) -> list[list[int]]:
-    """The block indices held by each of the pp * virtual chunks, in stage-index order.
-
-    Chunk s runs on pp rank s % pp. An even split needs pp * virtual to divide `layers`;
-    `layer_split` gives the number of blocks per chunk explicitly (pp * virtual entries).
-    """
-    chunks = pp * virtual
-    if layer_split is None:
-        if layers % chunks:
-            raise ValueError(f"model.layers={layers} is not divisible by pp*virtual = {pp}*{virtual} = {chunks}; "
-                             "give parallel.layer_split")
-        layer_split = [layers // chunks] * chunks
-    if len(layer_split) != chunks or sum(layer_split) != layers or min(layer_split) < 1:
-        raise ValueError(f"parallel.layer_split={layer_split} needs {chunks} entries >= 1 summing to "
-                         f"model.layers={layers}")
-    starts = [sum(layer_split[:i]) for i in range(chunks)]
-    return [list(range(start, start + n)) for start, n in zip(starts, layer_split)]
 
 
 def describe_schedule(schedule: str, pp: int, n_microbatches: int, virtual: int = 1) -> str:

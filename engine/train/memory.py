@@ -8,20 +8,23 @@ sharding: the mixed-precision ZeRO formulas of Rajbhandari et al. 2020 (2+2+12 P
 from __future__ import annotations
 
 import contextlib
-from typing import Any
-
-import torch
-from torch import nn
+import os
+import sys
+from typing import TYPE_CHECKING, Any
 
 from engine.config.schema import RunConfig
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads only where a tensor or a CUDA query needs it: the fit check stays light
+    import torch
+    from torch import nn
 
 FP32 = 4  # bytes
 
 
 def _stage_layers(cfg: RunConfig) -> list[int]:
     """Blocks per pipeline rank: the pipeline's own split (rank r holds chunks r, r + pp, ...)."""
-    from engine.parallel.pipeline import stage_layers
+    from engine.parallel.stages import stage_layers
 
     p = cfg.parallel
     # layer_split=auto is decided at start from measured speeds: estimate with the even split
@@ -43,10 +46,11 @@ def _stage_parts(cfg: RunConfig, stage: int) -> tuple[float, float, int]:
     h, r = m.d_model, m.mlp_ratio
     block = (4 + 2 * r) * h * h / tp + 4 * h  # q,k,v,o + mlp split over tp; two LayerNorms replicated
     if m.experts > 0:  # MoE blocks: router + this rank's experts/ep, replicated over tp (engine/parallel/expert.py)
-        from engine.model.moe import moe_layer_count
+        from engine.model.shapes import moe_layer_indices
 
+        moe_layers = len(moe_layer_indices(m.layers, experts=m.experts, moe_every=m.moe_every))
         moe_mlp = h * m.experts + m.experts // max(cfg.parallel.ep, 1) * 2 * r * h * h
-        block += moe_layer_count(m) * (moe_mlp - 2 * r * h * h / tp) / max(m.layers, 1)
+        block += moe_layers * (moe_mlp - 2 * r * h * h / tp) / max(m.layers, 1)
     root = 0.0
     last = cfg.parallel.pp - 1
     if stage == 0:
@@ -207,6 +211,8 @@ def measure_model_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         params += _local_bytes(p)
         if p.grad is not None:
             grads += _local_bytes(p.grad)
+    import torch
+
     opt = 0
     if optimizer is not None:
         for state in _optimizer_state(optimizer).values():
@@ -323,15 +329,28 @@ def memory_error(cfg: RunConfig, *, limit_bytes: float, ranks_sharing: int, limi
 def machine_limit(cfg: RunConfig, nnodes: int = 1) -> tuple[float, int, str]:
     """(bytes, ranks sharing them, what they are) for this machine: one GPU's memory per rank when
     the run will use CUDA, else the host's available RAM shared by this node's ranks."""
-    from engine.device import pick_backend
+    if _cuda_usable(cfg.backend):
+        import torch
 
-    if pick_backend(cfg.backend) == "nccl" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         return float(total), 1, f"of GPU memory on {torch.cuda.get_device_name(0)}"
     import psutil
 
     return float(psutil.virtual_memory().available), max(1, cfg.world_size // max(nnodes, 1)), \
         "of RAM available on this machine (psutil)"
+
+
+def _cuda_usable(backend: str) -> bool:
+    """Whether the run will use CUDA (`pick_backend` is nccl and a GPU is usable). Without a GPU
+    driver's device node (NVIDIA, WSL2, ROCm) on Linux CUDA cannot be usable: answered without torch."""
+    gpu_nodes = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+    if backend == "gloo" or (sys.platform.startswith("linux") and not any(map(os.path.exists, gpu_nodes))):
+        return False
+    import torch
+
+    from engine.device import pick_backend
+
+    return pick_backend(backend) == "nccl" and torch.cuda.is_available()
 
 
 def check_fits(cfg: RunConfig, nnodes: int = 1) -> None:

@@ -1,0 +1,56 @@
+"""The New-run form's validation stays light (issue 64 item 3): `parse_config` runs the memory fit check
+(engine/train/memory.py), which must not import torch (~3 s of CPU on the dashboard's first render). A fresh
+interpreter validates real configs and then asserts torch never loaded."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VALIDATE_WITHOUT_TORCH = textwrap.dedent("""
+    import sys
+    from workbench.ui_state import parse_config
+
+    for text in sys.argv[1:]:
+        config, errors = parse_config(text)
+        assert config is not None and not errors, (text, errors)
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    assert not loaded, f"the form's validation imported {loaded[:5]}"
+""")
+
+# backend gloo: the fit check needs no CUDA query on any machine, GPU or not
+DENSE = "model: {layers: 6, d_model: 64, heads: 4, seq_len: 64, vocab: 256}\nparallel: {pp: 2, virtual: 3, schedule: interleaved}\n" \
+        "batch: {global: 16, micro: 2}\nbackend: gloo\n"
+MOE = "model: {layers: 4, d_model: 64, heads: 4, seq_len: 64, vocab: 256, experts: 4}\nbackend: gloo\n"
+
+
+def test_form_validation_imports_no_torch():
+    done = subprocess.run([sys.executable, "-c", VALIDATE_WITHOUT_TORCH, DENSE, MOE, (ROOT / "examples" / "tiny.yaml")
+                           .read_text().replace("backend: auto", "backend: gloo")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl"])
+def test_no_gpu_device_node_means_no_cuda_without_asking_torch(monkeypatch, backend):
+    from engine.train import memory
+
+    monkeypatch.setattr(memory.sys, "platform", "linux")
+    monkeypatch.setattr(memory.os.path, "exists", lambda path: False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now would raise
+    assert memory._cuda_usable(backend) is False
+
+
+def test_gpu_device_node_defers_to_torch(monkeypatch):
+    import torch
+
+    from engine.train import memory
+
+    monkeypatch.setattr(memory.os.path, "exists", lambda path: True)
+    assert memory._cuda_usable("auto") is torch.cuda.is_available()
+    assert memory._cuda_usable("gloo") is False
