@@ -25,11 +25,8 @@ KNOWN = {
     "bloom-0228-14336x82-dp8tp4pp12-mb2-h128": "predicted 68.5 GB: the same table's 13312x94 row ran at 67 GB",
     # NeMo 24.07's FP8 table publishes each run's layout only; its rows borrow the nearest 24.09 BF16 recipe's
     # optimizer and gradient settings (published.yaml `where`), and the model keeps Transformer Engine's cached FP8
-    # weights and transposes beside the bf16 weights, without FP8-saved activations (tuning/sim/memory.py
-    # params_fp8): 95.4, 105.2 and 98.3 GB predicted on 85.5 usable. The 175B one is over in BF16 too (87.5 GB).
-    "nemo2407-llama3-8b-8": "FP8, settings assumed: 95.4 GB predicted",
-    "nemo2407-gpt3-20b-64": "FP8, settings assumed: 105.2 GB predicted",
-    "nemo2407-gpt3-175b-512": "FP8, settings assumed: 98.3 GB predicted (87.5 in BF16)",
+    # weights and transposes beside the bf16 weights, without FP8-saved activations (tuning/sim/fp8.py)
+    "nemo2407-gpt3-175b-512": "FP8, settings assumed: 87.4 GB predicted on 85.5 usable",
 }
 
 
