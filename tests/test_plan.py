@@ -222,3 +222,24 @@ def test_plan_prints_the_dry_run_beside_the_simulator_and_exports_a_layout_that_
     cells = [cell.strip() for cell in row.split("│")[1:-1]]
     assert cells[1] == "yes" and cells[2] in ("estimate", "dry run") and float(cells[4]) > 0, cells
     assert "parallel:" in out.stdout  # the yaml export of layout 1, on stdout
+
+
+def test_plan_dry_runs_the_pick_it_exports_by_default_and_says_when_it_is_not_checked(tmp_path):
+    """Issue 62 item 5: an export is checked before it is written: without --dry-run, `plan --export` dry-runs the
+    picked layout (one step of the real program at the real world size) and refuses it in one line where it does
+    not fit; --dry-run 0 exports it and says it is unchecked. On 688a20b the export was written without a word."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    args = ["plan", "--model", str(tmp_path / "config.json"), *TINY_PLAN, "--json", "--export", "yaml"]
+    small = _workbench(*args, "-o", "small", "--device-memory", "0.001", cwd=tmp_path)
+    assert small.returncode == 2, small.stderr[-3000:]
+    [check] = json.loads(small.stdout)["dry_runs"]
+    assert check["pick"] == 1 and check["fits"] is False and check["judged_by"] in ("dry run", "estimate")
+    assert small.stderr.strip().splitlines()[-1].startswith("error: --pick=1: layout 1 does not fit: ")
+    assert not (tmp_path / "small" / "config.yaml").exists()
+    fits = _workbench(*args, "-o", "fits", cwd=tmp_path)
+    assert fits.returncode == 0, fits.stderr[-3000:]
+    report, _ = json.JSONDecoder().raw_decode(fits.stdout)  # then the export's "yaml: wrote ..." line
+    assert [c["fits"] for c in report["dry_runs"]] == [True]
+    assert (tmp_path / "fits" / "config.yaml").is_file()
+    unchecked = _workbench(*args, "-o", "unchecked", "--dry-run", "0", cwd=tmp_path)
+    assert unchecked.returncode == 0 and "layout 1 exported unchecked" in unchecked.stderr

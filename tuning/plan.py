@@ -28,9 +28,10 @@ from tuning.sim.simulator import ModelSpec
 
 TARGETS = ("yaml", "megatron", "deepspeed", "torchtitan", "accelerate")
 # the simulator's flavours (tuning/sim/framework.py) each target can be priced as, its current release first (the
-# default): Megatron-LM is megatron-core as NVIDIA's recipes run it ("megatron": as of 2021); the engine on GPUs
-# shards like torchtitan (FSDP2), its "engine" flavour carries a CPU host's costs
-TARGET_FRAMEWORKS = {"yaml": ("fsdp", "engine"), "megatron": ("megatron-core", "megatron"),
+# default): Megatron-LM is megatron-core as NVIDIA's recipes run it ("megatron": as of 2021); the workbench's own
+# target is the engine, which keeps what the "engine" flavour prices (fp32 parameters under autocast, FSDP2's
+# replicate copy beside tp), as its dry run measures ("fsdp": priced as torchtitan would hold the same layout)
+TARGET_FRAMEWORKS = {"yaml": ("engine", "fsdp"), "megatron": ("megatron-core", "megatron"),
                      "deepspeed": ("deepspeed",), "torchtitan": ("fsdp",), "accelerate": ("fsdp",)}
 # what each target runs (the search never ranks a layout its export would have to change)
 TARGET_AXES: dict[str, dict[str, list[Any]]] = {
@@ -388,11 +389,12 @@ class DryRunCheck:
 
 def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = None,
                 run: Callable[[RunConfig], Any] | None = None,
-                progress: Callable[[int, RunConfig], None] | None = None) -> list[DryRunCheck]:
+                progress: Callable[[int, RunConfig], None] | None = None,
+                picks: list[int] | None = None) -> list[DryRunCheck]:
     """Dry-run the top `k` layouts (`run`: engine.train.dryrun.dry_run_subprocess, one process each) and judge each
     against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP, FlexSP)
     is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called before
-    each dry run (an 8B one takes minutes)."""
+    each dry run (an 8B one takes minutes). `picks`: these ranked layouts instead of the top `k`."""
     from engine.config.validate import validate
     from engine.train.dryrun import GIB, check_playable, dry_run_subprocess
 
@@ -402,7 +404,7 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
     else:
         limit, name = plan.cluster.memory_gb * 1e9, f"of device memory per GPU of {plan.cluster.name}"
     checks = []
-    for pick in range(1, min(k, len(plan.table)) + 1):
+    for pick in picks or range(1, min(k, len(plan.table)) + 1):
         cfg = plan_config(plan, pick)
         sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
         try:

@@ -76,8 +76,8 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
                                                       "megatron | deepspeed | torchtitan | accelerate"),
          framework: Optional[str] = typer.Option(None, help="The flavour the target is priced as (default: its "
                                                  "current release: megatron -> megatron-core, torchtitan and "
-                                                 "accelerate -> fsdp; megatron also takes megatron, Megatron-LM "
-                                                 "2021)"),
+                                                 "accelerate -> fsdp, yaml -> engine; megatron also takes "
+                                                 "megatron, Megatron-LM 2021)"),
          precision: Optional[str] = typer.Option(None, help="bf16 or fp8 only (default: both where the target "
                                                  "trains in FP8 on the cluster's GPU: megatron, torchtitan on H100)"),
          top: int = typer.Option(5, help="Layouts shown"),
@@ -89,8 +89,10 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
          export: Optional[list[str]] = typer.Option(None, "--export", help="Export the picked layout: a format "
                                                     "(yaml, megatron, deepspeed, torchtitan, accelerate) or all"),
          pick: int = typer.Option(1, help="Which ranked layout to export (1 = best)"),
-         dry_run: int = typer.Option(0, "--dry-run", help="Dry-run the top K layouts (`workbench dryrun`: minutes "
-                                     "each for an 8B model) and mark those that do not fit the GPU memory"),
+         dry_run: Optional[int] = typer.Option(None, "--dry-run", help="Dry-run the top K layouts (`workbench "
+                                               "dryrun`: minutes for an 8B model) and mark those that do not fit "
+                                               "the GPU memory (default: with --export, the picked layout is "
+                                               "dry-run before it is written; 0: not checked)"),
          device_memory: Optional[float] = typer.Option(None, "--device-memory", help="GiB per GPU the dry runs "
                                                        "are judged against (default: the cluster's)"),
          output: Optional[Path] = typer.Option(None, "-o", "--output", help="Folder for the exports (and the "
@@ -125,7 +127,7 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
         result = make_plan(mdl, spec, gpus=gpus, global_batch=global_batch, target=target, framework=framework,
                            precision=precision, top=top,
                            model_source=_model_source(model), base=the_base, study=_study(study, storage))
-        checks = _dry_runs(result, dry_run, device_memory) if dry_run else []
+        checks = _dry_runs(result, dry_run, device_memory, [pick] if formats and dry_run is None else None)
     except (ValueError, ConfigError) as exc:
         fail(str(exc))
     _show(result, as_json, checks, wide)
@@ -134,6 +136,9 @@ def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its
     unfit = [c.refusal for c in checks if c.pick == pick and c.fits is False]
     if formats and unfit:
         fail(f"--pick={pick}: layout {pick} does not fit: {unfit[0]}; export another --pick")
+    if formats and not any(c.pick == pick for c in checks):
+        err.print(f"layout {pick} exported unchecked: its memory is the simulator's alone (--dry-run 0 or a top K "
+                  "without it); drop --dry-run to dry-run it first", highlight=False, markup=False, soft_wrap=True)
     refused = [fmt for fmt in formats if not _export(result, pick, fmt, output)]
     # `--export all` asks each target for what it can take (a refusal is one line); a format named, or the
     # plan's own target, that refuses is the user's request not met
@@ -156,15 +161,17 @@ def _formats(target: str, export: Optional[list[str]], output: Optional[Path]) -
     return formats
 
 
-def _dry_runs(result, k: int, device_memory: Optional[float]) -> list:
-    """The top `k` layouts dry-run and judged (tuning/plan.py `dry_run_top`), saying which runs now."""
+def _dry_runs(result, k: Optional[int], device_memory: Optional[float], picks: Optional[list[int]] = None) -> list:
+    """The top `k` layouts (or `picks`) dry-run and judged (tuning/plan.py `dry_run_top`), saying which runs now."""
     from tuning.plan import dry_run_top
 
     def progress(i: int, cfg) -> None:
         err.print(f"dry-running layout {i} at world {cfg.world_size} (one step of the real program on fake ranks)",
                   highlight=False, markup=False, soft_wrap=True)
 
-    return dry_run_top(result, k, device_memory_gib=device_memory, progress=progress)
+    if not (k or picks):
+        return []
+    return dry_run_top(result, k or 0, device_memory_gib=device_memory, progress=progress, picks=picks)
 
 
 def _show(result, as_json: bool, checks: list, wide: bool = False) -> None:
