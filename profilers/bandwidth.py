@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch is imported where a collective runs: the dashboard reads these tables without it
+    import torch
 
 
 CANONICAL: dict[str, str] = {
@@ -32,6 +32,8 @@ def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -
     """All-gather `tensor` from every rank into the flat `output`: `all_gather_single` where torch has
     it (2.13), else `all_gather_into_tensor` (the same call in older torch: 2.11 here). Looked up per
     call, so the profiler's patch of either one sees it."""
+    import torch.distributed as dist
+
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, tensor, **kwargs)
 
@@ -39,6 +41,8 @@ def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -
 def reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
     """Reduce the flat `tensor` over the ranks and keep this rank's shard in `output`:
     `reduce_scatter_single` where torch has it (2.13), else `reduce_scatter_tensor` (2.11 here)."""
+    import torch.distributed as dist
+
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, tensor, **kwargs)
 
@@ -78,7 +82,7 @@ def busbw(op: str, nbytes: float, seconds: float, n: int) -> float:
 
 def tensor_bytes(value: Any) -> int:
     """The bytes of a tensor or a (nested) list of them; 0 for anything else."""
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "element_size") and hasattr(value, "numel"):  # a tensor, without importing torch here
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)

@@ -54,3 +54,18 @@ def test_gpu_device_node_defers_to_torch(monkeypatch):
     monkeypatch.setattr(memory.os.path, "exists", lambda path: True)
     assert memory._cuda_usable("auto") is torch.cuda.is_available()
     assert memory._cuda_usable("gloo") is False
+
+
+def test_the_run_pages_collective_tables_import_no_torch():
+    """The Run page's collectives table reads profilers/bandwidth.py (split_key, bus factors): no torch there (it
+    imported torch at the top, ~3 s of the page's first render)."""
+    code = textwrap.dedent("""
+        import sys
+        from profilers.bandwidth import bus_factor, split_key, tensor_bytes
+        from workbench import report
+        assert bus_factor("all_reduce", 4) == 1.5 and tensor_bytes([1, "x"]) == 0
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+        assert not loaded, f"imported {loaded[:5]}"
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
