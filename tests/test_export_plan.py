@@ -167,10 +167,12 @@ def test_torchtitan_says_in_one_line_that_a_tokenizer_is_needed(plans):
 
 # the layout's degrees: the whole model's parameters do not depend on them (one rank builds every layer without them)
 LAYOUT_ONLY = ("--pipeline-model-parallel-size", "--context-parallel-size", "--expert-model-parallel-size",
-               "--num-layers-per-virtual-pipeline-stage")
+               "--num-layers-per-virtual-pipeline-stage",
+               # Transformer Engine's FP8 (megatron-core asks TE's version of an FP8 MoE config): no parameters
+               "--fp8-format")
 # switches whose modules need GPU packages (Transformer Engine's norms, grouped_gemm's or TE's grouped experts) and
 # hold the parameters the local modules hold: parsed, then built without
-GPU_KERNELS = ("--sequence-parallel", "--moe-grouped-gemm")
+GPU_KERNELS = ("--sequence-parallel", "--moe-grouped-gemm", "--tp-comm-overlap")
 
 
 def _megatron_model(text: str, sequence_parallel: bool = False):
