@@ -156,6 +156,16 @@ def fake_tensor_mode() -> type:
     return _private("torch._subclasses.fake_tensor", "FakeTensorMode")
 
 
+def is_fake(tensor: torch.Tensor) -> bool:
+    """`torch._subclasses.fake_tensor.is_fake`: a fake tensor (shapes, no storage), also inside a wrapper."""
+    return _private("torch._subclasses.fake_tensor", "is_fake")(tensor)
+
+
+def unset_fake_temporarily() -> Any:
+    """`torch._subclasses.fake_tensor.unset_fake_temporarily()`: real tensors inside the fake mode."""
+    return _private("torch._subclasses.fake_tensor", "unset_fake_temporarily")()
+
+
 def memory_trackers() -> tuple[type, type]:
     """(`MemTracker`, `FSDPMemTracker`) of `torch.distributed._tools`: peak bytes per category."""
     return (_private("torch.distributed._tools.mem_tracker", "MemTracker"),

@@ -81,6 +81,8 @@ class Objective:
         as stale (two workers on a busy CI machine: 'worker died: no heartbeat since ... (5 s, grace 3 s)')."""
         import contextlib
 
+        import torch  # noqa: F401 (check_fits no longer imports it: what a trial's launch loads, loaded here)
+
         from engine.train.memory import check_fits
 
         if self.launcher == "local":

@@ -369,7 +369,7 @@ BINCOUNT = torch.ops.aten.bincount.default
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+    from engine.torch_compat import is_fake
 
     return is_fake(tensor)
 
@@ -382,7 +382,7 @@ def _balanced_counts(ids: torch.Tensor, weights: torch.Tensor | None = None, min
     A real run's router is rarely balanced; a dropless layer still runs the same len(ids) rows through
     its experts, so the bytes its experts keep are the same; only one expert's transient buffers, sized
     by its own rows, differ."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from engine.torch_compat import unset_fake_temporarily
 
     if weights is not None or minlength < 1:
         raise ConfigError("model.hf", "an MoE model", "the dry run answers bincount of expert ids only "
