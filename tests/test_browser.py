@@ -15,13 +15,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ports import server_port
+from dashboard_server import start_dashboard
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "artifacts"
@@ -54,26 +53,8 @@ profile: {host_interval_s: 0.5}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("browser-home")
-    port = server_port()
-    env = {**os.environ, "WORKBENCH_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    log = open(home / "streamlit.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"),
-                             "--server.address", "127.0.0.1", "--server.port", str(port),
-                             "--server.headless", "true", "--browser.gatherUsageStats", "false",
-                             "--server.fileWatcherType", "none"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url = start_dashboard(home)
     (home / "streamlit.pid").write_text(str(proc.pid))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("streamlit did not start: " + (home / "streamlit.log").read_text()[-2000:])
     yield url, home
     from workbench import ui_state
 

@@ -73,20 +73,28 @@ def test_bf16_under_fsdp2_gathers_bf16_weights_and_keeps_no_autocast_copy_of_the
     assert step["bf16"] < step["fp32"], step
 
 
-def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
-    """One rank, the same config: the fake step's categories at the peak are the real step's bytes."""
-    from engine.train.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
+def _real_step_peak(cfg):
+    """A real step of `cfg` on this CPU, tracked as the dry run tracks its fake one: the peak bytes per category
+    and the tracker's name."""
+    from engine.train.dryrun import _optimizer_states, _per_micro_batch, _tracker
     from engine.train.trainer import Trainer
 
-    cfg = _cfg("batch.global=2", "train.activation_checkpointing=true")
-    (fake,) = dry_run(cfg).roles
     trainer = Trainer(cfg, device=torch.device("cpu"))
     _optimizer_states(trainer.par)
     tracker, name = _tracker(trainer.par)
     with _per_micro_batch(tracker, trainer.par.modules), tracker:
         trainer.train_step(1)
-    real = {getattr(k, "value", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()
-            if k != "Total"}
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return {getattr(k, "value", k): v for k, v in peak.items() if k != "Total"}, name
+
+
+def test_dry_run_memory_equals_the_same_tracker_on_a_real_step():
+    """One rank, the same config: the fake step's categories at the peak are the real step's bytes."""
+    from engine.train.dryrun import dry_run
+
+    cfg = _cfg("batch.global=2", "train.activation_checkpointing=true")
+    (fake,) = dry_run(cfg).roles
+    real, name = _real_step_peak(cfg)
     assert name == fake.tracker == "MemTracker"
     assert fake.memory == pytest.approx(real, rel=1e-6)
     assert fake.memory["Optstate"] > 0 and fake.memory["Activation"] > 0
@@ -194,8 +202,7 @@ def test_mixtral_dry_runs_as_the_same_tracker_on_a_real_step():
     """transformers' Mixtral (fused experts, engine/parallel/expert_fused.py): the fake step answers the tokens per
     expert (`torch.bincount`, whose output shape the fake mode cannot know) with a balanced router's counts; a real
     step of the same dropless layer runs as many rows through its experts, so the bytes per category agree."""
-    from engine.train.dryrun import _optimizer_states, _per_micro_batch, _tracker, dry_run
-    from engine.train.trainer import Trainer
+    from engine.train.dryrun import dry_run
 
     mixtral = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4,
@@ -203,13 +210,7 @@ def test_mixtral_dry_runs_as_the_same_tracker_on_a_real_step():
     base = [f"model.hf={json.dumps(mixtral)}", "model.seq_len=32", "data.source=synthetic", "batch.micro=1"]
     cfg = load_config(None, [*base, "precision=fp32", "batch.global=2"])
     (fake,) = dry_run(cfg).roles
-    trainer = Trainer(cfg, device=torch.device("cpu"))
-    _optimizer_states(trainer.par)
-    tracker, _ = _tracker(trainer.par)
-    with _per_micro_batch(tracker, trainer.par.modules), tracker:
-        trainer.train_step(1)
-    real = {getattr(k, "value", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()
-            if k != "Total"}
+    real, _ = _real_step_peak(cfg)
     assert fake.memory == pytest.approx(real, rel=0.02) and fake.memory["Activation"] > 0
     # FSDP2 over 4 fake ranks, bf16, the router's load-balancing loss on: routed as well
     aux = json.dumps({**mixtral, "output_router_logits": True})

@@ -8,13 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from ports import server_port
+from dashboard_server import start_dashboard
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -223,24 +221,7 @@ def test_bad_inputs_are_said_in_one_line(tmp_path, monkeypatch):
 
 @pytest.fixture
 def server(tmp_path: Path):
-    port = server_port()
-    env = {**os.environ, "WORKBENCH_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "streamlit.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.address",
-                             "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
-                             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, 9)
-        pytest.fail("streamlit did not start: " + (tmp_path / "streamlit.log").read_text()[-2000:])
+    proc, url = start_dashboard(tmp_path / "home")
     yield url
     os.killpg(proc.pid, 15)
     proc.wait(timeout=20)

@@ -97,6 +97,16 @@ def _axes(model: ModelSpec, target: str, global_batch: int) -> dict[str, list[An
     return axes | TARGET_AXES[target]
 
 
+def whole_nodes_rule(gpus: int, cluster: ClusterSpec) -> str | None:
+    """Why `gpus` GPUs cannot be a job on `cluster` (one node, or whole nodes: the search finds no layout else),
+    or None."""
+    per_node = cluster.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        return (f"must fit in one node or fill whole nodes of {cluster.name} (a multiple of its {per_node} GPUs "
+                "per node)")
+    return None
+
+
 def target_framework(target: str, framework: str | None = None) -> str:
     """The flavour a target is priced as: its current release, or `framework` where the target runs it
     (ValueError: a target or a flavour it does not run)."""
@@ -280,9 +290,7 @@ def _calibrate(df: pd.DataFrame, study: Any) -> dict[str, Any]:
 def plan_config(plan: Plan, pick: int = 1) -> RunConfig:
     """The run config of ranked layout `pick` (1 = best): the real model at the real world size, the
     cluster's nodes of GPUs, bf16, on the user's base config (data, tokenizer, weights, steps, lr)."""
-    if not 1 <= pick <= len(plan.table):
-        raise ValueError(f"pick={pick} must be 1..{len(plan.table)} (the ranked layouts)")
-    row = plan.table.iloc[pick - 1]
+    row = _ranked_row(plan, pick)
     per_node = min(plan.cluster.gpus_per_node, plan.gpus)
     model: dict[str, Any] = {"seq_len": plan.model.seq}
     if plan.model_source is not None:
@@ -303,6 +311,13 @@ def plan_config(plan: Plan, pick: int = 1) -> RunConfig:
     data = _merge(json.loads(json.dumps(plan.base)), layout)
     data.setdefault("name", f"plan-{plan.target}-{pick}")
     return from_dict(data)
+
+
+def _ranked_row(plan: Plan, pick: int) -> pd.Series:
+    """Ranked layout `pick` (1 = best) of the plan's table (ValueError: no such pick)."""
+    if not 1 <= pick <= len(plan.table):
+        raise ValueError(f"pick={pick} must be 1..{len(plan.table)} (the ranked layouts)")
+    return plan.table.iloc[pick - 1]
 
 
 def _merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
@@ -329,9 +344,7 @@ def plan_knobs(plan: Plan, pick: int = 1) -> dict[str, Any]:
     gathers overlapped)."""
     from tuning.sim.framework import FRAMEWORKS
 
-    if not 1 <= pick <= len(plan.table):
-        raise ValueError(f"pick={pick} must be 1..{len(plan.table)} (the ranked layouts)")
-    row, fw = plan.table.iloc[pick - 1], FRAMEWORKS[plan.framework]
+    row, fw = _ranked_row(plan, pick), FRAMEWORKS[plan.framework]
     return {"framework": plan.framework, "attention": str(row["attention"]),
             "tp_comm_overlap": bool(row["tp_comm_overlap"]), "recompute": str(row["recompute"]),
             "precision": str(row["precision"]), "fused_loss": fw.fused_kernels,

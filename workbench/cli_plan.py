@@ -37,10 +37,11 @@ def _study(name: Optional[str], storage: Optional[str]):
 
 def _check_whole_nodes(gpus: int, cluster) -> None:
     """--gpus fills whole nodes of the cluster, or fits in one."""
-    per_node = cluster.gpus_per_node
-    if gpus > per_node and gpus % per_node:
-        fail(f"--gpus={gpus}: must fit in one node or fill whole nodes of {cluster.name} (a multiple of its "
-             f"{per_node} GPUs per node)")
+    from tuning.plan import whole_nodes_rule
+
+    rule = whole_nodes_rule(gpus, cluster)
+    if rule:
+        fail(f"--gpus={gpus}: {rule}")
 
 
 def _data_parallel_sizes(mdl, gpus: int, global_batch: int, target: str) -> list[int]:

@@ -11,7 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from engine.errors import ConfigError
-from tuning.plan import TARGETS, base_config, dry_run_top, export_plan, make_plan
+from tuning.plan import TARGETS, base_config, dry_run_top, export_plan, make_plan, whole_nodes_rule
 from tuning.plan_published import SIZE_TOLERANCE, published_like
 from tuning.sim.hardware import PRESETS, load_cluster
 from tuning.sim.simulator import ModelSpec, format_count
@@ -236,10 +236,9 @@ TOP = int(c[3].number_input("Layouts shown", 1, 50, 5, key="plan_top"))
 BASE = base_input()
 KEY = json.dumps([str(SOURCE) if not isinstance(SOURCE, dict) else SOURCE, repr(MODEL), CLUSTER.name,
                   repr(CLUSTER), GPUS, GLOBAL, TARGET, TOP, BASE], sort_keys=True, default=str)
-PER_NODE = CLUSTER.gpus_per_node
-if GPUS > PER_NODE and GPUS % PER_NODE:  # the search would find no layout (as `workbench plan --gpus` refuses)
-    st.error(f"GPUs={GPUS}: must fit in one node or fill whole nodes of {CLUSTER.name} (a multiple of its "
-             f"{PER_NODE} GPUs per node)")
+NODES_RULE = whole_nodes_rule(GPUS, CLUSTER)  # the search would find no layout (`workbench plan --gpus` refuses too)
+if NODES_RULE:
+    st.error(f"GPUs={GPUS}: {NODES_RULE}")
     st.stop()
 if st.button("Rank layouts", type="primary", icon=":material/sort:", key="plan_rank"):
     try:
