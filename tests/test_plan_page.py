@@ -73,13 +73,6 @@ def _workbench(*args: str, cwd: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _without_defaults_preface(text: str) -> str:
-    """An export the CLI wrote, less the comment lines naming the workbench's defaults it carries (the CLI adds them
-    in workbench/cli_plan.py, outside tuning.plan.export_plan, which the page calls)."""
-    return "".join(line for line in text.splitlines(keepends=True)
-                   if not (line.startswith("# ") and "the workbench's default, not yours" in line))
-
-
 @pytest.mark.slow  # a second process (the CLI; a dry run)
 def test_the_page_ranks_and_exports_what_workbench_plan_does(tmp_path, monkeypatch):
     """Same inputs, same layouts (every field of `plan --json`, under its human name), and each format's download
@@ -116,7 +109,10 @@ def test_the_page_ranks_and_exports_what_workbench_plan_does(tmp_path, monkeypat
     written = {"config.yaml", "megatron.sh", "deepspeed.json", "accelerate.yaml"}
     assert set(downloads) == written
     for name in written:
-        assert downloads[name] == _without_defaults_preface((tmp_path / "out" / name).read_text()), name
+        # the same bytes, the CLI's comments naming the workbench's defaults included (old page: without them)
+        assert downloads[name] == (tmp_path / "out" / name).read_text(), name
+    defaults = [line for line in stderr.splitlines() if "the workbench's default, not yours" in line]
+    assert defaults and set(defaults) <= set(at.expander[-1].markdown[0].value.replace("- ", "").splitlines())
     refusal = next(line for line in stderr.splitlines() if line.startswith("torchtitan: "))
     assert refusal in [c.value for c in at.caption]
     assert at.button(key="plan_export_torchtitan").disabled
@@ -215,6 +211,13 @@ def test_bad_inputs_are_said_in_one_line(tmp_path, monkeypatch):
     at = _page(tmp_path, monkeypatch, rank=False, gpus=100)  # old page: "zero-size array to reduction operation"
     assert [e.value for e in at.error] == ["GPUs=100: must fit in one node or fill whole nodes of dgx-h100 (a "
                                            "multiple of its 8 GPUs per node)"]
+    at = _page(tmp_path, monkeypatch, rank=False, gpus=7)  # old page: nothing said before Rank layouts
+    assert [e.value for e in at.error] == ["Global batch=512: must be a multiple of a data-parallel size this model "
+                                           "can have on 7 GPUs (7; dp = GPUs / (tp x pp x cp)); change it or the GPUs"]
+    at = _page(tmp_path, monkeypatch, rank=False, global_batch=4)  # `plan --global-batch 4 --gpus 64`'s note
+    assert [c.value for c in at.caption if c.value.startswith("Global batch 4 on 64 GPUs")] == [
+        "Global batch 4 on 64 GPUs: the data-parallel size divides it, so every layout has dp <= 4 and splits the "
+        "model over the other GPUs"]
     at = _page(tmp_path, monkeypatch, gpus=1)  # Llama 3.1 8B at 8,192 tokens fits no H100 alone
     assert [e.value for e in at.error][0].startswith("no layout of this model fits in 85.5 GB per GPU on 1 GPUs")
 

@@ -107,6 +107,30 @@ def whole_nodes_rule(gpus: int, cluster: ClusterSpec) -> str | None:
     return None
 
 
+def data_parallel_sizes(model: ModelSpec, gpus: int, global_batch: int, target: str) -> list[int]:
+    """The data-parallel sizes the search can give `model` on `gpus` GPUs: GPUs / (tp x pp x cp)."""
+    from tuning.search import candidate_axes
+
+    axes = candidate_axes(model, gpus, global_batch) | TARGET_AXES[target]
+    splits = {tp * pp * cp for tp in axes["tp"] for pp in axes["pp"] for cp in axes["cp"]}
+    return sorted(gpus // split for split in splits if gpus % split == 0)
+
+
+def global_batch_rule(model: ModelSpec, gpus: int, global_batch: int,
+                      target: str) -> tuple[str | None, str | None]:
+    """(why no layout can take `global_batch` sequences: no data-parallel size divides it, or None; a note when it
+    leaves little data parallelism, or None). `workbench plan` and the Plan page say both the same."""
+    sizes = data_parallel_sizes(model, gpus, global_batch, target)
+    usable = [dp for dp in sizes if global_batch % dp == 0]
+    if not usable:
+        return (f"must be a multiple of a data-parallel size this model can have on {gpus} GPUs "
+                f"({', '.join(map(str, sizes))}; dp = GPUs / (tp x pp x cp)); change it or the GPUs"), None
+    if global_batch < gpus:
+        return None, (f"on {gpus} GPUs: the data-parallel size divides it, so every layout "
+                      f"has dp <= {max(usable)} and splits the model over the other GPUs")
+    return None, None
+
+
 def target_framework(target: str, framework: str | None = None) -> str:
     """The flavour a target is priced as: its current release, or `framework` where the target runs it
     (ValueError: a target or a flavour it does not run)."""
@@ -374,6 +398,37 @@ def export_plan(plan: Plan, pick: int = 1, fmt: str | None = None) -> tuple[str,
     if fmt == "accelerate":
         return accelerate_yaml(cfg), to_accelerate(cfg)[1]
     raise ValueError(f"format={fmt!r} must be one of {', '.join(TARGETS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """One export of a ranked layout as its user gets it: `text` (headed, except JSON, by a comment per value it
+    carries that the user did not give), `notes` (what the target does not take) and `defaults` (those values,
+    one line each: the workbench's, not the user's)."""
+
+    text: str
+    notes: list[str]
+    defaults: list[str]
+
+
+def export_for_user(plan: Plan, pick: int, fmt: str) -> Export:
+    """Ranked layout `pick` exported as `fmt`, with the workbench defaults it carries named (the plan's base config
+    is what the user gave); ValueError in one line starting "`fmt`: " where the target refuses the layout or the
+    model. `workbench plan --export` and the Plan page's downloads are this one export."""
+    from tuning.export.common import defaults_carried
+    from tuning.export.trial import engine_refusal
+
+    cfg = plan_config(plan, pick)
+    try:
+        refusal = engine_refusal(cfg) if fmt == "yaml" else None
+        if refusal:
+            raise ValueError(refusal)
+        text, notes = export_plan(plan, pick, fmt)
+    except ValueError as exc:  # a target that cannot take the layout (deepspeed: tp/cp) or the model (torchtitan)
+        raise ValueError(str(exc) if str(exc).startswith(f"{fmt}:") else f"{fmt}: {exc}") from None
+    defaults = defaults_carried(cfg, plan.base, fmt)
+    preface = "" if fmt == "deepspeed" else "".join(f"# {d}\n" for d in defaults)  # JSON has no comments
+    return Export(text=preface + text, notes=notes, defaults=defaults)
 
 
 @dataclass(slots=True)

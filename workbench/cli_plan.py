@@ -44,27 +44,15 @@ def _check_whole_nodes(gpus: int, cluster) -> None:
         fail(f"--gpus={gpus}: {rule}")
 
 
-def _data_parallel_sizes(mdl, gpus: int, global_batch: int, target: str) -> list[int]:
-    """The data-parallel sizes the search can give `mdl` on `gpus` GPUs: GPUs / (tp x pp x cp)."""
-    from tuning.plan import TARGET_AXES
-    from tuning.search import candidate_axes
-
-    axes = candidate_axes(mdl, gpus, global_batch) | TARGET_AXES[target]
-    splits = {tp * pp * cp for tp in axes["tp"] for pp in axes["pp"] for cp in axes["cp"]}
-    return sorted(gpus // split for split in splits if gpus % split == 0)
-
-
 def _check_global_batch(mdl, gpus: int, global_batch: int, target: str) -> None:
     """Refuse a global batch no data-parallel size divides; say when it leaves little data parallelism."""
-    sizes = _data_parallel_sizes(mdl, gpus, global_batch, target)
-    usable = [dp for dp in sizes if global_batch % dp == 0]
-    if not usable:
-        fail(f"--global-batch={global_batch}: must be a multiple of a data-parallel size this model can have on "
-             f"{gpus} GPUs ({', '.join(map(str, sizes))}; dp = GPUs / (tp x pp x cp)); change it or --gpus")
-    if global_batch < gpus:
-        err.print(f"note: --global-batch={global_batch} on {gpus} GPUs: the data-parallel size divides it, so "
-                  f"every layout has dp <= {max(usable)} and splits the model over the other GPUs",
-                  highlight=False, markup=False, soft_wrap=True)
+    from tuning.plan import global_batch_rule
+
+    refusal, note = global_batch_rule(mdl, gpus, global_batch, target)
+    if refusal:
+        fail(f"--global-batch={global_batch}: {refusal.replace('the GPUs', '--gpus')}")
+    if note:
+        err.print(f"note: --global-batch={global_batch} {note}", highlight=False, markup=False, soft_wrap=True)
 
 
 def plan(model: str = typer.Option(..., help="A Hugging Face config.json (or its folder), a preset (22b, 175b, 1t) "
@@ -254,34 +242,25 @@ def _write_configs(result, output: Path) -> None:
 def _export(result, pick: int, fmt: str, output: Optional[Path]) -> bool:
     """Write (or print) one export and its notes, and name each value it carries that the user did not give (the
     workbench's defaults); False where the target refused the layout or the model (said in one line)."""
-    from tuning.export.common import defaults_carried
     from tuning.export.frameworks import write_accelerate_bundle
-    from tuning.export.trial import engine_refusal
-    from tuning.plan import export_plan, plan_config
+    from tuning.plan import export_for_user, plan_config
 
-    cfg = plan_config(result, pick)
     try:
-        refusal = engine_refusal(cfg) if fmt == "yaml" else None
-        if refusal:
-            raise ValueError(refusal)
-        text, notes = export_plan(result, pick, fmt)
-    except ValueError as exc:  # a target that cannot take the layout (deepspeed: tp/cp) or the model (torchtitan)
-        line = str(exc) if str(exc).startswith(f"{fmt}:") else f"{fmt}: {exc}"
-        err.print(line, highlight=False, markup=False, soft_wrap=True)
+        export = export_for_user(result, pick, fmt)
+    except ValueError as exc:
+        err.print(str(exc), highlight=False, markup=False, soft_wrap=True)
         return False
-    defaults = defaults_carried(cfg, result.base, fmt)
-    preface = "" if fmt == "deepspeed" else "".join(f"# {d}\n" for d in defaults)  # JSON has no comments
     if output is None:
-        sys.stdout.write(preface + text)
+        sys.stdout.write(export.text)
     elif fmt == "accelerate":
-        line = write_accelerate_bundle(cfg, output / EXPORT_FILES[fmt], defaults)
+        line = write_accelerate_bundle(plan_config(result, pick), output / EXPORT_FILES[fmt], export.defaults)
         console.print(f"{fmt}: wrote {output / EXPORT_FILES[fmt]} and its script; run from {output}: {line}",
                       highlight=False, soft_wrap=True)
     else:
-        (output / EXPORT_FILES[fmt]).write_text(preface + text)
+        (output / EXPORT_FILES[fmt]).write_text(export.text)
         console.print(f"{fmt}: wrote {output / EXPORT_FILES[fmt]}", highlight=False, soft_wrap=True)
-    for note in notes if fmt != "megatron" else []:  # megatron's are comments in the script
+    for note in export.notes if fmt != "megatron" else []:  # megatron's are comments in the script
         typer.echo(f"{fmt}: not mapped: {note}", err=True)
-    for line in defaults:
+    for line in export.defaults:
         typer.echo(f"{fmt}: {line}", err=True)
     return True

@@ -11,7 +11,8 @@ import pandas as pd
 import streamlit as st
 
 from engine.errors import ConfigError
-from tuning.plan import TARGETS, base_config, dry_run_top, export_plan, make_plan, whole_nodes_rule
+from tuning.plan import (TARGETS, base_config, dry_run_top, export_for_user, global_batch_rule, make_plan,
+                         whole_nodes_rule)
 from tuning.plan_published import SIZE_TOLERANCE, published_like
 from tuning.sim.hardware import PRESETS, load_cluster
 from tuning.sim.simulator import ModelSpec, format_count
@@ -197,23 +198,24 @@ def show_exports(plan: Any, checks: list[Any]) -> None:
     unfit = next((c.refusal for c in checks if c.pick == pick and c.fits is False), None)
     if unfit:
         st.warning(f"Layout {pick} does not fit (its dry run): export another layout.")
-    notes: dict[str, list[str]] = {}
+    notes: list[str] = []
     refused: list[str] = []
     for col, fmt in zip(st.columns(len(TARGETS)), TARGETS):
         try:
-            text, notes[fmt] = export_plan(plan, pick, fmt)
-        except ValueError as exc:  # the target cannot take the model (torchtitan: no flavor of its shape)
+            export = export_for_user(plan, pick, fmt)
+        except ValueError as exc:  # the target cannot take the layout (deepspeed: tp/cp) or the model (torchtitan)
             col.button(EXPORT_FILES[fmt], disabled=True, key=f"plan_export_{fmt}", help=str(exc))
-            refused.append(str(exc) if str(exc).startswith(f"{fmt}:") else f"{fmt}: {exc}")
+            refused.append(str(exc))
             continue
-        col.download_button(EXPORT_FILES[fmt], text, file_name=EXPORT_FILES[fmt], mime=MIME[fmt],
+        col.download_button(EXPORT_FILES[fmt], export.text, file_name=EXPORT_FILES[fmt], mime=MIME[fmt],
                             disabled=unfit is not None, icon=":material/download:", key=f"plan_export_{fmt}")
+        notes += [f"{fmt}: not mapped: {note}" for note in export.notes]
+        notes += [f"{fmt}: {line}" for line in export.defaults]
     for line in refused:
         st.caption(line)
-    unmapped = [f"{fmt}: {note}" for fmt, lines in notes.items() for note in lines]
-    if unmapped:
-        with st.expander(f"Notes on the exports: what they do not carry, defaults they took ({len(unmapped)})"):
-            st.markdown("\n".join(f"- {line}" for line in unmapped))
+    if notes:
+        with st.expander(f"Notes on the exports: what they do not carry, defaults they took ({len(notes)})"):
+            st.markdown("\n".join(f"- {line}" for line in notes))
     st.caption("accelerate: `workbench plan ... --export accelerate -o FOLDER` also writes its training script.")
 
 
@@ -240,6 +242,12 @@ NODES_RULE = whole_nodes_rule(GPUS, CLUSTER)  # the search would find no layout 
 if NODES_RULE:
     st.error(f"GPUs={GPUS}: {NODES_RULE}")
     st.stop()
+BATCH_RULE, BATCH_NOTE = global_batch_rule(MODEL, GPUS, GLOBAL, TARGET)  # `workbench plan --global-batch` says both
+if BATCH_RULE:
+    st.error(f"Global batch={GLOBAL}: {BATCH_RULE}")
+    st.stop()
+if BATCH_NOTE:
+    st.caption(f"Global batch {GLOBAL} {BATCH_NOTE}")
 if st.button("Rank layouts", type="primary", icon=":material/sort:", key="plan_rank"):
     try:
         with st.spinner("Pricing every layout"):
