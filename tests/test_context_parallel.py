@@ -128,7 +128,7 @@ def test_cp2_with_dp2_and_with_tp2_matches_single_process(reference):
     (["parallel.cp=2", "parallel.tp=4", "model.heads=4"], r"tp\*cp = 4\*2 must divide model.heads=4"),
     (["parallel.cp=2", "parallel.cp_impl=ring", "model.seq_len=15"], r"model.seq_len=15: must be divisible by parallel.cp=2"),
     (["parallel.cp=2", "parallel.pp=2"], r"does not combine with parallel.pp > 1"),
-    (["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"], r"does not combine with parallel.zero > 0"),
+    (["parallel.cp=2", "parallel.dp=2", "co2.enabled=true"], r"does not combine with co2.enabled"),
     (["parallel.cp=2", "parallel.cp_impl=ring", "data.lengths=lognormal"], r"parallel.cp_impl='ring': has no packed-document masks"),
     (["parallel.cp_impl=zigzag"], r"parallel.cp_impl='zigzag': must be one of ulysses, ring"),
     (["data.lengths=zipf"], r"data.lengths='zipf': must be one of fixed, lognormal, pareto or a file"),

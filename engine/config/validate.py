@@ -410,9 +410,10 @@ def _context_rules(cfg: RunConfig, files: Files) -> Iterator[ConfigError]:
                               f"model.heads={m.heads} (each rank attends with heads/(tp*cp) heads){_try(m.heads // p.tp)}")
         if m.seq_len > 0 and m.seq_len % p.cp:
             yield ConfigError("model.seq_len", m.seq_len, f"must be divisible by parallel.cp={p.cp} (equal chunks)")
-        # not wired: pipeline stages pass hidden states without their chunk's positions; ZeRO/FSDP2 and
-        # CO2/compression hooks here reduce over the dp axis only, while cp gradients need dp x cp
-        for on, name in ((p.pp > 1, "parallel.pp > 1"), (p.zero > 0, "parallel.zero > 0"),
+        # not wired: pipeline stages pass hidden states without their chunk's positions; CO2 and the
+        # compression hooks reduce over the dp axis only, while cp gradients need dp x cp (ZeRO shards
+        # over dp x cp: engine/parallel/parallelize.py grad_axis)
+        for on, name in ((p.pp > 1, "parallel.pp > 1"),
                          (cfg.co2.enabled, "co2.enabled"), (cfg.comm.compressor != "none", "comm.compressor"),
                          (m.entry is not None, "model.entry"), (p.sequence_parallel, "parallel.sequence_parallel"),
                          (m.experts > 0, "model.experts > 0")):

@@ -61,9 +61,10 @@ class Parallelized:
                                     sharded=ep.expert_params if ep else (), shard_group=ep.ep_group if ep else None))
 
 
-def grad_axis(dims: ParallelDims) -> str:
-    """The mesh axis gradients are averaged over: dp, or dp x cp flattened under context parallelism."""
-    return "dp_cp" if dims.cp > 1 else "dp"
+def grad_axis(cp: int) -> str:
+    """The mesh axis gradients are averaged and ZeRO shards over: dp, or dp x cp flattened under
+    context parallelism (cp > 1)."""
+    return "dp_cp" if cp > 1 else "dp"
 
 
 def _data_parallel(model: nn.Module, cfg: RunConfig, mesh, axis: str = "dp", ignored_params=None) -> nn.Module:
@@ -179,15 +180,17 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
     if p.zero > 1:  # ZeRO-1 is DDP (+ a sharded optimizer): _data_parallel keeps the ddp.* knobs
         from engine.parallel.zero import apply_zero
 
-        wrapped = apply_zero(model, mesh["dp"], stage=p.zero, reshard_after_forward=p.reshard_after_forward,
-                             mp_policy=fsdp_mp_policy(cfg))
+        # over dp x cp under context parallelism, as torchtitan's dp_shard_cp: cp ranks hold the same
+        # weights and their gradients are averaged with dp's, so they shard them too
+        wrapped = apply_zero(model, mesh[grad_axis(dims.cp)], stage=p.zero,
+                             reshard_after_forward=p.reshard_after_forward, mp_policy=fsdp_mp_policy(cfg))
         real(wrapped)  # after sharding: each rank allocates and fills its shards only
     else:
         real(model)
-        wrapped = _data_parallel(model, cfg, mesh, grad_axis(dims), set(experts.expert_params) if experts else None)
+        wrapped = _data_parallel(model, cfg, mesh, grad_axis(dims.cp), set(experts.expert_params) if experts else None)
     hooks: dict[str, Any] = {}
     if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
-        hooks = comm_hook_factory(wrapped, mesh[grad_axis(dims)].get_group())
+        hooks = comm_hook_factory(wrapped, mesh[grad_axis(dims.cp)].get_group())
     # ZeRO-2/3 reduce-scatter every micro-batch (as ZeRO defines them): skipping the sync would
     # keep every block's full unsharded gradients until the last micro-batch; ZeRO-2 keeps the
     # parameters gathered between micro-batches (one all-gather per step), ZeRO-3 re-gathers them

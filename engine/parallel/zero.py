@@ -1,4 +1,5 @@
-"""ZeRO (Rajbhandari et al. 2020) sharded data parallelism over the dp mesh axis.
+"""ZeRO (Rajbhandari et al. 2020) sharded data parallelism over the dp mesh axis (dp x cp flattened,
+"dp_cp", under context parallelism: cp ranks hold the same weights, as torchtitan's dp_shard_cp).
 
 What each stage does per optimizer step of `accum` micro-batches (G FSDP2 groups: one per block
 in `model.layers`, then the root with the embeddings, the tied head and the final norm):

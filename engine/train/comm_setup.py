@@ -185,12 +185,14 @@ def install_fsdp_comm(par: Parallelized, *, cfg: RunConfig, dp: int, dp_group,
 
 def build_optimizer(par: Parallelized, cfg: RunConfig, mesh) -> torch.optim.Optimizer:
     """The layout's optimizer through the one builder (`engine.parallel.zero.build_optimizer`)."""
+    from engine.parallel.parallelize import grad_axis
     from engine.parallel.zero import build_optimizer as zero_optimizer
 
     t, p = cfg.train, cfg.parallel
-    # ZeRO-1 shards a DDP model's optimizer; stages 2-3 shard through FSDP2's DTensor parameters
-    stage = p.zero if p.dp > 1 and not cfg.co2.enabled else 0
-    group = mesh["dp"].get_group() if stage == 1 else None
+    # ZeRO-1 shards a DDP model's optimizer over dp (x cp: the gradient axis); stages 2-3 shard
+    # through FSDP2's DTensor parameters
+    stage = p.zero if p.dp * p.cp > 1 and not cfg.co2.enabled else 0
+    group = mesh[grad_axis(p.cp)].get_group() if stage == 1 else None
     return zero_optimizer(list(par.parameters()), stage=stage, lr=t.lr, betas=(t.beta1, t.beta2),
                           weight_decay=t.weight_decay, process_group=group)
 

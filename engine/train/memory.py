@@ -159,7 +159,7 @@ def _model_state_elems(cfg: RunConfig, stage: int) -> tuple[float, float, float]
     """(params, grads, optimizer states) in fp32 elements at the peak (see `estimate_memory`)."""
     p = cfg.parallel
     root, block, layers = _stage_parts(cfg, stage)
-    psi, n = root + layers * block, p.dp
+    psi, n = root + layers * block, p.dp * p.cp  # replicas: ZeRO shards over dp x cp (grad_axis)
     zero = 0 if n == 1 or cfg.co2.enabled else p.zero  # one replica or CO2: a plain module
     if zero <= 1:
         # dp over TP parameters is FSDP2 `replicate`: an unsharded copy next to the replica from
