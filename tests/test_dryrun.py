@@ -222,8 +222,8 @@ def test_mixtral_dry_runs_as_the_same_tracker_on_a_real_step():
 def test_layouts_the_dry_run_cannot_play_are_named_in_one_line():
     from engine.train.dryrun import at_world, dry_run
 
-    with pytest.raises(ConfigError, match=r"parallel.zero=0: the dry run cannot play DDP"):
-        dry_run(_cfg("parallel.dp=2", "batch.global=2"))
+    with pytest.raises(ConfigError, match=r"comm.compressor='topk': the dry run plays DDP's gradient all-reduce"):
+        dry_run(_cfg("parallel.dp=2", "batch.global=2", "comm.compressor=topk"))
     assert at_world(_cfg("parallel.tp=2", "batch.global=8"), 8).parallel.dp == 4
     with pytest.raises(ConfigError, match=r"--world=6: must be a multiple of tp\(4\)"):
         at_world(_cfg("parallel.tp=4"), 6)
@@ -290,12 +290,15 @@ def test_run_refuses_a_config_that_would_not_fit_before_any_rank_starts(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_preflight_judges_ddp_by_the_analytic_estimate():
-    """DDP, which the dry run cannot play: the pre-flight refuses by engine/train/memory.py's estimate."""
+def test_the_preflight_dry_runs_ddp_and_judges_what_it_cannot_play_by_the_analytic_estimate():
+    """DDP (dp 2) is dry-run; the GPT's token-dropping MoE, which the dry run cannot play, is refused by
+    engine/train/memory.py's estimate."""
     from engine.train.dryrun import preflight
 
-    with pytest.raises(ConfigError, match=r"needs an estimated .* GiB per rank .* more than the 0.001 GiB device memory"):
+    with pytest.raises(ConfigError, match=r"the dry run of rank 0 \(pp 0, dp 0, tp 0\) peaks at .* more than the 0.001"):
         preflight(load_config("examples/tiny.yaml"), device_memory_gib=0.001)
+    with pytest.raises(ConfigError, match=r"needs an estimated .* GiB per rank .* more than the 0.001 GiB device memory"):
+        preflight(load_config("examples/tiny.yaml", ["model.experts=4"]), device_memory_gib=0.001)
 
 
 def test_a_cpu_run_without_a_device_target_is_not_dry_run(monkeypatch):
@@ -307,3 +310,19 @@ def test_a_cpu_run_without_a_device_target_is_not_dry_run(monkeypatch):
     assert dryrun.device_memory_target(load_config("examples/tiny.yaml", ["backend=gloo"])) is None
     limit, name = dryrun.device_memory_target(load_config("examples/tiny.yaml", ["cluster.gpus_per_node=2"]))
     assert limit == pytest.approx(79.65 * 2**30, rel=1e-3) and "80 GB-class" in name
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ddp_and_zero1_play_their_gradients_and_sharded_states(zero):
+    """DDP (zero 0/1 without tp; issue 62 item 5's megatron pick, cp2 x dp ZeRO-1): each gradient is held
+    once and all-reduced once over dp x cp (the parameters' fp32 bytes), ZeRO-1's AdamW states are this
+    rank's share of dp x cp = 4 (+ its step counters). Refused before (the DDP reducer needs real storage)."""
+    from engine.model.shapes import from_hf_config
+    from engine.train.dryrun import dry_run
+
+    psi_bytes = 4 * from_hf_config(HF).params
+    (role,) = dry_run(_cfg("parallel.dp=2", "parallel.cp=2", "batch.global=4", f"parallel.zero={zero}")).roles
+    assert role.memory["Parameter"] == psi_bytes and role.memory["Gradient"] == psi_bytes
+    assert role.collectives["dp_cp:all_reduce"]["bytes"] == psi_bytes + 8  # + the loss (float64)
+    states = role.memory["Optstate"]
+    assert states == pytest.approx(2 * psi_bytes / (4 if zero == 1 else 1), rel=0.05)

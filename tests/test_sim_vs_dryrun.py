@@ -110,3 +110,21 @@ def test_replicated_tp_with_sequence_parallelism_is_priced_per_category_within_1
         assert sim[category] == pytest.approx(measured[category], rel=0.01), (category, sim, measured)
     for category in ("activations", "temp"):
         assert sim[category] == pytest.approx(measured[category], rel=0.10), (category, sim, measured)
+
+
+def test_engine_zero1_optimizer_states_are_rank0s_whole_parameters():
+    """Issue 62 item 5: the engine's ZeRO-1 (ZeroRedundancyOptimizer) hands out whole parameters, largest first, so at
+    dp x cp = 16 rank 0 holds the 65,536-parameter embedding's AdamW states (524 kB), not an even 1/16 of the
+    model's (360 kB, the simulator before; the megatron pick for Llama-3.1-8B: 3.91 GiB dry-run, 0.93 priced).
+    Parameters, gradients and the dp x cp gradient all-reduce agree too (DDP played, engine/train/dryrun.py)."""
+    from engine.train.dryrun import dry_run
+    from tuning.sim.dryrun import dry_run_memory, simulator_figures
+    from tuning.sim.hardware import load_cluster
+
+    cfg = load_config(None, [*BASE[:-2], "batch.global=16", "parallel.zero=1", "parallel.dp=8", "parallel.cp=2",
+                             "parallel.cp_impl=ulysses"])
+    (role,) = dry_run(cfg).roles
+    dry, sim = dry_run_memory(role), simulator_figures(cfg.to_dict(), load_cluster("dgx-h100"))["memory"]
+    for category in ("params", "grads", "optimizer"):
+        assert sim[category] == pytest.approx(dry[category], rel=0.01), category
+    assert dry["optimizer"] == pytest.approx(8 * 512 * 128, rel=0.01)

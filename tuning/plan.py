@@ -492,8 +492,27 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
             note = str(exc) if isinstance(exc, ConfigError) else f"the dry run failed: {str(exc).splitlines()[-1]}"
             checks.append(_estimated(cfg, pick, sim, limit, name, note=note))
             continue
-        checks.append(_dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start))
+        check = _dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start)
+        check.note = played_note(plan, pick)
+        checks.append(check)
     return checks
+
+
+def played_note(plan: Plan, pick: int) -> str | None:
+    """One line on what the dry run of another target's layout plays (None for the engine's own target): the
+    engine's program at the layout's degrees (Megatron's distributed optimizer is ZeRO-1 over dp x cp there);
+    the target's kernels and overlaps the engine has not got change the step's time, not what a rank holds."""
+    if plan.target == "yaml":
+        return None
+    knobs = plan_knobs(plan, pick)
+    timing = [what for what, on in (("tp-comm overlap", knobs["tp_comm_overlap"]),
+                                    (f"{knobs['attention']} attention", knobs["attention"] not in ("", "none")),
+                                    ("the fused loss", knobs["fused_loss"]),
+                                    ("overlapped parameter gathers", knobs["overlap_param_gather"])) if on]
+    zero = int(_ranked_row(plan, pick)["zero"])
+    optimizer = " (the distributed optimizer as ZeRO-1 over dp x cp)" if plan.target == "megatron" and zero == 1 else ""
+    left = f"; {', '.join(timing)} only change time, not played" if timing else ""
+    return f"played as the engine runs it{optimizer}, fp32 weights under {knobs['precision']} autocast{left}"
 
 
 def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, name: str,

@@ -219,7 +219,8 @@ def _show_dry_runs(result, checks: list) -> None:
               ["pick", "fits", "judged by", "peak per role (GiB)", "simulator (GiB)", "largest"], rows, console)
     for c in checks:
         if c.note:
-            how = "not judged" if c.fits is None else "judged by the analytic estimate (engine/train/memory.py)"
+            how = {"none": "not judged", "estimate": "judged by the analytic estimate (engine/train/memory.py)"}.get(
+                c.judged_by, "dry-run")
             console.print(f"layout {c.pick} {how}: {c.note}", markup=False, highlight=False, soft_wrap=True)
         if c.fits is False:
             console.print(f"layout {c.pick} does not fit: {c.refusal}", markup=False, highlight=False, soft_wrap=True)

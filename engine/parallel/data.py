@@ -91,6 +91,14 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
+def allreduce_each(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average each parameter's gradient over `group` in place, one all-reduce per parameter (no
+    flat copy: a dry run's DDP, engine/parallel/parallelize.py)."""
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+
+
 def no_sync_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """The context for a non-final micro-batch: skips the gradient all-reduce / reduce-scatter.
 

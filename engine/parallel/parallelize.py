@@ -18,6 +18,7 @@ from engine.config.schema import RunConfig
 from engine.mesh import ParallelDims
 from engine.model.meta_init import materialize, record_of
 from engine.model.gpt import GPT, loss_fn
+from engine.parallel.data import is_dtensor
 
 
 @dataclass(slots=True)
@@ -187,7 +188,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
         real(wrapped)  # after sharding: each rank allocates and fills its shards only
     else:
         real(model)
-        wrapped = _data_parallel(model, cfg, mesh, grad_axis(dims.cp), set(experts.expert_params) if experts else None)
+        ignored = set(experts.expert_params) if experts else None
+        if not init_values and not any(is_dtensor(t) for t in model.parameters()):
+            return _dry_data_parallel(model, mesh[grad_axis(dims.cp)].get_group(), ignored, experts)
+        wrapped = _data_parallel(model, cfg, mesh, grad_axis(dims.cp), ignored)
     hooks: dict[str, Any] = {}
     if isinstance(wrapped, DistributedDataParallel) and comm_hook_factory is not None:
         hooks = comm_hook_factory(wrapped, mesh[grad_axis(dims.cp)].get_group())
@@ -200,6 +204,24 @@ def parallelize(model: nn.Module, cfg: RunConfig, dims: ParallelDims, mesh, *, d
         return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks, experts=experts,
                             after_backward=experts.reduce_gradients)
     return Parallelized(modules=[wrapped], forward=wrapped, no_sync=no_sync, hooks=hooks)
+
+
+def _dry_data_parallel(model: nn.Module, group, ignored: set[nn.Parameter] | None, experts) -> Parallelized:
+    """DDP as a dry run (engine/train/dryrun.py) plays it: DDP's C++ reducer verifies the parameters' values
+    and allocates real buckets (32 GB for Llama-3.1-8B in fp32), which a model without values has not got.
+    The gradients accumulate in the parameters and are all-reduced in place after the step's backward: the
+    bytes DDP holds with gradient_as_bucket_view (its buckets are the gradients) and sends, one call per
+    parameter instead of one per bucket."""
+    from engine.parallel.data import allreduce_each
+
+    skip = {id(p) for p in ignored or ()}
+
+    def after_backward() -> None:
+        allreduce_each([p for p in model.parameters() if id(p) not in skip], group)
+        if experts is not None:
+            experts.reduce_gradients()
+
+    return Parallelized(modules=[model], forward=model, after_backward=after_backward, experts=experts)
 
 
 def _pipeline(model: GPT, cfg: RunConfig, dims: ParallelDims, mesh, *, device: torch.device,

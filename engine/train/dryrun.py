@@ -20,7 +20,8 @@ same no_sync / keep_gathered state, the same gradients already accumulated), so 
 full step's (but for the token ids of the micro-batches left out: 8 bytes a token) and the middle
 one's collectives count once per middle micro-batch. The build allocates this rank's parameters under
 the step's fake mode (engine/model/meta_init.py `allocating_under`): no wrapper copies real storage.
-An MoE layer's tokens per expert are a balanced router's (`_balanced_counts`). Nothing here imports
+An MoE layer's tokens per expert are a balanced router's (`_balanced_counts`). DDP is played as an in-place
+all-reduce of each gradient (engine/parallel/parallelize.py `_dry_data_parallel`: its reducer needs real storage). Nothing here imports
 the simulator (`tuning/sim/dryrun.py` sets its figures beside these).
 """
 from __future__ import annotations
@@ -159,9 +160,10 @@ def played_config(cfg: RunConfig) -> RunConfig:
 def check_playable(cfg: RunConfig) -> None:
     """One line for a layout a fake step cannot play (each needs real values or real storage)."""
     p = cfg.parallel
-    if p.pp == 1 and p.dp * p.cp > 1 and p.zero < 2 and p.tp == 1 and not cfg.co2.enabled and not p.adaptive_sp:
-        raise ConfigError("parallel.zero", p.zero, "the dry run cannot play DDP (dp > 1, zero 0 or 1, no tp): its C++ "
-                          "reducer verifies and buckets real storage; dry-run parallel.zero=2 or 3 (FSDP2), or pp > 1")
+    ddp = p.pp == 1 and p.dp * p.cp > 1 and p.zero < 2 and p.tp == 1 and not cfg.co2.enabled
+    if ddp and cfg.comm.compressor != "none":
+        raise ConfigError("comm.compressor", cfg.comm.compressor, "the dry run plays DDP's gradient all-reduce "
+                          "without its comm hooks (engine/parallel/parallelize.py); dry-run comm.compressor=none")
     if p.adaptive_sp:
         raise ConfigError("parallel.adaptive_sp", True, "the dry run cannot play FlexSP: it times real steps to plan")
     if cfg.model.entry is not None:
@@ -319,10 +321,12 @@ def _tracker(par: Any) -> tuple[Any, str]:
     from engine.torch_compat import memory_trackers
 
     mem_tracker, fsdp_tracker = memory_trackers()
+    # ZeroRedundancyOptimizer and DTensorZeroOptimizer keep this rank's states in their inner `.optim`
+    optimizer = getattr(par.optimizer, "optim", par.optimizer)
     if len(par.modules) == 1 and isinstance(par.modules[0], FSDPModule):
-        return fsdp_tracker(par.modules[0], par.optimizer), "FSDPMemTracker"
+        return fsdp_tracker(par.modules[0], optimizer), "FSDPMemTracker"
     tracker = mem_tracker()
-    tracker.track_external(*par.modules, par.optimizer)
+    tracker.track_external(*par.modules, optimizer)
     return tracker, "MemTracker"
 
 

@@ -81,6 +81,7 @@ from tuning.sim.fp8 import fp8_weight_copies
 from tuning.sim.hardware import GB, ClusterSpec
 from tuning.sim.framework import FRAMEWORK_NAMES, per_row
 from tuning.sim.spec import SCHEDULES, ModelSpec, engine_rows, fsdp_bf16_rows, reduce_bytes, weight_bytes
+from tuning.sim.zero import engine_zero1_optimizer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "runtime")
 TENSORS = CATEGORIES[:-1]  # what torch's trackers count (allocated bytes)
@@ -392,9 +393,9 @@ def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray]
     out["grads_partition"] = out["grads_partition"] + apex_shard
     # a term no row holds stays the scalar 0.0 (broadcast where used): a search does not pay a pass for it
     out["params_fp8"] = fp8_weight_copies(m, c, _stage_layers(m, c, r), held) if np.any(c.get("fp8", False)) else 0.0
-    out.update(temp_buckets=_bucket(s_psi, c, k), temp_gather=gather, temp_loss=loss,
-               act_autocast=autocast, act_layers=held * stored, act_wgrad_deferred=deferred,
-               act_logits=np.where(last, logits, 0.0), act_recompute=recompute, act_stage_io=0.0,
+    out.update(optimizer=engine_zero1_optimizer(m, c, k, s_psi, out["optimizer"]), temp_buckets=_bucket(s_psi, c, k),
+               temp_gather=gather, temp_loss=loss, act_autocast=autocast, act_layers=held * stored,
+               act_wgrad_deferred=deferred, act_logits=np.where(last, logits, 0.0), act_recompute=recompute, act_stage_io=0.0,
                temp_backward=0.0, temp_reduce=0.0, temp_grad_accum=0.0)
     return out
 

@@ -203,3 +203,15 @@ def state_bytes(m: ModelSpec, c: dict[str, np.ndarray], psi: np.ndarray,
     params = params + np.where((zero == 3) & (d > 1), 2.0 * layer, 0.0)
     grads = grads + np.where((zero == 3) & (d > 1), layer, 0.0)
     return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def engine_zero1_optimizer(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], psi: Any,
+                           even: Any) -> Any:
+    """The optimizer states of the rank a dry run plays (rank 0) under the engine's ZeRO-1 (`even`: an even
+    share, elsewhere). ZeroRedundancyOptimizer and DTensorZeroOptimizer (engine/parallel/zero.py) hand out whole
+    local parameters, largest first onto the least-loaded rank, so rank 0 holds the largest tensor's states
+    whenever it outweighs an even share: Llama-3.1-8B at dp x cp = 64 (`c["dp"]` is the ZeRO group) holds the
+    525M-parameter embedding's, 4.2 GB, not 1.0 GB (measured by the dry run, engine/train/dryrun.py)."""
+    largest = np.maximum(m.vocab * m.hidden, m.hidden * m.ffn) / c["tp"]
+    whole = engine_rows(c) & (np.asarray(c["zero"]) == 1) & (np.asarray(c["dp"]) > 1) & (np.asarray(c["pp"]) == 1)
+    return np.where(whole, k["optimizer"] * np.maximum(psi / c["dp"], largest), even)
