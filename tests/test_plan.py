@@ -73,7 +73,7 @@ def test_plan_for_llama_3_1_8b_on_64_h100s_exports_to_all_five_formats(tmp_path)
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     out = _workbench("plan", "--model", str(LLAMA31_8B), "--gpus", "64", "--cluster", "dgx-h100", "--seq", "8192",
-                     "--global-batch", "512", "--target", "torchtitan", "--export", "all", "-o", "out",
+                     "--global-batch", "512", "--target", "torchtitan", "--export", "all", "-o", "out", "--dry-run", "0",
                      "--set", "train.steps=1000", "--set", f"data.tokenizer={tmp_path / 'tok'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "8,030,261,248 parameters" in out.stdout
@@ -125,7 +125,8 @@ def test_plan_refuses_torchtitan_for_qwen2_in_one_line(tmp_path):
              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
     (tmp_path / "config.json").write_text(json.dumps(qwen2))
     out = _workbench("plan", "--model", str(tmp_path / "config.json"), "--gpus", "8", "--seq", "4096",
-                     "--global-batch", "64", "--target", "megatron", "--export", "torchtitan", cwd=tmp_path)
+                     "--global-batch", "64", "--target", "megatron", "--export", "torchtitan", "--dry-run", "0",
+                     cwd=tmp_path)
     assert out.returncode == 2
     refusal = [line for line in out.stderr.splitlines() if line.startswith("torchtitan:")]
     assert refusal == ["torchtitan: model_type=qwen2 has no torchtitan model (llama and qwen3 configs "
