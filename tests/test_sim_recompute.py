@@ -76,3 +76,38 @@ def test_table3_layouts_ran_on_80gb_a100s_with_either_policy(size: str) -> None:
     model, layout = TABLE3[size]
     assert run(model, layout, "full").fits and run(model, layout, "selective", True).fits
     assert not run(model, layout, "none").fits
+
+
+def test_one_stage_under_full_recompute_holds_layer_inputs_and_the_larger_of_loss_and_recomputed_layer() -> None:
+    """The 22B of Table 3 on one stage (tp 8, micro-batch 4) under full recomputation: each of its 48 layers keeps
+    its input, 2 s b h bytes (Korthikanti et al. Table 2, "full"), and the backward holds either the loss's logits
+    (16-bit and the fp32 softmax, 6 bytes a logit over V / t) or one recomputed layer's whole set (eq. 2 over t, with
+    the 5 a s / h scores of unfused attention: s b h (10 + 24 / t + 5 a s / (h t)) bytes), never both: the loss's
+    backward frees the logits before the first layer is recomputed. The old sum counted the logits twice."""
+    model, layout = TABLE3["22B"]
+    s, b, h, a, t, v = 2048, 4, 6144, 64, 8, 51200
+    inputs = 48 * 2 * s * b * h
+    logits = 6 * s * b * v / t
+    layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert layer > logits
+    activations = run(model, layout, "full").memory_breakdown_gb["activations"]
+    assert activations == pytest.approx((inputs + layer) / 1e9, rel=1e-3)
+
+
+# Narayanan et al. 2021's experiments as Megatron-LM's examples/sc21 scripts run them (NVIDIA/Megatron-LM@79a3bb6:
+# examples/sc21/run_figure_{12,13,16,17}.sh: --recompute-method uniform, micro-batch 1 unless named, Selene's 80 GB
+# A100s); the figures report a throughput for each, so each ran
+SC21 = {
+    "figure 12, GPT-3 175B interleaved": (gpt(96, 12288, 96), dict(tp=8, pp=12, virtual=4, schedule="interleaved",
+                                                                   global_batch=60)),
+    "figure 13, 162B at pp 32 x tp 2": (gpt(32, 20480, 128), dict(tp=2, pp=32, global_batch=128)),
+    "figure 16, 91B at micro-batch 8": (gpt(32, 15360, 128), dict(tp=8, pp=8, micro=8, global_batch=512)),
+    "figure 17, 145B at batch 256": (gpt(80, 12288, 96), dict(tp=8, pp=16, global_batch=256)),
+}
+
+
+@pytest.mark.parametrize("name", list(SC21))
+def test_megatron_lms_sc21_layouts_are_priced_as_fitting_80gb(name: str) -> None:
+    """A guard (these fit before this change too): the layouts Megatron-LM ran on 80 GB A100s are never refused."""
+    model, layout = SC21[name]
+    assert run(model, {"micro": 1, **layout}, "full").fits
