@@ -313,7 +313,13 @@ def compute_times(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray],
                  + np.where(c["zero"] >= 2, cl.overhead_fsdp_layer_s, 0.0)
                  + gpu * per_row(fw, "layer_microbatch_s", frameworks))
     ovh = per_stage * layer_ovh + cl.overhead_microbatch_s + gpu * per_row(fw, "microbatch_s", frameworks)
-    re_ovh = np.where(rc == 2, per_stage * cl.overhead_layer_s / 3.0, 0.0)
+    # full recomputation runs each layer's forward again, host work included: Megatron-LM's CheckpointFunction
+    # and torch.utils.checkpoint call the layer's forward function in the backward (megatron/core/
+    # tensor_parallel/random.py CheckpointFunction.backward; torch/utils/checkpoint.py), so the forward's share of
+    # the per-layer fixed cost is paid twice, as the forward's kernels are (`re_layer`); not FSDP2's hooks, which
+    # sit on the block around the checkpointed module and do not run again
+    replayed = layer_ovh - np.where(c["zero"] >= 2, cl.overhead_fsdp_layer_s, 0.0)
+    re_ovh = np.where(rc == 2, per_stage * replayed / 3.0, 0.0)
     return {
         "fwd": per_stage * fwd_layer + k["logit_f"] + loss_f + ovh / 3.0,
         "bwd": per_stage * (bwd_layer + re_layer) + k["logit_b"] + loss_b + 2.0 * ovh / 3.0 + re_ovh,

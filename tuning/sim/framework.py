@@ -75,12 +75,12 @@ class Framework:
 # The fitted fields hold tuning.sim.fit.fit_frameworks() on every published row of the flavour
 # (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
 FITTED = {
-    "megatron": dict(layer_microbatch_s=0.004342, elementwise_traffic=2.259),
-    "deepspeed": dict(layer_microbatch_s=0.01123, elementwise_traffic=3.997, dp_bw_efficiency=0.3074,
+    "megatron": dict(layer_microbatch_s=0.003200, elementwise_traffic=2.263),
+    "deepspeed": dict(layer_microbatch_s=0.008519, elementwise_traffic=3.969, dp_bw_efficiency=0.3059,
                       zero3_bw_efficiency=0.1056, overlap_interference=0.3714,
                       allocator_reserve=0.1168),
-    "fsdp": dict(layer_microbatch_s=0.001039, elementwise_traffic=1.660, zero3_bw_efficiency=0.6260,
-                 overlap_interference=0.4825),
+    "fsdp": dict(layer_microbatch_s=0.001029, elementwise_traffic=1.666, zero3_bw_efficiency=0.6202,
+                 overlap_interference=0.4784),
     "megatron-core": dict(layer_microbatch_s=0.0001749, elementwise_traffic=2.672, microbatch_s=0.008230),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (

@@ -16,7 +16,7 @@ parameters and gradients), so a dry run of the engine can be compared category b
 | optimizer | `optimizer` | fp32 master weights (where the framework keeps them apart) + Adam moments |
 | activations | `act_layers` | the stored activations of the micro-batches in flight on the stage |
 | activations | `act_logits` | the 16-bit logits and fp32 softmax the loss keeps for its backward (last stage) |
-| activations | `act_recompute` | one layer's full set replayed in backward under full recomputation |
+| activations | `act_recompute` | one layer's full set replayed in backward under full recomputation (on the last rank only what it exceeds one micro-batch's logits by: the loss's backward frees them first) |
 | activations | `act_autocast` | the engine: autocast's bf16 copies of the stage's gathered weights, cached until its forward ends (none under FSDP2's mixed precision: its weights are bf16) |
 | activations | `act_stage_io` | the engine under FSDP2's mixed precision and pipelining: each in-flight micro-batch's received input and its output (the logits on the last stage) that torch's schedule keeps until its backward |
 | activations | `act_wgrad_deferred` | the last stage's output-layer inputs and logit gradients kept for the flush (`defer_embedding_wgrad`) |
@@ -281,8 +281,14 @@ def _rank(m: ModelSpec, c: dict[str, np.ndarray], r: Any, per_layer: Any) -> tup
 
 
 def _activations(m: ModelSpec, c: dict[str, np.ndarray], act: dict[str, np.ndarray],
-                 k: dict[str, np.ndarray]) -> tuple[Any, Any, Any]:
-    """(bytes per stored layer x micro-batch, the last rank's logits, the recomputed layer)."""
+                 k: dict[str, np.ndarray]) -> tuple[Any, Any, Any, Any]:
+    """(bytes per stored layer x micro-batch, the last rank's logits, the recomputed layer, what the recomputed
+    layer adds on the last rank). The last rank's loss and its recomputed layers never meet: the backward runs
+    the loss's first and frees that micro-batch's logits (Megatron-LM's vocab_parallel_cross_entropy hands its
+    saved softmax back as the gradient; torch frees the saved tensors of a node once it ran) before the first
+    layer's checkpoint replays its forward (megatron/core/tensor_parallel/random.py CheckpointFunction.backward,
+    torch.utils.checkpoint): there the recomputed layer counts only for what it exceeds one micro-batch's logits
+    by, as the engine's FSDP2 peak takes the larger of those moments (`_fsdp_bf16_peak`)."""
     t, p = c["tp"], c["pp"]
     stored = act["stored"]
     if m.gated_mlp:  # the framework's SwiGLU (activation_bytes counts eager's 8 f/h inside the tp region)
@@ -294,16 +300,16 @@ def _activations(m: ModelSpec, c: dict[str, np.ndarray], act: dict[str, np.ndarr
         freed = np.asarray(c["free_stage_input"]) & (p > 1) & (c["recompute"] != 2)
         stored = stored - np.where(freed, received * c["virtual"] / slots, 0.0)
     all_m = (c["schedule"] == SCHEDULES.index("gpipe")) | (c["schedule"] == SCHEDULES.index("looped_bfs"))
-    logits = (c["dtype_bytes"] + LOGIT_BYTES_KEPT) * c["micro"] * m.seq * m.vocab / t
-    logits = logits * np.where(all_m & (p > 1), c["num_mb"], 1)  # GPipe keeps every micro-batch's until backward
+    one = (c["dtype_bytes"] + LOGIT_BYTES_KEPT) * c["micro"] * m.seq * m.vocab / t
+    logits = one * np.where(all_m & (p > 1), c["num_mb"], 1)  # GPipe keeps every micro-batch's until backward
     recompute = np.where(c["recompute"] == 2, act["full"], 0.0)
     if np.any(k["engine"]):
         layer, kept, loss = _engine_activations(m, c)
         engine = k["engine"]
         stored = np.where(engine, np.where(c["recompute"] == 2, kept, layer), stored)
-        logits = np.where(engine, loss, logits)
+        logits, one = np.where(engine, loss, logits), np.where(engine, loss, one)
         recompute = np.where(engine & (c["recompute"] == 2), layer, recompute)
-    return stored, logits, recompute
+    return stored, logits, recompute, np.maximum(recompute - one, 0.0)
 
 
 def _engine_activations(m: ModelSpec, c: dict[str, np.ndarray]) -> tuple[Any, Any, Any]:
@@ -348,14 +354,15 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
     k = keeps(c)
     per_layer = psi / (m.layers / p) - _embedding_share(m, c)  # one block (MoE: with its changes, averaged)
     rates = _state_rates(c, k, c["dp"], _unit(m, c), _root(m, c))
-    stored, logits, recompute = _activations(m, c, act, k)
+    activations = _activations(m, c, act, k)
+    stored = activations[0]
     ranks = [np.zeros_like(p), p - 1]
     if np.any(c.get("account_for_embedding_and_loss", False)):  # else rank 0 holds rank 1's layers and more in flight
         ranks.append(np.minimum(1, p - 1))
     mixed = fsdp_bf16_rows(c) if np.any(k["engine"]) else False
 
     def terms_at(r: Any, rank: tuple[Any, Any, Any]) -> dict[str, Any]:
-        terms = _rank_terms(m, c, k, r, rank, rates, (stored, logits, recompute))
+        terms = _rank_terms(m, c, k, r, rank, rates, activations)
         if np.any(mixed):
             peak = _fsdp_bf16_peak(m, c, k, r, rank, rates, terms, stored)
             terms = {name: np.where(mixed, peak[name], value) for name, value in terms.items()}
@@ -379,10 +386,10 @@ def memory(m: ModelSpec, cl: ClusterSpec, c: dict[str, np.ndarray], psi: np.ndar
 
 
 def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray], r: Any, rank: tuple[Any, Any, Any],
-                rates: dict[str, Any], activations: tuple[Any, Any, Any]) -> dict[str, Any]:
+                rates: dict[str, Any], activations: tuple[Any, Any, Any, Any]) -> dict[str, Any]:
     """Every tensor term of TERMS on pipeline rank r (`rank`: its `_rank`) at the end of its forward: its
     parameters' states, the activation sets it holds in flight and the last rank's logits."""
-    stored, logits, recompute = activations
+    stored, logits, recompute, recompute_last = activations
     s_psi, held, last = rank
     acts = held * stored + np.where(last, logits, 0.0)
     nemo = np.any(c.get("dist_adam", 0)) or np.any(c.get("defer_embedding_wgrad", 0))
@@ -395,7 +402,8 @@ def _rank_terms(m: ModelSpec, c: dict[str, np.ndarray], k: dict[str, np.ndarray]
     out["params_fp8"] = fp8_weight_copies(m, c, _stage_layers(m, c, r), held) if np.any(c.get("fp8", False)) else 0.0
     out.update(optimizer=engine_zero1_optimizer(m, c, k, s_psi, out["optimizer"]), temp_buckets=_bucket(s_psi, c, k),
                temp_gather=gather, temp_loss=loss, act_autocast=autocast, act_layers=held * stored,
-               act_wgrad_deferred=deferred, act_logits=np.where(last, logits, 0.0), act_recompute=recompute, act_stage_io=0.0,
+               act_wgrad_deferred=deferred, act_logits=np.where(last, logits, 0.0),
+               act_recompute=np.where(last, recompute_last, recompute), act_stage_io=0.0,
                temp_backward=0.0, temp_reduce=0.0, temp_grad_accum=0.0)
     return out
 
