@@ -376,10 +376,7 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     zero3 = held[held["id"].str.startswith("nar-t2-zero3")]
     assert set(zero3["terms_at_default"]) == {"deepspeed.zero3_bw_efficiency deepspeed.overlap_interference"}
     assert (held["terms_at_default"] != "").sum() == 6  # the cause named above: the ZeRO-3 rows alone
-    assert priced.loc["dgxc-nemotron4-15b", "loso_median_pct"] < 6.0  # 10.8 with the published H100 facts
-    assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 9.0  # 11.7 without its unpadding's bytes
-    assert priced.loc["mcore-h100-weak", "loso_median_pct"] < 6.9  # 7.9 with its loss priced fused
-    assert priced.loc["mosaicml-a100-40", "loso_median_pct"] < 5.0
+    # issue 63 item 3: no source is pinned to the error its knobs reached; each is held to the issue's bounds above
     assert per.loc["bloom-0225", "spearman"] >= 0.8 and per.loc["bloom-0225", "top1_regret"] <= 0.05
     # the H100 Megatron-class tables, 1.2-2x too slow with the 2021 Megatron-LM terms, within 10% out of sample
     h100 = priced[priced.index.str.startswith(("dgxc-", "mcore-"))]
@@ -409,9 +406,9 @@ LOFO_SOURCE_EXCEPTIONS = {
     "dgxc-gpt3-175b": "the baseline is exact here (its run's MFU is 50%)",
 }
 LOFO_FAMILY_EXCEPTIONS = {
-    "narayanan2021": "no megatron row left: megatron terms at their defaults (23.2% against 10.3)",
+    "narayanan2021": "no megatron row left: megatron terms at their defaults (22.7% against 10.2)",
     "mosaicml": "no fsdp row left: fsdp terms at their defaults (12.2% against 12.3)",
-    "bigscience": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only (18.3% against 18.8)",
+    "bigscience": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only (18.6% against 18.8)",
 }
 
 

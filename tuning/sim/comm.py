@@ -3,7 +3,10 @@
 Every technique module prices its traffic with these: a collective of `bytes` per rank over a
 group of n ranks costs alpha + bytes x factor / busbw; `link` picks the group's bus bandwidth and
 latency from where its ranks sit (inside a node, or across nodes on as many NICs as the group has
-ranks per node); `all_to_all_time` prices the MoE and Ulysses all-to-alls.
+ranks per node); `all_to_all_time` prices the MoE and Ulysses all-to-alls. On clusters that run NCCL (`ClusterSpec.nccl_tuning`)
+an all-reduce, all-gather or reduce-scatter takes NCCL's own latency model instead of one flat alpha
+(`nccl_collective`): a ring's latency grows with its steps, and an all-reduce across nodes takes the faster of
+the ring and the tree, as NCCL's tuner picks.
 """
 from __future__ import annotations
 
@@ -17,6 +20,45 @@ from tuning.sim.hardware import GB, ClusterSpec
 def collective(nbytes: Any, factor: Any, bw_gb_s: Any, alpha_s: Any, n: Any) -> np.ndarray:
     """alpha + bytes * factor / busbw (formulas.md); zero for a group of one."""
     return np.where(np.asarray(n) > 1, alpha_s + nbytes * factor / (bw_gb_s * GB), 0.0)
+
+
+# NCCL's cost model of its collectives, NVIDIA/nccl@01afd20a77b5804e0ecf1042509dd9d20ebf9e93 src/graph/tuning.cc
+# (ncclTopoTuneModel, NCCL 2.8-2.9, the release of the 2021 A100 papers), Simple protocol (the one large messages use):
+# a ring of n ranks on N nodes takes nsteps = 2(n-1) steps for an all-reduce, n-1 for an all-gather or reduce-scatter,
+# of which 2(N-1) (N-1) cross the network; latency = baseLat[Ring][Simple] 8.4 us + intra steps x hwLat[NVLink][Ring]
+# [Simple] 3.4 us + inter steps x hwLat[NET][Ring][Simple] 9.6 us, x 1.9 for a multi-node ring all-reduce ("plateau
+# effect of ring", ncclTopoGetAlgoTime). The tree (all-reduce only): 2 ((n/N - 1) x 28 us + log2(N) x 50 us), its
+# algorithm bandwidth half of min(0.9 busBw, 80 GB/s above 2 nodes, 110 GB/s at 2): bytes x 2 / that.
+NCCL_RING_BASE_S = 8.4e-6
+NCCL_RING_STEP_S = {"nvlink": 3.4e-6, "net": 9.6e-6}
+NCCL_RING_PLATEAU = 1.9
+NCCL_TREE_STEP_S = {"nvlink": 28e-6, "net": 50e-6}
+NCCL_TREE_MAX_BUSBW_GB_S = {"two_nodes": 110.0, "more": 80.0}
+
+
+def nccl_collective(cl: ClusterSpec, nbytes: Any, op: str, bw_gb_s: Any, alpha_s: Any, n: Any,
+                    per_node: Any) -> np.ndarray:
+    """Seconds of one `op` ("all_reduce", "all_gather", "reduce_scatter") of `nbytes` per rank (nccl-tests sizes)
+    over n ranks, `per_node` of them in each node, at bus bandwidth `bw_gb_s`: NCCL's latency model (above) where
+    the cluster runs NCCL, else the flat `alpha_s`; zero for a group of one."""
+    n = np.asarray(n)
+    factor = (2.0 if op == "all_reduce" else 1.0) * (n - 1) / np.maximum(n, 1)
+    if not cl.nccl_tuning:
+        return collective(nbytes, factor, bw_gb_s, alpha_s, n)
+    per_node = np.clip(per_node, 1, np.maximum(n, 1))
+    nodes = np.ceil(n / per_node)
+    k = 2.0 if op == "all_reduce" else 1.0
+    steps, inter = k * (n - 1), k * (nodes - 1)
+    ring_lat = NCCL_RING_BASE_S + (steps - inter) * NCCL_RING_STEP_S["nvlink"] + inter * NCCL_RING_STEP_S["net"]
+    ring = ring_lat + nbytes * factor / (bw_gb_s * GB)
+    if op == "all_reduce":
+        ring = ring + np.where(nodes > 1, (NCCL_RING_PLATEAU - 1.0) * ring_lat, 0.0)
+        tree_bw = np.minimum(0.9 * bw_gb_s, np.where(nodes > 2, NCCL_TREE_MAX_BUSBW_GB_S["more"],
+                                                     NCCL_TREE_MAX_BUSBW_GB_S["two_nodes"]))
+        tree = (2.0 * ((per_node - 1) * NCCL_TREE_STEP_S["nvlink"] + np.log2(nodes) * NCCL_TREE_STEP_S["net"])
+                + nbytes * 2.0 / (tree_bw * GB))
+        ring = np.where(nodes > 1, np.minimum(ring, tree), ring)
+    return np.where(n > 1, ring, 0.0)
 
 
 def link(cluster: ClusterSpec, gpus: int, intra: Any, rails: Any = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -75,13 +75,13 @@ class Framework:
 # The fitted fields hold tuning.sim.fit.fit_frameworks() on every published row of the flavour
 # (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
 FITTED = {
-    "megatron": dict(layer_microbatch_s=0.004342, elementwise_traffic=2.259),
-    "deepspeed": dict(layer_microbatch_s=0.01123, elementwise_traffic=3.997, dp_bw_efficiency=0.3074,
+    "megatron": dict(layer_microbatch_s=0.004095, elementwise_traffic=2.271),
+    "deepspeed": dict(layer_microbatch_s=0.01100, elementwise_traffic=4.004, dp_bw_efficiency=0.3088,
                       zero3_bw_efficiency=0.1056, overlap_interference=0.3714,
                       allocator_reserve=0.1168),
     "fsdp": dict(layer_microbatch_s=0.001039, elementwise_traffic=1.660, zero3_bw_efficiency=0.6260,
                  overlap_interference=0.4825),
-    "megatron-core": dict(layer_microbatch_s=0.0001749, elementwise_traffic=2.672, microbatch_s=0.008230),
+    "megatron-core": dict(layer_microbatch_s=0.0002160, elementwise_traffic=2.643, microbatch_s=0.007459),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)

@@ -111,6 +111,9 @@ class ClusterSpec:
     # standard deviation of one GPU's sustained compute speed across the cluster's GPUs, a share of the
     # median's: the job's compute runs at its slowest GPU's pace (tuning.sim.stragglers; 0 = all equal)
     gpu_speed_sd: float = 0.0
+    # its collectives run on NCCL: an all-reduce / all-gather / reduce-scatter is priced with NCCL's own latency model
+    # (latency per ring step, the tree across nodes; tuning.sim.comm.nccl_collective) in place of the flat alphas above
+    nccl_tuning: bool = False
 
     @property
     def total_gpus(self) -> int | None:
@@ -204,6 +207,7 @@ _A100 = ClusterSpec(
     # DGX A100: 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=22.5,
     inter_latency_s=20e-6,  # assumed IB round through the fat tree
+    nccl_tuning=True,  # NCCL's latency per ring step and tree (tuning.sim.comm); the alphas above price sends
     kernels="a100",  # GEMM, attention and memory-bound rates as measured (tuning/data/kernels.yaml)
     # CUDA context + PyTorch's kernels on an A100 80GB, pytorch 1.13.1, all kernels loaded: 0.90 GiB
     # (stas00/ml-engineering training/performance/README.md, "Preloaded CUDA kernels memory usage")
@@ -228,6 +232,7 @@ _H100 = ClusterSpec(
     inter_bw_gb_s=45.0,
     inter_latency_s=20e-6,
     kernels="h100",
+    nccl_tuning=True,
     # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch 2's default), pytorch 2.1.1+cu121:
     # 0.47 GiB; loading every kernel eagerly takes 0.92 GiB, "the actual memory ... will be somewhere between"
     # (stas00/ml-engineering training/performance/README.md): the lazy floor, since a training step loads

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tuning.sim.hardware import ClusterSpec
-from tuning.sim.comm import collective, link
+from tuning.sim.comm import collective, link, nccl_collective
 from tuning.sim.framework import per_row
 from tuning.sim.spec import ModelSpec, engine_rows, reduce_bytes, weight_bytes
 
@@ -37,9 +37,10 @@ def _links(cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, An
     """The dp group's (busbw, latency) for all-reduce, all-gather and reduce-scatter: ranks t apart
     (tp innermost), so a node holds gpus_per_node / t ranks of the group (its rails)."""
     d = c["dp"]
-    bw, lat = link(cl, gpus, c["tp"] * d <= cl.gpus_per_node, np.clip(cl.gpus_per_node // c["tp"], 1, d))
+    per_node = np.clip(cl.gpus_per_node // c["tp"], 1, d)
+    bw, lat = link(cl, gpus, c["tp"] * d <= cl.gpus_per_node, per_node)
     return {"ar": (bw, lat), "ag": cl.measured_link("allgather", (bw, lat)),
-            "rs": cl.measured_link("reduce_scatter", (bw, lat))}
+            "rs": cl.measured_link("reduce_scatter", (bw, lat)), "per_node": per_node}
 
 
 def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], psi: np.ndarray,
@@ -57,9 +58,13 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     # ZeRO-0/1/2's whole-model collectives at the framework's share of the bus bandwidth (fitted; 1 but
     # for DeepSpeed, whose stage 1/2 reduce in buckets through flatten/copy kernels)
     share = per_row(fw, "dp_bw_efficiency", frameworks)
-    all_reduce = collective(grad_bytes, 2 * frac, lk["ar"][0] * share, lk["ar"][1], d)
-    reduce_scatter = collective(grad_bytes, frac, lk["rs"][0] * share, lk["rs"][1], d)
-    gather = collective(gathered, frac, lk["ag"][0] * share, lk["ag"][1], d)
+    def nccl(nbytes: np.ndarray, op: str, key: str) -> np.ndarray:
+        # NCCL's latency model (tuning.sim.comm) where the cluster runs NCCL; a host's in-situ alphas otherwise
+        return nccl_collective(cl, nbytes, op, lk[key][0] * share, lk[key][1], d, lk["per_node"])
+
+    all_reduce = nccl(grad_bytes, "all_reduce", "ar")
+    reduce_scatter = nccl(grad_bytes, "reduce_scatter", "rs")
+    gather = nccl(gathered, "all_gather", "ag")
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
 
