@@ -23,7 +23,8 @@ def collective(nbytes: Any, factor: Any, bw_gb_s: Any, alpha_s: Any, n: Any) -> 
 
 
 # NCCL's cost model of its collectives, NVIDIA/nccl@01afd20a77b5804e0ecf1042509dd9d20ebf9e93 src/graph/tuning.cc
-# (ncclTopoTuneModel, NCCL 2.8-2.9, the release of the 2021 A100 papers), Simple protocol (the one large messages use):
+# (ncclTopoTuneModel, NCCL 2.7.5, June 2020, the NCCL the first A100 clusters ran; the ring's constants stay the same
+# through 2.15, the tree's network step became 28 us in 2.9), Simple protocol (the one large messages use):
 # a ring of n ranks on N nodes takes nsteps = 2(n-1) steps for an all-reduce, n-1 for an all-gather or reduce-scatter,
 # of which 2(N-1) (N-1) cross the network; latency = baseLat[Ring][Simple] 8.4 us + intra steps x hwLat[NVLink][Ring]
 # [Simple] 3.4 us + inter steps x hwLat[NET][Ring][Simple] 9.6 us, x 1.9 for a multi-node ring all-reduce ("plateau

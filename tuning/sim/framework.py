@@ -81,7 +81,7 @@ FITTED = {
                       allocator_reserve=0.1168),
     "fsdp": dict(layer_microbatch_s=0.001039, elementwise_traffic=1.660, zero3_bw_efficiency=0.6260,
                  overlap_interference=0.4825),
-    "megatron-core": dict(layer_microbatch_s=0.0002160, elementwise_traffic=2.643, microbatch_s=0.007459),
+    "megatron-core": dict(layer_microbatch_s=0.0001749, elementwise_traffic=2.672, microbatch_s=0.008230),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)
