@@ -111,8 +111,8 @@ class ClusterSpec:
     # standard deviation of one GPU's sustained compute speed across the cluster's GPUs, a share of the
     # median's: the job's compute runs at its slowest GPU's pace (tuning.sim.stragglers; 0 = all equal)
     gpu_speed_sd: float = 0.0
-    # its collectives run on NCCL: an all-reduce / all-gather / reduce-scatter is priced with NCCL's own latency model
-    # (latency per ring step, the tree across nodes; tuning.sim.comm.nccl_collective) in place of the flat alphas above
+    # its collectives run on NCCL 2.7's cost model: an all-reduce / all-gather / reduce-scatter at the fastest of NCCL's
+    # rings and trees over its protocols (tuning.sim.comm.nccl_collective) in place of the flat alphas above
     nccl_tuning: bool = False
 
     @property
@@ -207,7 +207,7 @@ _A100 = ClusterSpec(
     # DGX A100: 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=22.5,
     inter_latency_s=20e-6,  # assumed IB round through the fat tree
-    # NCCL 2.7-2.10's latency per ring step and tree (tuning.sim.comm), the NCCL of the 2020-22 A100 runs; the alphas
+    # NCCL 2.7's cost model of its rings and trees (tuning.sim.comm), the NCCL of the 2020-22 A100 runs; the alphas
     # above still price the pipeline's sends and ZeRO-3's per-block collectives
     nccl_tuning=True,
     kernels="a100",  # GEMM, attention and memory-bound rates as measured (tuning/data/kernels.yaml)

@@ -3,8 +3,8 @@
 Each layer does 4 all-reduces of b s h x dtype bytes (2 forward, 2 backward; Shoeybi et al.
 2019), 2 more when full recomputation replays the forward; with sequence parallelism each becomes
 a reduce-scatter + all-gather of the same bytes and twice the latency (Korthikanti et al. 2022).
-The group is on NVLink while t <= gpus_per_node, otherwise across nodes; on an NCCL cluster each collective pays
-NCCL's latency per ring step (`tuning.sim.comm.nccl_collective`: 56 us for a tp 8 all-reduce on NVLink, 15.2 us at tp 2).
+The group is on NVLink while t <= gpus_per_node, otherwise across nodes; on an NCCL cluster each collective takes
+NCCL's own cost model (`tuning.sim.comm.nccl_collective`: a tp 8 all-reduce of 4 MB on NVLink 71 us, at tp 2 33 us).
 
 The engine (engine/parallel/tensor.py: q, k, v, gate and up column-parallel, o and down row-parallel, DTensor
 plans) reduces in forward the two row-parallel outputs in the run's dtype and in backward each column-parallel
