@@ -124,7 +124,9 @@ def test_activation_memory_by_hand() -> None:
     res = simulate(m, A100, ParallelSpec(micro=b, global_batch=8))
     assert res.memory_breakdown_gb["activations"] * 1e9 == pytest.approx(m.layers * _act_layer(m, b) + logits)
     full = simulate(m, A100, ParallelSpec(micro=b, global_batch=8, recompute="full"))
-    expected = m.layers * 2 * m.seq * b * m.hidden + _act_layer(m, b) + logits
+    # the layer inputs kept, then the larger of the loss's logits and the one layer replayed: the backward frees a
+    # micro-batch's logits before the first checkpointed layer replays its forward (they never meet)
+    expected = m.layers * 2 * m.seq * b * m.hidden + max(_act_layer(m, b), logits)
     assert full.memory_breakdown_gb["activations"] * 1e9 == pytest.approx(expected)
     sp = simulate(m, A100, ParallelSpec(tp=4, micro=b, global_batch=8, sequence_parallel=True))
     act_sp = m.seq * b * m.hidden * (34 / 4 + 5 * m.heads * m.seq / (m.hidden * 4))
@@ -254,13 +256,16 @@ def test_data_parallel_group_drives_one_nic_per_rank_in_a_node() -> None:
     res1 = simulate(GPT_6B, A100, par1)
     grad = GPT_6B.params * 2
     ring = 2 * 31 / 32 * grad
-    assert res1.dp_comm_total_s == pytest.approx(A100.inter_latency_s + ring / (8 * A100.inter_bw_gb_s * 1e9), rel=1e-9)
+    # NCCL's latency model (tests/test_sim_collectives.py): 2 x 31 ring steps, 2 x 3 of them across the 4 nodes,
+    # x 1.9 for a multi-node ring all-reduce; the tree (2 (7 x 28 + 2 x 50) us at 80 GB/s) is slower for 12 GB
+    latency = 1.9 * (8.4 + 56 * 3.4 + 6 * 9.6) * 1e-6
+    assert res1.dp_comm_total_s == pytest.approx(latency + ring / (8 * A100.inter_bw_gb_s * 1e9), rel=1e-9)
     par8 = ParallelSpec(dp=32, tp=8, global_batch=64, overlap_dp=False)
     res8 = simulate(GPT_6B, A100, par8)
     psi8 = (GPT_6B.layers * (12 * GPT_6B.hidden**2 + 13 * GPT_6B.hidden) + GPT_6B.vocab * GPT_6B.hidden) / 8 \
         + GPT_6B.seq * GPT_6B.hidden + 2 * GPT_6B.hidden  # positions and the final LayerNorm are replicated
-    assert res8.dp_comm_total_s == pytest.approx(
-        A100.inter_latency_s + 2 * 31 / 32 * psi8 * 2 / (A100.inter_bw_gb_s * 1e9), rel=1e-9)
+    assert res8.dp_comm_total_s == pytest.approx(  # one rank a node: all 2 x 31 steps cross the network
+        1.9 * (8.4 + 62 * 9.6) * 1e-6 + 2 * 31 / 32 * psi8 * 2 / (A100.inter_bw_gb_s * 1e9), rel=1e-9)
 
 
 def test_zero3_collectives_are_per_block() -> None:
@@ -293,10 +298,11 @@ def test_engine_zero2_is_fsdp2_without_backward_gather(monkeypatch) -> None:
     assert fsdp1.dp_comm_total_s == pytest.approx(nmb * 2 * gather, rel=1e-9)
     # the engine gathers once per step, and reduce-scatters every micro-batch
     assert engine.dp_comm_total_s == pytest.approx(gather + nmb * gather, rel=1e-9)
-    # DeepSpeed-style ZeRO-2: a reduce-scatter per micro-batch and one gather after the step
-    assert deepspeed.dp_comm_total_s == pytest.approx(
-        nmb * (gather - layers * A100.intra_latency_s) + (gather - layers * A100.intra_latency_s),
-        rel=1e-9)
+    # DeepSpeed-style ZeRO-2: a reduce-scatter per micro-batch and one gather after the step, each one whole-model
+    # collective at NCCL's cost (tests/test_sim_collectives.py): its Simple ring on 4 NVLink ranks, 8.4 + 3 x 3.4 us,
+    # at sm80's 235 GB/s, where a block's collective pays one alpha per unit at the preset's 240
+    whole = (gather - (layers + 1) * A100.intra_latency_s) * 240 / 235 + (8.4 + 3 * 3.4) * 1e-6
+    assert deepspeed.dp_comm_total_s == pytest.approx(nmb * whole + whole, rel=1e-9)
     # at bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (engine/parallel/parallelize.py
     # fsdp_mp_policy) gathers bf16 copies of the fp32 shards and reduce-scatters fp32 gradients
     from tuning.sim.spec import columns

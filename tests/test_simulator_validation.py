@@ -376,10 +376,7 @@ def test_every_source_leave_one_source_out_beside_the_baseline() -> None:
     zero3 = held[held["id"].str.startswith("nar-t2-zero3")]
     assert set(zero3["terms_at_default"]) == {"deepspeed.zero3_bw_efficiency deepspeed.overlap_interference"}
     assert (held["terms_at_default"] != "").sum() == 6  # the cause named above: the ZeRO-3 rows alone
-    assert priced.loc["dgxc-nemotron4-15b", "loso_median_pct"] < 6.0  # 10.8 with the published H100 facts
-    assert priced.loc["mosaicml-h100-large", "loso_median_pct"] < 9.0  # 11.7 without its unpadding's bytes
-    assert priced.loc["mcore-h100-weak", "loso_median_pct"] < 6.9  # 7.9 with its loss priced fused
-    assert priced.loc["mosaicml-a100-40", "loso_median_pct"] < 5.0
+    # issue 63 item 3: no source is pinned to the error its knobs reached; each is held to the issue's bounds above
     assert per.loc["bloom-0225", "spearman"] >= 0.8 and per.loc["bloom-0225", "top1_regret"] <= 0.05
     # the H100 Megatron-class tables, 1.2-2x too slow with the 2021 Megatron-LM terms, within 10% out of sample
     h100 = priced[priced.index.str.startswith(("dgxc-", "mcore-"))]
@@ -401,17 +398,17 @@ LOFO_SOURCE_EXCEPTIONS = {
     "mosaicml-h100-large": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
     "mosaicml-h100-fp8": "no fsdp row outside MosaicML's README: fsdp terms at their defaults",
     # without BLOOM's log DeepSpeed's terms are fitted on Narayanan's six ZeRO-3 rows and MT-NLG's three: their
-    # fixed costs and ZeRO-1 bandwidth share price the Jean Zay runs 11-21% too slow (93% of rows under)
-    "bloom-0221": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only: too slow",
+    # fixed costs and ZeRO-1 bandwidth share price the Jean Zay runs too slow: 02-23 20.1% against 20.2, 02-25 17.0
+    # against 16.4 (02-21 at 9.99% against 19.7 since NCCL's cost model and the recomputed forward's fixed cost)
     "bloom-0223": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only: too slow",
     "bloom-0225": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only: too slow",
     # the recipe ran at the baseline's own 50% MFU (baseline 1.3% off): 1.4% without the dgxc family, 0.2% LOSO
     "dgxc-gpt3-175b": "the baseline is exact here (its run's MFU is 50%)",
 }
 LOFO_FAMILY_EXCEPTIONS = {
-    "narayanan2021": "no megatron row left: megatron terms at their defaults (23.2% against 10.3)",
+    "narayanan2021": "no megatron row left: megatron terms at their defaults (22.3% against 10.2)",
     "mosaicml": "no fsdp row left: fsdp terms at their defaults (12.2% against 12.3)",
-    "bigscience": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only (18.3% against 18.8)",
+    "bigscience": "DeepSpeed fitted on ZeRO-3 and MT-NLG rows only (17.7% against 18.8)",
 }
 
 

@@ -63,6 +63,17 @@ class Framework:
     # structural: the distributed optimizer's parameter all-gather overlaps the next forward
     # (megatron-core --overlap-param-gather, which its recipes set beside --overlap-grad-reduce)
     overlap_param_gather: bool = False
+    # structural: the elements of one data-parallel gradient bucket, each bucket reduced by a collective of its own
+    # (tuning.sim.zero): 0 = the row's `bucket_mb` where its gradients are reduced under the backward (torch DDP's
+    # bucket_cap_mb, 25 MB by default), one collective over the whole buffer where they are not (Megatron-LM's local
+    # DDP). DeepSpeed: ZeRO's reduce_bucket_size, 5e8 elements ("Number of elements reduced/allreduced at a time",
+    # deepspeed/runtime/zero/config.py); megatron-core's DDP: max(40,000,000, 1,000,000 x dp) elements with
+    # --overlap-grad-reduce, one bucket without ("make buckets larger to ensure that chunks used in NCCL ring-reduce
+    # implementations are large enough to remain bandwidth-bound rather than latency-bound",
+    # NVIDIA/Megatron-LM@293e10419fd1b79c8680a0f4a206fc0a373729b5:
+    # megatron/core/distributed/distributed_data_parallel.py)
+    bucket_elems: float = 0.0
+    bucket_elems_per_dp_rank: float = 0.0  # structural: elements a bucket grows by per dp rank (megatron-core, above)
     # fitted on memory readings, not end-to-end rows: the device memory its processes hold beyond the tensors the
     # memory model counts, as a share of those tensors -- the caching allocator's cached and fragmented blocks
     # (ZeRO, Rajbhandari et al. 2020 sec. 3.2: "out of memory issue with over 30% of memory still available";
@@ -75,13 +86,13 @@ class Framework:
 # The fitted fields hold tuning.sim.fit.fit_frameworks() on every published row of the flavour
 # (FITTED_TERMS; `simulate --validate` refits them without each source in turn).
 FITTED = {
-    "megatron": dict(layer_microbatch_s=0.003200, elementwise_traffic=2.263),
-    "deepspeed": dict(layer_microbatch_s=0.008519, elementwise_traffic=3.969, dp_bw_efficiency=0.3059,
+    "megatron": dict(layer_microbatch_s=0.002984, elementwise_traffic=2.271),
+    "deepspeed": dict(layer_microbatch_s=0.00804, elementwise_traffic=3.99, dp_bw_efficiency=0.3016,
                       zero3_bw_efficiency=0.1056, overlap_interference=0.3714,
                       allocator_reserve=0.1168),
     "fsdp": dict(layer_microbatch_s=0.001029, elementwise_traffic=1.666, zero3_bw_efficiency=0.6202,
                  overlap_interference=0.4784),
-    "megatron-core": dict(layer_microbatch_s=0.0001749, elementwise_traffic=2.672, microbatch_s=0.008230),
+    "megatron-core": dict(layer_microbatch_s=0.0001955, elementwise_traffic=2.657, microbatch_s=0.007973),
 }
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)
@@ -90,7 +101,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # all its terms fitted jointly on its rows: ZeRO-3's bandwidth share and overlap interference are what its
     # ZeRO-3 rows (Narayanan et al. 2021 Table 2) inform; they keep their defaults in a fit without those rows
     Framework(name="deepspeed", description="Megatron-DeepSpeed with DeepSpeed's PipelineEngine and ZeRO "
-              "(stage 3 gathers per parameter)", zero3_per_parameter=True, **FITTED["deepspeed"]),
+              "(stage 3 gathers per parameter)", zero3_per_parameter=True, bucket_elems=5e8, **FITTED["deepspeed"]),
     # Composer (llm-foundry) enters no_sync only for a DDP-wrapped model, so FSDP1's SHARD_GRAD_OP
     # syncs every micro-batch and then frees the unsharded parameters after backward: ZeRO-2 re-gathers
     # in each micro-batch's forward (composer/trainer/dist_strategy.py ddp_sync_context; FSDP1
@@ -105,7 +116,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # its own (H100) rows only: the 2021 Megatron-LM rows keep the "megatron" flavour.
     Framework(name="megatron-core", description="Megatron-core 2024+ (NeMo, Megatron-Bridge): Transformer Engine "
               "fused kernels, overlapped distributed optimizer", attention_kernel="cudnn", fused_kernels=True,
-              overlap_param_gather=True, **FITTED["megatron-core"]),
+              overlap_param_gather=True, bucket_elems=4e7, bucket_elems_per_dp_rank=1e6, **FITTED["megatron-core"]),
 )}
 FRAMEWORK_NAMES = tuple(FRAMEWORKS)
 

@@ -111,6 +111,9 @@ class ClusterSpec:
     # standard deviation of one GPU's sustained compute speed across the cluster's GPUs, a share of the
     # median's: the job's compute runs at its slowest GPU's pace (tuning.sim.stragglers; 0 = all equal)
     gpu_speed_sd: float = 0.0
+    # its collectives run on NCCL 2.7's cost model: an all-reduce / all-gather / reduce-scatter at the fastest of NCCL's
+    # rings and trees over its protocols (tuning.sim.comm.nccl_collective) in place of the flat alphas above
+    nccl_tuning: bool = False
 
     @property
     def total_gpus(self) -> int | None:
@@ -204,6 +207,9 @@ _A100 = ClusterSpec(
     # DGX A100: 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU; assumed 90%.
     inter_bw_gb_s=22.5,
     inter_latency_s=20e-6,  # assumed IB round through the fat tree
+    # NCCL 2.7's cost model of its rings and trees (tuning.sim.comm), the NCCL of the 2020-22 A100 runs; the alphas
+    # above still price the pipeline's sends and ZeRO-3's per-block collectives
+    nccl_tuning=True,
     kernels="a100",  # GEMM, attention and memory-bound rates as measured (tuning/data/kernels.yaml)
     # CUDA context + PyTorch's kernels on an A100 80GB, pytorch 1.13.1, all kernels loaded: 0.90 GiB
     # (stas00/ml-engineering training/performance/README.md, "Preloaded CUDA kernels memory usage")
@@ -228,6 +234,9 @@ _H100 = ClusterSpec(
     inter_bw_gb_s=45.0,
     inter_latency_s=20e-6,
     kernels="h100",
+    # nccl_tuning off: the H100 runs (2023-24) ran NCCL >= 2.18, whose model differs from the constants of
+    # tuning.sim.comm (14 us a network step, the ring plateau 1.4, NVLink SHARP all-reduces on NVSwitch 3, PAT
+    # gathers; NVIDIA/nccl@ab2b89c4 src/graph/tuning.cc, 2.21.5): not modelled, the flat alphas stay
     # CUDA context with lazy module loading (CUDA >= 11.7, PyTorch 2's default), pytorch 2.1.1+cu121:
     # 0.47 GiB; loading every kernel eagerly takes 0.92 GiB, "the actual memory ... will be somewhere between"
     # (stas00/ml-engineering training/performance/README.md): the lazy floor, since a training step loads

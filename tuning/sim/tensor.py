@@ -3,7 +3,8 @@
 Each layer does 4 all-reduces of b s h x dtype bytes (2 forward, 2 backward; Shoeybi et al.
 2019), 2 more when full recomputation replays the forward; with sequence parallelism each becomes
 a reduce-scatter + all-gather of the same bytes and twice the latency (Korthikanti et al. 2022).
-The group is on NVLink while t <= gpus_per_node, otherwise across nodes.
+The group is on NVLink while t <= gpus_per_node, otherwise across nodes; on an NCCL cluster each collective takes
+NCCL's own cost model (`tuning.sim.comm.nccl_collective`: a tp 8 all-reduce of 4 MB on NVLink 71 us, at tp 2 33 us).
 
 The engine (engine/parallel/tensor.py: q, k, v, gate and up column-parallel, o and down row-parallel, DTensor
 plans) reduces in forward the two row-parallel outputs in the run's dtype and in backward each column-parallel
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from tuning.sim.hardware import ClusterSpec
-from tuning.sim.comm import collective, link
+from tuning.sim.comm import link, nccl_collective
 from tuning.sim.spec import ModelSpec, engine_rows, weight_bytes
 
 
@@ -34,12 +35,14 @@ def tp_comm_time(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarr
     """Exposed tensor-parallel collective seconds per micro-batch on one stage; `gemm` is the stage's
     dense GEMM seconds per micro-batch, the window overlapped collectives (`tp_comm_overlap`) run under."""
     t = c["tp"]
-    bw, lat = link(cl, gpus, t <= cl.gpus_per_node, np.minimum(t, cl.gpus_per_node))
+    per_node = np.minimum(t, cl.gpus_per_node)
+    bw, lat = link(cl, gpus, t <= cl.gpus_per_node, per_node)
     total = 0.0
     for n_ar, act in tp_messages(m, c):
         per_ar = np.where(c["sequence_parallel"],
-                          2 * collective(act, (t - 1) / t, bw, lat, t),
-                          collective(act, 2 * (t - 1) / t, bw, lat, t))
+                          nccl_collective(cl, act, "reduce_scatter", bw, lat, t, per_node)
+                          + nccl_collective(cl, act, "all_gather", bw, lat, t, per_node),
+                          nccl_collective(cl, act, "all_reduce", bw, lat, t, per_node))
         total = total + m.layers / c["pp"] * n_ar * per_ar
     overlap = np.asarray(c.get("tp_comm_overlap", False)) & np.asarray(c["sequence_parallel"]) & (t > 1)
     if gemm is None or not np.any(overlap):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tuning.sim.hardware import ClusterSpec
-from tuning.sim.comm import collective, link
+from tuning.sim.comm import collective, link, nccl_collective
 from tuning.sim.framework import per_row
 from tuning.sim.spec import ModelSpec, engine_rows, reduce_bytes, weight_bytes
 
@@ -37,9 +37,10 @@ def _links(cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray]) -> dict[str, An
     """The dp group's (busbw, latency) for all-reduce, all-gather and reduce-scatter: ranks t apart
     (tp innermost), so a node holds gpus_per_node / t ranks of the group (its rails)."""
     d = c["dp"]
-    bw, lat = link(cl, gpus, c["tp"] * d <= cl.gpus_per_node, np.clip(cl.gpus_per_node // c["tp"], 1, d))
+    per_node = np.clip(cl.gpus_per_node // c["tp"], 1, d)
+    bw, lat = link(cl, gpus, c["tp"] * d <= cl.gpus_per_node, per_node)
     return {"ar": (bw, lat), "ag": cl.measured_link("allgather", (bw, lat)),
-            "rs": cl.measured_link("reduce_scatter", (bw, lat))}
+            "rs": cl.measured_link("reduce_scatter", (bw, lat)), "per_node": per_node}
 
 
 def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], psi: np.ndarray,
@@ -57,9 +58,16 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
     # ZeRO-0/1/2's whole-model collectives at the framework's share of the bus bandwidth (fitted; 1 but
     # for DeepSpeed, whose stage 1/2 reduce in buckets through flatten/copy kernels)
     share = per_row(fw, "dp_bw_efficiency", frameworks)
-    all_reduce = collective(grad_bytes, 2 * frac, lk["ar"][0] * share, lk["ar"][1], d)
-    reduce_scatter = collective(grad_bytes, frac, lk["rs"][0] * share, lk["rs"][1], d)
-    gather = collective(gathered, frac, lk["ag"][0] * share, lk["ag"][1], d)
+    def nccl(nbytes: np.ndarray, op: str, key: str) -> np.ndarray:
+        # NCCL's latency model (tuning.sim.comm) where the cluster runs NCCL; a host's in-situ alphas otherwise
+        return nccl_collective(cl, nbytes, op, lk[key][0] * share, lk[key][1], d, lk["per_node"])
+
+    # the gradients are reduced bucket by bucket, each bucket a collective with its own latency (at dp 512 across 64
+    # nodes NCCL's fastest, the LL128 tree, pays 0.12 ms a call: tuning.sim.comm)
+    buckets = np.maximum(grad_bytes / _bucket_bytes(c, fw, frameworks, el), 1.0)
+    all_reduce = buckets * nccl(grad_bytes / buckets, "all_reduce", "ar")
+    reduce_scatter = buckets * nccl(grad_bytes / buckets, "reduce_scatter", "rs")
+    gather = nccl(gathered, "all_gather", "ag")
     last_bucket = np.minimum(1.0, c["bucket_mb"] * 1e6 / np.maximum(grad_bytes, 1.0))
     n_layers = m.layers / c["pp"]
 
@@ -142,6 +150,17 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
         (blockwise, lambda: nmb * (gather_fwd() + hide_blocks(block_rs(), times["bwd"]))),
         (once_z2, lambda: gather_fwd() + nmb * hide_blocks(block_rs(), times["bwd"]))], 0.0)
     return {"total": total + final_gather, "exposed": exposed}
+
+
+def _bucket_bytes(c: dict[str, np.ndarray], fw: Any, frameworks: Any, el: Any) -> np.ndarray:
+    """Bytes of one gradient bucket (`Framework.bucket_elems`): the framework's own rule where it has one; else the
+    row's `bucket_mb` where the reduction overlaps the backward, and the whole buffer (infinite) where it does not."""
+    own = per_row(fw, "bucket_elems", frameworks)
+    own = np.maximum(own, per_row(fw, "bucket_elems_per_dp_rank", frameworks) * c["dp"]) * el
+    row = np.where(c["overlap_dp"], c["bucket_mb"] * 1e6, np.inf)
+    # megatron-core without --overlap-grad-reduce reduces one bucket (bucket_size None)
+    unbucketed = (per_row(fw, "bucket_elems_per_dp_rank", frameworks) > 0) & ~np.asarray(c["overlap_dp"])
+    return np.where(unbucketed, np.inf, np.where(own > 0, own, row))
 
 
 def _select(choices: list[tuple[Any, Any]], default: Any) -> Any:
