@@ -235,3 +235,26 @@ def test_plan_dry_runs_the_pick_it_exports_by_default_and_says_when_it_is_not_ch
     assert (tmp_path / "fits" / "config.yaml").is_file()
     unchecked = _workbench(*args, "-o", "unchecked", "--dry-run", "0", cwd=tmp_path)
     assert unchecked.returncode == 0 and "layout 1 exported unchecked" in unchecked.stderr
+
+
+@pytest.mark.parametrize("target", ["megatron", "yaml"])
+def test_another_targets_layout_is_not_refused_because_the_engines_program_would_not_fit(target):
+    """The engine's dry run of a Megatron pick plays the engine's program (fp32 weights and gradients) at the pick's
+    degrees: Llama-3.1-8B's cp 2 x dp 32 pick peaked at 147 GiB there against 67.9 GB priced for megatron-core, and
+    its export was refused (bea12cd..50edea2). Megatron's layout is judged by the simulator's megatron-core memory;
+    the engine's refusal is said beside it. The workbench's own target keeps the dry run's verdict."""
+    from tuning.plan import DryRunCheck, _judged_for_target
+
+    cluster = load_cluster("dgx-h100")
+    model = ModelSpec.from_hf(str(LLAMA31_8B), seq=8192)
+    plan = make_plan(model, cluster, gpus=64, global_batch=1024, target=target, model_source=str(LLAMA31_8B))
+    engine = "the busiest rank holds 147.0 GiB at its peak, over 79.6 GiB of device memory per GPU of dgx-h100"
+    check = _judged_for_target(plan, DryRunCheck(
+        pick=1, judged_by="dry run", peaks=[("pp 0", 147.0 * 2**30)], largest="activations",
+        simulator_bytes=67.9e9, limit_bytes=85.5e9, refusal=engine, note="played as the engine runs it"))
+    if target == "yaml":
+        assert check.refusal == engine and check.fits is False
+        return
+    assert check.refusal is None and check.fits is True
+    assert check.note == (f"played as the engine runs it; the engine's own program of it would not fit ({engine}): "
+                          "megatron is judged by the simulator's megatron-core memory, 67.9 GB of 85.5")

@@ -490,12 +490,26 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
             dry = run(cfg)
         except (ConfigError, RuntimeError) as exc:  # the launcher's pre-flight falls back the same way
             note = str(exc) if isinstance(exc, ConfigError) else f"the dry run failed: {str(exc).splitlines()[-1]}"
-            checks.append(_estimated(cfg, pick, sim, limit, name, note=note))
+            checks.append(_judged_for_target(plan, _estimated(cfg, pick, sim, limit, name, note=note)))
             continue
         check = _dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start)
         check.note = played_note(plan, pick)
-        checks.append(check)
+        checks.append(_judged_for_target(plan, check))
     return checks
+
+
+def _judged_for_target(plan: Plan, check: DryRunCheck) -> DryRunCheck:
+    """Another target's layout fits or not by what that target holds, the simulator's pricing of its flavour (the
+    plan ranks only layouts it fits); the engine's dry run of it stays beside as the check of the simulator's
+    memory per category. The engine keeps fp32 weights and gradients where Megatron-core keeps bf16 weights and a
+    sharded fp32 copy, so its program not fitting says nothing of the target's."""
+    if plan.target == "yaml" or check.refusal is None or check.simulator_bytes > check.limit_bytes:
+        return check
+    check.note = (f"{check.note}; the engine's own program of it would not fit ({check.refusal}): "
+                  f"{plan.target} is judged by the simulator's {plan.framework} memory, "
+                  f"{check.simulator_bytes / 1e9:.1f} GB of {check.limit_bytes / 1e9:.1f}")
+    check.refusal = None
+    return check
 
 
 def played_note(plan: Plan, pick: int) -> str | None:
@@ -512,7 +526,9 @@ def played_note(plan: Plan, pick: int) -> str | None:
     zero = int(_ranked_row(plan, pick)["zero"])
     optimizer = " (the distributed optimizer as ZeRO-1 over dp x cp)" if plan.target == "megatron" and zero == 1 else ""
     left = f"; {', '.join(timing)} only change time, not played" if timing else ""
-    return f"played as the engine runs it{optimizer}, fp32 weights under {knobs['precision']} autocast{left}"
+    # the engine trains under bf16 autocast; an FP8 pick's GEMMs are played in bf16 (its cached FP8 weights are not)
+    precision = "bf16 autocast (FP8 played as bf16)" if knobs["precision"] == "fp8" else f"{knobs['precision']} autocast"
+    return f"played as the engine runs it{optimizer}, fp32 weights under {precision}{left}"
 
 
 def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, name: str,
