@@ -57,12 +57,15 @@ postgres:
 	@bash tests/postgres_server.sh
 
 # -rs: every skipped test is listed with its reason; the slowest work starts first, by tests/durations.json
-# (tests/suite_order.py), which `make durations` rewrites from a whole run (commit it when the times have moved)
+# (tests/suite_order.py), which `make durations` rewrites from a whole run (commit it when the times have moved).
+# Three workers on two cores: the suite waits more than it computes (Slurm's scheduler, the dashboard and browser,
+# rendezvous, timeouts under test): a whole run used about 57% of two cores' time with two workers
+WORKERS ?= 3
 test: $(STAMP) chromium slurm postgres
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30
 
 durations: $(STAMP) chromium slurm postgres
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30 --record-durations
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30 --record-durations
 
 # the compatibility matrix (docs/compatibility.md): re-runs the accepted cells whose result is stale (another
 # plan, or a change to the code that cell runs: tools/matrix/compat_code.py) or missing, or CELLS=a+b,c+d, or

@@ -1,4 +1,4 @@
-"""The suite's order under xdist (`make test`: -n 2 --dist loadgroup): the slowest work first, so no worker is
+"""The suite's order under xdist (`make test`: -n 3 --dist loadgroup): the slowest work first, so no worker is
 left alone with a long test at the end. A unit is an xdist_group (xdist hands it to one worker at once) or a
 module (its tests kept together in their order; xdist hands them out one at a time). Units run by their
 recorded seconds, most first (tests/durations.json, which `make test` rewrites: --record-durations);
