@@ -282,13 +282,9 @@ def _rank(m: ModelSpec, c: dict[str, np.ndarray], r: Any, per_layer: Any) -> tup
 
 def _activations(m: ModelSpec, c: dict[str, np.ndarray], act: dict[str, np.ndarray],
                  k: dict[str, np.ndarray]) -> tuple[Any, Any, Any, Any]:
-    """(bytes per stored layer x micro-batch, the last rank's logits, the recomputed layer, what the recomputed
-    layer adds on the last rank). The last rank's loss and its recomputed layers never meet: the backward runs
-    the loss's first and frees that micro-batch's logits (Megatron-LM's vocab_parallel_cross_entropy hands its
-    saved softmax back as the gradient; torch frees the saved tensors of a node once it ran) before the first
-    layer's checkpoint replays its forward (megatron/core/tensor_parallel/random.py CheckpointFunction.backward,
-    torch.utils.checkpoint): there the recomputed layer counts only for what it exceeds one micro-batch's logits
-    by, as the engine's FSDP2 peak takes the larger of those moments (`_fsdp_bf16_peak`)."""
+    """(bytes per stored layer x micro-batch, the last rank's logits, the recomputed layer, what it adds on the
+    last rank: what it exceeds one micro-batch's logits by, freed by the loss's backward before the first
+    checkpoint replays its forward: Megatron's CheckpointFunction.backward, torch.utils.checkpoint)."""
     t, p = c["tp"], c["pp"]
     stored = act["stored"]
     if m.gated_mlp:  # the framework's SwiGLU (activation_bytes counts eager's 8 f/h inside the tp region)
@@ -531,15 +527,13 @@ def runtime(c: dict[str, np.ndarray], cl: ClusterSpec) -> dict[str, Any]:
 
 
 def tracker_categories(terms: dict[str, float], fsdp: bool) -> dict[str, float]:
-    """One configuration's tensor terms in torch's tracker categories: FSDPMemTracker's for FSDP2
-    (`fsdp`), MemTracker's otherwise; the runtime is not a tensor and is not among them."""
+    """One configuration's tensor terms in torch's tracker categories (FSDPMemTracker's for FSDP2, else MemTracker's)."""
     table = FSDP_MEMTRACKER if fsdp else MEMTRACKER
     return {name: float(sum(terms.get(t, 0.0) for t in names)) for name, names in table.items()}
 
 
 def _embedding_share(m: ModelSpec, c: dict[str, np.ndarray]) -> np.ndarray:
-    """The embedding, head, positions and final norm `tuning.sim.compute.stage_params` adds to a
-    stage's blocks, spread over its L/p layers (psi / (L/p) less this is one block)."""
+    """What `compute.stage_params` adds to a stage's blocks (embedding, head, positions, final norm) per layer."""
     p, t = c["pp"], _table_tp(c)
     table = m.vocab * m.hidden / t * np.where((p == 1) & (not m.tied_embeddings), 2.0, 1.0)
     positions = m.seq * m.hidden if m.learned_positions else 0.0
@@ -581,16 +575,14 @@ def finish(terms: dict[str, Any], cl: ClusterSpec, reserve: Any = 0.0) -> dict[s
 
 
 def _held(value: Any) -> bool:
-    """Whether some row holds the term: an array, or a scalar other than 0 (a term no row holds stays the
-    scalar 0.0, and adding it is skipped: a search does not pay a pass over its rows for it)."""
+    """Whether some row holds the term: an array, or a scalar other than 0 (a term no row holds stays 0.0)."""
     return bool(np.ndim(value)) or bool(value)
 
 
 def total_of(values: Any) -> Any:
     """The sum of `values` in order, skipping scalar zeros (a term no row holds costs no pass over the
     rows) and adding into one array of its own once it has one (a search's sums allocate once)."""
-    total: Any = 0.0
-    owned = False
+    total, owned = 0.0, False
     for value in values:
         if not _held(value):
             continue
