@@ -69,3 +69,24 @@ def test_make_test_runs_the_suite_in_this_order():
     assert "-n $(WORKERS) --dist loadgroup" in durations and "--record-durations" in durations, durations
     assert re.search(r"^WORKERS \?= 3$", text, re.M), "make test runs three workers"
     assert (ROOT / "tests" / "conftest.py").read_text().count("tests.suite_order") == 1
+
+
+def test_the_launch_group_runs_in_two_lanes_of_whole_modules(tmp_path):
+    """`launch` was one unit of 1,637 of the suite's 4,542 recorded seconds, all on one worker: now two lanes, each
+    module whole in one (its fixtures on one worker), the lanes balanced by recorded seconds. Old plugin: all four
+    tests on one worker."""
+    from tests.suite_order import lanes
+
+    assert lanes({"a": 5, "b": 4, "c": 3, "d": 1}, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    for name in ("x", "y"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import pytest\nfrom helper import started\npytestmark = pytest.mark.xdist_group('launch')\n"
+            + "".join(f"def test_{name}{i}():\n    started('{name}{i}')\n" for i in range(2)))
+    (tmp_path / "helper.py").write_text(STARTED)
+    (tmp_path / "durations.json").write_text(json.dumps({f"test_{n}.py::test_{n}{i}": 5 for n in "xy" for i in range(2)}))
+    out = _pytest(tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    started = [line.split() for line in (tmp_path / "started.log").read_text().splitlines()]
+    worker_of = {name[0]: {w for w, n in started if n[0] == name[0]} for _, name in started}
+    assert all(len(workers) == 1 for workers in worker_of.values()), started  # a module stays on one worker
+    assert worker_of["x"] != worker_of["y"], started  # the two lanes run side by side
