@@ -127,20 +127,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 
 # ---------------------------------------------------------------- ring (CPU: explicit)
 
-class _RingShift(torch.autograd.Function):
-    """Send to the next rank of the ring, receive from the previous; backward goes the other way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, group, +1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _shift(grad.contiguous(), ctx.group, -1), None
+# Score elements (batch x heads x query rows x keys) one block's forward or backward holds at a time: its
+# query rows go in chunks of at most this many scores (256 MiB in fp32), so a layer's transient
+# scores stay a slice of the (s/cp)^2 block (Llama-3.1-8B at seq 8192, cp 2: 2 GiB a block)
+SCORE_CHUNK = 2**26
 
 
 def _shift(x: torch.Tensor, group: dist.ProcessGroup, direction: int) -> torch.Tensor:
+    """Send `x` to the rank `direction` steps along the ring, receive the one from `direction` steps back."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(group, (me + direction) % n), group),
@@ -150,16 +144,105 @@ def _shift(x: torch.Tensor, group: dist.ProcessGroup, direction: int) -> torch.T
     return out
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention output and the log-sum-exp of its scores (b, H, tq, 1); k/v heads
-    repeated to q's here, after they travelled."""
-    k, v = repeat_heads(k, q.shape[1]), repeat_heads(v, q.shape[1])
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+def _row_chunks(q: torch.Tensor, keys: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of q's rows whose scores against `keys` keys fit SCORE_CHUNK."""
+    rows = max(1, SCORE_CHUNK // max(1, q.shape[0] * q.shape[1] * keys))
+    return [(r, min(r + rows, q.shape[-2])) for r in range(0, q.shape[-2], rows)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, start: int, causal: bool) -> torch.Tensor:
+    """Scaled fp32 scores of q's rows (from row `start` of the block) against k; with `causal`, the
+    keys after each row's own position masked to -inf (the block on the diagonal)."""
+    s = (q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(q.shape[-1]))
     if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.softmax(scores, dim=-1) @ v, lse
+        rows = torch.arange(start, start + q.shape[-2], device=q.device)[:, None]
+        s.masked_fill_(torch.arange(k.shape[-2], device=q.device)[None, :] > rows, float("-inf"))
+    return s
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and the log-sum-exp of its scores (b, H, tq), fp32 q/k/v with
+    k/v already repeated to q's heads."""
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    for a, b in _row_chunks(q, k.shape[-2]):
+        s = _scores(q[..., a:b, :], k, a, causal)
+        lse[..., a:b] = torch.logsumexp(s, dim=-1)
+        out[..., a:b, :] = s.sub_(lse[..., a:b, None]).exp_() @ v
+    return out, lse
+
+
+def _block_backward(q, k, v, d_out, lse, delta, causal: bool, dq: torch.Tensor):
+    """FlashAttention-2's backward of one block (fp32, k/v repeated to q's heads): each row's
+    probabilities P recomputed from q, k and its saved whole-row log-sum-exp, dS = P (dP - delta)
+    with delta = rowsum(dO * O); dQ is added into `dq`, (dK, dV) of this block's keys returned."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in _row_chunks(q, k.shape[-2]):
+        p = _scores(q[..., a:b, :], k, a, causal).sub_(lse[..., a:b, None]).exp_()
+        dv += p.transpose(-2, -1) @ d_out[..., a:b, :]
+        ds = (d_out[..., a:b, :] @ v.transpose(-2, -1)).sub_(delta[..., a:b, None]).mul_(p).mul_(scale)
+        dq[..., a:b, :] += ds @ k
+        dk += ds.transpose(-2, -1) @ q[..., a:b, :]
+    return dk, dv
+
+
+def _fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `repeat_heads`: (b, H, t, d) summed back to (b, kv_heads, t, d)."""
+    b, h, t, d = grad.shape
+    return grad if h == kv_heads else grad.reshape(b, kv_heads, h // kv_heads, t, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over contiguous chunks, keeping for backward what flash attention keeps:
+    the local q, k, v, the output and the log-sum-exp, never a block's scores.
+
+    Forward: K/V (one stacked tensor, their own GQA heads) go around the ring; rank `me` sees the
+    block from rank j < me whole, its own causally and later ones not at all, and merges the partial
+    softmaxes by log-sum-exp. Backward: K/V go around again; each visible block's dK/dV travel with it
+    and, after a last step, reach the block's owner. All in fp32, autocast off (as in the backward)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        with torch.autocast(q.device.type, enabled=False):
+            qf = q.float()
+            out, lse = _block_forward(qf, *(repeat_heads(x.float(), q.shape[1]) for x in (k, v)), causal=True)
+            kv = torch.stack([k, v])
+            for step in range(1, n):
+                kv = _shift(kv, group, +1)  # now rank (me - step)'s block
+                if (me - step) % n < me:  # an earlier chunk: wholly visible
+                    o_b, lse_b = _block_forward(qf, *(repeat_heads(x.float(), q.shape[1]) for x in kv), causal=False)
+                    new = torch.logaddexp(lse, lse_b)
+                    out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None]
+                    lse = new
+        out = out.to(q.dtype)
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, heads, kv_heads = ctx.group, q.shape[1], k.shape[1]
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        with torch.autocast(q.device.type, enabled=False):
+            qf, do = q.float(), d_out.float()
+            delta = (do * out.float()).sum(-1)
+            dq = torch.zeros_like(qf)
+            grads = _block_backward(qf, *(repeat_heads(x.float(), heads) for x in (k, v)), do, lse, delta, True, dq)
+            dkv_mine = torch.stack([_fold_heads(g, kv_heads) for g in grads])
+            kv, dkv = torch.stack([k, v]), None  # dkv: the travelling block's dK/dV from the ranks it passed
+            for step in range(1, n):
+                kv = _shift(kv, group, +1)  # rank (me - step)'s block, as in forward
+                dkv = torch.zeros_like(kv) if dkv is None else _shift(dkv, group, +1)
+                if (me - step) % n < me:
+                    grads = _block_backward(qf, *(repeat_heads(x.float(), heads) for x in kv), do, lse, delta,
+                                            False, dq)
+                    dkv = (dkv.float() + torch.stack([_fold_heads(g, kv_heads) for g in grads])).to(kv.dtype)
+            if dkv is not None:  # at rank me - 1 after the last step: one more brings it home
+                dkv_mine += _shift(dkv, group, +1).float()
+        return dq.to(q.dtype), dkv_mine[0].to(k.dtype), dkv_mine[1].to(v.dtype), None
 
 
 def _ring_refuses(q: torch.Tensor, n: int, dropout_p: float, doc_ids, window: int | None) -> None:
@@ -171,26 +254,13 @@ def _ring_refuses(q: torch.Tensor, n: int, dropout_p: float, doc_ids, window: in
 def ring_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup,
                        dropout_p: float = 0.0, doc_ids: torch.Tensor | None = None,
                        window: int | None = None) -> torch.Tensor:
-    """Causal ring attention over contiguous chunks: the block from rank j < me is seen whole,
-    j == me causally, j > me not at all; partial results merge by log-sum-exp (online softmax).
-    K/V travel with their own (GQA) heads.
+    """Causal ring attention over contiguous chunks (`_RingAttention`): O(s/cp x d) kept per rank for
+    backward, as torch's ring flash attention on CUDA. K/V travel with their own (GQA) heads.
 
     torch's context_parallel has no CPU sharding strategy for SDPA (platform.md), hence this one.
     """
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    _ring_refuses(q, n, dropout_p, doc_ids, window)
-    out, lse = _block(q, k, v, causal=True)
-    # K and V travel as one tensor: one chain of shifts whose backward runs in the same order on
-    # every rank (two chains could interleave differently and cross their gradients on the wire)
-    kv = torch.stack([k, v])
-    for step in range(1, n):
-        kv = _RingShift.apply(kv, group)  # now rank (me - step)'s block
-        if (me - step) % n < me:  # an earlier chunk: wholly visible
-            o_b, lse_b = _block(q, kv[0], kv[1], causal=False)
-            new = torch.logaddexp(lse, lse_b)
-            out, lse = out * torch.exp(lse - new) + o_b * torch.exp(lse_b - new), new
-    # every shift on the graph: each rank must run each shift's backward (its peers wait for it)
-    return out + 0.0 * kv.sum()
+    _ring_refuses(q, dist.get_world_size(group), dropout_p, doc_ids, window)
+    return _RingAttention.apply(q, k, v, group)
 
 
 def _torch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh,
