@@ -1,6 +1,7 @@
 """MFU of a ~1B-parameter GPT on one GPU (seq 2048, bf16 autocast, flash SDPA), and the engine's cost.
 
     python bench/gpu_mfu.py [--compile] [--rounds 5] [--steps 4] [--quick] [--cpu-dry-run]
+                            [--hf CONFIG_JSON [--seq 2048] [--micro M] [--global-batch G]]
 
 One process, one GPU, one model and optimizer, three ways to step it, interleaved in rounds:
 the engine's `Trainer.train_step` with profilers on, the same with profilers off, and a minimal
@@ -9,7 +10,9 @@ Every step is timed independently: synchronise, perf_counter, step, synchronise.
 median step times, MFU against the device's dense bf16 peak (engine.device; n/a when unknown),
 the ratios engine/minimal and profilers on/off, the StepTimer breakdown against that wall time,
 and NVML's readings while the engine stepped. `--compile` compiles the module (torch.compile)
-for all three. `--quick` is a small GPT for the test suite. Without CUDA it exits 2 unless
+for all three. `--quick` is a small GPT for the test suite.
+`--hf` steps a Hugging Face causal LM built from its config.json (`model.hf`, random weights) instead of
+the GPT, at `--seq`, `--micro` and `--global-batch` (a plan's pick: `workbench plan --gpus 1`). Without CUDA it exits 2 unless
 `--cpu-dry-run`, which checks this script on a small CPU model and measures nothing about GPUs.
 """
 from __future__ import annotations
@@ -38,6 +41,16 @@ QUICK = ["model.layers=4", "model.d_model=512", "model.heads=8", "model.seq_len=
          "batch.global=8", "batch.micro=4"]
 DRY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=64", "model.vocab=256",
        "batch.global=4", "batch.micro=2", "precision=fp32"]
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    """The model and batch keys of the run: the DRY / QUICK / GPT_1B presets or `--hf`, then the batch flags."""
+    if args.hf:
+        size = [f"model.hf={args.hf}", f"model.seq_len={args.seq}", "batch.global=8", "batch.micro=4"]
+    else:
+        size = DRY if args.cpu_dry_run else QUICK if args.quick else GPT_1B
+    batch = [f"batch.global={args.global_batch}"] if args.global_batch else []
+    return size + batch + ([f"batch.micro={args.micro}"] if args.micro else [])
 
 
 def _sync(device: torch.device) -> None:
@@ -134,11 +147,12 @@ def report(trainer, device: torch.device, times: dict[str, list], nvml: dict[str
     peak = peak_flops(device)
     params = sum(p.numel() for p in trainer.par.modules[0].parameters())
     c = trainer.cfg.model
+    kind = f"{trainer.par.modules[0].hf_config.model_type} (Hugging Face)" if c.hf else "GPT"
     lines = [versions(device),
-             f"GPT {params / 1e6:,.1f} M parameters, {c.layers} layers, d_model {c.d_model}, seq {c.seq_len}, "
+             f"{kind} {params / 1e6:,.1f} M parameters, {c.layers} layers, d_model {c.d_model}, seq {c.seq_len}, "
              f"{trainer.cfg.precision}, {'flash SDPA' if device.type == 'cuda' else 'SDPA (cpu)'}, "
              f"torch.compile {'on' if compiled else 'off'}, "
-             f"{trainer.tokens_per_step} tokens/step",
+             f"micro-batch {trainer.cfg.batch.micro}, {trainer.tokens_per_step} tokens/step",
              f"{'mode':<24}{'median step (ms)':>18}{'tokens/s':>12}{'MFU':>8}"]
     for key, label in (("on", "engine, profilers on"), ("off", "engine, profilers off"), ("minimal", "minimal loop")):
         mfu = f"{trainer.flops_per_step / med[key] / peak:.1%}" if peak else "n/a"
@@ -163,20 +177,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per mode per round")
     ap.add_argument("--quick", action="store_true", help="a small GPT (the gpu-marked test)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="check this script on CPU")
+    ap.add_argument("--hf", metavar="CONFIG_JSON", help="a Hugging Face config.json (or folder) instead of the GPT")
+    ap.add_argument("--seq", type=int, default=2048, help="sequence length with --hf")
+    ap.add_argument("--micro", type=int, help="micro-batch (sequences)")
+    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     args = ap.parse_args(argv)
-    for name in ("rounds", "steps"):
-        if getattr(args, name) < 1:
-            print(f"--{name}={getattr(args, name)}: must be >= 1", file=sys.stderr)
+    for name in ("rounds", "steps", "seq", "micro", "global_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            print(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1", file=sys.stderr)
             return 2
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print(no_cuda_message("bench/gpu_mfu.py"), file=sys.stderr)
         return 2
     from engine.config.schema import load_config
+    from engine.device import use_default_cuda_allocator
     from engine.train.trainer import Trainer
 
+    use_default_cuda_allocator()  # as `launch` gives its ranks, before CUDA allocates
     device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)
-    size = DRY if args.cpu_dry_run else QUICK if args.quick else GPT_1B
-    trainer = Trainer(load_config(None, COMMON + size + ["train.steps=1000000"]), device=device)
+    extra = ["precision=fp32"] if args.cpu_dry_run and args.hf else []
+    trainer = Trainer(load_config(None, COMMON + model_args(args) + extra + ["train.steps=1000000"]), device=device)
     if args.compile:
         trainer.par.forward = torch.compile(trainer.par.forward)
     stop = nvml_readings(device) if device.type == "cuda" else (lambda: {})

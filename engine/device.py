@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,6 +46,26 @@ def pick_device(backend: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ CUDA allocator
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# torchtitan's run_train.sh exports expandable segments for every run. Measured here (docs/gpu.md, 2026-11-27):
+# `plan`'s pick for Llama-3.2-1B on one H100 (micro 8, 77.5 GiB priced) ran out of memory under the default
+# caching allocator with 5.9 GiB reserved but unallocated, and trained with expandable segments at 77.6 GiB peak.
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_alloc_conf(environ: Mapping[str, str] = os.environ) -> str:
+    """The CUDA caching allocator's settings every rank runs with: the user's PYTORCH_CUDA_ALLOC_CONF if set,
+    else expandable segments (what `plan`'s memory figures assume: no blocks stranded by fragmentation)."""
+    return environ.get(ALLOC_CONF) or DEFAULT_ALLOC_CONF
+
+
+def use_default_cuda_allocator() -> str:
+    """Give this process `cuda_alloc_conf()` before CUDA allocates (ranks an outside torchrun starts, benches)."""
+    os.environ[ALLOC_CONF] = cuda_alloc_conf()
+    return os.environ[ALLOC_CONF]
 
 
 # ------------------------------------------------------------------ process groups

@@ -270,3 +270,45 @@ def test_gpu_mfu_script_logic_on_cpu():
                  "breakdown total vs independent wall"):
         assert line in r.stdout, r.stdout
     assert "n/a" in r.stdout  # no peak for a CPU: MFU is not guessed
+
+
+def test_gpu_mfu_script_steps_a_hugging_face_model(tmp_path):
+    """`--hf`: the transformers model a plan was made for (examples/llama3_2_1b, shrunk), at the plan's micro and
+    global batch, through the same three interleaved ways of stepping."""
+    import json
+
+    config = json.loads((ROOT / "examples/llama3_2_1b/config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = subprocess.run([sys.executable, "bench/gpu_mfu.py", "--cpu-dry-run", "--hf", str(tmp_path), "--seq", "64",
+                        "--micro", "2", "--global-batch", "4", "--rounds", "1", "--steps", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "llama (Hugging Face)" in r.stdout and "seq 64" in r.stdout and "micro-batch 2, 256 tokens/step" in r.stdout
+    assert "engine / minimal loop" in r.stdout, r.stdout
+
+
+def test_ranks_get_expandable_segments_unless_the_user_set_the_allocator(tmp_path, monkeypatch) -> None:
+    """docs/gpu.md (2026-11-27): `plan`'s pick for Llama-3.2-1B on one H100 (77.5 GiB priced) ran out of memory
+    under the default caching allocator with 5.9 GiB reserved but unallocated, and trained with
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True at 77.6 GiB peak. Every launcher now gives its ranks that,
+    unless the user set the variable, and the run's record says which the ranks ran with."""
+    from engine.config.schema import load_config
+    from engine.device import ALLOC_CONF
+    from engine.launch.local import launch
+    from engine.launch.slurm import dry_run
+    from profilers.store import RunStore
+
+    monkeypatch.setenv(ALLOC_CONF, "unset below")
+    monkeypatch.delenv(ALLOC_CONF)
+    cfg = load_config(None, ["model.layers=1", "model.d_model=32", "model.heads=2", "model.seq_len=16",
+                             "model.vocab=256", "batch.global=2", "batch.micro=2", "train.steps=2", "precision=fp32",
+                             "profile.nvml_interval_s=0", "profile.host_interval_s=0"])
+    for user, expected in ((None, "expandable_segments:True"), ("backend:cudaMallocAsync", "backend:cudaMallocAsync")):
+        if user:
+            monkeypatch.setenv(ALLOC_CONF, user)
+        home = tmp_path / (user or "default").replace(":", "-")
+        result = launch(cfg, home=home)
+        assert RunStore.open_home(home).run(result.run_id)["host"]["cuda_alloc_conf"] == expected
+        assert f"{ALLOC_CONF}={expected}" in dry_run(cfg, home=home)  # the Slurm script exports it to every node

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.schema import RunConfig, validate
+from engine.device import ALLOC_CONF, cuda_alloc_conf
 from engine.errors import JoinTimeout, RankFailure
 from engine.launch.run_record import RunResult, finish, first_failure, register, stop_status, telemetry_summary
 from engine.launch.torchrun import RDZV_TIMEOUT_S, torchrun_command
@@ -106,6 +107,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     home = run_dir.parent.parent
     server = TelemetryServer(store, run_id=run_id)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           ALLOC_CONF: cuda_alloc_conf(),
            "WORKBENCH_TELEMETRY": server.start(), "WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home),
            "WORKBENCH_NODE_RANK": str(node_rank), **(extra_env or {}), TOKEN_ENV: server.token}
     cmd = torchrun_command(cfg_path, run_dir, nproc=cfg.world_size // nnodes, nnodes=nnodes,

@@ -109,11 +109,20 @@ def telemetry_summary(server) -> dict[str, Any]:
     return {"telemetry_refused": server.connections_refused, "telemetry_records_refused": server.records_refused}
 
 
+def run_host() -> dict[str, object]:
+    """The runs table's `host` of a run this process starts: this machine, and the CUDA allocator settings its
+    ranks get (`engine.device.cuda_alloc_conf`)."""
+    from engine.device import cuda_alloc_conf
+    from profilers.host import host_info
+
+    return {**host_info(), "cuda_alloc_conf": cuda_alloc_conf()}
+
+
 def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, parent: str | None,
              join: bool = False):
     """Validate and record a new run (status running) with its config file; every launcher starts here.
     Returns (store, run_id, run_dir, config path)."""
-    from profilers.host import host_info, software_versions
+    from profilers.host import software_versions
     from profilers.store import RunStore, default_home
 
     validate(cfg)
@@ -129,7 +138,7 @@ def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, par
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
     store = RunStore.open_home(home)
     store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=cfg.world_size,
-                     layout=dims.describe(), host=host_info(), versions=software_versions(),
+                     layout=dims.describe(), host=run_host(), versions=software_versions(),
                      emulated=cfg.link.gbps > 0 or bool(cfg.link.groups), parent=parent, join=join)
     return store, run_id, run_dir, cfg_path
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.schema import RunConfig
+from engine.device import ALLOC_CONF, cuda_alloc_conf
 from engine.launch.preempt import ENV as PREEMPTIBLE_ENV
 from engine.launch.preempt import requeue_lines
 
@@ -159,7 +160,8 @@ def rank_env(cfg: RunConfig, *, run_id: str, home: Path, telemetry: str,
              extra: dict[str, str] | None = None) -> dict[str, str]:
     """What every rank needs from the launcher (exported in the script, so it is there on every node)."""
     env = {"WORKBENCH_RUN_ID": run_id, "WORKBENCH_HOME": str(home), "WORKBENCH_TELEMETRY": telemetry,
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           ALLOC_CONF: cuda_alloc_conf()}
     if cfg.cluster.signal_s:
         env[PREEMPTIBLE_ENV] = "1"
     return {**env, **(extra or {})}

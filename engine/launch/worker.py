@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config.schema import from_dict, load_yaml, validate
-from engine.device import init_distributed, pick_backend, pick_device
+from engine.device import init_distributed, pick_backend, pick_device, use_default_cuda_allocator
 from engine.errors import ConfigError
 from engine.launch.local import die_with_parent
 from engine.mesh import world_product
@@ -56,19 +56,20 @@ def _init(cfg, rank: int, world: int) -> torch.device:
 def _register_external_run(cfg, run_id: str, world: int, config_path: str) -> None:
     """Under an outside torchrun nobody else creates the run row: rank 0 does, as `launch` would.
     `cfg` is None when the config itself was refused: the run is still recorded, then failed."""
+    from engine.launch.run_record import run_host
     from engine.mesh import ParallelDims
-    from profilers.host import host_info, software_versions
+    from profilers.host import software_versions
     from profilers.store import RunStore
 
     with RunStore.open_home() as store:
         if store.run(run_id) is not None:
             return
         if cfg is None:
-            store.create_run(run_id, name=Path(config_path).stem, config={}, world_size=world, host=host_info())
+            store.create_run(run_id, name=Path(config_path).stem, config={}, world_size=world, host=run_host())
             return
         p = cfg.parallel
         store.create_run(run_id, name=cfg.name, config=cfg.to_dict(), world_size=world,
-                         layout=ParallelDims(p.dp, p.tp, p.pp, cfg.world_size, cp=p.cp).describe(), host=host_info(),
+                         layout=ParallelDims(p.dp, p.tp, p.pp, cfg.world_size, cp=p.cp).describe(), host=run_host(),
                          versions=software_versions(), emulated=cfg.link.gbps > 0 or bool(cfg.link.groups))
 
 
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    use_default_cuda_allocator()  # `launch` passes it; an outside torchrun does not
     signal.signal(signal.SIGTERM, _on_sigterm)  # unwind through `finally`: telemetry is flushed
     die_with_parent()  # a killed torchrun takes its ranks with it
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
