@@ -27,8 +27,7 @@ def plain_nodeid(nodeid: str) -> str:
 def unit_of(item: pytest.Item) -> str:
     """The work unit xdist's loadgroup hands a worker: the test's group names joined as xdist joins them, else
     its module."""
-    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                    for m in item.iter_markers("xdist_group")})
+    names = sorted(_group_names(item))
     return "@" + "_".join(names) if names else item.nodeid.split("::")[0]
 
 

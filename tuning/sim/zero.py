@@ -155,11 +155,11 @@ def dp_comm(m: ModelSpec, cl: ClusterSpec, gpus: int, c: dict[str, np.ndarray], 
 def _bucket_bytes(c: dict[str, np.ndarray], fw: Any, frameworks: Any, el: Any) -> np.ndarray:
     """Bytes of one gradient bucket (`Framework.bucket_elems`): the framework's own rule where it has one; else the
     row's `bucket_mb` where the reduction overlaps the backward, and the whole buffer (infinite) where it does not."""
-    own = per_row(fw, "bucket_elems", frameworks)
-    own = np.maximum(own, per_row(fw, "bucket_elems_per_dp_rank", frameworks) * c["dp"]) * el
+    per_dp_rank = per_row(fw, "bucket_elems_per_dp_rank", frameworks)
+    own = np.maximum(per_row(fw, "bucket_elems", frameworks), per_dp_rank * c["dp"]) * el
     row = np.where(c["overlap_dp"], c["bucket_mb"] * 1e6, np.inf)
     # megatron-core without --overlap-grad-reduce reduces one bucket (bucket_size None)
-    unbucketed = (per_row(fw, "bucket_elems_per_dp_rank", frameworks) > 0) & ~np.asarray(c["overlap_dp"])
+    unbucketed = (per_dp_rank > 0) & ~np.asarray(c["overlap_dp"])
     return np.where(unbucketed, np.inf, np.where(own > 0, own, row))
 
 
