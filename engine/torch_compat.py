@@ -56,26 +56,35 @@ if _problem:
 
 # ---- pipelining: schedules as action lists, torch's runtime executes them
 _SCHEDULES = "torch.distributed.pipelining.schedules"
-_Action = _private(_SCHEDULES, "_Action")
-_ComputationType = _private(_SCHEDULES, "_ComputationType")
-_format_pipeline_order = _private(_SCHEDULES, "_format_pipeline_order")
-_PipelineScheduleRuntime = _private(_SCHEDULES, "_PipelineScheduleRuntime")
-_add_send_recv = _private(_SCHEDULES, "_add_send_recv")
-generate_stage_to_rank_mapping = _private("torch.distributed.pipelining._utils", "generate_stage_to_rank_mapping")
+# resolved on first use (`__getattr__` below): importing pipelining costs a process about 0.5 s (it imports
+# dynamo), DTensor's utilities another 0.5, and a run without pp (or without DTensor) never touches them
+_ON_FIRST_USE = {name: (_SCHEDULES, name) for name in ("_Action", "_ComputationType", "_format_pipeline_order",
+                                                       "_PipelineScheduleRuntime", "_add_send_recv")}
+_ON_FIRST_USE["generate_stage_to_rank_mapping"] = ("torch.distributed.pipelining._utils",
+                                                   "generate_stage_to_rank_mapping")
 
 # ---- ZeRO, FSDP2, functional collectives
 _flatten_dense_tensors = _private("torch._utils", "_flatten_dense_tensors")
 _unflatten_dense_tensors = _private("torch._utils", "_unflatten_dense_tensors")
-ReduceScatter = _private("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter")
-all_to_all_single_autograd = _private("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+_ON_FIRST_USE["ReduceScatter"] = ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter")
+_ON_FIRST_USE["all_to_all_single_autograd"] = ("torch.distributed._functional_collectives",
+                                               "all_to_all_single_autograd")
 
 
 # ---- meta construction (engine/model/meta_init.py): record a constructor's ops, place a shard in its tensor
 TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
 tree_flatten = _private("torch.utils._pytree", "tree_flatten")
 tree_map_only = _private("torch.utils._pytree", "tree_map_only")
-compute_local_shape_and_global_offset = _private("torch.distributed.tensor._utils",
-                                                 "compute_local_shape_and_global_offset")
+_ON_FIRST_USE["compute_local_shape_and_global_offset"] = ("torch.distributed.tensor._utils",
+                                                        "compute_local_shape_and_global_offset")
+
+
+def __getattr__(name: str) -> Any:
+    """The `_ON_FIRST_USE` symbols, resolved (and kept) when first imported from this module."""
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = _private(*_ON_FIRST_USE[name])
+    return value
 
 
 def rank_operations(schedule_cls: type, fake: Any, rank: int) -> list:

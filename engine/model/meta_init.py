@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.torch_compat import TorchDispatchMode, compute_local_shape_and_global_offset, tree_flatten, tree_map_only
+from engine.torch_compat import TorchDispatchMode, tree_flatten, tree_map_only
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -307,6 +307,8 @@ def _owned(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
     if not isinstance(t, DTensor):
         return t.data, tuple(slice(0, n) for n in t.shape)
+    from engine.torch_compat import compute_local_shape_and_global_offset  # DTensor's: loaded when a DTensor is here
+
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local = t._local_tensor
     if tuple(local.shape) != tuple(shape):
