@@ -167,3 +167,34 @@ def test_a_rank_without_pp_or_dtensor_does_not_import_pipelining_dynamo_or_dtens
              "print('torch.distributed.pipelining' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+
+
+def test_memory_trackers_keep_torchs_peaks_while_visiting_only_the_running_modules() -> None:
+    """engine.torch_compat.memory_trackers' peak update looks up the running modules by name instead of walking
+    every module on every op (78% of an 8B dry run's time): the peak snapshot and every module's peaks and
+    snapshots equal torch's own tracker's, through micro-batches, resets and an optimizer step."""
+    import torch
+    from torch import nn
+    from torch.distributed._tools.mem_tracker import MemTracker as TorchMemTracker
+
+    from engine.torch_compat import memory_trackers
+
+    def run(tracker_cls: type) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)])
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker = tracker_cls()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for step in range(2):
+                for _ in range(2):  # micro-batches, stats reset before each as the dry run does
+                    tracker.reset_mod_stats()
+                    model(torch.randn(8 * (step + 1), 32)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        modules = {s.mod_fqn: (dict(s.local_peak), s.snapshots) for s in tracker.memory_tracking.values()}
+        return tracker.get_tracker_snapshot("peak"), modules
+
+    fast, torchs = run(memory_trackers()[0]), run(TorchMemTracker)
+    assert len(fast[1]) == 17 and fast[0]  # the 17 modules were tracked, a peak was taken
+    assert fast == torchs
