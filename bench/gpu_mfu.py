@@ -34,19 +34,21 @@ from gpu_check import no_cuda_message, versions  # noqa: E402
 
 COMMON = ["data.source=synthetic", "train.lr=0.0003", "train.warmup_steps=0", "train.schedule=constant",
           "train.grad_clip=1.0", "precision=bf16", "profile.host_interval_s=0", "profile.nvml_interval_s=0"]
+BATCH = ["batch.global=8", "batch.micro=4"]
 # ~1.1 B parameters: 12 * 20 * 2048^2 in the blocks + 2 * 50304 * 2048 embeddings/head
-GPT_1B = ["model.layers=20", "model.d_model=2048", "model.heads=16", "model.seq_len=2048",
-          "model.vocab=50304", "batch.global=8", "batch.micro=4"]
-QUICK = ["model.layers=4", "model.d_model=512", "model.heads=8", "model.seq_len=512", "model.vocab=8192",
-         "batch.global=8", "batch.micro=4"]
+GPT_1B = ["model.layers=20", "model.d_model=2048", "model.heads=16", "model.seq_len=2048", "model.vocab=50304",
+          *BATCH]
+QUICK = ["model.layers=4", "model.d_model=512", "model.heads=8", "model.seq_len=512", "model.vocab=8192", *BATCH]
+CPU_PRECISION = "precision=fp32"  # what --cpu-dry-run trains in, with a preset or --hf
 DRY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.seq_len=64", "model.vocab=256",
-       "batch.global=4", "batch.micro=2", "precision=fp32"]
+       "batch.global=4", "batch.micro=2", CPU_PRECISION]
 
 
 def model_args(args: argparse.Namespace) -> list[str]:
     """The model and batch keys of the run: the DRY / QUICK / GPT_1B presets or `--hf`, then the batch flags."""
     if args.hf:
-        size = [f"model.hf={args.hf}", f"model.seq_len={args.seq}", "batch.global=8", "batch.micro=4"]
+        size = [f"model.hf={args.hf}", f"model.seq_len={args.seq}", *BATCH]
+        size += [CPU_PRECISION] if args.cpu_dry_run else []
     else:
         size = DRY if args.cpu_dry_run else QUICK if args.quick else GPT_1B
     batch = [f"batch.global={args.global_batch}"] if args.global_batch else []
@@ -195,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     use_default_cuda_allocator()  # as `launch` gives its ranks, before CUDA allocates
     device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)
-    extra = ["precision=fp32"] if args.cpu_dry_run and args.hf else []
-    trainer = Trainer(load_config(None, COMMON + model_args(args) + extra + ["train.steps=1000000"]), device=device)
+    trainer = Trainer(load_config(None, COMMON + model_args(args) + ["train.steps=1000000"]), device=device)
     if args.compile:
         trainer.par.forward = torch.compile(trainer.par.forward)
     stop = nvml_readings(device) if device.type == "cuda" else (lambda: {})

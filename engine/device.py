@@ -62,10 +62,9 @@ def cuda_alloc_conf(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get(ALLOC_CONF) or DEFAULT_ALLOC_CONF
 
 
-def use_default_cuda_allocator() -> str:
+def use_default_cuda_allocator() -> None:
     """Give this process `cuda_alloc_conf()` before CUDA allocates (ranks an outside torchrun starts, benches)."""
     os.environ[ALLOC_CONF] = cuda_alloc_conf()
-    return os.environ[ALLOC_CONF]
 
 
 # ------------------------------------------------------------------ process groups
