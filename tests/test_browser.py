@@ -109,6 +109,20 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+def _pick_run(page, run_id: str, timeout_s: float = 60.0) -> None:
+    """Pick `run_id` in the Run page's run picker (it may keep the run picked before), typing it again
+    until the box shows it: on a loaded machine the keystrokes can land before the list opens."""
+    picker = page.locator('[data-testid="stSelectbox"]').filter(has_text="Run").last
+    picker.wait_for(timeout=30_000)
+    deadline = time.time() + timeout_s
+    while run_id not in _selectboxes(page):
+        assert time.time() < deadline, f"timed out after {timeout_s:.0f} s picking {run_id}: {_selectboxes(page)}"
+        picker.click()
+        page.keyboard.type(run_id)
+        page.keyboard.press("Enter")
+        page.wait_for_timeout(1000)
+
+
 def _fill_text_area(page, label: str, text: str) -> None:
     box = page.get_by_label(label)
     box.fill(text)
@@ -261,12 +275,7 @@ def test_a_run_with_mfu_draws_it_and_every_chart_title_whole(server, page):
     with RunStore.open_home(home) as store:
         write_run(store, "mfucheck-0001", steps=30, ranks=2)  # bench's synthetic run: it records MFU
     page.goto(f"{url}/run")
-    picker = page.locator('[data-testid="stSelectbox"]').filter(has_text="Run").last
-    picker.wait_for(timeout=30_000)
-    if "mfucheck-0001" not in _selectboxes(page):
-        picker.click()
-        page.keyboard.type("mfucheck-0001")
-        page.keyboard.press("Enter")
+    _pick_run(page, "mfucheck-0001")
     page.locator(".role-title-text text", has_text="Throughput and MFU").wait_for(timeout=60_000)
     _settle(page)
     charts = page.evaluate(CHART_TEXT)
@@ -350,12 +359,7 @@ def _pp4_schedule_grid(url: str, home: Path, page) -> None:
 
     launch(load_config(None, PP4), home=home, run_id="pp4grid", timeout_s=240)
     page.goto(f"{url}/run")
-    picker = page.locator('[data-testid="stSelectbox"]').filter(has_text="Run").last
-    picker.wait_for(timeout=30_000)
-    if "pp4grid" not in _selectboxes(page):  # the picker keeps the run picked before
-        picker.click()
-        page.keyboard.type("pp4grid")
-        page.keyboard.press("Enter")
+    _pick_run(page, "pp4grid")
     page.get_by_text("Executed pipeline schedule").wait_for(timeout=60_000)
     _settle(page)
     # read what the browser drew (the SVG of the plot titled "1f1b step ..."), not the figure
