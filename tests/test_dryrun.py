@@ -326,3 +326,27 @@ def test_ddp_and_zero1_play_their_gradients_and_sharded_states(zero):
     assert role.collectives["dp_cp:all_reduce"]["bytes"] == psi_bytes + 8  # + the loss (float64)
     states = role.memory["Optstate"]
     assert states == pytest.approx(2 * psi_bytes / (4 if zero == 1 else 1), rel=0.05)
+
+
+def test_one_process_answers_several_dry_runs_as_this_process_does_and_survives_a_failure(tmp_path):
+    """`plan --dry-run K` dry-runs its K layouts in one process (DryRunProcess: the imports paid once, not K times):
+    each answer equals `dry_run` here; a config that fails there is a RuntimeError with its last line and the same
+    process answers the next; a process that died is replaced at the next call."""
+    from engine.train.dryrun import DryRunProcess, dry_run
+
+    def same(result) -> list:
+        return [(r.coords, r.peak, r.memory, r.collectives) for r in result.roles]
+
+    zero3, tp2 = _cfg("parallel.dp=4", "parallel.zero=3", "batch.global=4"), _cfg("parallel.tp=2", "batch.global=1")
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    gone = load_config(None, [f"model.hf={tmp_path}", *BASE[1:]])
+    (tmp_path / "config.json").unlink()  # the process reads the model's config.json again: now it is not there
+    with DryRunProcess() as run:
+        assert same(run(zero3)) == same(dry_run(zero3))
+        pid = run._proc.pid
+        with pytest.raises(RuntimeError, match=r"(?s)the dry run failed: .*ConfigError: model.hf="):
+            run(gone)
+        assert same(run(tp2)) == same(dry_run(tp2)) and run._proc.pid == pid
+        run._proc.kill()
+        run._proc.wait()
+        assert same(run(tp2)) == same(dry_run(tp2)) and run._proc.pid != pid

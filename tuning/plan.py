@@ -11,6 +11,7 @@ step on torch's fake backend) and judges each against the cluster's device memor
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -459,43 +460,46 @@ def dry_run_top(plan: Plan, k: int = 1, *, device_memory_gib: float | None = Non
                 run: Callable[[RunConfig], Any] | None = None,
                 progress: Callable[[int, RunConfig], None] | None = None,
                 picks: list[int] | None = None) -> list[DryRunCheck]:
-    """Dry-run the top `k` layouts (`run`: engine.train.dryrun.dry_run_subprocess, one process each) and judge each
-    against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP, FlexSP)
-    is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called before
-    each dry run (an 8B one takes minutes). `picks`: these ranked layouts instead of the top `k`."""
-    from engine.config.validate import validate
-    from engine.train.dryrun import GIB, check_playable, dry_run_subprocess
+    """Dry-run the top `k` layouts (`run`: engine.train.dryrun.DryRunProcess, one process for them all) and judge
+    each against the cluster's device memory (or `device_memory_gib`). A layout the dry run cannot play (DDP,
+    FlexSP) is judged by the analytic estimate, as the launcher's pre-flight does. `progress(pick, cfg)` is called
+    before each dry run (an 8B one takes minutes). `picks`: these ranked layouts instead of the top `k`."""
+    from engine.train.dryrun import GIB, DryRunProcess
 
-    run = run or dry_run_subprocess
     if device_memory_gib is not None:
         limit, name = device_memory_gib * GIB, "device memory (--device-memory)"
     else:
         limit, name = plan.cluster.memory_gb * 1e9, f"of device memory per GPU of {plan.cluster.name}"
-    checks = []
-    for pick in picks or range(1, min(k, len(plan.table)) + 1):
-        cfg = plan_config(plan, pick)
-        sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
-        try:
-            validate(cfg)
-        except ConfigError as exc:  # the target framework runs it, the engine does not: nothing to play or estimate
-            checks.append(DryRunCheck(pick=pick, judged_by="none", peaks=[], largest="", simulator_bytes=sim,
-                                      limit_bytes=limit, refusal=None,
-                                      note=f"the engine does not run this layout: {str(exc).splitlines()[0]}"))
-            continue
-        start = time.perf_counter()
-        try:
-            check_playable(cfg)
-            if progress is not None:
-                progress(pick, cfg)
-            dry = run(cfg)
-        except (ConfigError, RuntimeError) as exc:  # the launcher's pre-flight falls back the same way
-            note = str(exc) if isinstance(exc, ConfigError) else f"the dry run failed: {str(exc).splitlines()[-1]}"
-            checks.append(_judged_for_target(plan, _estimated(cfg, pick, sim, limit, name, note=note)))
-            continue
-        check = _dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start)
-        check.note = played_note(plan, pick)
-        checks.append(_judged_for_target(plan, check))
-    return checks
+    with DryRunProcess() if run is None else contextlib.nullcontext(run) as run_one:
+        return [_checked(plan, pick, run_one, limit, name, progress)
+                for pick in picks or range(1, min(k, len(plan.table)) + 1)]
+
+
+def _checked(plan: Plan, pick: int, run: Callable[[RunConfig], Any], limit: float, name: str,
+             progress: Callable[[int, RunConfig], None] | None) -> DryRunCheck:
+    """Layout `pick` dry-run by `run` and judged against `limit` bytes (`dry_run_top`)."""
+    from engine.config.validate import validate
+    from engine.train.dryrun import check_playable
+
+    cfg = plan_config(plan, pick)
+    sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
+    try:
+        validate(cfg)
+    except ConfigError as exc:  # the target framework runs it, the engine does not: nothing to play or estimate
+        return DryRunCheck(pick=pick, judged_by="none", peaks=[], largest="", simulator_bytes=sim, limit_bytes=limit,
+                           refusal=None, note=f"the engine does not run this layout: {str(exc).splitlines()[0]}")
+    start = time.perf_counter()
+    try:
+        check_playable(cfg)
+        if progress is not None:
+            progress(pick, cfg)
+        dry = run(cfg)
+    except (ConfigError, RuntimeError) as exc:  # the launcher's pre-flight falls back the same way
+        note = str(exc) if isinstance(exc, ConfigError) else f"the dry run failed: {str(exc).splitlines()[-1]}"
+        return _judged_for_target(plan, _estimated(cfg, pick, sim, limit, name, note=note))
+    check = _dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start)
+    check.note = played_note(plan, pick)
+    return _judged_for_target(plan, check)
 
 
 def _judged_for_target(plan: Plan, check: DryRunCheck) -> DryRunCheck:

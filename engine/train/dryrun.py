@@ -470,32 +470,113 @@ def preflight(cfg: RunConfig, *, device_memory_gib: float | None = None) -> DryR
 def dry_run_subprocess(cfg: RunConfig) -> DryRun:
     """`dry_run(cfg)` in a fresh Python process (the fake process group and the meta build stay out
     of the caller's); a failure comes back as RuntimeError with the dry run's last lines."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
+    with DryRunProcess() as run:
+        return run(cfg)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "config.json")
-        with open(path, "w") as f:
-            json.dump(cfg.to_dict(), f)
-        proc = subprocess.run([sys.executable, "-m", "engine.train.dryrun", path], capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    if proc.returncode != 0:
-        raise RuntimeError(f"the dry run failed: {proc.stderr.strip()[-2000:]}")
-    return DryRun.from_dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+class DryRunProcess:
+    """Dry runs in a Python process of their own, one after another: `run = DryRunProcess(); run(cfg)`
+    per config, `close()` (or `with`) at the end. The process starts at the first call and pays the imports
+    once (torch and the model's library: about 5 of a tiny model's 7 s here); each dry run still starts and
+    ends its own fake process groups. A failure is a RuntimeError with the dry run's last lines; a dry run
+    that ends the process is one too, and the next call starts another process."""
+
+    def __init__(self) -> None:
+        self._proc: Any = None
+        self._stderr: Any = None
+
+    def __enter__(self) -> DryRunProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __call__(self, cfg: RunConfig) -> DryRun:
+        import json
+
+        if self._proc is None or self._proc.poll() is not None:  # not started, or ended since the last call
+            self.close()
+            self._start()
+        try:
+            self._proc.stdin.write(json.dumps(cfg.to_dict()) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:  # the process ended: what it said last is the reason
+            self._stderr.seek(0)
+            said = self._stderr.read().decode(errors="replace").strip()[-2000:]
+            self.close()
+            raise RuntimeError(f"the dry run failed: {said or 'its process ended without a word'}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"the dry run failed: {answer['error']}")
+        return DryRun.from_dict(answer["result"])
+
+    def _start(self) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a dry run's warnings never block it
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.train.dryrun", "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+    def close(self) -> None:
+        """End the process (it exits when its input closes) and drop what it said."""
+        import subprocess
+
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+
+def _serve() -> None:
+    """`python -m engine.train.dryrun --serve`: one run config (JSON) per input line, one answer per output
+    line, {"result": the dry run} or {"error": its traceback's last lines}; anything else printed goes to stderr."""
+    import json
+    import sys
+    import traceback
+
+    from engine.config.schema import from_dict, validate
+
+    answers, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        try:
+            cfg = from_dict(json.loads(line))
+            validate(cfg)
+            answer: dict[str, Any] = {"result": dry_run(cfg).to_dict()}
+        except Exception:  # noqa: BLE001 - the caller raises it, with these lines
+            answer = {"error": traceback.format_exc().strip()[-2000:]}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m engine.train.dryrun CONFIG.json [RANK ...]`: the dry run of a saved run config as JSON on
-    stdout (the launcher's pre-flight runs it in a process of its own)."""
+    stdout; `--serve`: dry runs of configs read from stdin, one per line (`DryRunProcess`)."""
     import json
     import sys
 
     from engine.config.schema import from_dict, validate
 
     args = sys.argv[1:] if argv is None else argv
+    if args == ["--serve"]:
+        _serve()
+        return
     with open(args[0]) as f:
         cfg = from_dict(json.load(f))
     validate(cfg)
