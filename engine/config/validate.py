@@ -440,6 +440,9 @@ def _adaptive_rules(cfg: RunConfig) -> Iterator[ConfigError]:
                           "(a group may span every rank with Ulysses)")
     if p.cp_impl != "ulysses":
         yield ConfigError("parallel.cp_impl", p.cp_impl, "adaptive_sp runs its groups with ulysses")
+    if cfg.batch.global_ > 0 and cfg.batch.global_ % world:
+        yield ConfigError("batch.global", cfg.batch.global_, f"must be divisible by dp*cp = {world} with adaptive_sp "
+                          "(every rank evaluates an equal share of the validation rows, each row whole)")
     if 0 < m.seq_len < 2 * world:
         yield ConfigError("model.seq_len", m.seq_len, f"must be >= 2 * dp*cp = {2 * world} with adaptive_sp "
                           "(each group size is calibrated at two lengths that are multiples of it)")

@@ -102,8 +102,7 @@ class Trainer:
         self.user_dataset, self.user_step = parts.user_dataset, parts.user_step
         self.live_start_cfg = cfg  # live knobs are judged against what was built
         self.batches = rank_batches(data=cfg.data, model=cfg.model, global_batch=cfg.batch.global_,
-                                    seed=cfg.train.seed, dp=self.dims.dp, dp_rank=self.coords["dp"], cp=self.dims.cp,
-                                    cp_rank=self.coords.get("cp", 0), user_dataset=self.user_dataset)
+                                    seed=cfg.train.seed, user_dataset=self.user_dataset, **self._data_ranks())
         self.stream = self.batches.stream  # a real data source read in order: checkpoints keep its place
         sample = cfg.model.seq_len if self.user_dataset is None else self.user_dataset.seq_len
         self.tokens_per_step = cfg.batch.global_ * sample
@@ -199,6 +198,15 @@ class Trainer:
         d, pipe = self.dims, self.par.pipeline
         return global_loss(local, mesh=self.mesh, dp=d.dp, cp=d.cp, pp=d.pp,
                            last_stage=pipe.is_last if d.pp > 1 else True)
+
+    def _data_ranks(self) -> dict[str, int]:
+        """Which rows this rank reads: its dp slice of each batch, cut along the sequence over cp. Under adaptive
+        SP every rank holds the whole model and nothing joins a row's pieces (FlexSP forms its own groups each
+        step), so its validation rows are whole: dp x cp ranks split them as dp ranks do."""
+        d, c = self.dims, self.coords
+        if self.cfg.parallel.adaptive_sp:
+            return {"dp": d.dp * d.cp, "dp_rank": c["dp"] * d.cp + c.get("cp", 0), "cp": 1, "cp_rank": 0}
+        return {"dp": d.dp, "dp_rank": c["dp"], "cp": d.cp, "cp_rank": c.get("cp", 0)}
 
     def _sync_loss(self, local: float | torch.Tensor) -> float:
         """The global-batch loss of a local loss (Python float or device tensor), waited for."""
