@@ -76,7 +76,7 @@ matrix: $(STAMP)
 	@status=0; MATRIX_CELLS="$(or $(CELLS),stale)" MATRIX_RECORD=docs/data/matrix.json OMP_NUM_THREADS=1 \
 		$(BIN)/python -m pytest -q -p no:cacheprovider -rf tests/test_matrix.py::test_cell || status=$$?; \
 	$(BIN)/python -m tools.matrix --write docs/compatibility.md; \
-	if [ -z "$(CELLS)" ]; then MATRIX_COMPLETE=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	if [ -z "$(CELLS)" ]; then $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_matrix.py::test_every_accepted_cell_has_a_passing_current_result || status=$$?; fi; exit $$status
 
 clean:

@@ -50,23 +50,47 @@ def test_committed_document_is_the_generated_one() -> None:
         "`python -m tools.matrix --write` (renders only, seconds), or `make matrix` (re-runs the stale cells)"
 
 
+def _unverified(results: dict, codes: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """The cells without a passing result of their current plan and code: {cell: (status, why)}."""
+    statuses = {c.id: status(c, results, codes) for c in compat.cells()}
+    return {cid: s for cid, s in statuses.items() if s[0] in ("not run", "stale", "failed")}
+
+
+def _check_current(results: dict, codes: dict[str, str]) -> None:
+    bad = _unverified(results, codes)
+    kinds = [k for k, _ in bad.values()]
+    failed = ",".join(cid for cid, (kind, _) in bad.items() if kind == "failed")
+    assert not bad, (
+        f"docs/compatibility.md is not current for this code: {kinds.count('stale')} accepted cells stale, "
+        f"{kinds.count('not run')} not run, {kinds.count('failed')} failed; run `make matrix` "
+        f"({compat_results.estimate_line(compat_results.to_refresh(results, codes), results, codes)})"
+        + (f", fix the failed ones (then `make matrix CELLS={failed}`)" if failed else "")
+        + " and commit docs/data/matrix.json with the change. First ones: "
+        + "; ".join(f"{cid}: {kind}" for cid, (kind, _) in list(bad.items())[:10]))
+
+
 @pytest.mark.xdist_group("matrix")
 def test_every_accepted_cell_has_a_passing_current_result() -> None:
-    """No cell is unknown: each accepted cell has a passing result of its current plan and code.
+    """Issue 64: no cell is unknown; each accepted cell has a passing result of its current plan and code,
+    so a change that stales cells fails here until `make matrix` re-ran them (only those: each cell's
+    result is keyed by the code it runs, tools/matrix/compat_code.py)."""
+    _check_current(load_results(RESULTS), compat_results.cell_codes())
 
-    Only `make matrix` (hours) can make this true after a code change, so CI shows it as a skip with
-    the counts (`-rs`) until the recorded results are complete; MATRIX_COMPLETE=1 makes it a failure."""
-    results = load_results(RESULTS)
-    codes = compat_results.cell_codes()
-    statuses = {c.id: status(c, results, codes) for c in compat.cells()}
-    bad = {cid: s for cid, s in statuses.items() if s[0] in ("not run", "stale", "failed")}
-    if bad and not os.environ.get("MATRIX_COMPLETE"):
-        kinds = [k for k, _ in bad.values()]
-        pytest.skip(f"the matrix is not current: {kinds.count('stale')} accepted cells stale, "
-                    f"{kinds.count('not run')} not run, {kinds.count('failed')} failed "
-                    "(docs/compatibility.md lists them; make matrix)")
-    assert not bad, f"{len(bad)} accepted cells are not verified (make matrix CELLS=...): " + \
-        "; ".join(f"{cid}: {kind}" for cid, (kind, _) in list(bad.items())[:20])
+
+@pytest.mark.xdist_group("matrix")  # reads docs/data/matrix.json, which test_cell rewrites
+def test_a_stale_cell_fails_the_currency_test_instead_of_skipping() -> None:
+    """Before issue 64 the currency test skipped while any cell was stale (CI never failed on a stale
+    document); one cell's result of other code must now fail it, naming that cell."""
+    results, codes = load_results(RESULTS), compat_results.cell_codes()
+    cell = next(c for c in compat.cells() if compat.verdict(c).kind == "accepted")  # the first listed
+    stale = {**results, cell.id: {**results.get(cell.id, {}), "code": "0" * 12}}
+    try:
+        _check_current(stale, codes)
+        outcome: BaseException | None = None
+    except BaseException as exc:  # noqa: BLE001 - the old code raised pytest's Skipped here
+        outcome = exc
+    assert isinstance(outcome, AssertionError), outcome
+    assert f"{cell.id}: stale" in str(outcome)
 
 
 # ---------------------------------------------------------------- the cells on real ranks

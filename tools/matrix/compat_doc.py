@@ -81,7 +81,9 @@ Do not edit it by hand.
   `docs/data/matrix.json` and re-renders this page (`MATRIX_RECORD=` turns that off). A failure names
   its cell; `make matrix` re-runs every stale or never-run cell, after printing how many and about
   how long by their recorded durations (resumable: each result is recorded as it ends),
-  `make matrix CELLS=a+b,c+d` the cells named, `CELLS=all` all.
+  `make matrix CELLS=a+b,c+d` the cells named, `CELLS=all` all. The suite's
+  `test_every_accepted_cell_has_a_passing_current_result` fails while any accepted cell is stale, not
+  run or failed, so a change that stales cells lands with their re-run.
 """
 
 
