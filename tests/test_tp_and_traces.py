@@ -14,7 +14,8 @@ import pytest
 
 pytestmark = [pytest.mark.xdist_group("launch"), pytest.mark.slow]
 
-TP_RUN = ["parallel.dp=1", "parallel.tp=2", "model.layers=2", "model.d_model=32", "model.heads=4",
+# gloo: two ranks on a machine with one GPU (the device machine) would otherwise get NCCL and be refused
+TP_RUN = ["backend=gloo", "parallel.dp=1", "parallel.tp=2", "model.layers=2", "model.d_model=32", "model.heads=4",
           "model.seq_len=32", "batch.global=4", "batch.micro=2", "train.steps=4", "train.warmup_steps=0",
           "profile.trace_steps=[1, 2]", "profile.nvml_interval_s=0", "profile.host_interval_s=0",
           "profile.warmup_steps=1", "train.timeout_s=60"]
@@ -100,13 +101,16 @@ def test_hta_trace_analysis_loads_our_traces(tp_run):
     assert sorted(overlap["rank"]) == [0, 1]
 
 
-def test_hta_gpu_kernel_analyses(tp_run):
+def test_hta_gpu_kernel_analyses(tmp_path):
+    """HTA's kernel analyses on a trace with GPU kernels: one rank on the GPU (NCCL), traced steps 1-2."""
     import torch
 
     hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis not installed (make install)")
     if not torch.cuda.is_available():
-        pytest.skip("HTA's temporal breakdown and stragglers need GPU kernels; these traces are CPU-only")
-    analysis = hta.TraceAnalysis(trace_dir=tp_run["run"]["trace_dir"])
+        pytest.skip("HTA's temporal breakdown needs GPU kernels: this machine has no CUDA GPU")
+    one_gpu = [kv for kv in TP_RUN if not kv.startswith(("backend=", "parallel.tp="))]
+    ran = _cli(tmp_path, "run", *[a for kv in one_gpu for a in ("--set", kv)], "--json")
+    analysis = hta.TraceAnalysis(trace_dir=ran["trace_dir"])
     assert not analysis.get_temporal_breakdown(visualize=False).empty
 
 
