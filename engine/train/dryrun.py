@@ -544,6 +544,15 @@ class DryRunProcess:
             self._stderr = None
 
 
+def _dry_run_dict(data: dict[str, Any], ranks: list[int] | None = None) -> dict[str, Any]:
+    """A saved run config (its dict) validated and dry-run: the dry run as a dict (what both entries print)."""
+    from engine.config.schema import from_dict, validate
+
+    cfg = from_dict(data)
+    validate(cfg)
+    return dry_run(cfg, ranks=ranks).to_dict()
+
+
 def _serve() -> None:
     """`python -m engine.train.dryrun --serve`: one run config (JSON) per input line, one answer per output
     line, {"result": the dry run} or {"error": its traceback's last lines}; anything else printed goes to stderr."""
@@ -551,14 +560,10 @@ def _serve() -> None:
     import sys
     import traceback
 
-    from engine.config.schema import from_dict, validate
-
     answers, sys.stdout = sys.stdout, sys.stderr
     for line in sys.stdin:
         try:
-            cfg = from_dict(json.loads(line))
-            validate(cfg)
-            answer: dict[str, Any] = {"result": dry_run(cfg).to_dict()}
+            answer: dict[str, Any] = {"result": _dry_run_dict(json.loads(line))}
         except Exception:  # noqa: BLE001 - the caller raises it, with these lines
             answer = {"error": traceback.format_exc().strip()[-2000:]}
         answers.write(json.dumps(answer) + "\n")
@@ -571,17 +576,13 @@ def main(argv: list[str] | None = None) -> None:
     import json
     import sys
 
-    from engine.config.schema import from_dict, validate
-
     args = sys.argv[1:] if argv is None else argv
     if args == ["--serve"]:
         _serve()
         return
     with open(args[0]) as f:
-        cfg = from_dict(json.load(f))
-    validate(cfg)
-    result = dry_run(cfg, ranks=[int(r) for r in args[1:]] or None)
-    sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        data = json.load(f)
+    sys.stdout.write(json.dumps(_dry_run_dict(data, [int(r) for r in args[1:]] or None)) + "\n")
 
 
 if __name__ == "__main__":
