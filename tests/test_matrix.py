@@ -50,14 +50,8 @@ def test_committed_document_is_the_generated_one() -> None:
         "`python -m tools.matrix --write` (renders only, seconds), or `make matrix` (re-runs the stale cells)"
 
 
-def _unverified(results: dict, codes: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """The cells without a passing result of their current plan and code: {cell: (status, why)}."""
-    statuses = {c.id: status(c, results, codes) for c in compat.cells()}
-    return {cid: s for cid, s in statuses.items() if s[0] in ("not run", "stale", "failed")}
-
-
 def _check_current(results: dict, codes: dict[str, str]) -> None:
-    bad = _unverified(results, codes)
+    bad = compat_results.unverified(results, codes)
     kinds = [k for k, _ in bad.values()]
     failed = ",".join(cid for cid, (kind, _) in bad.items() if kind == "failed")
     assert not bad, (

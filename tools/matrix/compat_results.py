@@ -150,9 +150,17 @@ def sample(seed: str, results: Mapping[str, Any], codes: Mapping[str, str],
     return out
 
 
+def unverified(results: Mapping[str, Any], codes: Mapping[str, str], kinds: tuple[str, ...] = TO_RUN + ("failed",),
+               ) -> dict[str, tuple[str, str]]:
+    """The accepted cells whose status is one of `kinds` (by default: no passing result of their current plan
+    and code): {cell: (status, why)}."""
+    statuses = {c.id: status(c, results, codes) for c in cells()}
+    return {cid: s for cid, s in statuses.items() if s[0] in kinds}
+
+
 def to_refresh(results: Mapping[str, Any], codes: Mapping[str, str]) -> list[str]:
     """The accepted cells whose result is stale or missing: what `make matrix` re-runs."""
-    return [c.id for c in cells() if verdict(c).kind == "accepted" and status(c, results, codes)[0] in TO_RUN]
+    return list(unverified(results, codes, TO_RUN))
 
 
 def select(wanted: str, results: Mapping[str, Any], codes: Mapping[str, str], seed: str) -> list[str]:
