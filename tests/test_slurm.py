@@ -134,6 +134,32 @@ def test_a_controller_silent_past_the_patience_is_a_slurm_error(monkeypatch):
         job_state("7")
 
 
+class _NoStore:
+    def update_run(self, *a, **k) -> None: ...
+
+    def latest_steps(self, *a, **k) -> list:
+        return []
+
+
+def _follow_states(monkeypatch, states: list[str]) -> tuple[tuple[str, JobState], list[str]]:
+    """_follow over a job whose looks give `states` in turn (the last one repeats)."""
+    looks, phases = list(states), []
+    monkeypatch.setattr(slurm_mod, "job_state", lambda job: JobState(job, looks.pop(0) if len(looks) > 1 else looks[0]))
+    monkeypatch.setattr(slurm_mod.time, "sleep", lambda s: None)
+    server = type("Server", (), {"error": None})()
+    ended = slurm_mod._follow("7", _NoStore(), "r1", None, None, lambda s: phases.append(s.phase), server)
+    return ended, phases
+
+
+def test_a_job_that_ends_badly_is_logged_with_every_state_it_went_through(monkeypatch, caplog):
+    """CI (stop 69) lost the requeue test with only "the launcher failed before any rank reported": the log now
+    says what Slurm said (it showed the requeued job itself FAILED: PENDING -> RUNNING -> PENDING -> FAILED)."""
+    (status, state), phases = _follow_states(monkeypatch, ["PENDING", "RUNNING", "PENDING", "RUNNING", "FAILED"])
+    assert (status, state.state) == ("failed", "FAILED") and phases == ["queued", "running", "queued", "running", "done"]
+    assert "job 7 ended FAILED (reason None, exit code 0:0); its states: PENDING -> RUNNING -> PENDING -> RUNNING " \
+           "-> FAILED" in caplog.text
+
+
 def test_a_job_slurm_has_forgotten_is_unknown_at_once(monkeypatch):
     calls = _fake_slurm(monkeypatch, [(1, "", "slurm_load_jobs error: Invalid job id specified"),
                                       (1, "", "slurm_load_jobs error: Invalid job id specified")])
@@ -549,14 +575,16 @@ def _losses(store, run_id: str, rank: int) -> list[tuple[int, float]]:
 
 def _release_requeue_hold(job: str, timeout_s: float = 120.0) -> None:
     """Once the requeued job waits on its BeginTime (slurmctld holds a requeued batch job 120 s before it may start
-    again), start it now, as an administrator would: the requeue, not Slurm's hold, is under test (measured: 120 s
-    held, then up to a minute more until the next scheduling pass, of the test's 199 s)."""
+    again), start it 2 s from now, as an administrator would: the requeue, not Slurm's hold, is under test (measured:
+    120 s held, then up to a minute more until the next scheduling pass, of the test's 199 s). Not sooner: slurmd
+    refuses to launch a job in the second its last instance was killed ("Job 1 already killed, do not launch batch
+    job", the job FAILED with exit code 1 and no output): CI's flake of stop 69, 2 of 2 here with StartTime=now."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True,
                                timeout=30).stdout.split()
         if state == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], check=True, timeout=30)
             return
         time.sleep(0.5)
 
@@ -569,7 +597,7 @@ def test_slurms_warning_signal_checkpoints_requeues_and_the_loss_continues(tmp_p
     from engine.launch.local import launch
     from profilers.store import RunStore
 
-    steps = 40
+    steps = 80  # the checkpoint lands 10-25 steps after the warning is sent (a quiet run of 40 once ended first)
     cfg = _cfg("parallel.dp=2", "batch.global=4", f"train.steps={steps}")
     reference = launch(cfg, home=tmp_path / "ref")  # the same run, uninterrupted, on the local launcher
     ref_store = RunStore.open_home(tmp_path / "ref")
@@ -579,11 +607,11 @@ def test_slurms_warning_signal_checkpoints_requeues_and_the_loss_continues(tmp_p
         cfg, home=tmp_path, launcher="slurm", raise_on_failure=False, on_job=lambda s: phases.append(s.phase))))
     worker.start()
     store, deadline, run_id = RunStore.open_home(tmp_path), time.time() + 300, None
-    while time.time() < deadline and worker.is_alive():  # Slurm's warning once step 8 has landed
+    while time.time() < deadline and worker.is_alive():  # Slurm's warning once step 4 has landed
         runs = store.runs(limit=1)
         run_id = runs[0]["run_id"] if runs else None
         latest = store.latest_steps(run_id, n=1) if run_id else []
-        if latest and latest[-1]["step"] >= 8:
+        if latest and latest[-1]["step"] >= 4:
             break
         time.sleep(0.2)
     job = store.run(run_id)["summary"]["slurm_job_id"]
@@ -595,7 +623,7 @@ def test_slurms_warning_signal_checkpoints_requeues_and_the_loss_continues(tmp_p
     assert "Restarts=1" in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     assert phases.count("running") == 2 and "queued" in phases[phases.index("running"):], phases
     saved = sorted(p.name for p in (tmp_path / "runs" / result.run_id / "checkpoints").iterdir())
-    assert len(saved) == 1 and int(saved[0][4:]) >= 9, saved
+    assert len(saved) == 1 and int(saved[0][4:]) >= 5, saved
     for rank in (0, 1):
         got, want = _losses(store, result.run_id, rank), _losses(ref_store, reference.run_id, rank)
         assert [s for s, _ in got] == list(range(steps))  # every step once: none lost, none repeated

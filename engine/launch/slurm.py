@@ -403,10 +403,13 @@ def _read(path: Path) -> str:
 
 def _follow(job_id: str, store, run_id: str, timeout_s: float | None, on_progress, on_job: JobCallback | None,
             server) -> tuple[str, JobState]:
-    """Poll the job until it ends; report each phase change, new steps and our own timeout."""
-    last_phase, last_step, running_since = None, -1, None
+    """Poll the job until it ends; report each phase change, new steps and our own timeout. The end is logged
+    with every state the job went through (a requeued job: ... -> RUNNING -> PENDING -> ...)."""
+    last_phase, last_step, running_since, seen = None, -1, None, []
     while True:
         state = job_state(job_id)
+        if not seen or seen[-1] != state.state:
+            seen.append(state.state)
         if state.phase != last_phase:
             last_phase = state.phase
             if state.phase == "running" and state.started:
@@ -415,6 +418,9 @@ def _follow(job_id: str, store, run_id: str, timeout_s: float | None, on_progres
             if on_job is not None:
                 on_job(state)
         if state.phase == "done" or state.state == "UNKNOWN":
+            log.log(logging.INFO if state.state == "COMPLETED" else logging.WARNING,
+                    "slurm: job %s ended %s (reason %s, exit code %s); its states: %s", job_id, state.state,
+                    state.reason, state.exit_code, " -> ".join(seen))
             return ("completed" if state.state == "COMPLETED" else "failed"), state
         if server.error is not None:
             return "store_error", state
@@ -426,4 +432,3 @@ def _follow(job_id: str, store, run_id: str, timeout_s: float | None, on_progres
                 last_step = latest[-1]["step"]
                 on_progress(latest[-1])
         time.sleep(POLL_S)
-
