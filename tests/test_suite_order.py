@@ -1,4 +1,4 @@
-"""Issue 65 item 3: under `make test`'s -n 3 --dist loadgroup the slowest work units start first (tests/suite_order.py),
+"""Issue 65 item 3: under `make test`'s -n 4 --dist loadgroup the slowest work units start first (tests/suite_order.py),
 an xdist_group still runs on one worker, and --record-durations writes what each test took."""
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_make_test_runs_the_suite_in_this_order():
     assert "-n $(WORKERS) --dist loadgroup" in test and "--record-durations" not in test, test
     durations = re.search(r"^durations:.*\n\t(.*)\n", text, re.M).group(1)
     assert "-n $(WORKERS) --dist loadgroup" in durations and "--record-durations" in durations, durations
-    assert re.search(r"^WORKERS \?= 3$", text, re.M), "make test runs three workers"
+    assert re.search(r"^WORKERS \?= 4$", text, re.M), "make test runs four workers"
     assert (ROOT / "tests" / "conftest.py").read_text().count("tests.suite_order") == 1
 
 

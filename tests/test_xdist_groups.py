@@ -1,4 +1,4 @@
-"""The suite's `xdist_group` marks really group: `make test` runs `-n 3 --dist loadgroup`, and the
+"""The suite's `xdist_group` marks really group: `make test` runs `-n 4 --dist loadgroup`, and the
 launch, dashboard, tuner, Slurm ... groups keep their tests (and module fixtures) on one worker.
 pytest 9.2 silently broke this (pytest-xdist#1386: the worker's nodeid suffix no longer reaches the
 scheduler, so the tests went round-robin and module fixtures were set up on both workers)."""
