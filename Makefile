@@ -60,8 +60,8 @@ postgres:
 # (tests/suite_order.py), which `make durations` rewrites from a whole run (commit it when the times have moved).
 # Four workers on two cores: the suite waits more than it computes (Slurm's scheduler, the dashboard and browser,
 # rendezvous, timeouts under test): a whole run used about 57% of two cores' time with two workers; a fresh clone's
-# pytest took 1,657 and 1,694 s with three (stop 69), 1,403 s with four (1,530 passed, 0 failed; pytest and its
-# children used 1.47 of the two cores)
+# pytest took 1,657, 1,694 (stop 69) and 1,573 s (stop 70) with three, 1,403 and 1,641 s with four (0 failed;
+# pytest and its children used 1.47 of the two cores): four is at most ~8% faster, within this host's spread
 WORKERS ?= 4
 test: $(STAMP) chromium slurm postgres
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30

@@ -578,7 +578,8 @@ def _release_requeue_hold(job: str, timeout_s: float = 120.0) -> None:
     again), start it 2 s from now, as an administrator would: the requeue, not Slurm's hold, is under test (measured:
     120 s held, then up to a minute more until the next scheduling pass, of the test's 199 s). Not sooner: slurmd
     refuses to launch a job in the second its last instance was killed ("Job 1 already killed, do not launch batch
-    job", the job FAILED with exit code 1 and no output): CI's flake of stop 69, 2 of 2 here with StartTime=now."""
+    job", the job FAILED with exit code 1 and no output): CI's flake of stop 69; with StartTime=now it failed every
+    time here (4 of 4)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True,
