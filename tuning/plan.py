@@ -446,6 +446,7 @@ class DryRunCheck:
     refusal: str | None  # one line when the busiest role does not fit, else None
     note: str | None = None  # why the dry run could not play the layout
     seconds: float = 0.0
+    runtime_bytes: float = 0.0  # judged beside the peaks: what a rank holds beyond its tensors (`runtime_bytes`)
 
     @property
     def fits(self) -> bool | None:
@@ -483,11 +484,14 @@ def _checked(plan: Plan, pick: int, run: Callable[[RunConfig], Any], limit: floa
 
     cfg = plan_config(plan, pick)
     sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
+    runtime = runtime_bytes(plan, pick)
+    judged = dict(pick=pick, simulator_bytes=sim, limit_bytes=limit, runtime_bytes=runtime)
+    budget = _beside_runtime(limit, name, runtime)  # what the dry run's tensors are judged against
     try:
         validate(cfg)
     except ConfigError as exc:  # the target framework runs it, the engine does not: nothing to play or estimate
-        return DryRunCheck(pick=pick, judged_by="none", peaks=[], largest="", simulator_bytes=sim, limit_bytes=limit,
-                           refusal=None, note=f"the engine does not run this layout: {str(exc).splitlines()[0]}")
+        return DryRunCheck(judged_by="none", peaks=[], largest="", refusal=None,
+                           note=f"the engine does not run this layout: {str(exc).splitlines()[0]}", **judged)
     start = time.perf_counter()
     try:
         check_playable(cfg)
@@ -496,10 +500,27 @@ def _checked(plan: Plan, pick: int, run: Callable[[RunConfig], Any], limit: floa
         dry = run(cfg)
     except (ConfigError, RuntimeError) as exc:  # the launcher's pre-flight falls back the same way
         note = str(exc) if isinstance(exc, ConfigError) else f"the dry run failed: {str(exc).splitlines()[-1]}"
-        return _judged_for_target(plan, _estimated(cfg, pick, sim, limit, name, note=note))
-    check = _dry_checked(dry, cfg, pick, sim, limit, name, time.perf_counter() - start)
+        return _judged_for_target(plan, _estimated(cfg, budget, judged, note=note))
+    check = _dry_checked(dry, cfg, budget, judged, time.perf_counter() - start)
     check.note = played_note(plan, pick)
     return _judged_for_target(plan, check)
+
+
+def runtime_bytes(plan: Plan, pick: int) -> float:
+    """What the simulator prices a rank of layout `pick` holding beyond its tensors, which a dry run does not see:
+    the CUDA context and NCCL's buffers (tuning.sim.memory.runtime; 0 on a cluster that does not model them)."""
+    from tuning.sim.memory import runtime
+
+    degrees = {k: np.asarray(_ranked_row(plan, pick)[k]) for k in ("tp", "dp", "cp", "ep", "pp")}
+    return float(sum(np.sum(v) for v in runtime(degrees, plan.cluster).values()))
+
+
+def _beside_runtime(limit: float, name: str, runtime: float) -> tuple[float, str]:
+    """(bytes a rank's tensors may take, what they are): the device memory less the runtime beside them."""
+    if not runtime:
+        return limit, name
+    return max(limit - runtime, 0.0), (f"left of the {limit / 2**30:.4g} GiB {name} beside the {runtime / 2**30:.2g} "
+                                       "GiB of CUDA context and NCCL buffers a rank holds (priced)")
 
 
 def _judged_for_target(plan: Plan, check: DryRunCheck) -> DryRunCheck:
@@ -535,26 +556,25 @@ def played_note(plan: Plan, pick: int) -> str | None:
     return f"played as the engine runs it{optimizer}, fp32 weights under {precision}{left}"
 
 
-def _dry_checked(dry: Any, cfg: RunConfig, pick: int, sim: float, limit: float, name: str,
+def _dry_checked(dry: Any, cfg: RunConfig, budget: tuple[float, str], judged: dict[str, Any],
                  seconds: float) -> DryRunCheck:
     from engine.train.dryrun import fits_error
 
     busiest = dry.peak_role()
-    error = fits_error(dry, limit_bytes=limit, limit_name=name, cfg=cfg)
-    return DryRunCheck(pick=pick, judged_by="dry run", simulator_bytes=sim, limit_bytes=limit,
-                       peaks=[(f"pp {r.coords.get('pp', 0)}", r.peak) for r in dry.roles],
+    error = fits_error(dry, limit_bytes=budget[0], limit_name=budget[1], cfg=cfg)
+    return DryRunCheck(judged_by="dry run", peaks=[(f"pp {r.coords.get('pp', 0)}", r.peak) for r in dry.roles],
                        largest=max(busiest.grouped().items(), key=lambda kv: kv[1])[0],
-                       refusal=str(error) if error else None, seconds=seconds)
+                       refusal=str(error) if error else None, seconds=seconds, **judged)
 
 
-def _estimated(cfg: RunConfig, pick: int, sim: float, limit: float, name: str, note: str) -> DryRunCheck:
+def _estimated(cfg: RunConfig, budget: tuple[float, str], judged: dict[str, Any], note: str) -> DryRunCheck:
     from engine.train.memory import estimate_memory, memory_error
 
     est = estimate_memory(cfg)
-    error = memory_error(cfg, limit_bytes=limit, ranks_sharing=1, limit_name=name)
-    return DryRunCheck(pick=pick, judged_by="estimate", peaks=[("rank", sum(est.values()))],
-                       largest=max(est.items(), key=lambda kv: kv[1])[0], simulator_bytes=sim, limit_bytes=limit,
-                       refusal=str(error) if error else None, note=note)
+    error = memory_error(cfg, limit_bytes=budget[0], ranks_sharing=1, limit_name=budget[1])
+    return DryRunCheck(judged_by="estimate", peaks=[("rank", sum(est.values()))],
+                       largest=max(est.items(), key=lambda kv: kv[1])[0], refusal=str(error) if error else None,
+                       note=note, **judged)
 
 
 def stand_in_line(cfg: RunConfig, study: str = "STUDY", *, target_params: int | None = None,

@@ -214,9 +214,11 @@ def _show_dry_runs(result, checks: list) -> None:
 
     verdict = {True: "yes", False: "NO", None: "n/a"}
     rows = [[str(c.pick), verdict[c.fits], c.judged_by, ", ".join(f"{role} {gib(b)}" for role, b in c.peaks) or "n/a",
-             gib(c.simulator_bytes), c.largest or "n/a"] for c in checks]
-    fit_table(f"dry runs at world {result.gpus}: peak per rank role against {gib(checks[0].limit_bytes)} GiB per GPU",
-              ["pick", "fits", "judged by", "peak per role (GiB)", "simulator (GiB)", "largest"], rows, console)
+             gib(c.runtime_bytes), gib(c.simulator_bytes), c.largest or "n/a"] for c in checks]
+    fit_table(f"dry runs at world {result.gpus}: peak per rank role plus the runtime beside it (CUDA context, NCCL "
+              f"buffers: priced) against {gib(checks[0].limit_bytes)} GiB per GPU",
+              ["pick", "fits", "judged by", "peak per role (GiB)", "runtime (GiB)", "simulator (GiB)", "largest"],
+              rows, console)
     for c in checks:
         if c.note:
             how = {"none": "not judged", "estimate": "judged by the analytic estimate (engine/train/memory.py)"}.get(

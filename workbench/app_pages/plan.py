@@ -145,6 +145,7 @@ def dry_run_frame(checks: list[Any]) -> pd.DataFrame:
     verdict = {True: "yes", False: "no", None: "not judged"}
     return pd.DataFrame([{"pick": c.pick, "fits": verdict[c.fits], "judged by": c.judged_by,
                           "peak per rank role (GiB)": ", ".join(f"{role} {b / 2**30:.2f}" for role, b in c.peaks),
+                          "runtime beside it (GiB)": c.runtime_bytes / 2**30,
                           "simulator (GiB)": c.simulator_bytes / 2**30, "largest": c.largest,
                           "took (s)": c.seconds} for c in checks])
 
