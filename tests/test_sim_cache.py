@@ -1,5 +1,6 @@
 """The simulator's disk cache (tuning/sim/cache.py, issue 63 item 5): its key covers every module the cached
-tables' code imports, and two writers of one table never mix their bytes."""
+tables' code imports, two writers of one table never mix their bytes, and two processes wanting one table compute
+it once."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pandas as pd
 
 from tuning.sim import cache
-from tuning.sim.cache import ROOT, cache_path, cached_frame
+from tuning.sim.cache import ROOT, cache_path, cached_frame, write_table
 
 
 def test_the_key_covers_every_project_module_the_simulator_imports(monkeypatch) -> None:
@@ -59,7 +60,7 @@ def test_two_writers_of_one_table_do_not_mix_their_bytes(tmp_path, monkeypatch) 
         with open(path, "w") as out:  # noqa: PTH123 - the writer's own handle, as to_csv holds one
             out.write(text[:len(text) // 2])
             out.flush()
-            cached_frame(target, lambda: second)  # the other writer, start to finish
+            write_table(target, second)  # the other writer, start to finish
             out.write(text[len(text) // 2:])
         return None
 
@@ -69,4 +70,21 @@ def test_two_writers_of_one_table_do_not_mix_their_bytes(tmp_path, monkeypatch) 
     kept = pd.read_csv(target)
     assert kept.equals(first) or kept.equals(second), kept
     assert len(calls) == 2 and calls[0] != calls[1]
-    assert [p.name for p in tmp_path.iterdir()] == ["loso-x.csv"]  # no temporary file left behind
+    # no temporary file left behind (the lock file the first writer computed under stays, empty)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".loso-x.lock", "loso-x.csv"]
+
+
+def test_two_processes_wanting_one_table_compute_it_once(tmp_path) -> None:
+    """On a fresh machine the suite's three leave-one-out tests start at once in three workers and each computed
+    the same table on the same two cores (192, 128 and 123 s in one run): the second now waits for the first
+    and reads what it wrote. On d54d806 both processes computed it."""
+    script = ("import sys, time, pandas as pd\nfrom pathlib import Path\nfrom tuning.sim.cache import cached_frame\n"
+              "def compute():\n    with open(sys.argv[2], 'a') as f:\n        f.write('computed\\n')\n"
+              "    time.sleep(3)\n    return pd.DataFrame({'v': [1, 2, 3]})\n"
+              "print(cached_frame(Path(sys.argv[1]), compute)['v'].sum())\n")
+    target, log = tmp_path / "loso-y.csv", tmp_path / "computed.log"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(target), str(log)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and [o.strip() for o in outs] == ["6", "6"]
+    assert log.read_text().splitlines() == ["computed"]

@@ -2,11 +2,15 @@
 minutes on a busy 2-core host, for each `workbench simulate`): keyed by the data file, the data the code
 reads (tuning/data/**/*.yaml) and every project module the tables' code imports (`simulator_modules`: a walk
 of the import statements from `ENTRY_MODULES`, those inside functions included), so any change recomputes.
-Each writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file
-system): two processes filling the same table never interleave their bytes."""
+One process computes a table at a time (an flock beside it): the others wait and read what it wrote, where
+each computed the same table on the same cores before (three suite workers at once on a fresh machine). Each
+writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file system): two
+processes filling the same table never interleave their bytes."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -76,11 +80,36 @@ def _read(path: Path) -> bytes:
 
 
 def cached_frame(cache: Path, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
-    """The table kept at `cache`, else `compute()` written there through a temporary file of this writer's own
-    (best effort: a read-only home only costs the next process the work again)."""
+    """The table kept at `cache`, else `compute()` written there, by one process at a time (`_computing`: another
+    that wants the same table waits, then reads it) through a temporary file of this writer's own (best effort: a
+    read-only home only costs the next process the work again)."""
     if cache.is_file():
         return pd.read_csv(cache)
-    table = compute()
+    with _computing(cache):
+        if cache.is_file():  # another process computed it while this one waited
+            return pd.read_csv(cache)
+        table = compute()
+        write_table(cache, table)
+    return table
+
+
+@contextlib.contextmanager
+def _computing(cache: Path):
+    """Held while this process computes and writes `cache`: an exclusive flock on a file beside it (released by the
+    kernel if the process dies); where the folder cannot be written, nothing is held."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache.parent / f".{cache.stem}.lock", "a")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def write_table(cache: Path, table: pd.DataFrame) -> None:
+    """`table` renamed into place at `cache` from a temporary file of this writer's own (best effort)."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.stem}-", suffix=".tmp")
@@ -92,4 +121,3 @@ def cached_frame(cache: Path, compute: Callable[[], pd.DataFrame]) -> pd.DataFra
             Path(tmp).unlink(missing_ok=True)
     except OSError:
         pass
-    return table
