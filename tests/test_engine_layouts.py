@@ -10,6 +10,7 @@ from engine.config.schema import load_config
 from engine.launch.local import launch
 from profilers.store import RunStore
 from parallel_harness import assert_launch_follows, trainer_reference
+from saved_runs import saved_run
 
 TINY = ["model.layers=4", "model.d_model=32", "model.heads=4", "model.seq_len=16", "train.steps=5",
         "train.lr=0.003", "train.warmup_steps=0", "batch.global=8", "batch.micro=2", "train.grad_clip=0.5",
@@ -56,12 +57,11 @@ def test_layout_matches_single_process(tmp_path, reference, name):
 
 @pytest.mark.parametrize("resume_layout", [["parallel.dp=2", "parallel.zero=3"], ["parallel.tp=2"]],
                          ids=["same-layout", "zero3-to-tp2"])
-def test_checkpoint_resumes_in_same_and_other_layout(tmp_path, resume_layout):
-    """Saved under ZeRO-3 at dp=2 through DCP: resumable as is, and under tp=2."""
-    ckpt = tmp_path / "ckpt"
+def test_checkpoint_resumes_in_same_and_other_layout(tmp_path, tmp_path_factory, resume_layout):
+    """Saved under ZeRO-3 at dp=2 through DCP (one run for both, tests/saved_runs.py): resumable as is, and under
+    tp=2."""
     common = TINY + ["train.steps=6", "train.eval_interval=0"]
-    full = launch(load_config(None, common + ["parallel.dp=2", "parallel.zero=3", "train.checkpoint_interval=3",
-                                              f"train.checkpoint_dir={ckpt}"]), home=tmp_path)
+    full, ckpt = saved_run(common + ["parallel.dp=2", "parallel.zero=3"], tmp_path_factory)
     resumed = launch(load_config(None, common + resume_layout + [f"train.resume_from={ckpt / 'step000003'}"]),
                      home=tmp_path)
     assert [s["step"] for s in resumed.steps] == [3, 4, 5]

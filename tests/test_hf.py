@@ -156,14 +156,14 @@ def test_layout_follows_single_process(tmp_path, name):
     ("mixtral", ["parallel.dp=2", "parallel.ep=2"], ["parallel.dp=2", "parallel.ep=2"]),
     ("mixtral", ["parallel.dp=2", "parallel.ep=2"], ["parallel.dp=2"]),
 ], ids=["zero3-same", "zero3-to-tp2", "pp2-to-dp2", "ep2-same", "ep2-to-dp2"])
-def test_checkpoint_resumes(tmp_path, family, first, then):
-    """Saved at step 3 in one layout, resumed in `then`: steps 3-5 follow the uninterrupted run."""
+def test_checkpoint_resumes(tmp_path, tmp_path_factory, family, first, then):
+    """Saved at step 3 in one layout, resumed in `then`: steps 3-5 follow the uninterrupted run (one saved run per
+    saved layout, tests/saved_runs.py)."""
     from engine.launch.local import launch
+    from saved_runs import saved_run
 
-    ckpt = tmp_path / "ckpt"
     common = _over(family, "train.steps=6", "train.eval_interval=0")
-    full = launch(load_config(None, common + first + ["train.checkpoint_interval=3", f"train.checkpoint_dir={ckpt}"]),
-                  home=tmp_path)
+    full, ckpt = saved_run(common + first, tmp_path_factory)
     resumed = launch(load_config(None, common + then + [f"train.resume_from={ckpt / 'step000003'}"]), home=tmp_path)
     assert [s["step"] for s in resumed.steps] == [3, 4, 5]
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed.steps, full.steps[3:]))

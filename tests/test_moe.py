@@ -299,17 +299,17 @@ EP_RESUMES = {  # (saved in, resumed in)
 
 @pytest.mark.xdist_group("moe")  # its own worker: the "launch" group is the suite's long pole
 @pytest.mark.parametrize("name", list(EP_RESUMES))
-def test_expert_parallel_checkpoint_resumes_in_ep2_and_ep1(tmp_path, name):
+def test_expert_parallel_checkpoint_resumes_in_ep2_and_ep1(tmp_path, tmp_path_factory, name):
     """An ep=2 checkpoint names each expert by its global id and records ep: the same layout and
     ep=1 continue the uninterrupted run (before: each ep rank saved its experts as `experts.0`,
-    `experts.1` and DCP kept one rank's copy; ep=1 failed on "Missing key ... experts.2")."""
+    `experts.1` and DCP kept one rank's copy; ep=1 failed on "Missing key ... experts.2"). One saved run per
+    saved layout (tests/saved_runs.py)."""
     from engine.launch.local import launch
+    from saved_runs import saved_run
 
     saved_in, resumed_in = EP_RESUMES[name]
-    ckpt = tmp_path / "ckpt"
     common = MOE + ["train.steps=6", "train.eval_interval=0"]
-    full = launch(load_config(None, common + saved_in + ["train.checkpoint_interval=3",
-                                                         f"train.checkpoint_dir={ckpt}"]), home=tmp_path)
+    full, ckpt = saved_run(common + saved_in, tmp_path_factory)
     record, copies = _checkpoint_record(ckpt / "step000003")
     assert (record["ep"], record["cp"], record["dp"]) == (2, 1, int(saved_in[0].split("=")[1]))
     experts = {k for k in copies if k.startswith("model.") and ".experts." in k}
