@@ -71,7 +71,7 @@ def test_two_writers_of_one_table_do_not_mix_their_bytes(tmp_path, monkeypatch) 
     assert kept.equals(first) or kept.equals(second), kept
     assert len(calls) == 2 and calls[0] != calls[1]
     # no temporary file left behind (the lock file the first writer computed under stays, empty)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".loso-x.lock", "loso-x.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loso-x.csv", "loso-x.csv.lock"]
 
 
 def test_two_processes_wanting_one_table_compute_it_once(tmp_path) -> None:

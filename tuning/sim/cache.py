@@ -2,7 +2,7 @@
 minutes on a busy 2-core host, for each `workbench simulate`): keyed by the data file, the data the code
 reads (tuning/data/**/*.yaml) and every project module the tables' code imports (`simulator_modules`: a walk
 of the import statements from `ENTRY_MODULES`, those inside functions included), so any change recomputes.
-One process computes a table at a time (an flock beside it): the others wait and read what it wrote, where
+One process computes a table at a time (a lock file beside it, profilers/locks.py): the others wait and read what it wrote, where
 each computed the same table on the same cores before (three suite workers at once on a fresh machine). Each
 writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file system): two
 processes filling the same table never interleave their bytes."""
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import functools
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -94,17 +93,14 @@ def cached_frame(cache: Path, compute: Callable[[], pd.DataFrame]) -> pd.DataFra
 
 
 @contextlib.contextmanager
-def _computing(cache: Path):
-    """Held while this process computes and writes `cache`: an exclusive flock on a file beside it (released by the
-    kernel if the process dies); where the folder cannot be written, nothing is held."""
-    try:
+def _computing(cache: Path) -> Iterator[None]:
+    """Held while this process computes and writes `cache`: profilers.locks.file_lock on `<cache>.lock` (the kernel
+    releases it if the process dies; nothing is held where the folder cannot be written)."""
+    from profilers.locks import file_lock
+
+    with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(cache.parent / f".{cache.stem}.lock", "a")  # noqa: SIM115 - closed below
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(cache):
         yield
 
 
