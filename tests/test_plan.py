@@ -244,7 +244,6 @@ def test_a_dry_run_is_judged_with_the_cuda_context_and_nccl_buffers_beside_its_t
     docs/data/gpu_checks_2026-11-27). The check judges the peak plus the runtime the simulator prices for the layout
     (the preset's CUDA context, 32 channels x 2 connections x 10 MiB per communicator), as the simulator judges its
     own memory. On e34c5f5 a layout whose tensors fitted the card with less than that to spare was passed."""
-    from engine.config.schema import load_config
     from engine.train.dryrun import GIB, dry_run
     from tuning.plan import dry_run_top
 

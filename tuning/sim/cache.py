@@ -2,10 +2,10 @@
 minutes on a busy 2-core host, for each `workbench simulate`): keyed by the data file, the data the code
 reads (tuning/data/**/*.yaml) and every project module the tables' code imports (`simulator_modules`: a walk
 of the import statements from `ENTRY_MODULES`, those inside functions included), so any change recomputes.
-One process computes a table at a time (a lock file beside it, profilers/locks.py): the others wait and read what it wrote, where
-each computed the same table on the same cores before (three suite workers at once on a fresh machine). Each
-writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file system): two
-processes filling the same table never interleave their bytes."""
+One process computes a table at a time (a lock file beside it, profilers/locks.py): the others wait and read
+what it wrote, where each computed the same table on the same cores before (three suite workers at once on a fresh
+machine). Each writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file
+system): two processes filling the same table never interleave their bytes."""
 from __future__ import annotations
 
 import ast
