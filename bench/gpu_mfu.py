@@ -1,7 +1,7 @@
 """MFU of a ~1B-parameter GPT on one GPU (seq 2048, bf16 autocast, flash SDPA), and the engine's cost.
 
     python bench/gpu_mfu.py [--compile] [--rounds 5] [--steps 4] [--quick] [--cpu-dry-run]
-                            [--hf CONFIG_JSON [--seq 2048] [--micro M] [--global-batch G]]
+                            [--hf CONFIG_JSON [--seq 2048] [--micro M] [--global-batch G]] [--set KEY=VALUE ...]
 
 One process, one GPU, one model and optimizer, three ways to step it, interleaved in rounds:
 the engine's `Trainer.train_step` with profilers on, the same with profilers off, and a minimal
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=2048, help="sequence length with --hf")
     ap.add_argument("--micro", type=int, help="micro-batch (sequences)")
     ap.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override after the preset's (e.g. train.activation_checkpointing=true)")
     args = ap.parse_args(argv)
     for name in ("rounds", "steps", "seq", "micro", "global_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     use_default_cuda_allocator()  # as `launch` gives its ranks, before CUDA allocates
     device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)
-    trainer = Trainer(load_config(None, COMMON + model_args(args) + ["train.steps=1000000"]), device=device)
+    trainer = Trainer(load_config(None, COMMON + model_args(args) + ["train.steps=1000000", *args.set]), device=device)
     if args.compile:
         trainer.par.forward = torch.compile(trainer.par.forward)
     stop = nvml_readings(device) if device.type == "cuda" else (lambda: {})

@@ -3,6 +3,7 @@ device names); the real thing (bench/gpu_check.py, bench/gpu_mfu.py) is marked `
 without CUDA. CI never has a GPU."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -230,7 +231,7 @@ def test_launch_refuses_more_nccl_ranks_than_gpus_before_any_process(monkeypatch
 def test_gpu_scripts_refuse_cleanly_without_cuda():
     if CUDA:
         pytest.skip("CUDA present: the gpu-marked tests run the scripts")
-    for script in ("bench/gpu_check.py", "bench/gpu_mfu.py"):
+    for script in ("bench/gpu_check.py", "bench/gpu_mfu.py", "bench/gpu_layer.py"):
         r = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (script, r.stdout, r.stderr)
         assert "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
@@ -257,6 +258,23 @@ def test_gpu_mfu_script_quick():
                        text=True, timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MFU" in r.stdout
+
+
+def test_gpu_layer_script_measures_and_prices_a_shard_on_cpu(tmp_path):
+    """bench/gpu_layer.py's logic on a tiny CPU shard, then `--price` of what it wrote: the simulator's
+    per-layer price beside each measured row (docs/gpu.md's table is this on an H200)."""
+    out = tmp_path / "layer.json"
+    r = subprocess.run([sys.executable, "bench/gpu_layer.py", "--cpu-dry-run", "--tp", "1,2", "--repeats", "1",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tp"] for row in rows] == [1, 2] and all(row["layer_bwd_s"] > 0 for row in rows)
+    r = subprocess.run([sys.executable, "bench/gpu_layer.py", "--price", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    priced = [line.split() for line in r.stdout.splitlines() if line.startswith("dry")]
+    assert len(priced) == 2 and all("/" in cell for line in priced for cell in line[2:])
 
 
 @pytest.mark.slow
