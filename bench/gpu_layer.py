@@ -17,11 +17,15 @@ this script on a small shape and measures nothing about GPUs.
 
 `--price` runs anywhere: beside each measured row it prints the simulator's price of the same shard
 (`tuning.sim.compute.compute_times` per layer: a two-layer model less a one-layer one, so the logits and
-loss cancel) on `--cluster`, with the `fsdp` flavour (eager PyTorch kernels, flash attention, as here).
+loss cancel) on `--cluster`, with the `fsdp` flavour (eager PyTorch kernels, flash attention, as here), and
+the bytes `activation_bytes` says a layer keeps (Korthikanti et al. 2022). "held" is what the forward leaves
+allocated: the layer's output counted, its input (allocated before) not; the price counts the input and not
+the output, the same 2 s b h bytes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -37,45 +41,93 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from gpu_check import no_cuda_message, versions  # noqa: E402
 
-# (hidden, heads): Narayanan et al. 2021 Table 1 and Korthikanti et al. 2022 Table 3 shapes; ffn 4h
-SHAPES = {"gpt-1.3b": (2048, 16), "gpt-22b": (6144, 64), "gpt-175b": (12288, 96), "gpt-530b": (20480, 128)}
-DRY_SHAPE = (64, 4)
-DROPOUT = 0.1
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A decoder layer's widths: Megatron-LM's GPT (LayerNorm, GeLU MLP of 4h, dropout 0.1, learned positions)
+    or a Llama (RMSNorm, SwiGLU, grouped-query attention, rotary embeddings, no dropout)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int = 0  # 0: heads
+    ffn: int = 0  # 0: 4 hidden
+    llama: bool = False
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def dropout(self) -> float:
+        return 0.0 if self.llama else 0.1
+
+
+# Narayanan et al. 2021 Table 1 and Korthikanti et al. 2022 Table 3's GPTs; Llama 3.1's config.json widths
+SHAPES = {"gpt-1.3b": Shape(2048, 16), "gpt-22b": Shape(6144, 64), "gpt-175b": Shape(12288, 96),
+          "gpt-530b": Shape(20480, 128), "llama-8b": Shape(4096, 32, 8, 14336, llama=True),
+          "llama-70b": Shape(8192, 64, 8, 28672, llama=True)}
+DRY_SHAPES = {"dry": Shape(64, 4), "dry-llama": Shape(64, 4, 2, 160, llama=True)}
 CALLS = 10
 
 
-class Shard:
-    """One rank's weights of a GPT layer at tensor-parallel degree `tp`, and its forward."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers' Llama applies it (eager: rotate_half)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def __init__(self, hidden: int, heads: int, tp: int, device: torch.device, dtype: torch.dtype):
+
+class Shard:
+    """One rank's weights of a decoder layer at tensor-parallel degree `tp`, and its forward."""
+
+    def __init__(self, shape: Shape, tp: int, seq: int, device: torch.device, dtype: torch.dtype):
         def w(n_out: int, n_in: int) -> torch.Tensor:
             return (torch.randn(n_out, n_in, device=device, dtype=dtype) * 0.02).requires_grad_()
 
-        self.heads, self.head_dim = heads // tp, hidden // heads
-        width = self.heads * self.head_dim
-        self.qkv, self.proj = w(3 * width, hidden), w(hidden, width)
-        self.fc1, self.fc2 = w(4 * hidden // tp, hidden), w(hidden, 4 * hidden // tp)
+        hidden, self.shape = shape.hidden, shape
+        self.heads, self.kv, self.head_dim = shape.heads // tp, max(shape.kv // tp, 1), hidden // shape.heads
+        width, ffn = self.heads * self.head_dim, shape.ffn_width // tp
+        self.qkv, self.proj = w(width + 2 * self.kv * self.head_dim, hidden), w(hidden, width)
+        self.fc1, self.fc2 = w((2 if shape.llama else 1) * ffn, hidden), w(hidden, ffn)
         self.norms = [torch.ones(hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2)]
         self.params = [self.qkv, self.proj, self.fc1, self.fc2, *self.norms]
+        angle = torch.arange(seq, device=device)[:, None] * 10000.0 ** (
+            -torch.arange(0, self.head_dim, 2, device=device) / self.head_dim)
+        angle = torch.cat((angle, angle), dim=-1)
+        self.cos, self.sin = angle.cos().to(dtype), angle.sin().to(dtype)
+
+    def norm(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        h = (x.shape[-1],)
+        return F.rms_norm(x, h, self.norms[i]) if self.shape.llama else F.layer_norm(x, h, self.norms[i])
 
     def attention(self, qkv: torch.Tensor) -> torch.Tensor:
         b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=DROPOUT, is_causal=True)
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv * self.head_dim, self.kv * self.head_dim], dim=-1)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.shape.llama:
+            q, k = rotary(q, self.cos, self.sin), rotary(k, self.cos, self.sin)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.shape.dropout, is_causal=True,
+                                             enable_gqa=self.kv != self.heads)
         return out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shape.llama:
+            gate, up = F.linear(x, self.fc1).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(F.linear(x, self.fc1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.shape[-1]
-        a = self.attention(F.linear(F.layer_norm(x, (h,), self.norms[0]), self.qkv))
-        x = x + F.dropout(F.linear(a, self.proj), DROPOUT)
-        m = F.gelu(F.linear(F.layer_norm(x, (h,), self.norms[1]), self.fc1))
-        return x + F.dropout(F.linear(m, self.fc2), DROPOUT)
+        p = self.shape.dropout
+        x = x + F.dropout(F.linear(self.attention(F.linear(self.norm(x, 0), self.qkv)), self.proj), p)
+        return x + F.dropout(F.linear(self.mlp(self.norm(x, 1)), self.fc2), p)
 
     def gemms(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The layer's four GEMMs alone, each on an input of its own shape."""
         b, s, h = x.shape
         attn_out = x.new_zeros(b, s, self.heads * self.head_dim).requires_grad_()
-        fc1_out = x.new_zeros(b, s, self.fc1.shape[0]).requires_grad_()
+        fc1_out = x.new_zeros(b, s, self.fc2.shape[1]).requires_grad_()
         return [F.linear(x, self.qkv), F.linear(attn_out, self.proj), F.linear(x, self.fc1), F.linear(fc1_out, self.fc2)]
 
 
@@ -131,10 +183,10 @@ def held_bytes(device: torch.device, forward: Callable[[], torch.Tensor]) -> int
     return held
 
 
-def measure(shape: str, hidden: int, heads: int, tp: int, micro: int, seq: int, device: torch.device,
+def measure(name: str, shape: Shape, tp: int, micro: int, seq: int, device: torch.device,
             dtype: torch.dtype, repeats: int) -> dict:
-    shard = Shard(hidden, heads, tp, device, dtype)
-    x = torch.randn(micro, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    shard = Shard(shape, tp, seq, device, dtype)
+    x = torch.randn(micro, seq, shape.hidden, device=device, dtype=dtype, requires_grad=True)
 
     def layer() -> torch.Tensor:
         return shard.forward(x)
@@ -146,10 +198,10 @@ def measure(shape: str, hidden: int, heads: int, tp: int, micro: int, seq: int, 
         return sum(g.float().sum() for g in shard.gemms(x))
 
     def attention() -> torch.Tensor:
-        qkv = x.new_zeros(micro, seq, 3 * shard.heads * shard.head_dim).normal_().requires_grad_()
+        qkv = x.new_zeros(micro, seq, shard.qkv.shape[0]).normal_().requires_grad_()
         return shard.attention(qkv)
 
-    row = {"shape": shape, "hidden": hidden, "heads": heads, "tp": tp, "micro": micro, "seq": seq}
+    row = {"shape": name, **dataclasses.asdict(shape), "tp": tp, "micro": micro, "seq": seq}
     with torch.no_grad():
         row["gemm_fwd_s"] = timed(device, lambda: shard.gemms(x), repeats)
         row["attn_fwd_s"] = timed(device, attention, repeats)
@@ -170,35 +222,58 @@ def measure(shape: str, hidden: int, heads: int, tp: int, micro: int, seq: int, 
     return row
 
 
+def fused_attention(run: Callable[[], dict], device: torch.device) -> dict:
+    """`run` under SDPA's flash kernel, else (a shape flash refuses) its memory-efficient one; never the math
+    kernel, which would store the s x s scores. The row names the kernel that ran."""
+    if device.type != "cuda":
+        return {**run(), "attention_kernel": "cpu"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                return {**run(), "attention_kernel": backend.name.lower()}
+        except RuntimeError as e:
+            print(f"  {backend.name}: {str(e).splitlines()[0][:160]}", flush=True)
+            torch.cuda.empty_cache()
+    raise RuntimeError("neither fused attention kernel ran this shape")
+
+
 def priced(row: dict, cluster: str, framework: str = "fsdp") -> dict[str, float]:
     """The simulator's per-layer seconds for a measured row's shard: GEMMs (forward + backward), forward,
-    backward, and the recompute overhead (full recomputation's layer time over none's, less 1)."""
+    backward, the recompute overhead (full recomputation's layer time over none's, less 1), and the bytes a layer
+    keeps for its backward without recomputation and with full recomputation (`activation_bytes`)."""
     import numpy as np
 
     from tuning.sim.compute import activation_bytes, compute_times
     from tuning.sim.hardware import PRESETS
     from tuning.sim.spec import ModelSpec, ParallelSpec, columns
 
-    def times(layers: int, recompute: str) -> dict[str, float]:
+    def times(layers: int, recompute: str) -> tuple[dict[str, float], dict[str, float]]:
+        llama = row.get("llama", False)  # the shard has no biases; a GPT's dropout and GELU MLP as ModelSpec's
         m = ModelSpec(layers=layers, hidden=row["hidden"], heads=row["heads"], seq=row["seq"], vocab=50304,
-                      biases=False)  # the shard has no biases; dropout and a GELU MLP of 4h as ModelSpec's GPT
+                      biases=False, kv_heads=row.get("kv_heads", 0), ffn_hidden=row.get("ffn", 0), gated_mlp=llama,
+                      learned_positions=not llama, norm_params=1 if llama else 2, dropout=not llama)
         c = columns(ParallelSpec(tp=row["tp"], micro=row["micro"], global_batch=row["micro"], recompute=recompute,
                                  framework=framework, flash_attention=True))
         c["num_mb"] = np.asarray(1)
-        return {k: float(v) for k, v in compute_times(m, PRESETS[cluster], c, activation_bytes(m, c)).items()}
+        act = activation_bytes(m, c)
+        return ({k: float(v) for k, v in compute_times(m, PRESETS[cluster], c, act).items()},
+                {k: float(v) for k, v in act.items()})
 
-    one, two, two_full = times(1, "none"), times(2, "none"), times(2, "full")
-    one_full = times(1, "full")
+    one, two, two_full = times(1, "none")[0], times(2, "none")[0], times(2, "full")
+    one_full = times(1, "full")[0]
     fwd, bwd = two["fwd"] - one["fwd"], two["bwd"] - one["bwd"]
     return {"gemm_s": two["gemm"] - one["gemm"], "fwd_s": fwd, "bwd_s": bwd,
-            "recompute_overhead": (fwd + two_full["bwd"] - one_full["bwd"]) / (fwd + bwd) - 1.0}
+            "recompute_overhead": (fwd + two_full[0]["bwd"] - one_full["bwd"]) / (fwd + bwd) - 1.0,
+            "held_bytes": two_full[1]["full"], "held_bytes_recompute": two_full[1]["stored"]}
 
 
 def price_report(paths: list[Path], cluster: str) -> str:
     """Measured (the JSON files `--json` wrote) beside priced, one line per row."""
     lines = [f"measured/priced; measured: {json.loads(paths[0].read_text())['versions']}; priced: {cluster}, fsdp flavour",
              f"{'shape':9} {'tp':>2} {'GEMMs f+b (ms)':>17} {'layer fwd (ms)':>15} {'layer bwd (ms)':>15} "
-             f"{'bwd/fwd':>11} {'recompute +':>15}"]
+             f"{'bwd/fwd':>11} {'recompute +':>15} {'held (MiB)':>11} {'recompute held':>15}"]
     for path in paths:
         for r in json.loads(path.read_text())["rows"]:
             p = priced(r, cluster)
@@ -207,7 +282,9 @@ def price_report(paths: list[Path], cluster: str) -> str:
                          f"{r['layer_fwd_s'] * 1e3:7.2f}/{p['fwd_s'] * 1e3:<7.2f} "
                          f"{r['layer_bwd_s'] * 1e3:7.2f}/{p['bwd_s'] * 1e3:<7.2f} "
                          f"{r['layer_bwd_s'] / r['layer_fwd_s']:5.2f}/{p['bwd_s'] / p['fwd_s']:<5.2f} "
-                         f"{r['recompute_overhead']:+7.1%}/{p['recompute_overhead']:<+7.1%}")
+                         f"{r['recompute_overhead']:+7.1%}/{p['recompute_overhead']:<+7.1%} "
+                         f"{r['held_bytes'] / 2**20:5.0f}/{p['held_bytes'] / 2**20:<5.0f} "
+                         f"{r['held_bytes_recompute'] / 2**20:7.0f}/{p['held_bytes_recompute'] / 2**20:<7.0f}")
     return "\n".join(lines)
 
 
@@ -233,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.cpu_dry_run else "cuda")
     dtype = torch.float32 if args.cpu_dry_run else torch.bfloat16
     print(versions(device))
-    shapes = {"dry": DRY_SHAPE} if args.cpu_dry_run else {s: SHAPES[s] for s in args.shapes.split(",")}
+    shapes = DRY_SHAPES if args.cpu_dry_run else {s: SHAPES[s] for s in args.shapes.split(",")}
     seq = 32 if args.cpu_dry_run else args.seq
     rows = []
     print(f"{'shape':9} {'tp':>2} {'mb':>2} {'gemm f/b (ms)':>15} {'TFLOP/s f/b':>13} {'attn f/b (ms)':>15} "
           f"{'layer f/b (ms)':>15} {'recompute +':>11} {'held (MiB)':>11}")
-    for name, (hidden, heads) in shapes.items():
+    for name, shape in shapes.items():
         for tp in map(int, args.tp.split(",")):
             for micro in map(int, args.micro.split(",")):
-                r = measure(name, hidden, heads, tp, micro, seq, device, dtype, args.repeats)
+                r = fused_attention(lambda: measure(name, shape, tp, micro, seq, device, dtype, args.repeats), device)
                 rows.append(r)
                 print(f"{name:9} {tp:2d} {micro:2d} {r['gemm_fwd_s'] * 1e3:7.2f}/{r['gemm_bwd_s'] * 1e3:7.2f} "
                       f"{r['gemm_fwd_tflops']:6.0f}/{r['gemm_bwd_tflops']:6.0f} "
@@ -250,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['held_bytes'] / 2**20:11.0f}", flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    if args.json:
-        args.json.write_text(json.dumps({"versions": versions(device), "rows": rows}, indent=1))
+                if args.json:  # after each row: a later row's failure keeps what was measured
+                    args.json.write_text(json.dumps({"versions": versions(device), "rows": rows}, indent=1))
     return 0
 
 
