@@ -276,6 +276,27 @@ def test_workbench_dryrun_prints_the_simulators_figures_beside_its_own(tmp_path)
     assert "simulator (GiB)" in text and "Sharded Param" in text and "sent or reduced" in text
 
 
+def test_workbench_dryrun_judges_device_memory_with_the_cuda_context_and_nccl_buffers_beside_the_peak(tmp_path):
+    """tiny (dp 2) on dgx-h100: a rank holds the preset's CUDA context (0.47 GiB) and one data-parallel
+    communicator's buffers (32 channels x 2 connections x 10 MiB) beside its tensors, which the dry run does not
+    see. A device between the peak and the peak plus those is refused, as plan's dry runs refuse it."""
+    runtime = 0.47 * 2**30 + 32 * 2 * 10 * 2**20
+    fits = cli("dryrun", "examples/tiny.yaml", "--json", home=tmp_path)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    report = json.loads(fits.stdout)
+    peak = max(role["peak"] for role in report["roles"])
+    assert report["runtime_bytes"] == pytest.approx(runtime)
+    between = (peak + runtime / 2) / 2**30
+    out = cli("dryrun", "examples/tiny.yaml", "--device-memory", f"{between:.6f}", home=tmp_path)
+    assert out.returncode == 2, out.stdout[-2000:]
+    line = out.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert f"beside the {runtime / 2**30:.2g} GiB of CUDA context and NCCL buffers a rank holds (priced)" in line
+    roomy = cli("dryrun", "examples/tiny.yaml", "--device-memory", f"{(peak + runtime) / 2**30 + 0.01:.6f}",
+                home=tmp_path)
+    assert roomy.returncode == 0, roomy.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("launch")
 def test_run_refuses_a_config_that_would_not_fit_before_any_rank_starts(tmp_path):

@@ -269,12 +269,13 @@ def test_gpu_layer_script_measures_and_prices_a_shard_on_cpu(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [row["tp"] for row in rows] == [1, 2] and all(row["layer_bwd_s"] > 0 for row in rows)
+    assert [(row["shape"], row["tp"]) for row in rows] == [("dry", 1), ("dry", 2), ("dry-llama", 1), ("dry-llama", 2)]
+    assert all(row["layer_bwd_s"] > 0 for row in rows)
     r = subprocess.run([sys.executable, "bench/gpu_layer.py", "--price", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     priced = [line.split() for line in r.stdout.splitlines() if line.startswith("dry")]
-    assert len(priced) == 2 and all("/" in cell for line in priced for cell in line[2:])
+    assert len(priced) == 4 and all("/" in cell for line in priced for cell in line[2:])
 
 
 @pytest.mark.slow

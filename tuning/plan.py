@@ -481,12 +481,13 @@ def _checked(plan: Plan, pick: int, run: Callable[[RunConfig], Any], limit: floa
     """Layout `pick` dry-run by `run` and judged against `limit` bytes (`dry_run_top`)."""
     from engine.config.validate import validate
     from engine.train.dryrun import check_playable
+    from tuning.sim.dryrun import tensor_budget
 
     cfg = plan_config(plan, pick)
     sim = float(plan.table.iloc[pick - 1]["memory_per_gpu_gb"]) * 1e9
     runtime = runtime_bytes(plan, pick)
     judged = dict(pick=pick, simulator_bytes=sim, limit_bytes=limit, runtime_bytes=runtime)
-    budget = _beside_runtime(limit, name, runtime)  # what the dry run's tensors are judged against
+    budget = tensor_budget(limit, name, runtime)  # what the dry run's tensors are judged against
     try:
         validate(cfg)
     except ConfigError as exc:  # the target framework runs it, the engine does not: nothing to play or estimate
@@ -507,20 +508,10 @@ def _checked(plan: Plan, pick: int, run: Callable[[RunConfig], Any], limit: floa
 
 
 def runtime_bytes(plan: Plan, pick: int) -> float:
-    """What the simulator prices a rank of layout `pick` holding beyond its tensors, which a dry run does not see:
-    the CUDA context and NCCL's buffers (tuning.sim.memory.runtime; 0 on a cluster that does not model them)."""
-    from tuning.sim.memory import runtime
+    """What the simulator prices a rank of layout `pick` holding beyond its tensors (`tuning.sim.dryrun.runtime_bytes`)."""
+    from tuning.sim.dryrun import runtime_bytes as priced
 
-    degrees = {k: np.asarray(_ranked_row(plan, pick)[k]) for k in ("tp", "dp", "cp", "ep", "pp")}
-    return float(sum(np.sum(v) for v in runtime(degrees, plan.cluster).values()))
-
-
-def _beside_runtime(limit: float, name: str, runtime: float) -> tuple[float, str]:
-    """(bytes a rank's tensors may take, what they are): the device memory less the runtime beside them."""
-    if not runtime:
-        return limit, name
-    return max(limit - runtime, 0.0), (f"left of the {limit / 2**30:.4g} GiB {name} beside the {runtime / 2**30:.2g} "
-                                       "GiB of CUDA context and NCCL buffers a rank holds (priced)")
+    return priced({k: _ranked_row(plan, pick)[k] for k in ("tp", "dp", "cp", "ep", "pp")}, plan.cluster)
 
 
 def _judged_for_target(plan: Plan, check: DryRunCheck) -> DryRunCheck:

@@ -10,14 +10,16 @@ from rich.table import Table
 
 from workbench.cli_common import check_number, console, err, fail, print_json
 
-DEVICE_MEMORY_HELP = "Device memory per rank in GiB: refuse (exit 2) when the busiest rank's peak is above it"
+DEVICE_MEMORY_HELP = ("Device memory per rank in GiB: refuse (exit 2) when the busiest rank's peak, beside the CUDA "
+                      "context and NCCL buffers --cluster prices for its layout, is above it")
 
 
 def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
            world: Optional[int] = typer.Option(None, help="World size; dp takes what tp*pp*cp leave (default: the config's)"),
            set_: list[str] = typer.Option([], "--set", help="Override a key, e.g. --set parallel.tp=8"),
            rank: list[int] = typer.Option([], "--rank", help="Dry-run this global rank (repeatable; default: one per pp stage)"),
-           cluster: str = typer.Option("dgx-h100", help="Simulator cluster preset or profile for its figures"),
+           cluster: str = typer.Option("dgx-h100", help="Simulator cluster preset or profile for its figures and the "
+                                                          "runtime judged beside --device-memory"),
            device_memory: Optional[float] = typer.Option(None, "--device-memory", help=DEVICE_MEMORY_HELP),
            as_json: bool = typer.Option(False, "--json", help="Print one JSON object")) -> None:
     """Dry-run one training step at the real world size: the real model and parallelize() on torch's fake
@@ -26,7 +28,7 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
     from engine.train.dryrun import GIB, at_world, dry_run, fits_error
     from engine.errors import ConfigError
     from tuning.sim.hardware import load_cluster
-    from tuning.sim.dryrun import side_by_side
+    from tuning.sim.dryrun import runtime_bytes, side_by_side, tensor_budget
 
     check_number("--world", world, 1)
     check_number("--device-memory", device_memory, 0, exclusive=True)
@@ -42,12 +44,16 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
             fail(f"--rank={bad[0]}: must be in 0..{cfg.world_size - 1} (world size {cfg.world_size})")
         result = dry_run(cfg, ranks=rank or None)
         report = side_by_side(result, cfg.to_dict(), spec)
-        error = fits_error(result, limit_bytes=device_memory * GIB, limit_name="device memory (--device-memory)",
-                           cfg=cfg) if device_memory is not None else None
+        runtime = runtime_bytes({k: getattr(cfg.parallel, k) for k in ("tp", "dp", "cp", "ep", "pp")}, spec)
+        if device_memory is not None:  # the tensors' peak beside what the rank holds outside them, as plan judges
+            limit, name = tensor_budget(device_memory * GIB, "device memory (--device-memory)", runtime)
+            error = fits_error(result, limit_bytes=limit, limit_name=name, cfg=cfg)
+        else:
+            error = None
     except ConfigError as exc:
         fail(str(exc))
     if as_json:
-        print_json({**report, "fits": error is None, "refusal": str(error) if error else None})
+        print_json({**report, "runtime_bytes": runtime, "fits": error is None, "refusal": str(error) if error else None})
     else:
         _print_report(cfg, report)
     if error is not None:

@@ -103,3 +103,22 @@ def _role_rows(role: RoleResult, sim: dict[str, Any]) -> dict[str, Any]:
     return {"rank": role.rank, "coords": role.coords, "peak": role.peak, "tracker": role.tracker,
             "seconds": role.seconds, "memory": memory, "comm": comm, "simulator_stage": sim["stage"],
             "simulator_total": sum(sim["memory"].values())}
+
+
+def runtime_bytes(degrees: dict[str, Any], cluster: ClusterSpec) -> float:
+    """What a rank with these parallel degrees (tp, dp, cp, ep, pp) holds beyond its tensors, which a dry run does
+    not see: the CUDA context and NCCL's buffers as the simulator prices them (tuning.sim.memory.runtime; 0 on a
+    cluster that does not model them)."""
+    from tuning.sim.memory import runtime
+
+    c = {k: np.asarray(degrees.get(k, 1)) for k in ("tp", "dp", "cp", "ep", "pp")}
+    return float(sum(np.sum(v) for v in runtime(c, cluster).values()))
+
+
+def tensor_budget(limit: float, name: str, runtime: float) -> tuple[float, str]:
+    """(bytes a rank's tensors may take, what they are): the device memory less the runtime beside them."""
+    if not runtime:
+        return limit, name
+    return max(limit - runtime, 0.0), (f"left of the {limit / 2**30:.4g} GiB {name} beside the {runtime / 2**30:.2g} "
+                                       "GiB of CUDA context and NCCL buffers a rank holds (priced)")
+
