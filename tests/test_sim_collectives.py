@@ -81,7 +81,9 @@ GPT3_13B = ModelSpec(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200)
                    "dropout and residuals unsharded without sequence parallelism and NCCL's collectives price tp 8 / tp 2 "
                    "at 1.08 here; Megatron-LM's fitted 2.98 ms per layer and micro-batch takes it to 1.32; 1.55 needs "
                    "6.8 ms, which Narayanan 2021 Table 1 (median error 1.1% -> 6.2%) rejects. BLOOM's published A100 "
-                   "tp 8 / tp 2 pair is priced 1.141 for 1.145 (tests/test_sim_published_trends.py)")
+                   "tp 8 / tp 2 pair is priced 1.141 for 1.145 (tests/test_sim_published_trends.py). Not the compute: "
+                   "one rank's share of a GPT-175B layer at tp 8 took 0.274 of tp 2's on an H200 and 0.287 on an H100, "
+                   "priced 0.312 (docs/gpu.md, bench/gpu_layer.py): what is missing is in tp 8's collectives")
 def test_tensor_parallel_8_against_2_costs_what_the_kept_back_a100_tables_measured() -> None:
     """Issue 63's kept-back A100 tables: a GPT-3-class layout at tp 8 takes 1.55-2.0x the time of its tp 2 twin
     (same GPUs, pipeline and batch; dp 4x smaller)."""
