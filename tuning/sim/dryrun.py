@@ -121,4 +121,3 @@ def tensor_budget(limit: float, name: str, runtime: float) -> tuple[float, str]:
         return limit, name
     return max(limit - runtime, 0.0), (f"left of the {limit / 2**30:.4g} GiB {name} beside the {runtime / 2**30:.2g} "
                                        "GiB of CUDA context and NCCL buffers a rank holds (priced)")
-
