@@ -92,7 +92,6 @@ class Shard:
         self.qkv, self.proj = w(width + 2 * self.kv * self.head_dim, hidden), w(hidden, width)
         self.fc1, self.fc2 = w((2 if shape.llama else 1) * ffn, hidden), w(hidden, ffn)
         self.norms = [torch.ones(hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2)]
-        self.params = [self.qkv, self.proj, self.fc1, self.fc2, *self.norms]
         angle = torch.arange(seq, device=device)[:, None] * 10000.0 ** (
             -torch.arange(0, self.head_dim, 2, device=device) / self.head_dim)
         angle = torch.cat((angle, angle), dim=-1)

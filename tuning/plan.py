@@ -511,7 +511,7 @@ def runtime_bytes(plan: Plan, pick: int) -> float:
     """What the simulator prices a rank of layout `pick` holding beyond its tensors (`tuning.sim.dryrun.runtime_bytes`)."""
     from tuning.sim.dryrun import runtime_bytes as priced
 
-    return priced({k: _ranked_row(plan, pick)[k] for k in ("tp", "dp", "cp", "ep", "pp")}, plan.cluster)
+    return priced(_ranked_row(plan, pick), plan.cluster)
 
 
 def _judged_for_target(plan: Plan, check: DryRunCheck) -> DryRunCheck:

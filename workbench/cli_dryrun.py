@@ -2,6 +2,7 @@
 per rank role: memory by category and collective bytes per mesh axis, beside the simulator's figures."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,7 +45,7 @@ def dryrun(config: Path = typer.Argument(..., help="YAML run config"),
             fail(f"--rank={bad[0]}: must be in 0..{cfg.world_size - 1} (world size {cfg.world_size})")
         result = dry_run(cfg, ranks=rank or None)
         report = side_by_side(result, cfg.to_dict(), spec)
-        runtime = runtime_bytes({k: getattr(cfg.parallel, k) for k in ("tp", "dp", "cp", "ep", "pp")}, spec)
+        runtime = runtime_bytes(dataclasses.asdict(cfg.parallel), spec)
         if device_memory is not None:  # the tensors' peak beside what the rank holds outside them, as plan judges
             limit, name = tensor_budget(device_memory * GIB, "device memory (--device-memory)", runtime)
             error = fits_error(result, limit_bytes=limit, limit_name=name, cfg=cfg)

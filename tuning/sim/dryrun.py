@@ -12,6 +12,7 @@ reduce-scatter's input, an all-reduce's buffer), one rank, one step: tp `tuning.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -105,14 +106,13 @@ def _role_rows(role: RoleResult, sim: dict[str, Any]) -> dict[str, Any]:
             "simulator_total": sum(sim["memory"].values())}
 
 
-def runtime_bytes(degrees: dict[str, Any], cluster: ClusterSpec) -> float:
-    """What a rank with these parallel degrees (tp, dp, cp, ep, pp) holds beyond its tensors, which a dry run does
-    not see: the CUDA context and NCCL's buffers as the simulator prices them (tuning.sim.memory.runtime; 0 on a
-    cluster that does not model them)."""
+def runtime_bytes(degrees: Mapping[str, Any], cluster: ClusterSpec) -> float:
+    """What a rank with these parallel degrees holds beyond its tensors, which a dry run does not see: the CUDA
+    context and NCCL's buffers as the simulator prices them (tuning.sim.memory.runtime, which reads tp, dp, cp, ep
+    and pp from `degrees`, 1 where absent; 0 on a cluster that does not model them)."""
     from tuning.sim.memory import runtime
 
-    c = {k: np.asarray(degrees.get(k, 1)) for k in ("tp", "dp", "cp", "ep", "pp")}
-    return float(sum(np.sum(v) for v in runtime(c, cluster).values()))
+    return float(sum(np.sum(v) for v in runtime(degrees, cluster).values()))
 
 
 def tensor_budget(limit: float, name: str, runtime: float) -> tuple[float, str]:
