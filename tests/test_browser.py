@@ -113,7 +113,9 @@ def _pick_run(page, run_id: str, timeout_s: float = 60.0) -> None:
     """Pick `run_id` in the Run page's run picker (it may keep the run picked before), typing it again
     until the box shows it: on a loaded machine the keystrokes can land before the list opens."""
     picker = page.locator('[data-testid="stSelectbox"]').filter(has_text="Run").last
-    picker.wait_for(timeout=30_000)
+    # the Run page lists every stored run before it draws the picker: 30 s was too short beside a loaded
+    # suite (CI of stop 72, load 9-12: the page was still running after 30 s of the pp4grid pick)
+    picker.wait_for(timeout=90_000)
     deadline = time.time() + timeout_s
     while run_id not in _selectboxes(page):
         assert time.time() < deadline, f"timed out after {timeout_s:.0f} s picking {run_id}: {_selectboxes(page)}"
