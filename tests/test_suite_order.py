@@ -90,3 +90,20 @@ def test_the_launch_group_runs_in_two_lanes_of_whole_modules(tmp_path):
     worker_of = {name[0]: {w for w, n in started if n[0] == name[0]} for _, name in started}
     assert all(len(workers) == 1 for workers in worker_of.values()), started  # a module stays on one worker
     assert worker_of["x"] != worker_of["y"], started  # the two lanes run side by side
+
+
+def test_the_progress_figure_is_the_share_of_recorded_seconds_run(tmp_path):
+    """Issue 65 item 3: `[ NN%]` tells how much of the suite's time has run. test_b's 10 tests are recorded at 10 s each
+    and run first; test_a's 100 at 0.5 s. After the first line's 72 tests (test_b's 10 and 62 of test_a's) 131 of the
+    150 recorded seconds have run: 87%, where pytest's count says 65% (72 of 110), as it did before."""
+    (tmp_path / "test_a.py").write_text("".join(f"def test_a{i}():\n    pass\n" for i in range(100)))
+    (tmp_path / "test_b.py").write_text("".join(f"def test_b{i}():\n    pass\n" for i in range(10)))
+    (tmp_path / "durations.json").write_text(json.dumps({**{f"test_a.py::test_a{i}": 0.5 for i in range(100)},
+                                                         **{f"test_b.py::test_b{i}": 10 for i in range(10)}}))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "COLUMNS": "80"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
+                          "-n", "1", "--dist", "loadgroup", "--durations-file", "durations.json"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = re.findall(r"^[.]+ +\[ *(\d+)%\]$", out.stdout, re.M)
+    assert figures == ["87", "100"], out.stdout
