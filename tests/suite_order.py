@@ -59,6 +59,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="Write each test's seconds (setup + call + teardown) into tests/durations.json at the end, "
                           "beside the recorded tests this run did not run")
     parser.addoption("--durations-file", default=str(DURATIONS), help="The durations file (default: %(default)s)")
+    parser.addoption("--timeline", default=None, metavar="PATH",
+                     help="Write each test phase's worker, start and stop (epoch seconds) as JSON to PATH at the end: "
+                          "where a run's wall time goes beside its CPU time (idle workers, the last one's tail)")
 
 
 # A group split into lanes, whole modules each (their module fixtures stay on one worker), balanced by recorded
@@ -148,13 +151,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = slowest_units_first(items, read_durations(Path(config.getoption("durations_file"))))
 
 
+_TIMELINE: list[dict[str, Any]] = []  # this run's test phases, for --timeline
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _SECONDS[plain_nodeid(report.nodeid)] += report.duration  # on xdist's controller: every worker's reports
+    node = getattr(report, "node", None)  # xdist's controller sets the worker a report came from
+    _TIMELINE.append({"test": plain_nodeid(report.nodeid), "when": report.when, "start": report.start,
+                      "stop": report.stop, "worker": node.gateway.id if node is not None else "main"})
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
-    if hasattr(config, "workerinput") or not config.getoption("record_durations"):
+    if hasattr(config, "workerinput"):
+        return
+    if config.getoption("timeline"):
+        Path(config.getoption("timeline")).write_text(json.dumps(_TIMELINE) + "\n")
+    if not config.getoption("record_durations"):
         return
     path = Path(config.getoption("durations_file"))
     merged = read_durations(path) | {k: round(v, 2) for k, v in _SECONDS.items()}

@@ -72,6 +72,8 @@ def page(server):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         context = browser.new_context(viewport={"width": 1500, "height": 3200}, accept_downloads=True)
+        # Playwright's 30 s default, for the waits that name none: a first draw beside the loaded suite can take longer
+        context.set_default_timeout(90_000)
         yield context.new_page()
         browser.close()
 

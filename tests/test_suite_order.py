@@ -107,3 +107,18 @@ def test_the_progress_figure_is_the_share_of_recorded_seconds_run(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     figures = re.findall(r"^[.]+ +\[ *(\d+)%\]$", out.stdout, re.M)
     assert figures == ["87", "100"], out.stdout
+
+
+def test_timeline_writes_each_tests_worker_start_and_stop(tmp_path):
+    """--timeline PATH: where a run's wall time goes (each phase's worker, start and stop on the controller)."""
+    _suite(tmp_path)
+    (tmp_path / "durations.json").write_text("{}")
+    out = _pytest(tmp_path, "--timeline", "timeline.json")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    phases = json.loads((tmp_path / "timeline.json").read_text())
+    calls = {p["test"]: p for p in phases if p["when"] == "call"}
+    assert sorted(calls) == ["test_a.py::test_a0", "test_a.py::test_a1", "test_b.py::test_b0", "test_c.py::test_c0",
+                             "test_c.py::test_c1"], phases
+    assert all(p["worker"] in ("gw0", "gw1") and 0 <= p["stop"] - p["start"] < 60 for p in phases), phases
+    started = {line.split()[1]: line.split()[0] for line in (tmp_path / "started.log").read_text().splitlines()}
+    assert all(calls[f"test_{name[0]}.py::test_{name}"]["worker"] == w for name, w in started.items()), (started, calls)
