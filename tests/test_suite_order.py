@@ -25,8 +25,14 @@ def _suite(folder: Path) -> None:
     (folder / "helper.py").write_text(STARTED)
 
 
+def inner_env(**extra: str) -> dict[str, str]:
+    """The environment of a pytest run inside a test: without the outer run's PYTEST_ADDOPTS (`--timeline PATH` there
+    would make PATH a test path of the inner run)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, **extra}
+
+
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{folder}"}
+    env = inner_env(PYTHONPATH=f"{ROOT}:{folder}")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
                            "-n", "2", "--dist", "loadgroup", "--durations-file", "durations.json", *args],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=300)
@@ -100,7 +106,7 @@ def test_the_progress_figure_is_the_share_of_recorded_seconds_run(tmp_path):
     (tmp_path / "test_b.py").write_text("".join(f"def test_b{i}():\n    pass\n" for i in range(10)))
     (tmp_path / "durations.json").write_text(json.dumps({**{f"test_a.py::test_a{i}": 0.5 for i in range(100)},
                                                          **{f"test_b.py::test_b{i}": 10 for i in range(10)}}))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "COLUMNS": "80"}
+    env = inner_env(PYTHONPATH=f"{ROOT}:{tmp_path}", COLUMNS="80")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
                           "-n", "1", "--dist", "loadgroup", "--durations-file", "durations.json"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+from tests.test_suite_order import inner_env
+
 
 def test_loadgroup_keeps_a_modules_group_on_one_worker(tmp_path) -> None:
     (tmp_path / "test_grouped.py").write_text(
@@ -16,7 +18,7 @@ def test_loadgroup_keeps_a_modules_group_on_one_worker(tmp_path) -> None:
         + "".join(f"def test_{i}():\n    pass\n" for i in range(6)))
     out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadgroup", "-p",
                           "no:cacheprovider", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=inner_env())
     ran = re.findall(r"\[(gw\d)\] \[\s*\d+%\] PASSED (\S+)", out.stdout)
     assert len(ran) == 6, out.stdout[-2000:]
     assert all(nodeid.endswith("@launch") for _, nodeid in ran), ran
