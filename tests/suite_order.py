@@ -119,20 +119,37 @@ class SecondsProgress:
     def __init__(self, config: pytest.Config, durations: dict[str, float]) -> None:
         self.config, self.durations = config, durations
         self.expected: dict[str, float] = {}
+        self.total = 0.0
 
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         if self.expected:  # every worker collects the same ids
             return
         self.expected = {i: self.durations.get(plain_nodeid(i), UNRECORDED_S["other"]) for i in ids}
+        self.total = sum(self.expected.values())
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and getattr(reporter, "_show_progress_info", None) == "progress":
             # pytest has no hook for the progress figure: its reporter's one method that makes it is replaced
             reporter._get_progress_information_message = lambda: self.message(reporter._progress_nodeids_reported)
 
     def message(self, reported: set[str]) -> str:
-        total = sum(self.expected.values())
         done = sum(self.expected.get(nodeid, 0.0) for nodeid in reported)
-        return f" [{int(done * 100 / total + 1e-6) if total else 100:3d}%]"  # 1e-6: the sums' rounding
+        return f" [{int(done * 100 / self.total + 1e-6) if self.total else 100:3d}%]"  # 1e-6: the sums' rounding
+
+
+class Timeline:
+    """--timeline PATH, on the controller: each test phase's worker, start and stop (epoch seconds), written at the
+    end: where a run's wall time goes beside its CPU time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.phases = path, []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        node = getattr(report, "node", None)  # xdist's controller sets the worker a report came from
+        self.phases.append({"test": plain_nodeid(report.nodeid), "when": report.when, "start": report.start,
+                            "stop": report.stop, "worker": node.gateway.id if node is not None else "main"})
+
+    def pytest_sessionfinish(self) -> None:
+        self.path.write_text(json.dumps(self.phases) + "\n")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -141,8 +158,11 @@ def pytest_configure(config: pytest.Config) -> None:
     durations = read_durations(Path(config.getoption("durations_file")))
     if hasattr(config, "workerinput"):  # an xdist worker: every worker computes the same lanes from the same file
         config.pluginmanager.register(GroupLanes(durations))
-    elif durations and hasattr(config.hook, "pytest_xdist_node_collection_finished"):  # xdist's controller (if -n)
+        return
+    if durations and hasattr(config.hook, "pytest_xdist_node_collection_finished"):  # xdist's controller (if -n)
         config.pluginmanager.register(SecondsProgress(config, durations))
+    if config.getoption("timeline"):
+        config.pluginmanager.register(Timeline(Path(config.getoption("timeline"))))
 
 
 @pytest.hookimpl(trylast=True)
@@ -151,23 +171,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = slowest_units_first(items, read_durations(Path(config.getoption("durations_file"))))
 
 
-_TIMELINE: list[dict[str, Any]] = []  # this run's test phases, for --timeline
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _SECONDS[plain_nodeid(report.nodeid)] += report.duration  # on xdist's controller: every worker's reports
-    node = getattr(report, "node", None)  # xdist's controller sets the worker a report came from
-    _TIMELINE.append({"test": plain_nodeid(report.nodeid), "when": report.when, "start": report.start,
-                      "stop": report.stop, "worker": node.gateway.id if node is not None else "main"})
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
-    if hasattr(config, "workerinput"):
-        return
-    if config.getoption("timeline"):
-        Path(config.getoption("timeline")).write_text(json.dumps(_TIMELINE) + "\n")
-    if not config.getoption("record_durations"):
+    if hasattr(config, "workerinput") or not config.getoption("record_durations"):
         return
     path = Path(config.getoption("durations_file"))
     merged = read_durations(path) | {k: round(v, 2) for k, v in _SECONDS.items()}

@@ -31,11 +31,11 @@ def inner_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, **extra}
 
 
-def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = inner_env(PYTHONPATH=f"{ROOT}:{folder}")
+def _pytest(folder: Path, *args: str, workers: int = 2, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
-                           "-n", "2", "--dist", "loadgroup", "--durations-file", "durations.json", *args],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+                           "-n", str(workers), "--dist", "loadgroup", "--durations-file", "durations.json", *args],
+                          cwd=folder, env=inner_env(PYTHONPATH=f"{ROOT}:{folder}", **env), capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_the_slowest_units_start_first_and_a_group_stays_on_one_worker(tmp_path):
@@ -106,10 +106,7 @@ def test_the_progress_figure_is_the_share_of_recorded_seconds_run(tmp_path):
     (tmp_path / "test_b.py").write_text("".join(f"def test_b{i}():\n    pass\n" for i in range(10)))
     (tmp_path / "durations.json").write_text(json.dumps({**{f"test_a.py::test_a{i}": 0.5 for i in range(100)},
                                                          **{f"test_b.py::test_b{i}": 10 for i in range(10)}}))
-    env = inner_env(PYTHONPATH=f"{ROOT}:{tmp_path}", COLUMNS="80")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
-                          "-n", "1", "--dist", "loadgroup", "--durations-file", "durations.json"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = _pytest(tmp_path, workers=1, COLUMNS="80")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     figures = re.findall(r"^[.]+ +\[ *(\d+)%\]$", out.stdout, re.M)
     assert figures == ["87", "100"], out.stdout
