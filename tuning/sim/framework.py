@@ -20,7 +20,12 @@ Two kinds of difference:
   so a layout fits only where its tensors and this reserve do.
 
 The engine's CPU profiles carry their host costs in the cluster (`overhead_*` fields measured by
-`tuning.calibrate.calibration`), so the `engine` flavour adds nothing.
+`tuning.calibrate.calibration`), so on a CPU cluster the `engine` flavour adds nothing. On a GPU preset it runs
+eager PyTorch as torchtitan and llm-foundry do (the same autograd, unfused norms, activations and dropout, one
+kernel launch each), so it takes the `fsdp` flavour's per-layer fixed cost and memory-bound traffic (`EAGER`),
+fitted on those published rows only. Out of sample, on the engine's own GPT-1B on one H100 at micro-batch 1-8 and
+1-16 micro-batches a step (docs/data/gpu_microbatch_2026-11-28), it prices -11..+6% where nothing beside the
+kernels priced -15..-43%, and the ranking of micro-batch sizes that nothing made flat.
 """
 from __future__ import annotations
 
@@ -94,6 +99,9 @@ FITTED = {
                  overlap_interference=0.4784),
     "megatron-core": dict(layer_microbatch_s=0.0001955, elementwise_traffic=2.657, microbatch_s=0.007973),
 }
+# eager PyTorch's fixed costs on a GPU (the `fsdp` flavour's, fitted on torchtitan's and llm-foundry's rows), which
+# the workbench engine pays as they do (module docstring)
+EAGER = {k: FITTED["fsdp"][k] for k in ("layer_microbatch_s", "elementwise_traffic")}
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # Transformer Engine's fused attention calls cuDNN on H100 (A100 has only FlashAttention-2 measured)
     Framework(name="megatron", description="Megatron-LM / NeMo (PTD-P): scatter/gather pipeline sends, fused kernels",
@@ -108,8 +116,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # _should_free_in_backward)
     Framework(name="fsdp", description="PyTorch FSDP (MosaicML llm-foundry, torchtitan): one flat gather per block",
               **FITTED["fsdp"]),
-    Framework(name="engine", description="the workbench engine on a calibrated host (host costs in the profile)",
-              zero2_gather_once=True),
+    Framework(name="engine", description="the workbench engine: eager PyTorch (host costs in a CPU profile)",
+              zero2_gather_once=True, **EAGER),
     # Megatron-core 0.8+ (2024: Megatron-LM's mcore models, NeMo 2, Megatron-Bridge): Transformer Engine
     # modules with fused norms, rotary, bias-activation and bias-dropout-add; cuDNN fused attention unless a
     # run names another kernel; the distributed optimizer's gathers under the forward. Its terms are fitted on
