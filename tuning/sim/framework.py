@@ -116,8 +116,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     # _should_free_in_backward)
     Framework(name="fsdp", description="PyTorch FSDP (MosaicML llm-foundry, torchtitan): one flat gather per block",
               **FITTED["fsdp"]),
-    Framework(name="engine", description="the workbench engine: eager PyTorch (host costs in a CPU profile)",
-              zero2_gather_once=True, **EAGER),
+    Framework(name="engine", description="the workbench engine: eager PyTorch, as torchtitan runs it; a CPU "
+              "profile holds its host costs", zero2_gather_once=True, **EAGER),
     # Megatron-core 0.8+ (2024: Megatron-LM's mcore models, NeMo 2, Megatron-Bridge): Transformer Engine
     # modules with fused norms, rotary, bias-activation and bias-dropout-add; cuDNN fused attention unless a
     # run names another kernel; the distributed optimizer's gathers under the forward. Its terms are fitted on
