@@ -11,19 +11,27 @@ import re
 import statistics
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 MICRO = ROOT / "docs" / "data" / "gpu_microbatch_2026-11-28" / "summary.txt"
+RECOMPUTE = MICRO.with_name("summary-recompute.txt")  # the same GPT under full activation checkpointing
 LLAMA = ROOT / "docs" / "data" / "gpu_llama1b_2026-11-27"
 GPT_1B = {"layers": 20, "d_model": 2048, "heads": 16, "seq_len": 2048, "vocab": 50304}  # bench/gpu_mfu.py's
 BOUND = 0.15  # issue 63: a source priced with only hardware, model, layout and framework named
 
 
-def measured_gpt_steps() -> dict[tuple[int, int], float]:
+def measured_gpt_steps(summary: Path = MICRO) -> dict[tuple[int, int], float]:
     """(micro, global) -> the engine's median step (s) with profilers off, as run.sh summarised each run."""
     line = re.compile(r"micro (\d+) global (\d+) rc 0 .*?engine, profilers off\s+([\d.]+)")
-    out = {(int(m), int(g)): float(ms) / 1e3 for m, g, ms in line.findall(MICRO.read_text())}
-    assert len(out) == 8, out
+    out = {(int(m), int(g)): float(ms) / 1e3 for m, g, ms in line.findall(summary.read_text())}
+    assert len(out) == (8 if summary == MICRO else 2), out
     return out
+
+
+def gpt(micro: int, global_batch: int, *, recompute: bool = False) -> dict:
+    return {"model": GPT_1B, "batch": {"global": global_batch, "micro": micro}, "precision": "bf16",
+            "train": {"activation_checkpointing": recompute}}
 
 
 def priced(cfg: dict) -> float:
@@ -39,8 +47,7 @@ def test_the_engine_flavour_prices_the_engines_h100_steps_by_micro_batch() -> No
     """Every one of the eight runs within the bound; micro-batches of 1 cost 1.40x micro-batches of 8 per
     sequence, which a price without eager PyTorch's per-layer fixed cost made 1.00x."""
     steps = measured_gpt_steps()
-    price = {k: priced({"model": GPT_1B, "batch": {"global": g, "micro": m}, "precision": "bf16"})
-             for k, (m, g) in zip(steps, steps)}
+    price = {(m, g): priced(gpt(m, g)) for m, g in steps}
     errors = {k: price[k] / t - 1 for k, t in steps.items()}
     assert all(abs(e) <= BOUND for e in errors.values()), errors
     sweep = [(m, 8) for m in (1, 2, 4, 8)]
@@ -61,3 +68,19 @@ def test_the_engine_flavour_ranks_the_plans_llama_picks_as_they_ran() -> None:
         measured[n] = statistics.median(s["step_time(s)"] for s in steps[2:])
         price[n] = priced(load_config(LLAMA / f"plan-{n}.yaml").to_dict())
     assert sorted(runs, key=measured.get) == sorted(runs, key=price.get), (measured, price)
+
+
+def test_full_recompute_at_micro_batch_4_is_priced_as_it_ran() -> None:
+    """Micro-batch 4 under torch.utils.checkpoint: 366.5 ms measured (+22.5% over no recompute), within the bound."""
+    step = measured_gpt_steps(RECOMPUTE)[4, 8]
+    assert abs(priced(gpt(4, 8, recompute=True)) / step - 1) <= BOUND, step
+
+
+@pytest.mark.xfail(strict=True, reason="issue 63: not modelled. At micro-batch 1 the checkpointed step is host-bound: "
+                   "its forward phase took 351.0 ms against 129.8 without checkpointing (at micro-batch 4, 92.5 against "
+                   "91.1), so torch.utils.checkpoint's host work per layer call, hidden behind the GPU's where a call has "
+                   "enough of it, is exposed; the simulator adds fixed costs to the kernels' time and has no max(host, "
+                   "device): 924.1 ms measured, priced 549.5 (-41%)")
+def test_full_recompute_at_micro_batch_1_is_priced_as_it_ran() -> None:
+    step = measured_gpt_steps(RECOMPUTE)[1, 8]
+    assert abs(priced(gpt(1, 8, recompute=True)) / step - 1) <= BOUND, step
