@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+
+from gpu_check import no_cuda_message  # noqa: E402
 
 import engine.model.gpt as gpt  # noqa: E402
 from engine.config.schema import ModelConfig  # noqa: E402
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_dry_run:
         device, shape = torch.device("cpu"), dict(layers=2, d_model=64, heads=4, seq_len=64, vocab=256)
     elif not torch.cuda.is_available():
-        print("no CUDA device: run on a GPU, or --cpu-dry-run to check the script")
+        print(no_cuda_message("bench/gpu_checkpoint.py"), file=sys.stderr)
         return 2
     else:
         device, shape = torch.device("cuda"), dict(layers=20, d_model=2048, heads=16, seq_len=2048, vocab=50304)

@@ -231,7 +231,7 @@ def test_launch_refuses_more_nccl_ranks_than_gpus_before_any_process(monkeypatch
 def test_gpu_scripts_refuse_cleanly_without_cuda():
     if CUDA:
         pytest.skip("CUDA present: the gpu-marked tests run the scripts")
-    for script in ("bench/gpu_check.py", "bench/gpu_mfu.py", "bench/gpu_layer.py"):
+    for script in ("bench/gpu_check.py", "bench/gpu_mfu.py", "bench/gpu_layer.py", "bench/gpu_checkpoint.py"):
         r = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (script, r.stdout, r.stderr)
         assert "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
@@ -258,6 +258,16 @@ def test_gpu_mfu_script_quick():
                        text=True, timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MFU" in r.stdout
+
+
+def test_gpu_checkpoint_script_times_every_checkpoint_form_on_cpu():
+    """bench/gpu_checkpoint.py's logic on a tiny CPU GPT: a row per micro-batch and checkpoint form."""
+    r = subprocess.run([sys.executable, "bench/gpu_checkpoint.py", "--cpu-dry-run", "--micro", "1,2", "--accumulate", "2",
+                        "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["1"] * 4 + ["2"] * 4, r.stdout
+    assert all(float(row[-2]) > 0 and float(row[-1]) > 0 for row in rows), r.stdout
 
 
 def test_gpu_layer_script_measures_and_prices_a_shard_on_cpu(tmp_path):
