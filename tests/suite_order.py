@@ -9,6 +9,7 @@ A pytest plugin: tests/conftest.py imports its hooks; `-p tests.suite_order` loa
 from __future__ import annotations
 
 import json
+import resource
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,36 @@ class SecondsProgress:
         return f" [{int(done * 100 / self.total + 1e-6) if self.total else 100:3d}%]"  # 1e-6: the sums' rounding
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of the children it has waited for (torchrun's ranks, once
+    torchrun is waited for; a server a fixture stops counts in the phase that stops it)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class CpuMeter:
+    """With --timeline, where the tests run (each xdist worker, or the one process): the CPU seconds each test phase
+    took (`cpu_seconds`), sent with its report as the user property `cpu_s`."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
+        outcome = yield
+        start = item.stash.get(_PHASE_CPU, None)
+        item.stash[_PHASE_CPU] = now = cpu_seconds()  # the next phase starts where this one's report is made
+        if start is not None:
+            outcome.get_result().user_properties.append(("cpu_s", round(now - start, 3)))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        item.stash[_PHASE_CPU] = cpu_seconds()
+
+
+_PHASE_CPU = pytest.StashKey[float]()
+
+
 class Timeline:
-    """--timeline PATH, on the controller: each test phase's worker, start and stop (epoch seconds), written at the
-    end: where a run's wall time goes beside its CPU time."""
+    """--timeline PATH, on the controller: each test phase's worker, start and stop (epoch seconds) and CPU seconds
+    (`CpuMeter`), written at the end: where a run's wall time goes beside its CPU time."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.phases = path, []
@@ -146,7 +174,8 @@ class Timeline:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         node = getattr(report, "node", None)  # xdist's controller sets the worker a report came from
         self.phases.append({"test": plain_nodeid(report.nodeid), "when": report.when, "start": report.start,
-                            "stop": report.stop, "worker": node.gateway.id if node is not None else "main"})
+                            "stop": report.stop, "worker": node.gateway.id if node is not None else "main",
+                            "cpu_s": dict(report.user_properties).get("cpu_s")})
 
     def pytest_sessionfinish(self) -> None:
         self.path.write_text(json.dumps(self.phases) + "\n")
@@ -156,6 +185,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config.option, "loadscopereorder"):  # xdist's own order (most tests per unit first) would undo ours
         config.option.loadscopereorder = False
     durations = read_durations(Path(config.getoption("durations_file")))
+    runs_tests_here = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    if config.getoption("timeline") and runs_tests_here:
+        config.pluginmanager.register(CpuMeter())
     if hasattr(config, "workerinput"):  # an xdist worker: every worker computes the same lanes from the same file
         config.pluginmanager.register(GroupLanes(durations))
         return

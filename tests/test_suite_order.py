@@ -113,8 +113,12 @@ def test_the_progress_figure_is_the_share_of_recorded_seconds_run(tmp_path):
 
 
 def test_timeline_writes_each_tests_worker_start_and_stop(tmp_path):
-    """--timeline PATH: where a run's wall time goes (each phase's worker, start and stop on the controller)."""
+    """--timeline PATH: where a run's wall time goes (each phase's worker, start and stop on the controller) and its
+    CPU time (each phase's CPU seconds, measured on the worker that ran it)."""
     _suite(tmp_path)
+    (tmp_path / "test_b.py").write_text("import time\nfrom helper import started\ndef test_b0():\n    started('b0')\n"
+                                        "    t = time.process_time()\n    while time.process_time() - t < 0.3:\n"
+                                        "        pass\n")
     (tmp_path / "durations.json").write_text("{}")
     out = _pytest(tmp_path, "--timeline", "timeline.json")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -123,5 +127,7 @@ def test_timeline_writes_each_tests_worker_start_and_stop(tmp_path):
     assert sorted(calls) == ["test_a.py::test_a0", "test_a.py::test_a1", "test_b.py::test_b0", "test_c.py::test_c0",
                              "test_c.py::test_c1"], phases
     assert all(p["worker"] in ("gw0", "gw1") and 0 <= p["stop"] - p["start"] < 60 for p in phases), phases
+    assert all(0 <= p["cpu_s"] < 60 for p in phases), phases  # each phase's CPU seconds (CpuMeter, on the workers)
+    assert calls["test_b.py::test_b0"]["cpu_s"] >= 0.2, calls  # its loop burns 0.3 s of CPU
     started = {line.split()[1]: line.split()[0] for line in (tmp_path / "started.log").read_text().splitlines()}
     assert all(calls[f"test_{name[0]}.py::test_{name}"]["worker"] == w for name, w in started.items()), (started, calls)
