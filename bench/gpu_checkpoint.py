@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from gpu_check import no_cuda_message  # noqa: E402
+from gpu_check import no_cuda_message, versions  # noqa: E402
 
 import engine.model.gpt as gpt  # noqa: E402
 from engine.config.schema import ModelConfig  # noqa: E402
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         device, shape = torch.device("cuda"), dict(layers=20, d_model=2048, heads=16, seq_len=2048, vocab=50304)
     cfg = ModelConfig(**shape)
     model = gpt.build_model(cfg, seed=0, device=device)
-    print(f"device {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"{shape}; {args.accumulate} micro-batch(es) a step; median of {args.repeats}")
+    print(f"{versions(device)}; {shape}; {args.accumulate} micro-batch(es) a step; median of {args.repeats}")
     print(f"{'micro':>5} {'checkpoint':40} {'step (ms)':>10} {'fwd host (ms)':>14}")
     for micro in (int(m) for m in args.micro.split(",")):
         tokens = torch.randint(0, cfg.vocab, (micro, cfg.seq_len + 1), device=device)

@@ -24,8 +24,8 @@ The engine's CPU profiles carry their host costs in the cluster (`overhead_*` fi
 eager PyTorch as torchtitan and llm-foundry do (the same autograd, unfused norms, activations and dropout, one
 kernel launch each), so it takes the `fsdp` flavour's per-layer fixed cost and memory-bound traffic (`EAGER`),
 fitted on those published rows only. Out of sample, on the engine's own GPT-1B on one H100 at micro-batch 1-8 and
-1-16 micro-batches a step (docs/data/gpu_microbatch_2026-11-28), it prices -11..+6% where nothing beside the
-kernels priced -15..-43%, and the ranking of micro-batch sizes that nothing made flat.
+1-16 micro-batches a step (docs/data/gpu_microbatch_2026-11-28), it prices -11..+6% where the kernels alone
+priced -15..-43%, and ranks micro-batch sizes as they ran where the kernels alone priced them alike.
 """
 from __future__ import annotations
 
