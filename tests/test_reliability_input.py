@@ -558,15 +558,12 @@ SUBPROCESS_CASES = ("huge model", "tune --trials 0", "simulate --gpus 0")  # the
 
 def _cli_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch,
                     capsys: pytest.CaptureFixture) -> subprocess.CompletedProcess:
-    """`workbench.cli.main()` with `args` in this interpreter: exit code, stdout, stderr."""
+    """`workbench.cli.run_command()` (all `main()` does but end the process) with `args` in this interpreter: exit
+    code, stdout, stderr."""
     from workbench import cli
 
     monkeypatch.setattr(sys, "argv", ["workbench", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    code = cli.run_command()
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
@@ -574,7 +571,7 @@ def _cli_in_process(args: list[str], monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.slow
 def test_issue15_bad_inputs_get_one_line_and_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys):
     """Each: exit 2, one line `error: field=value: rule` at 80 columns, no traceback, no run, no study.
-    Three cases run as real processes; the others call the CLI's `main()` here (29 interpreters
+    Three cases run as real processes; the others call the CLI's `run_command()` here (29 interpreters
     importing torch took 80 s of the suite)."""
     from concurrent.futures import ThreadPoolExecutor
 

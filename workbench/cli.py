@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from engine.errors import ConfigError, JoinTimeout, RankFailure
+from engine.quick_exit import exit_code, quick_exit
 from workbench.cli_common import check_launcher, check_number, console, err, fail, print_json, stop_on_sigterm
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -366,7 +367,8 @@ def _register() -> None:
     app.command()(cli_dryrun.dryrun)
 
 
-def main() -> None:
+def run_command() -> int:
+    """The command in sys.argv, run: its exit status (a ConfigError or StoreError a line on stderr, 2)."""
     import signal
 
     # Ctrl-C (SIGINT) stops a command even where it was started with SIGINT ignored (a shell's background job)
@@ -378,18 +380,26 @@ def main() -> None:
 
     try:
         app()
+    except SystemExit as done:  # every command ends here (click's standalone mode)
+        return exit_code(done.code)
     except ConfigError as exc:
         err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
-        sys.exit(2)
+        return 2
     except StoreError as exc:  # full disk, read-only home, a store from a newer workbench; a bad --runs URL
         err.print(f"error: {' '.join(str(exc).split())}", highlight=False, markup=False, soft_wrap=True)
-        sys.exit(2 if exc.unreachable else 1)
+        return 2 if exc.unreachable else 1
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise
         err.print(f"error: {exc.filename or ''}: {exc.strerror}; check that the folder exists and is writable, "
                   "or choose another --home / WORKBENCH_HOME", highlight=False, markup=False)
-        sys.exit(1)
+        return 1
+    return 0
+
+
+def main() -> None:
+    """The `workbench` command: its work, then an exit that skips the interpreter's teardown (quick_exit)."""
+    quick_exit(run_command())
 
 
 if __name__ == "__main__":

@@ -586,4 +586,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from engine.quick_exit import quick_exit
+
     main()
+    quick_exit(0)  # the caller waits for this process to end: not for the teardown of torch and the model's library
