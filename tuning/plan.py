@@ -242,13 +242,14 @@ def published_layouts(priced: pd.DataFrame, *, model: ModelSpec, cluster: Cluste
     from tuning.sim.published import DATA, calibration_rows, held_out_rows, metric_of
 
     times = np.sort(priced.loc[priced["fits"], "iteration_time_s"].to_numpy())
-    job = (cluster.name, gpus, global_batch, model.seq, framework, model.params,
-           (model.layers, model.hidden, model.heads, model.kv, model.experts))
+    job = (cluster.name, gpus, global_batch, model.seq, framework)
+    shape = (model.params, (model.layers, model.hidden, model.heads, model.kv, model.experts))
     out = []
     for row in calibration_rows(DATA) + held_out_rows(DATA):
+        if row.value is None or (row.cluster, row.gpus, row.global_batch, row.seq, row.framework) != job:
+            continue  # before the model: counting its parameters was most of a plan's search of these rows
         m = row.model()
-        if row.value is None or (row.cluster, row.gpus, row.global_batch, row.seq, row.framework, m.params,
-                                 (m.layers, m.hidden, m.heads, m.kv, m.experts)) != job:
+        if (m.params, (m.layers, m.hidden, m.heads, m.kv, m.experts)) != shape:
             continue
         match = _locate(priced[priced["precision"] == ("fp8" if row.fp8 else "bf16")], row)
         found = match is not None
