@@ -63,11 +63,13 @@ postgres:
 # pytest took 1,657, 1,694 (stop 69) and 1,573 s (stop 70) with three, 1,403 and 1,641 s with four (0 failed;
 # pytest and its children used 1.47 of the two cores): four is at most ~8% faster, within this host's spread
 WORKERS ?= 4
+# PYTHONDONTWRITEBYTECODE emptied: pytest keeps each test module's rewritten bytecode only where Python may write
+# it; without it every worker rewrote all of them again (a collection took 13-19 s of CPU instead of 8)
 test: $(STAMP) chromium slurm postgres
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30
 
 durations: $(STAMP) chromium slurm postgres
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30 --record-durations
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadgroup --durations=30 --record-durations
 
 # the compatibility matrix (docs/compatibility.md): re-runs the accepted cells whose result is stale (another
 # plan, or a change to the code that cell runs: tools/matrix/compat_code.py) or missing, or CELLS=a+b,c+d, or
