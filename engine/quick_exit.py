@@ -2,11 +2,12 @@
 
 With torch loaded, the interpreter's own finalization (clearing every module, collecting what they held) takes
 0.45 s of CPU after the work is done, 0.8 s once torch._dynamo is in (torch's optimizers import it), 1.1 s with a
-transformers model as well (bench/quick_exit.py, medians of 5 on 2 cores). A command's user and a tuner that runs many short commands wait for it for
-nothing. What a normal exit runs for the program itself still runs: non-daemon threads are waited for (while one
-is alive this is a normal exit), then the atexit hooks (logging, temporary folders, multiprocessing, weakref
-finalizers, storage engines), then stdout and stderr are flushed. What it skips is the `__del__` of objects
-still alive: a file must be closed (or written with `with` / `Path.write_*`), not left to the garbage collector.
+transformers model as well (bench/quick_exit.py, medians of 5 on 2 cores). A command's user and a tuner that runs
+many short commands wait for it for nothing. What a normal exit runs for the program itself still runs: non-daemon
+threads are waited for (while one is alive this is a normal exit), then the atexit hooks (logging, temporary
+folders, multiprocessing, weakref finalizers, storage engines), then stdout and stderr are flushed. What it skips is
+the `__del__` of objects still alive: a file must be closed (or written with `with` / `Path.write_*`), not left to
+the garbage collector.
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ TORN_DOWN = "class Sentinel:\n    def __del__(self):\n        print('torn down',
 
 
 def _python(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    """`python -c code args` with the project importable and its input closed at once."""
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, input="", capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                                "WORKBENCH_HOME": str(cwd / "home")})
 
 
@@ -56,6 +57,5 @@ def test_the_dry_run_process_ends_without_the_interpreters_teardown():
     closes: `DryRunProcess.close()` waits for that end; on 660927c it waited for torch's teardown too."""
     code = TORN_DOWN + ("import runpy, sys\nsys.argv = ['dryrun', '--serve']\n"
                         "runpy.run_module('engine.train.dryrun', run_name='__main__')\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="", capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    out = _python(code)
     assert out.returncode == 0 and "torn down" not in out.stdout + out.stderr, (out.stdout, out.stderr[-2000:])
