@@ -540,7 +540,7 @@ def _cluster_processes(base_prefix: str) -> list[str]:
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_the_local_cluster_command_prints_how_to_use_it_and_stops_clean(sig, tmp_path):
+def test_the_local_cluster_command_prints_how_to_use_it_and_stops_clean(sig, tmp_path, monkeypatch):
     import signal as signal_mod
 
     if shutil.which("slurmctld") is None or os.geteuid() != 0:
@@ -558,13 +558,14 @@ def test_the_local_cluster_command_prints_how_to_use_it_and_stops_clean(sig, tmp
     base = str(Path(conf).parent)
     assert _cluster_processes(base), "the daemons should run"
     env = {**os.environ, "SLURM_CONF": conf}
+    monkeypatch.setenv("SLURM_CONF", conf)  # job_state asks this cluster
     before = set(REPO.glob("slurm-*.out"))
     # the job's output goes to the test's folder: sbatch's default, slurm-<id>.out in the current folder, would
     # leave slurmstepd's "JOB 1 CANCELLED" in the checkout
     job = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'sleep-%j.out'}", "--wrap", "sleep 300"],
                          env=env, capture_output=True, text=True)
     assert job.returncode == 0, job.stderr
-    _wait_until_running(job.stdout.strip(), env)  # a job that never started would leave nothing to stop
+    _wait_until_running(job.stdout.strip())  # a job that never started would leave nothing to stop
     proc.send_signal(getattr(signal_mod, sig))
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and "stopped: no job, no daemon left" in rest, rest
@@ -574,14 +575,13 @@ def test_the_local_cluster_command_prints_how_to_use_it_and_stops_clean(sig, tmp
     assert set(REPO.glob("slurm-*.out")) == before  # nothing written into the checkout
 
 
-def _wait_until_running(job: str, env: dict[str, str], timeout_s: float = 60.0) -> None:
+def _wait_until_running(job: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True)
-        if state.stdout.strip() == "RUNNING":
-            return
+    while (state := job_state(job)).state != "RUNNING":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job} did not start within {timeout_s:.0f} s: "
+                                 f"it is {state.state} ({state.reason})")
         time.sleep(0.2)
-    raise AssertionError(f"job {job} did not start within {timeout_s:.0f} s: {state.stdout.strip() or state.stderr}")
 
 
 def _losses(store, run_id: str, rank: int) -> list[tuple[int, float]]:
