@@ -74,6 +74,18 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def forks_ranks(cfg: RunConfig, *, nnodes: int, rdzv_endpoint: str | None) -> bool:
+    """Whether this node's ranks fork from the torchrun agent (engine/launch/agent.py) instead of each starting
+    its own interpreter: single-node gloo runs. NCCL ranks start as torchrun starts them (a fork from a
+    process that has touched CUDA cannot use it; that path is the one the GPU checks ran), and so do the
+    nodes of a multi-node run, whose line is the one `workbench export --format torchrun` prints."""
+    from engine.device import pick_backend
+
+    if os.environ.get("WORKBENCH_RANK_START") == "spawn":  # every rank its own interpreter, as torchrun does
+        return False
+    return nnodes == 1 and rdzv_endpoint is None and pick_backend(cfg.backend) == "gloo"
+
+
 def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None = None, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
@@ -112,6 +124,8 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            "WORKBENCH_NODE_RANK": str(node_rank), **(extra_env or {}), TOKEN_ENV: server.token}
     cmd = torchrun_command(cfg_path, run_dir, nproc=cfg.world_size // nnodes, nnodes=nnodes,
                            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout_s)
+    if forks_ranks(cfg, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint):
+        cmd[cmd.index("torch.distributed.run")] = "engine.launch.agent"
     started = time.time()
     status, failure = "completed", None
     log_path = run_dir / ("launcher.log" if nnodes == 1 else f"launcher-node{node_rank}.log")  # one per node

@@ -166,6 +166,7 @@ def _finish_outside_run(cfg, run_id: str, run_dir: Path, ok: bool, config_path: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One rank, from start to its exit code (0: it trained; 1: it failed, its error written)."""
     ap = argparse.ArgumentParser(prog="engine.launch.worker")
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", default=None)
@@ -243,9 +244,22 @@ def main(argv: list[str] | None = None) -> int:
         _finish_outside_run(cfg, run_id, run_dir, ok, args.config, world)
     sys.stdout.flush()
     sys.stderr.flush()
-    # ranks sometimes abort at interpreter exit after correct work (platform.md): leave at once
-    os._exit(0 if ok else 1)
+    return 0 if ok else 1
+
+
+def _own_signals() -> None:
+    """A rank forked by engine.launch.agent inherits the elastic agent's handlers (SIGINT, SIGHUP and SIGQUIT
+    raise its SignalException, an Exception that `except Exception` would swallow): back to Python's own."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
-    main()
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        # ranks sometimes abort at interpreter exit after correct work (platform.md): leave at once
+        os._exit(main())
+    _own_signals()  # forked by engine.launch.agent: torch's elastic wrapper takes the exit code from SystemExit
+    sys.exit(main())  # (os._exit would leave the agent waiting for a result that never comes)

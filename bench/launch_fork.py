@@ -1,0 +1,59 @@
+"""What a local CPU run costs when its ranks fork from the torchrun agent (engine/launch/agent.py, the default
+for single-node gloo runs) against each rank starting its own interpreter as torchrun does
+(WORKBENCH_RANK_START=spawn).
+
+`workbench run examples/tiny.yaml` (20 steps) at 2 and 4 ranks, each way REPEATS times, interleaved; per row
+the medians of the whole command's CPU (user + system of it and every process under it, from the parent's
+rusage) and wall, and their ratio.
+
+    python bench/launch_fork.py [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTS = {"spawn (torchrun's)": "spawn", "fork (the agent)": ""}
+
+
+def measure(home: str, ranks: int, start: str) -> tuple[float, float]:
+    """CPU and wall seconds of one `workbench run` (its own rusage and its children's, waited for alone)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "workbench.cli", "--home", home, "run", "examples/tiny.yaml",
+                    "--set", f"parallel.dp={ranks}"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "WORKBENCH_RANK_START": start})
+    wall = time.perf_counter() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    repeats = parser.parse_args().repeats
+    print(f"{'ranks':>5} {'rank start':<20} {'CPU s':>7} {'wall s':>7}   (medians of {repeats}, interleaved)")
+    with tempfile.TemporaryDirectory() as home:
+        for ranks in (2, 4):
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in STARTS}
+            for _ in range(repeats):
+                for name, start in STARTS.items():
+                    runs[name].append(measure(home, ranks, start))
+            med = {n: (statistics.median(c for c, _ in r), statistics.median(w for _, w in r)) for n, r in runs.items()}
+            for name, (cpu, wall) in med.items():
+                print(f"{ranks:>5} {name:<20} {cpu:7.2f} {wall:7.2f}")
+            (cpu_s, wall_s), (cpu_f, wall_f) = med.values()
+            print(f"{'':>5} {'saved':<20} {cpu_s - cpu_f:7.2f} {wall_s - wall_f:7.2f}   "
+                  f"(fork / spawn: CPU {cpu_f / cpu_s:.2f}x, wall {wall_f / wall_s:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
