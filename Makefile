@@ -61,7 +61,7 @@ postgres:
 # Four workers on two cores, and both cores are busy: on 2026-11-28 /proc/stat read them 99.8-100% busy in every
 # minute of a fresh clone's run but the last, so only less CPU makes it shorter (bench/quick_exit.py measures one
 # such saving; issue 65's note says where the CPU goes: 333 torchrun ranks and 167 torchrun agents were 40% of it,
-# mostly importing torch).
+# mostly importing torch, until CPU ranks forked from the agent instead: engine/launch/agent.py, bench/launch_fork.py).
 # Earlier: pytest took 1,657, 1,694 and 1,573 s with three workers, 1,403 and 1,641 s with four (stops 69-70)
 WORKERS ?= 4
 # PYTHONDONTWRITEBYTECODE emptied: pytest keeps each test module's rewritten bytecode only where Python may write
