@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from child_cost import child_cost, medians
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTS = {"spawn (torchrun's)": "spawn", "fork (the agent)": ""}
@@ -26,15 +25,9 @@ STARTS = {"spawn (torchrun's)": "spawn", "fork (the agent)": ""}
 
 def measure(home: str, ranks: int, start: str) -> tuple[float, float]:
     """CPU and wall seconds of one `workbench run` (its own rusage and its children's, waited for alone)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    began = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "workbench.cli", "--home", home, "run", "examples/tiny.yaml",
-                    "--set", f"parallel.dp={ranks}"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "WORKBENCH_RANK_START": start})
-    wall = time.perf_counter() - began
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
-
+    return child_cost([sys.executable, "-m", "workbench.cli", "--home", home, "run", "examples/tiny.yaml",
+                       "--set", f"parallel.dp={ranks}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "WORKBENCH_RANK_START": start})
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,7 +40,7 @@ def main() -> None:
             for _ in range(repeats):
                 for name, start in STARTS.items():
                     runs[name].append(measure(home, ranks, start))
-            med = {n: (statistics.median(c for c, _ in r), statistics.median(w for _, w in r)) for n, r in runs.items()}
+            med = medians(runs)
             for name, (cpu, wall) in med.items():
                 print(f"{ranks:>5} {name:<20} {cpu:7.2f} {wall:7.2f}")
             (cpu_s, wall_s), (cpu_f, wall_f) = med.values()

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from child_cost import child_cost, medians
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,14 +32,8 @@ ENDINGS = {"normal exit": "", "quick_exit": "\nfrom engine.quick_exit import qui
 
 def measure(code: str) -> tuple[float, float]:
     """CPU and wall seconds of one `python -c code` (the child's own rusage, waited for alone)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
-
+    return child_cost([sys.executable, "-c", code], cwd=ROOT,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,7 +45,7 @@ def main() -> None:
         for _ in range(repeats):
             for ending, tail in ENDINGS.items():
                 runs[ending].append(measure(body + tail))
-        med = {e: (statistics.median(c for c, _ in r), statistics.median(w for _, w in r)) for e, r in runs.items()}
+        med = medians(runs)
         for ending, (cpu, wall) in med.items():
             print(f"{name:<40} {ending:<12} {cpu:7.2f} {wall:7.2f}")
         (cpu_n, wall_n), (cpu_q, wall_q) = med["normal exit"], med["quick_exit"]
