@@ -115,3 +115,44 @@ def test_the_agent_names_the_killed_rank_behind_a_rank_that_exited_after_it(tmp_
         context.join()
     failure = first_failure(tmp_path, capsys.readouterr().out)
     assert (failure.rank, failure.reason) == (1, "killed by signal 9 (SIGKILL)")
+
+
+@pytest.mark.xdist_group("launch")
+def test_a_rank_that_finished_goes_with_its_agent_when_the_launcher_dies(tmp_path):
+    """A forked rank that finished waits for the agent to read its result. When the launcher is killed first, the
+    agent gets SIGTERM (its PDEATHSIG) and stops its ranks: that rank, done training (so past ignoring SIGTERM
+    while it records its outcome), must go at once, not hold the agent for torch's 30 s grace before its SIGKILL
+    (seen in a fresh-clone run: a tuner SIGKILLed mid-trial left the agent and its rank 15 s later)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from profilers.store import RunStore
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(load_config(None, TINY + ["parallel.dp=1", "train.steps=2"]).to_dict()))
+    line = torchrun_command(config, tmp_path / "run", nproc=1)
+    agent_line = [sys.executable, "-m", "engine.launch.agent", "--monitor-interval=120"] + line[3:]
+    env = {**os.environ, "WORKBENCH_HOME": str(tmp_path), "WORKBENCH_RUN_ID": "finished", "OMP_NUM_THREADS": "1"}
+    env.pop("WORKBENCH_TELEMETRY", None)  # the rank records the run itself, as under an outside torchrun
+    agent = subprocess.Popen(agent_line, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and ((RunStore.open_home(tmp_path).run("finished") or {}).get("status")
+                                           != "completed"):
+            assert agent.poll() is None, "the agent ended before its rank finished"
+            time.sleep(0.2)
+        ranks = psutil.Process(agent.pid).children()
+        assert len(ranks) == 1, "the rank finished and waits for the agent (which polls every 120 s)"
+        os.kill(agent.pid, signal.SIGTERM)  # what the agent gets when its launcher dies
+        started = time.time()
+        agent.wait(timeout=60)
+        took = time.time() - started
+        assert took < 10, f"the agent took {took:.1f} s to stop a rank that had finished"
+        assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL) if agent.poll() is None else None

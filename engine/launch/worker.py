@@ -262,4 +262,8 @@ if __name__ == "__main__":
         # ranks sometimes abort at interpreter exit after correct work (platform.md): leave at once
         os._exit(main())
     _own_signals()  # forked by engine.launch.agent: torch's elastic wrapper takes the exit code from SystemExit
-    sys.exit(main())  # (os._exit would leave the agent waiting for a result that never comes)
+    code = main()  # (os._exit would leave the agent waiting for a result that never comes)
+    # a rank that trained then waits for the agent to read its result; an agent stopping instead (its launcher
+    # died) SIGTERMs it, which _wind_down ignored: without this the agent waited 30 s to SIGKILL it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(code)
