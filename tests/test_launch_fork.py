@@ -156,3 +156,27 @@ def test_a_rank_that_finished_goes_with_its_agent_when_the_launcher_dies(tmp_pat
         assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
     finally:
         os.killpg(agent.pid, signal.SIGKILL) if agent.poll() is None else None
+
+
+def test_the_agent_imports_what_the_runs_ranks_need_once_for_them(tmp_path):
+    """Before forking, the agent imports torch's pipelining for pp > 1 and, for `model.hf`, transformers and the
+    model's class (each rank spent 1.8 s of CPU on it); for a dp run of the engine's own GPT neither; a config it
+    cannot read is the ranks' to report, not the agent's failure."""
+    import json
+    import subprocess
+    import sys
+
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    configs = {"hf": TINY + ["model.dropout=0", f"model.hf={json.dumps(llama)}"], "gpt": TINY,
+               "pp": TINY + ["parallel.dp=1", "parallel.pp=2"]}
+    for name, overrides in configs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(load_config(None, overrides).to_dict()))
+    probe = ("import sys; from engine.launch.agent import import_what_the_run_needs as f; "
+             "f(['--config', sys.argv[1]]); print(sorted(m for m in ('transformers', "
+             "'transformers.models.llama.modeling_llama', 'torch.distributed.pipelining') if m in sys.modules))")
+    imported = {name: subprocess.run([sys.executable, "-c", probe, str(tmp_path / f"{name}.json")], text=True,
+                                     capture_output=True, check=True).stdout.strip()
+                for name in ("hf", "gpt", "pp", "missing")}
+    assert imported == {"hf": "['transformers', 'transformers.models.llama.modeling_llama']", "gpt": "[]",
+                        "pp": "['torch.distributed.pipelining']", "missing": "[]"}

@@ -4,7 +4,8 @@ arguments unchanged) with each rank forked from it instead of started as a fresh
 `python -m engine.launch.agent TORCHRUN-ARGS -m engine.launch.worker ARGS` imports torch, torch._dynamo
 (every optimizer's step imports it) and the worker's modules once, then runs torchrun with its own
 `--run-path` (the worker's file, run by runpy in each rank) and `--start-method fork`, so a rank starts from
-those imports instead of repeating them (about 2 s of CPU each on a 2-core host: bench/launch_fork.py).
+those imports (and what its config needs: `import_what_the_run_needs`) instead of repeating them (about 2 s of CPU
+each on a 2-core host, 1.8 s more for a transformers model: bench/launch_fork.py).
 Single-node gloo runs only (engine/launch/local.py `forks_ranks`): NCCL ranks and other nodes start as
 torchrun starts them, and `workbench export --format torchrun` prints that line (engine/launch/torchrun.py).
 """
@@ -53,12 +54,36 @@ def report_each_failed_rank() -> None:
     ProcessContext.join = join_reporting
 
 
+def import_what_the_run_needs(argv: list[str]) -> None:
+    """Import what each rank would import for itself after the fork for this run's config: torch's pipelining
+    (pp > 1) and, for a transformers model (`model.hf`), transformers and the model's class (about 1.8 s of CPU
+    per rank on a 2-core host). A config this cannot read is left to the ranks, which report its error with
+    their rank."""
+    from engine.launch.worker import _load
+
+    try:
+        config = _load(argv[argv.index("--config") + 1])
+        if (config.get("parallel") or {}).get("pp", 1) > 1:
+            import engine.parallel.pipeline  # noqa: F401
+        hf = (config.get("model") or {}).get("hf")
+        if hf:
+            from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            from engine.model.hf import hf_config
+
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config(hf))]  # transformers imports the class's module lazily
+    except Exception:  # noqa: BLE001 - never the agent's failure: the ranks meet it and name their rank
+        return
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch._dynamo  # noqa: F401 - once here, not once in each rank
     from torch.distributed.run import main as torchrun
 
+    argv = sys.argv[1:] if argv is None else argv
     report_each_failed_rank()
-    torchrun(fork_arguments(sys.argv[1:] if argv is None else argv))
+    import_what_the_run_needs(argv)
+    torchrun(fork_arguments(argv))
 
 
 if __name__ == "__main__":

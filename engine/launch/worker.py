@@ -23,8 +23,18 @@ import torch.distributed as dist
 from engine.config.schema import from_dict, load_yaml, validate
 from engine.device import init_distributed, pick_backend, pick_device, use_default_cuda_allocator
 from engine.errors import ConfigError
+from engine.launch import preempt
+from engine.launch.faults import from_env
 from engine.launch.local import die_with_parent
-from engine.mesh import world_product
+from engine.launch.preempt import Preempted, checkpoint_and_leave
+from engine.launch.run_record import first_failure, run_host, run_summary
+from engine.mesh import ParallelDims, world_product
+from engine.train import checkpoint as ckpt
+from engine.train.live import KnobChannel, StopRun
+from engine.train.trainer import Trainer
+from profilers.host import HostSampler, software_versions
+from profilers.store import RunStore, default_home
+from profilers.telemetry import TOKEN_ENV, TelemetryClient
 
 
 def _error_file(run_dir: Path, rank: int) -> Path:
@@ -56,11 +66,6 @@ def _init(cfg, rank: int, world: int) -> torch.device:
 def _register_external_run(cfg, run_id: str, world: int, config_path: str) -> None:
     """Under an outside torchrun nobody else creates the run row: rank 0 does, as `launch` would.
     `cfg` is None when the config itself was refused: the run is still recorded, then failed."""
-    from engine.launch.run_record import run_host
-    from engine.mesh import ParallelDims
-    from profilers.host import software_versions
-    from profilers.store import RunStore
-
     with RunStore.open_home() as store:
         if store.run(run_id) is not None:
             return
@@ -77,9 +82,6 @@ def _finish_external_run(cfg, run_id: str, run_dir: Path, ok: bool) -> None:
     """Rank 0 of an outside torchrun finalises the row like `launch` does: status, summary, root cause.
     It runs after every rank's telemetry is flushed (success: after the barrier; failure: the failing
     rank wrote its error file before exiting, which is what stopped this rank)."""
-    from engine.launch.run_record import first_failure, run_summary
-    from profilers.store import RunStore
-
     failure = None if ok else first_failure(run_dir)
     with RunStore.open_home() as store:
         summary = run_summary(store, run_id, cfg, run_dir) if cfg is not None else {}
@@ -98,7 +100,6 @@ def _run_id() -> str:
 
 def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = lambda: -1) -> list:
     """Host and (local rank 0) NVML samplers whose samples carry the step running when taken."""
-    from profilers.host import HostSampler
     from profilers.nvml import NvmlSampler
 
     def emit(kind: str, name: str, value: float) -> None:
@@ -117,13 +118,11 @@ def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = la
 def _preemption(cfg, run_dir: Path):
     """In a job that asked for Slurm's warning signal: (the installed handler, the checkpoint to resume from
     or None); else None."""
-    from engine.launch import preempt
-    from engine.train.checkpoint import checkpoint_folder
 
     if not preempt.enabled():
         return None
     handler = preempt.Preemption().install()
-    return handler, (None if cfg.train.resume_from else preempt.resume_point(checkpoint_folder(cfg, run_dir)))
+    return handler, (None if cfg.train.resume_from else preempt.resume_point(ckpt.checkpoint_folder(cfg, run_dir)))
 
 
 class Terminated(BaseException):
@@ -178,9 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     external = not os.environ.get("WORKBENCH_TELEMETRY")
     run_id = _run_id()
-    from profilers.store import default_home
-    from profilers.telemetry import TOKEN_ENV, TelemetryClient
-
     run_dir = Path(args.run_dir) if args.run_dir else default_home() / "runs" / run_id  # honours WORKBENCH_HOME
 
     client = TelemetryClient(os.environ.get("WORKBENCH_TELEMETRY") or None, run_id, rank,
@@ -198,14 +194,6 @@ def main(argv: list[str] | None = None) -> int:
         client.emit(-1, "node", "node_rank", float(os.environ.get("WORKBENCH_NODE_RANK", 0)))  # which node ran it
         running = [-1]  # the step in progress: samples taken during it carry its number
         samplers = _samplers(cfg, client, int(os.environ.get("LOCAL_RANK", 0)), lambda: running[0])
-        from engine.train.trainer import Trainer
-
-        from engine.launch.faults import from_env
-
-        from engine.train import checkpoint as ckpt
-        from engine.train.live import KnobChannel, StopRun
-        from engine.launch.preempt import Preempted, checkpoint_and_leave
-
         fault = from_env()
         preemption = _preemption(cfg, run_dir)
         if preemption is not None and preemption[1] is not None:  # a requeued job: continue where it stopped
