@@ -34,6 +34,7 @@ def measure(home: str, config: str, sets: list[str], start: str) -> tuple[float,
                        *[arg for key in sets for arg in ("--set", key)]], cwd=ROOT, stdout=subprocess.DEVNULL,
                       env={**os.environ, "OMP_NUM_THREADS": "1", "WORKBENCH_RANK_START": start})
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)

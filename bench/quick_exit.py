@@ -35,6 +35,7 @@ def measure(code: str) -> tuple[float, float]:
     return child_cost([sys.executable, "-c", code], cwd=ROOT,
                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)

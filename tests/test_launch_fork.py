@@ -142,10 +142,10 @@ def test_a_rank_that_finished_goes_with_its_agent_when_the_launcher_dies(tmp_pat
                              start_new_session=True)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and ((RunStore.open_home(tmp_path).run("finished") or {}).get("status")
-                                           != "completed"):
-            assert agent.poll() is None, "the agent ended before its rank finished"
-            time.sleep(0.2)
+        with RunStore.open_home(tmp_path) as store:
+            while time.time() < deadline and (store.run("finished") or {}).get("status") != "completed":
+                assert agent.poll() is None, "the agent ended before its rank finished"
+                time.sleep(0.2)
         ranks = psutil.Process(agent.pid).children()
         assert len(ranks) == 1, "the rank finished and waits for the agent (which polls every 120 s)"
         os.kill(agent.pid, signal.SIGTERM)  # what the agent gets when its launcher dies
@@ -155,7 +155,8 @@ def test_a_rank_that_finished_goes_with_its_agent_when_the_launcher_dies(tmp_pat
         assert took < 10, f"the agent took {took:.1f} s to stop a rank that had finished"
         assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
     finally:
-        os.killpg(agent.pid, signal.SIGKILL) if agent.poll() is None else None
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
 
 
 def test_the_agent_imports_what_the_runs_ranks_need_once_for_them(tmp_path):

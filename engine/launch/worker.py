@@ -26,7 +26,6 @@ from engine.errors import ConfigError
 from engine.launch import preempt
 from engine.launch.faults import from_env
 from engine.launch.local import die_with_parent
-from engine.launch.preempt import Preempted, checkpoint_and_leave
 from engine.launch.run_record import first_failure, run_host, run_summary
 from engine.mesh import ParallelDims, world_product
 from engine.train import checkpoint as ckpt
@@ -118,7 +117,6 @@ def _samplers(cfg, client, local_rank: int, current_step: Callable[[], int] = la
 def _preemption(cfg, run_dir: Path):
     """In a job that asked for Slurm's warning signal: (the installed handler, the checkpoint to resume from
     or None); else None."""
-
     if not preempt.enabled():
         return None
     handler = preempt.Preemption().install()
@@ -209,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                 channel(t, step)
             if preemption is not None and step > t.start_step and preemption[0].agreed():
                 client.emit(step, "event", "preempted", 1.0)
-                checkpoint_and_leave(t.rank_state(), step, ckpt.checkpoint_folder(cfg, run_dir), run_dir, rank)
+                preempt.checkpoint_and_leave(t.rank_state(), step, ckpt.checkpoint_folder(cfg, run_dir), run_dir,
+                                             rank)
 
         try:
             for _ in trainer.run(on_boundary=boundary):
                 pass
-        except (StopRun, Preempted):
+        except (StopRun, preempt.Preempted):
             pass
         ok = True
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher with its rank
