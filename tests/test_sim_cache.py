@@ -88,3 +88,37 @@ def test_two_processes_wanting_one_table_compute_it_once(tmp_path) -> None:
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and [o.strip() for o in outs] == ["6", "6"]
     assert log.read_text().splitlines() == ["computed"]
+
+
+_BUBBLES = ("import json, sys\n"
+            "from tuning.sim.schedule import schedule_bubble\n"
+            "codes = [0, 0, 2, 5, 6, 7, 8]  # 1f1b, 1f1b, interleaved, zero_bubble, zbv, dualpipev, skip\n"
+            "ratios = schedule_bubble(codes, [4, 8, 4, 2, 4, 2, 4], [8, 64, 8, 4, 8, 6, 8], [1, 1, 2, 1, 1, 1, 1], 8,\n"
+            "                         [0, 0, 0, 0, 0, 0, 0.5])\n"
+            "print(json.dumps({'ratios': [float(r) for r in ratios],\n"
+            "                  'pipelining': 'torch.distributed.pipelining' in sys.modules}))")
+
+
+def _bubbles(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", _BUBBLES], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env=env)
+    return __import__("json").loads(out.stdout)
+
+
+def test_a_process_that_finds_the_walked_bubbles_kept_never_imports_torchs_pipelining(tmp_path) -> None:
+    """A schedule's bubble is walked over torch's own action lists, and importing torch's pipelining for them cost
+    every `workbench plan`, `simulate` and `tune --simulate` ~4 s of CPU (before this, each process walked them and
+    imported it). The first process keeps what it walked; the next reads the same values without the import;
+    a kept file that cannot be read is walked again, and the key covers the schedules' module and the walk's."""
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    first, second = _bubbles(env), _bubbles(env)
+    assert first["pipelining"] and not second["pipelining"]
+    assert second["ratios"] == first["ratios"] and first["ratios"][1] < first["ratios"][0]
+    [kept] = (tmp_path / "workbench").glob("bubbles-*.json")
+    kept.write_text("{not json")
+    third = _bubbles(env)
+    assert third == first
+    files = {str(p.relative_to(ROOT)) for p in cache.simulator_modules(("tuning.sim.schedule",))}
+    assert {"engine/parallel/schedules.py", "engine/parallel/skippipe.py", "tuning/sim/schedule.py"} <= files

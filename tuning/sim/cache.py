@@ -5,13 +5,19 @@ of the import statements from `ENTRY_MODULES`, those inside functions included),
 One process computes a table at a time (a lock file beside it, profilers/locks.py): the others wait and read
 what it wrote, where each computed the same table on the same cores before (three suite workers at once on a fresh
 machine). Each writer writes its own temporary file and renames it into place (`os.replace`, atomic on one file
-system): two processes filling the same table never interleave their bytes."""
+system): two processes filling the same table never interleave their bytes.
+
+Values the code computes by calling torch's (a pipeline schedule's walked bubble) are kept the same way, one JSON
+object per code version (`code_cache_path`: those modules and the installed torch's version), so a process that
+finds them there never imports torch for them (`read_values`, `add_values`)."""
 from __future__ import annotations
 
 import ast
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -70,8 +76,55 @@ def cache_path(kind: str, data: str | Path) -> Path:
     digest = hashlib.sha256(Path(data).read_bytes())
     for source in simulator_modules() + tuple(sorted((ROOT / "tuning" / "data").rglob("*.yaml"))):
         digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + _read(source))
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
-    return home / f"{kind}-{digest.hexdigest()[:16]}.csv"
+    return _home() / f"{kind}-{digest.hexdigest()[:16]}.csv"
+
+
+def _home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
+
+
+def code_cache_path(kind: str, entries: tuple[str, ...]) -> Path:
+    """Where the `kind` values computed by the project modules reachable from `entries` are kept: keyed by those
+    modules' content and the installed torch's version (the code calls torch's), read without importing torch."""
+    return _home() / f"{kind}-{_code_digest(entries)}.json"
+
+
+@functools.lru_cache(maxsize=8)
+def _code_digest(entries: tuple[str, ...]) -> str:
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "none"
+    digest = hashlib.sha256(f"torch {torch_version}".encode())
+    for source in simulator_modules(entries):
+        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + _read(source))
+    return digest.hexdigest()[:16]
+
+
+def read_values(path: Path) -> dict[str, float]:
+    """The values kept at `path`; none where it is missing or unreadable (they are computed again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def add_values(path: Path, values: dict[str, float]) -> None:
+    """`values` added to those kept at `path`, renamed into place from a file of this writer's own (best effort: two
+    writers at once may each keep only their own additions, which the next process computes again)."""
+    merged = {**read_values(path), **values}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f)
+        try:
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _read(path: Path) -> bytes:

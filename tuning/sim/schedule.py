@@ -13,13 +13,14 @@ it, and processor sharing when ranks outnumber cores);
 the executed schedule with what the run itself measured. The result holds each action's
 start and end, so the bubble of every rank is read off the timeline, never derived by formula. `bubble_ratio(schedule, pp, m, v)`
 prices with unit costs (forward 1, full backward 2, input and weight backward 1 each) and is
-cached per (schedule, pp, m, v) for the search.
+cached per (schedule, pp, m, v) for the search, in the process and between processes (`_kept`).
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
@@ -319,10 +320,7 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
     if pp <= 1:
         return 0.0
     if schedule == "skip":
-        from engine.parallel.skippipe import skip_actions, skip_paths
-
-        paths = skip_paths(pp=pp, n_microbatches=m, skip_ratio=skip_ratio)
-        return walk(skip_actions(paths, pp=pp), stage_rank={s: s for s in range(pp)}, paths=paths).bubble_ratio()
+        return _kept((schedule, pp, m, virtual, layers, skip_ratio), lambda: _skip_bubble(pp, m, skip_ratio))
     if pp > MAX_WALK_PP:
         # ours, for search speed: walk the same schedule on MAX_WALK_PP ranks with as many
         # micro-batches per rank, and scale its idle time with the fill/drain length (pp - 1);
@@ -336,12 +334,45 @@ def bubble_ratio(schedule: str, pp: int, m: int, virtual: int = 1, layers: int |
         # drain only), so it is walked once at that length and spread over the m micro-batches
         m0 = STEADY_MB * pp
         return bubble_ratio(schedule, pp, m0, virtual, layers) * m0 / m
+    key = (schedule, pp, m, virtual, layers, skip_ratio)
+    return _kept(key, lambda: _walked_bubble(schedule, pp, m, virtual, layers))
+
+
+def _walked_bubble(schedule: str, pp: int, m: int, virtual: int, layers: int | None) -> float:
     from engine.parallel import schedules
 
     v = schedules.chunks_per_rank(schedule, virtual, layers=layers, pp=pp)
     actions = schedules.schedule_actions(schedule=schedule, pp=pp, n_microbatches=m, virtual=virtual, layers=layers)
     stage_rank = schedules.stage_to_rank(schedule, pp, pp * v)
     return walk(actions, stage_rank=stage_rank, comms=schedules.with_comms(actions, stage_rank)).bubble_ratio()
+
+
+def _skip_bubble(pp: int, m: int, skip_ratio: float) -> float:
+    from engine.parallel.skippipe import skip_actions, skip_paths
+
+    paths = skip_paths(pp=pp, n_microbatches=m, skip_ratio=skip_ratio)
+    return walk(skip_actions(paths, pp=pp), stage_rank={s: s for s in range(pp)}, paths=paths).bubble_ratio()
+
+
+def _kept(key: tuple, compute: Callable[[], float]) -> float:
+    """`compute()` (a walk of torch's action lists: torch's pipelining costs a process ~4 s of CPU to import) kept
+    between processes for the code as it is (tuning/sim/cache.py): a `workbench plan` that finds its walks there
+    never imports torch for them."""
+    from tuning.sim.cache import add_values, code_cache_path
+
+    path, name = code_cache_path("bubbles", (__name__,)), "|".join(map(repr, key))
+    kept = _kept_bubbles(path)
+    if name not in kept:
+        kept[name] = compute()
+        add_values(path, {name: kept[name]})
+    return kept[name]
+
+
+@lru_cache(maxsize=4)
+def _kept_bubbles(path: Path) -> dict[str, float]:
+    from tuning.sim.cache import read_values
+
+    return read_values(path)
 
 
 # ---------------------------------------------------------------- executed schedules (runs)
