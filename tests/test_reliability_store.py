@@ -257,12 +257,18 @@ def test_processes_opening_a_new_store_at_once_all_open_it(tmp_path):
 
     ctx = mp.get_context("spawn")
     failed = []
-    for trial in range(6):
-        path = tmp_path / f"t{trial}" / "runs.db"
-        with ctx.Pool(4) as pool:
+    # one pool for the six tries (a spawned process costs ~2 s of CPU to start here), all four started before the
+    # first try's opens are handed out
+    with ctx.Pool(4, initializer=_wait_for_all, initargs=(ctx.Barrier(4),)) as pool:
+        for trial in range(6):
+            path = tmp_path / f"t{trial}" / "runs.db"
             start = time.time() + 1.0
-            failed += [r for r in pool.starmap(_open_at, [(str(path), start)] * 4) if r != "ok"]
+            failed += [r for r in pool.starmap(_open_at, [(str(path), start)] * 4, chunksize=1) if r != "ok"]
     assert failed == []
+
+
+def _wait_for_all(barrier) -> None:
+    barrier.wait(timeout=120)
 
 
 def _open_at(path: str, start: float) -> str:

@@ -19,7 +19,6 @@ import optuna
 
 from engine.config.schema import RunConfig, replace
 from engine.errors import ConfigError
-from engine.launch.local import launch
 from engine.launch.run_record import RunResult
 from tuning.space import SearchSpace
 
@@ -130,7 +129,8 @@ class Objective:
         over = self._memory_over(cfg)
         if over:
             return self._prune(trial, over)
-        from engine.train.memory import check_fits
+        from engine.launch.local import launch  # here, not at the top: it imports torch, which `workbench studies`,
+        from engine.train.memory import check_fits  # `export` and a refused `tune` never need (~2 s of CPU each)
 
         try:
             if self.launcher == "local":  # this machine's memory, as `workbench run` checks it (not a cluster's nodes)
