@@ -63,6 +63,8 @@ postgres:
 # such saving; issue 65's note says where the CPU goes: 333 torchrun ranks and 167 torchrun agents were 40% of it,
 # mostly importing torch, until CPU ranks forked from the agent instead: engine/launch/agent.py, bench/launch_fork.py).
 # Earlier: pytest took 1,657, 1,694 and 1,573 s with three workers, 1,403 and 1,641 s with four (stops 69-70)
+# Stop 78: 99.5% busy over a whole run (user 83%, system 16%), python processes 2,289-2,511 s of CPU: the ranks a
+# test forks (682), the agents (544: 154 launches), the workers' own tests (561), CLI calls (~350)
 WORKERS ?= 4
 # PYTHONDONTWRITEBYTECODE emptied: pytest keeps each test module's rewritten bytecode only where Python may write
 # it; without it every worker rewrote all of them again (a collection took 13-19 s of CPU instead of 8)
