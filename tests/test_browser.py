@@ -9,6 +9,7 @@ Screenshots go to artifacts/ (gitignored): PAGE-empty.png, run-live.png, run-liv
 run-live-first-screen.png, run-done.png, run-schedule.png, tune-finished.png, PAGE-finished.png, sim-report.png."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -358,6 +359,8 @@ PP4 = ["name=pp4grid", "model.layers=4", "model.d_model=16", "model.heads=2", "m
 def _pp4_schedule_grid(url: str, home: Path, page) -> None:
     """A real 2-step pp=4 1f1b run (4 micro-batches) stored in the app's home: the Run page draws
     its last step's executed actions as bars on rows rank 0..3, 4 forwards and 4 backwards each."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     from engine.config.schema import load_config
     from engine.launch.local import launch
 
@@ -366,6 +369,11 @@ def _pp4_schedule_grid(url: str, home: Path, page) -> None:
     _pick_run(page, "pp4grid")
     page.get_by_text("Executed pipeline schedule").wait_for(timeout=60_000)
     _settle(page)
+    # the caption comes before Plotly has drawn the grid: on a busy host the drawing took longer than _settle waits
+    drawn = """() => [...document.querySelectorAll('.js-plotly-plot')].some(
+        e => (e.querySelector('.gtitle')?.textContent || '').startsWith('1f1b step'))"""
+    with contextlib.suppress(PlaywrightTimeout):  # the assertion below names what was drawn instead
+        page.wait_for_function(drawn, timeout=60_000)
     # read what the browser drew (the SVG of the plot titled "1f1b step ..."), not the figure
     grid = page.evaluate("""() => {
         const p = [...document.querySelectorAll('.js-plotly-plot')].find(
