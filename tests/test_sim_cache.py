@@ -3,6 +3,7 @@ tables' code imports, two writers of one table never mix their bytes, and two pr
 it once."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -102,7 +103,7 @@ _BUBBLES = ("import json, sys\n"
 def _bubbles(env: dict[str, str]) -> dict:
     out = subprocess.run([sys.executable, "-c", _BUBBLES], capture_output=True, text=True, cwd=ROOT, check=True,
                          env=env)
-    return __import__("json").loads(out.stdout)
+    return json.loads(out.stdout)
 
 
 def test_a_process_that_finds_the_walked_bubbles_kept_never_imports_torchs_pipelining(tmp_path) -> None:

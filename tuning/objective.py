@@ -129,8 +129,10 @@ class Objective:
         over = self._memory_over(cfg)
         if over:
             return self._prune(trial, over)
-        from engine.launch.local import launch  # here, not at the top: it imports torch, which `workbench studies`,
-        from engine.train.memory import check_fits  # `export` and a refused `tune` never need (~2 s of CPU each)
+        # the launcher here, not at the top: it imports torch, which `workbench studies`, `export` and a refused
+        # `tune` never need (~2 s of CPU each)
+        from engine.launch.local import launch
+        from engine.train.memory import check_fits
 
         try:
             if self.launcher == "local":  # this machine's memory, as `workbench run` checks it (not a cluster's nodes)

@@ -22,6 +22,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -74,13 +75,19 @@ def simulator_modules(entries: tuple[str, ...] = ENTRY_MODULES, root: Path = ROO
 def cache_path(kind: str, data: str | Path) -> Path:
     """Where the `kind` table of `data` is kept for the code as it is."""
     digest = hashlib.sha256(Path(data).read_bytes())
-    for source in simulator_modules() + tuple(sorted((ROOT / "tuning" / "data").rglob("*.yaml"))):
-        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + _read(source))
-    return _home() / f"{kind}-{digest.hexdigest()[:16]}.csv"
+    sources = simulator_modules() + tuple(sorted((ROOT / "tuning" / "data").rglob("*.yaml")))
+    return _home() / f"{kind}-{_hex_of(digest, sources)}.csv"
 
 
 def _home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "workbench"
+
+
+def _hex_of(digest: Any, sources: tuple[Path, ...]) -> str:
+    """`digest` fed each source's path (from the checkout's root) and content: the first 16 hex digits."""
+    for source in sources:
+        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + _read(source))
+    return digest.hexdigest()[:16]
 
 
 def code_cache_path(kind: str, entries: tuple[str, ...]) -> Path:
@@ -95,10 +102,7 @@ def _code_digest(entries: tuple[str, ...]) -> str:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "none"
-    digest = hashlib.sha256(f"torch {torch_version}".encode())
-    for source in simulator_modules(entries):
-        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + _read(source))
-    return digest.hexdigest()[:16]
+    return _hex_of(hashlib.sha256(f"torch {torch_version}".encode()), simulator_modules(entries))
 
 
 def read_values(path: Path) -> dict[str, float]:
@@ -114,17 +118,7 @@ def add_values(path: Path, values: dict[str, float]) -> None:
     """`values` added to those kept at `path`, renamed into place from a file of this writer's own (best effort: two
     writers at once may each keep only their own additions, which the next process computes again)."""
     merged = {**read_values(path), **values}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(merged, f)
-        try:
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    except OSError:
-        pass
+    _replace(path, lambda tmp: Path(tmp).write_text(json.dumps(merged)))
 
 
 def _read(path: Path) -> bytes:
@@ -159,13 +153,19 @@ def _computing(cache: Path) -> Iterator[None]:
 
 def write_table(cache: Path, table: pd.DataFrame) -> None:
     """`table` renamed into place at `cache` from a temporary file of this writer's own (best effort)."""
+    _replace(cache, lambda tmp: table.to_csv(tmp, index=False))
+
+
+def _replace(path: Path, write: Callable[[str], object]) -> None:
+    """`write(tmp)` into a temporary file of this writer's own beside `path`, then renamed into place (`os.replace`,
+    atomic on one file system); best effort: a folder that cannot be written keeps nothing."""
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.stem}-", suffix=".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
         os.close(fd)
         try:
-            table.to_csv(tmp, index=False)
-            os.replace(tmp, cache)
+            write(tmp)
+            os.replace(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
     except OSError:
