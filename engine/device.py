@@ -9,19 +9,33 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Mapping
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from engine.peaks import peak_bf16
+
+if TYPE_CHECKING:  # torch loads in the functions that use it: a launcher's or a CLI's choice of backend stays light
+    import torch
+
+# the device nodes a GPU driver makes on Linux (NVIDIA, WSL2's, ROCm's): without one CUDA cannot be usable
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_driver_present() -> bool:
+    """False only where no GPU can be usable: Linux without any of GPU_DEVICE_NODES (answered without torch,
+    whose import costs a `workbench run` or `tune` about 2 s of CPU); elsewhere True, and torch decides."""
+    return not sys.platform.startswith("linux") or any(map(os.path.exists, GPU_DEVICE_NODES))
 
 
 def pick_backend(requested: str) -> str:
     """'auto' is nccl when CUDA is usable, gloo otherwise."""
     if requested != "auto":
         return requested
+    if not gpu_driver_present():
+        return "gloo"
+    import torch
+
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -32,6 +46,8 @@ def check_ranks_fit_gpus(requested: str, ranks_per_node: int) -> None:
 
     if pick_backend(requested) != "nccl":
         return
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ranks_per_node > gpus:
         chosen = " (auto chose nccl: CUDA is usable)" if requested == "auto" else ""
@@ -42,6 +58,8 @@ def check_ranks_fit_gpus(requested: str, ranks_per_node: int) -> None:
 
 def pick_device(backend: str, local_rank: int) -> torch.device:
     """The rank's compute device: its local GPU under NCCL, else the CPU."""
+    import torch
+
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -77,6 +95,8 @@ def init_distributed(backend: str, *, rank: int, world_size: int, timeout_s: flo
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # NCCL binds the communicator to this rank's GPU eagerly
+    import torch.distributed as dist
+
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     init_host_group(timeout_s=timeout_s)
@@ -89,6 +109,8 @@ def init_host_group(*, side: bool | None = None, timeout_s: float | None = None)
     `side=None` makes a gloo side group only where the world group cannot carry CPU tensors
     (NCCL); `side=True` always does (the device-discipline test uses it to tell the groups apart).
     """
+    import torch.distributed as dist
+
     if _current_host() is not None:
         return _current_host()
     if side is None:
@@ -101,6 +123,8 @@ def init_host_group(*, side: bool | None = None, timeout_s: float | None = None)
 
 def host_group() -> Any:
     """The group for host objects and host tensors (see the module docstring)."""
+    import torch.distributed as dist
+
     if _current_host() is not None:
         return _current_host()
     if dist.get_backend() == "gloo":
@@ -111,12 +135,17 @@ def host_group() -> Any:
 
 def _current_host() -> Any:
     """The host group made for the current world, or None (none yet, or made for an old world)."""
+    import torch.distributed as dist
+
     world = dist.group.WORLD
     return _HOST["group"] if world is not None and _HOST.get("world") is world else None
 
 
 def comm_device(group: Any = None) -> torch.device:
     """The device a tensor must live on to enter `group`'s collectives."""
+    import torch
+    import torch.distributed as dist
+
     if group is not None and group is _current_host():
         return torch.device("cpu")
     if "nccl" in str(dist.get_backend(group)):
@@ -133,5 +162,7 @@ def peak_flops(device: torch.device) -> float | None:
     if os.environ.get("WORKBENCH_PEAK_FLOPS"):
         return float(os.environ["WORKBENCH_PEAK_FLOPS"])
     if device.type == "cuda":
+        import torch
+
         return peak_bf16(torch.cuda.get_device_name(device))
     return None

@@ -25,11 +25,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from profilers.records import PHASES
+
+if TYPE_CHECKING:  # torch loads with a StepTimer: `workbench show` reads `unexplained` without it
+    import torch
 
 
 def as_metrics(breakdown: dict[str, float]) -> dict[str, float]:
@@ -42,6 +43,8 @@ class StepTimer:
 
     def __init__(self, device: torch.device | str = "cpu", *, cuda_events: bool = True,
                  enabled: bool = True) -> None:
+        import torch
+
         self.device = torch.device(device)
         self.enabled = enabled
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -167,12 +170,16 @@ class StepTimer:
         return out
 
     def _event(self) -> Any:
+        import torch
+
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
     def _barrier(self) -> None:
         if self._sync:
+            import torch
+
             torch.cuda.synchronize(self.device)
 
 

@@ -211,6 +211,9 @@ def test_launch_refuses_more_nccl_ranks_than_gpus_before_any_process(monkeypatch
     from engine.errors import ConfigError
     from engine.launch.local import launch
 
+    from engine import device
+
+    monkeypatch.setattr(device, "gpu_driver_present", lambda: True)  # the lent H100's /dev/nvidiactl
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cfg = load_config(None, ["parallel.dp=2", "model.layers=1", "model.d_model=32", "model.heads=4",

@@ -3,6 +3,7 @@
 interpreter validates real configs and then asserts torch never loaded."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -38,22 +39,61 @@ def test_form_validation_imports_no_torch():
 
 @pytest.mark.parametrize("backend", ["auto", "nccl"])
 def test_no_gpu_device_node_means_no_cuda_without_asking_torch(monkeypatch, backend):
+    from engine import device
     from engine.train import memory
 
-    monkeypatch.setattr(memory.sys, "platform", "linux")
-    monkeypatch.setattr(memory.os.path, "exists", lambda path: False)
+    monkeypatch.setattr(device.sys, "platform", "linux")
+    monkeypatch.setattr(device.os.path, "exists", lambda path: False)
     monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now would raise
     assert memory._cuda_usable(backend) is False
+    assert device.pick_backend("auto") == "gloo" and device.pick_backend("nccl") == "nccl"  # nccl: as asked
 
 
 def test_gpu_device_node_defers_to_torch(monkeypatch):
     import torch
 
+    from engine import device
     from engine.train import memory
 
-    monkeypatch.setattr(memory.os.path, "exists", lambda path: True)
+    monkeypatch.setattr(device.os.path, "exists", lambda path: True)
     assert memory._cuda_usable("auto") is torch.cuda.is_available()
     assert memory._cuda_usable("gloo") is False
+    assert device.pick_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+# a CPU run and a tune of one trial through the CLI's own entry, in a fresh interpreter; then no torch in it
+CLI_WITHOUT_TORCH = textwrap.dedent("""
+    import sys
+    from workbench.cli import run_command
+
+    for args in (sys.argv[1:4], sys.argv[4:]):
+        sys.argv = ["workbench", *args]
+        assert run_command() == 0, args
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    assert not loaded, f"the launcher imported {loaded[:5]}"
+""")
+
+
+def test_a_cpu_run_and_a_tune_launch_without_importing_torch(tmp_path):
+    """A `workbench run` or `tune` of CPU ranks on a host without a GPU driver imports no torch in its own
+    process (its ranks do): the CUDA question of backend=auto is answered from the device nodes, the dry-run
+    pre-flight and the checkpoint reader load only where a device memory or a resume asks for them (each
+    such process paid about 2 s of CPU for torch; the suite starts ~110 of them)."""
+    from engine.device import gpu_driver_present
+
+    if gpu_driver_present():
+        pytest.skip("a GPU driver is here: backend=auto asks torch whether CUDA is usable")
+    (tmp_path / "space.yaml").write_text("world_size: 2\nparams:\n  batch.micro: {choices: [2, 4]}\n"
+                                         "fixed:\n  train.steps: 2\n  train.eval_interval: 0\n")
+    tiny = str(ROOT / "examples" / "tiny.yaml")
+    args = ["run", tiny, "--set=train.steps=2",
+            "tune", str(tmp_path / "space.yaml"), "--base", tiny, "--trials", "1", "--json",
+            "--storage", f"sqlite:///{tmp_path}/studies.db"]
+    done = subprocess.run([sys.executable, "-c", CLI_WITHOUT_TORCH, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "WORKBENCH_HOME": str(tmp_path / "home")})
+    assert done.returncode == 0, (done.stdout[-1500:], done.stderr[-2000:])
+    runs = sorted(p.name for p in (tmp_path / "home" / "runs").iterdir())
+    assert len(runs) == 2 and all(name.startswith("tiny-") for name in runs), runs  # both ran
 
 
 def test_the_run_pages_collective_tables_import_no_torch():

@@ -80,9 +80,12 @@ class Objective:
         as stale (two workers on a busy CI machine: 'worker died: no heartbeat since ... (5 s, grace 3 s)')."""
         import contextlib
 
-        import torch  # noqa: F401 (check_fits no longer imports it: what a trial's launch loads, loaded here)
-
+        import engine.launch.local  # noqa: F401 - what a trial's launch loads (torch only where a GPU driver is)
+        from engine.device import gpu_driver_present
         from engine.train.memory import check_fits
+
+        if gpu_driver_present():
+            import torch  # noqa: F401 - a GPU host's trial asks torch for CUDA (engine/device.py `pick_backend`)
 
         if self.launcher == "local":
             with contextlib.suppress(Exception):  # only a warm-up: a trial reports its own config's errors

@@ -96,8 +96,7 @@ def run(config: Optional[Path] = typer.Argument(None, help="YAML run config (def
             from engine.mesh import world_product
 
             fail(f"--nnodes={nnodes}: must divide the world size {world_product(cfg.parallel.cp)} = {cfg.world_size}")
-        from engine.train.dryrun import device_memory_target
-        from engine.train.memory import check_fits
+        from engine.train.memory import check_fits, device_memory_target
 
         if device_memory_target(cfg, device_memory) is None:  # a device target: launch()'s dry run judges it
             check_fits(cfg, nnodes)

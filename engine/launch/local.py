@@ -86,6 +86,17 @@ def forks_ranks(cfg: RunConfig, *, nnodes: int, rdzv_endpoint: str | None) -> bo
     return nnodes == 1 and rdzv_endpoint is None and pick_backend(cfg.backend) == "gloo"
 
 
+def _preflight(cfg: RunConfig, device_memory_gib: float | None) -> None:
+    """engine/train/dryrun.py `preflight` where the run has a device memory to fit; a CPU run has none, and its
+    launcher then never imports the dry run's torch (about 2 s of a `workbench run`'s or `tune`'s CPU)."""
+    from engine.train.memory import device_memory_target
+
+    if device_memory_target(cfg, device_memory_gib) is not None:
+        from engine.train.dryrun import preflight
+
+        preflight(cfg, device_memory_gib=device_memory_gib)
+
+
 def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None = None, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float | None = None,
            on_progress: Progress | None = None, parent: str | None = None, raise_on_failure: bool = True,
@@ -97,14 +108,13 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     `on_job` then hears each change of the job's state (queued, running, done). A run targeting
     GPUs (or `device_memory_gib` per rank) is dry-run first and refused in one line if its busiest
     rank would not fit (engine/train/dryrun.py `preflight`), before anything is registered or started."""
-    from engine.train.dryrun import preflight
     from profilers.telemetry import TOKEN_ENV, TelemetryServer
 
     validate(cfg)
     if launcher == "slurm":
         from engine.launch.slurm import launch_slurm
 
-        preflight(cfg, device_memory_gib=device_memory_gib)
+        _preflight(cfg, device_memory_gib)
         return launch_slurm(cfg, home=home, run_id=run_id, timeout_s=timeout_s, on_progress=on_progress,
                             parent=parent, raise_on_failure=raise_on_failure, extra_env=extra_env, on_job=on_job)
     if launcher != "local":
@@ -114,7 +124,7 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
     from engine.device import check_ranks_fit_gpus
 
     check_ranks_fit_gpus(cfg.backend, cfg.world_size // nnodes)  # the GPUs there are, before any dry run of them
-    preflight(cfg, device_memory_gib=device_memory_gib)
+    _preflight(cfg, device_memory_gib)
     store, run_id, run_dir, cfg_path = register(cfg, home=home, run_id=run_id, parent=parent, join=nnodes > 1)
     home = run_dir.parent.parent
     server = TelemetryServer(store, run_id=run_id)

@@ -126,9 +126,10 @@ def register(cfg: RunConfig, *, home: str | Path | None, run_id: str | None, par
     from profilers.store import RunStore, default_home
 
     validate(cfg)
-    from engine.train.checkpoint import check_resume
+    if cfg.train.resume_from:  # the checkpoint reader imports torch: a run that resumes nothing never does
+        from engine.train.checkpoint import check_resume
 
-    check_resume(cfg)  # a wrong or damaged checkpoint: one line here, not a traceback from every rank
+        check_resume(cfg)  # a wrong or damaged checkpoint: one line here, not a traceback from every rank
     dims = ParallelDims(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.world_size, cp=cfg.parallel.cp)
     home = Path(home) if home else default_home()
     run_id = run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"

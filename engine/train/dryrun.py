@@ -42,12 +42,12 @@ from engine.config.schema import RunConfig, replace, validate
 from engine.errors import ConfigError
 from engine.mesh import ParallelDims
 from engine.torch_compat import LOCAL_SCALAR_DENSE, TorchDispatchMode
+from engine.train.memory import device_memory_target
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
 PLAYED_MICRO_BATCHES = 3  # without pipelining: the first, a middle one (repeated) and the last
-DEFAULT_DEVICE_GIB = 81559 / 1024  # an 80 GB-class GPU (H100 / A100 80GB): nvidia-smi shows 81559 MiB
 
 # torch's tracker categories, grouped as the simulator prices memory (params, grads, optimizer,
 # activations); FSDP2's collective buffers and module buffers have no simulator term
@@ -405,21 +405,6 @@ _REMEDY = {"params": ("parallel.zero", "shard the model state (parallel.zero=3, 
                                           "or add tp/pp/cp"),
            "comm buffers": ("parallel.zero", "add tp/pp (FSDP2 gathers whole blocks)"),
            "other": ("batch.micro", "lower batch.micro or add tp/pp")}
-
-
-def device_memory_target(cfg: RunConfig, device_memory_gib: float | None = None) -> tuple[float, str] | None:
-    """(bytes, what they are) of the memory each rank's device will have, or None when the run
-    targets this host's CPU and no `--device-memory` was given (then nothing is dry-run)."""
-    if device_memory_gib is not None:
-        return device_memory_gib * GIB, "device memory (--device-memory)"
-    from engine.device import pick_backend
-
-    if pick_backend(cfg.backend) == "nccl" and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        return float(total), f"of GPU memory on {torch.cuda.get_device_name(0)}"
-    if pick_backend(cfg.backend) == "nccl" or cfg.cluster.gpus_per_node > 0:
-        return DEFAULT_DEVICE_GIB * GIB, "of an 80 GB-class GPU (no GPU here; give --device-memory for another)"
-    return None
 
 
 def fits_error(dry: DryRun, *, limit_bytes: float, limit_name: str, cfg: RunConfig) -> ConfigError | None:

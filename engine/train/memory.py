@@ -8,8 +8,6 @@ sharding: the mixed-precision ZeRO formulas of Rajbhandari et al. 2020 (2+2+12 P
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 from engine.config.schema import RunConfig
@@ -342,15 +340,35 @@ def machine_limit(cfg: RunConfig, nnodes: int = 1) -> tuple[float, int, str]:
 
 def _cuda_usable(backend: str) -> bool:
     """Whether the run will use CUDA (`pick_backend` is nccl and a GPU is usable). Without a GPU
-    driver's device node (NVIDIA, WSL2, ROCm) on Linux CUDA cannot be usable: answered without torch."""
-    gpu_nodes = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
-    if backend == "gloo" or (sys.platform.startswith("linux") and not any(map(os.path.exists, gpu_nodes))):
+    driver's device node on Linux CUDA cannot be usable: answered without torch (`gpu_driver_present`)."""
+    from engine.device import gpu_driver_present, pick_backend
+
+    if backend == "gloo" or not gpu_driver_present():
         return False
     import torch
 
+    return pick_backend(backend) == "nccl" and torch.cuda.is_available()
+
+
+DEFAULT_DEVICE_GIB = 81559 / 1024  # an 80 GB-class GPU (H100 / A100 80GB): nvidia-smi shows 81559 MiB
+
+
+def device_memory_target(cfg: RunConfig, device_memory_gib: float | None = None) -> tuple[float, str] | None:
+    """(bytes, what they are) of the memory each rank's device will have, or None when the run
+    targets this host's CPU and no `--device-memory` was given (then nothing is dry-run). Without a GPU
+    driver on the host (`gpu_driver_present`) it is answered without importing torch."""
+    if device_memory_gib is not None:
+        return device_memory_gib * GIB, "device memory (--device-memory)"
+    if _cuda_usable(cfg.backend):
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        return float(total), f"of GPU memory on {torch.cuda.get_device_name(0)}"
     from engine.device import pick_backend
 
-    return pick_backend(backend) == "nccl" and torch.cuda.is_available()
+    if pick_backend(cfg.backend) == "nccl" or cfg.cluster.gpus_per_node > 0:
+        return DEFAULT_DEVICE_GIB * GIB, "of an 80 GB-class GPU (no GPU here; give --device-memory for another)"
+    return None
 
 
 def check_fits(cfg: RunConfig, nnodes: int = 1) -> None:
