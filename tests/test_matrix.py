@@ -22,6 +22,8 @@ from tools.matrix.compat import FEATURES, Cell
 from tools.matrix.compat_doc import render
 from tools.matrix.compat_results import load_results, status
 
+from tests.run_once import computed_once
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / compat_results.RESULTS_PATH
 SEED = os.environ.get("MATRIX_SEED") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
@@ -39,7 +41,7 @@ def _selected() -> list[str]:
     return compat_results.select(wanted, AT_START, compat_results.cell_codes(), SEED)
 
 
-SELECTED = _selected()
+SELECTED = computed_once(f"matrix-slice-{SEED}", _selected)  # one xdist worker draws it; the others read it
 _DONE: list[float] = []  # seconds of each cell run so far (the progress line)
 
 

@@ -131,3 +131,38 @@ def test_timeline_writes_each_tests_worker_start_and_stop(tmp_path):
     assert calls["test_b.py::test_b0"]["cpu_s"] >= 0.2, calls  # its loop burns 0.3 s of CPU
     started = {line.split()[1]: line.split()[0] for line in (tmp_path / "started.log").read_text().splitlines()}
     assert all(calls[f"test_{name[0]}.py::test_{name}"]["worker"] == w for name, w in started.items()), (started, calls)
+
+
+ONCE = """import sys, time, pathlib
+sys.path.insert(0, {root!r})
+from tests.run_once import computed_once
+def compute():
+    with open({log!r}, 'a') as f:
+        f.write('computed\\n')
+    time.sleep(0.5)
+    if {fail}:
+        raise RuntimeError('the first one failed')
+    return ['a+b', 'c+d']
+try:
+    print(computed_once('probe', compute))
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_a_collection_value_is_computed_by_one_worker_and_read_by_the_others(tmp_path):
+    """tests/run_once.py: three processes of one xdist run ask at once; one computes, the others read its value
+    (test_matrix's slice was drawn by every worker at collection, 4-10 s of CPU each); a run's first failure makes
+    the others compute for themselves, and another run does not read this run's value."""
+    def ask(run: str, fail: bool) -> tuple[list[str], list[str]]:
+        log = tmp_path / f"{run}.log"
+        code = ONCE.format(root=str(ROOT), log=str(log), fail=fail)
+        procs = [subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
+                                  env={**os.environ, "PYTEST_XDIST_TESTRUNUID": run}) for _ in range(3)]
+        return [p.communicate(timeout=60)[0].strip() for p in procs], log.read_text().split()
+
+    uid = os.urandom(8).hex()
+    printed, computed = ask(f"ok-{uid}", False)
+    assert printed == ["['a+b', 'c+d']"] * 3 and computed == ["computed"], (printed, computed)
+    printed, computed = ask(f"failed-{uid}", True)
+    assert printed == ["the first one failed"] * 3 and computed == ["computed"] * 3, (printed, computed)
