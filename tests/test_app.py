@@ -782,3 +782,28 @@ def test_hardware_page_names_every_fact_with_its_unit(tmp_path, monkeypatch):
     labels = [str(x) for d in at.dataframe if "version" not in d.value.columns
               for x in [*d.value.index, *d.value.columns] if not isinstance(x, int)] + [m.label for m in at.metric]
     assert not [x for x in labels if raw.search(x)], labels
+
+
+def test_the_tune_page_shows_the_last_trials_finished_once_its_workers_end(tmp_path, monkeypatch):
+    """The Tune page polls while its workers run; when they end it redraws once and stops polling. That
+    last drawing read the trial table cached (2 s) while the last trial still ran, so the page stayed at
+    'running 1' for good (the browser test's 3-trial study, on a loaded host: CI of d9e20bc, here beside
+    six busy loops)."""
+    import optuna
+
+    from tuning import control
+    from tuning.study import default_storage
+
+    study = optuna.create_study(study_name="ending", storage=default_storage(tmp_path), direction="maximize")
+    trial = study.ask({"train.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    workers = [4242]
+    monkeypatch.setattr(control, "running_workers", lambda name, home=None: list(workers))
+    at = render(tmp_path, "tune", monkeypatch)
+    running = {m.label: m.value for m in at.metric}
+    assert (running["complete"], running["running"]) == ("0", "1"), running
+    study.tell(trial, 100.0)  # the worker finishes its last trial and exits
+    workers.clear()
+    at.run()  # what the polling fragment's rerun draws once it finds no worker
+    assert not at.exception, [e.value for e in at.exception]
+    done = {m.label: m.value for m in at.metric}
+    assert (done["complete"], done["running"]) == ("1", "0"), done

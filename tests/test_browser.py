@@ -343,7 +343,7 @@ def _scenario(server, page) -> None:
     _pp4_schedule_grid(url, home, page)
 
     # Tune page: a 3-trial study of 1-rank, 3-step trials
-    _tune_and_export(url, page)
+    _tune_and_export(url, home, page)
     _shoot_every_page(page, url, "finished")
     server_pid = int((home / "streamlit.pid").read_text())
     zombies = [p.pid for p in psutil.Process(server_pid).children(recursive=True)
@@ -390,7 +390,7 @@ def _pp4_schedule_grid(url: str, home: Path, page) -> None:
     page.screenshot(path=str(ARTIFACTS / "run-schedule.png"), full_page=True)
 
 
-def _tune_and_export(url: str, page) -> None:
+def _tune_and_export(url: str, home: Path, page) -> None:
     page.goto(f"{url}/tune")
     page.get_by_role("heading", name="Tune").wait_for()
     page.get_by_label("New study name").fill("browser-study")
@@ -398,7 +398,13 @@ def _tune_and_export(url: str, page) -> None:
     _fill_text_area(page, "Search space (YAML)", SPACE)
     _fill_text_area(page, "Base run config (YAML)", BASE)
     page.get_by_role("button", name="Start / continue study").click()
-    _wait_for(lambda: _finished(page) == 3, 480, "3 finished trials")
+    try:
+        _wait_for(lambda: _finished(page) == 3, 480, "3 finished trials")
+    except AssertionError as exc:  # the page's counts beside what the workers wrote (the CI of d9e20bc: all done)
+        shown = {label: _metric(page, label) for label in ("complete", "running", "pruned", "fail")
+                 if page.locator('[data-testid="stMetric"]').filter(has_text=label).count()}
+        logs = [p.read_text()[-300:] for p in sorted((home / "studies" / "browser-study").glob("worker-*.log"))]
+        raise AssertionError(f"{exc}: the page shows {shown}; the workers' logs end {logs}") from None
     assert int(_metric(page, "complete")) >= 1  # the median pruner may stop a slow one
     page.get_by_text("Optimisation history").first.wait_for(timeout=30_000)
     # 3 trials are too few for importances: the page says so instead of drawing one bar at 1.00

@@ -104,6 +104,16 @@ def controls(home: str, name: str, control: Any) -> list[int]:
     return pids
 
 
+def read_afresh_once_workers_end(name: str, workers: list[int]) -> None:
+    """While workers run the page polls, reading the trial table through a 2 s cache; the drawing after they
+    end is the last (polling stops), so it reads the table anew, not one cached while the last trial ran."""
+    had_workers = st.session_state.setdefault("tune_had_workers", {})
+    if had_workers.get(name) and not workers:
+        common.trials_frame.clear()
+        study_figures.clear()
+    had_workers[name] = bool(workers)
+
+
 # Parallel coordinates and importances use the newest FIGURE_TRIALS complete trials, the
 # history the newest HISTORY_TRIALS trials (a browser draws thousands of lines slowly).
 FIGURE_TRIALS = 500
@@ -343,6 +353,7 @@ if choice == "(new study)":
     st.stop()
 
 workers = controls(HOME, name, CONTROL)
+read_afresh_once_workers_end(name, workers)
 
 
 @st.fragment(run_every=2.0 if workers else None)
