@@ -11,7 +11,7 @@ $(BIN)/python:
 
 # pip compiles each package's bytecode itself, on one core; --no-compile and compileall instead: torch's on the
 # other core while pip installs the rest, then everything left on both, with this checkout's own code, which four
-# test workers otherwise each compiled at once (stop 81: the install 98 -> 80 s of wall here, the same .pyc files;
+# test workers otherwise each compiled at once (stop 81: the install 98.1 -> 78.0 s of wall here, the same .pyc files;
 # compileall exits 1 on torch's one file in 3.12 syntax, py312_intrinsics.py)
 SITE = $(VENV)/lib/python3*/site-packages
 OWN_CODE = app.py engine profilers tuning workbench tools tests bench

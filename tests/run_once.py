@@ -4,9 +4,11 @@ Four workers collecting at once each paid for tests/test_matrix.py's slice (ever
 4-10 s of CPU apiece on 2 cores, the most costly module to collect); `computed_once` lets the first worker to ask
 compute it and the others, who must collect the same tests, wait for its file. The file is this run's own
 (`PYTEST_XDIST_TESTRUNUID`, which xdist gives each worker of one run); without xdist the value is just computed.
+The worker that computes removes the files of runs over a day old.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -14,7 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tools.matrix.compat import replace_atomically
+
 WAIT_S = 300  # a loaded 2-core machine: the first worker computes beside three others
+KEEP_S = 24 * 3600  # a run's files outlive it by a day at most
 
 
 def computed_once(name: str, compute: Callable[[], Any]) -> Any:
@@ -23,11 +28,14 @@ def computed_once(name: str, compute: Callable[[], Any]) -> Any:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
         return compute()
-    path = Path(tempfile.gettempdir()) / f"workbench-{name}-{run}.json"
+    folder = Path(tempfile.gettempdir()) / "workbench-run-once"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}-{run}.json"
     try:
         os.close(os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return _waited_for(path, compute)
+    _remove_old_runs(folder)
     try:
         value = compute()
     except BaseException:
@@ -48,6 +56,11 @@ def _waited_for(path: Path, compute: Callable[[], Any]) -> Any:
 
 
 def _write(path: Path, record: dict) -> None:
-    partial = path.with_suffix(f".{os.getpid()}.part")
-    partial.write_text(json.dumps(record))
-    os.replace(partial, path)  # whole or absent for the readers
+    replace_atomically(path, json.dumps(record).encode())  # whole or absent for the readers
+
+
+def _remove_old_runs(folder: Path) -> None:
+    for old in folder.iterdir():
+        with contextlib.suppress(OSError):  # another run's worker may remove it first
+            if time.time() - old.stat().st_mtime > KEEP_S:
+                old.unlink()

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,11 +159,20 @@ def test_a_collection_value_is_computed_by_one_worker_and_read_by_the_others(tmp
         log = tmp_path / f"{run}.log"
         code = ONCE.format(root=str(ROOT), log=str(log), fail=fail)
         procs = [subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
-                                  env={**os.environ, "PYTEST_XDIST_TESTRUNUID": run}) for _ in range(3)]
+                                  env={**os.environ, "PYTEST_XDIST_TESTRUNUID": run, "TMPDIR": str(tmp_path)})
+                 for _ in range(3)]
         return [p.communicate(timeout=60)[0].strip() for p in procs], log.read_text().split()
 
+    folder = tmp_path / "workbench-run-once"
+    folder.mkdir()
+    (folder / "probe-old.json").write_text("{}")
+    os.utime(folder / "probe-old.json", (time.time() - 2 * 24 * 3600,) * 2)
+    (folder / "probe-recent.json").write_text("{}")
     uid = os.urandom(8).hex()
     printed, computed = ask(f"ok-{uid}", False)
     assert printed == ["['a+b', 'c+d']"] * 3 and computed == ["computed"], (printed, computed)
     printed, computed = ask(f"failed-{uid}", True)
     assert printed == ["the first one failed"] * 3 and computed == ["computed"] * 3, (printed, computed)
+    left = sorted(p.name for p in folder.iterdir())  # a run's worker removes the files of runs a day gone
+    assert left == sorted(["probe-recent.json"] + [f"probe-{r}-{uid}.{s}" for r in ("ok", "failed")
+                                                   for s in ("json", "lock")]), left
