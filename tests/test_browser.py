@@ -89,12 +89,18 @@ def _step(page) -> int:
     return int(value) if value.isdigit() else -1
 
 
+def _trial_counts(page) -> dict[str, str]:
+    """The Tune page's trial counts by label ({} before its panel appears)."""
+    labels = ("complete", "running", "pruned", "fail")
+    return {label: _metric(page, label) for label in labels
+            if page.locator('[data-testid="stMetric"]').filter(has_text=label).count()}
+
+
 def _finished(page) -> int:
     """Complete + pruned + failed trials shown by the Tune page (0 before the panel appears)."""
-    if page.locator('[data-testid="stMetric"]').filter(has_text="complete").count() == 0:
-        return 0
-    values = [_metric(page, label) for label in ("complete", "pruned", "fail")]
-    return sum(int(v) for v in values if v.isdigit())
+    counts = _trial_counts(page)
+    return sum(int(counts.get(label, "")) for label in ("complete", "pruned", "fail")
+               if counts.get(label, "").isdigit())
 
 
 def _selectboxes(page) -> str:
@@ -401,8 +407,7 @@ def _tune_and_export(url: str, home: Path, page) -> None:
     try:
         _wait_for(lambda: _finished(page) == 3, 480, "3 finished trials")
     except AssertionError as exc:  # the page's counts beside what the workers wrote (the CI of d9e20bc: all done)
-        shown = {label: _metric(page, label) for label in ("complete", "running", "pruned", "fail")
-                 if page.locator('[data-testid="stMetric"]').filter(has_text=label).count()}
+        shown = _trial_counts(page)
         logs = [p.read_text()[-300:] for p in sorted((home / "studies" / "browser-study").glob("worker-*.log"))]
         raise AssertionError(f"{exc}: the page shows {shown}; the workers' logs end {logs}") from None
     assert int(_metric(page, "complete")) >= 1  # the median pruner may stop a slow one

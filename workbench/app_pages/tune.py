@@ -106,7 +106,10 @@ def controls(home: str, name: str, control: Any) -> list[int]:
 
 def read_afresh_once_workers_end(name: str, workers: list[int]) -> None:
     """While workers run the page polls, reading the trial table through a 2 s cache; the drawing after they
-    end is the last (polling stops), so it reads the table anew, not one cached while the last trial ran."""
+    end is the last (polling stops), so it reads the table anew, not one cached while the last trial ran.
+
+    The caches cleared when the workers end, together: `live()` clears `studies_table` as it asks for that last
+    drawing, and this clears `trials_frame` and `study_figures` as the drawing begins."""
     had_workers = st.session_state.setdefault("tune_had_workers", {})
     if had_workers.get(name) and not workers:
         common.trials_frame.clear()
@@ -360,7 +363,7 @@ read_afresh_once_workers_end(name, workers)
 def live() -> None:
     study_panel(HOME, name)
     if workers and CONTROL is not None and not CONTROL.running_workers(name, home=HOME):
-        common.studies_table.clear()
+        common.studies_table.clear()  # the other caches: read_afresh_once_workers_end, as the rerun begins
         st.rerun(scope="app")  # the workers ended (and were reaped): redraw the controls, stop polling
 
 
