@@ -35,7 +35,10 @@ def run_losses(tmp_path, overrides: list[str], **kw) -> list[float]:
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """This process's descendants, but for the launcher's agent server, which stays for the next run."""
+    from engine.launch.agent_server import agent_server_pid
+
+    return {p.pid for p in psutil.Process().children(recursive=True)} - {agent_server_pid()}
 
 
 @pytest.mark.parametrize("world,micro", [(2, 4), (4, 2)])

@@ -39,13 +39,19 @@ def test_the_agent_keeps_torchruns_arguments_and_runs_only_the_worker(tmp_path):
         fork_arguments(line[:-5] + ["-m", "somebody.else"])
 
 
+def _words(proc: psutil.Process) -> list[str]:
+    """A process's command line as words: a forked agent's is its title, one string (engine/launch/agent_server.py)."""
+    return " ".join(proc.cmdline()).split()
+
+
 def _rank_command_lines() -> set[str]:
     """Options 1-2 of each live process whose parent is the launcher's agent (ours or torchrun)."""
     lines = set()
     for proc in psutil.Process().children(recursive=True):
         try:
-            if "engine.launch" in " ".join(proc.parent().cmdline()):
-                lines.add(" ".join(proc.cmdline()[1:3]))
+            parent = _words(proc.parent())
+            if "engine.launch.agent" in parent or "torch.distributed.run" in parent:
+                lines.add(" ".join(_words(proc)[1:3]))
         except (psutil.Error, AttributeError):  # exited meanwhile
             continue
     return lines

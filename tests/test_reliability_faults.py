@@ -35,7 +35,10 @@ BOUND_S = 90
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """This process's descendants, but for the launcher's agent server, which stays for the next run."""
+    from engine.launch.agent_server import agent_server_pid
+
+    return {p.pid for p in psutil.Process().children(recursive=True)} - {agent_server_pid()}
 
 
 def _processes_naming(text: str) -> list[str]:
@@ -159,7 +162,7 @@ def test_a_sigterm_is_not_swallowed_by_code_that_must_not_raise_into_training():
 
 PARENT = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "from engine.launch.local import die_with_parent; import time; "
+child = subprocess.Popen([sys.executable, "-c", "from engine.launch.parent_death import die_with_parent; import time; "
                           "die_with_parent(); print('ready', flush=True); time.sleep(120)"],
                          stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "ready"

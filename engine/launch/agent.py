@@ -8,6 +8,8 @@ those imports (and what its config needs: `import_what_the_run_needs`) instead o
 each on a 2-core host, 1.8 s more for a transformers model: bench/launch_fork.py).
 Single-node gloo runs only (engine/launch/local.py `forks_ranks`): NCCL ranks and other nodes start as
 torchrun starts them, and `workbench export --format torchrun` prints that line (engine/launch/torchrun.py).
+
+The agent itself is forked too, from a server its launcher keeps (engine/launch/agent_server.py).
 """
 from __future__ import annotations
 
@@ -88,3 +90,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+

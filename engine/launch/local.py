@@ -17,10 +17,14 @@ from typing import Any
 from engine.config.schema import RunConfig, validate
 from engine.device import ALLOC_CONF, cuda_alloc_conf
 from engine.errors import JoinTimeout, RankFailure
+from engine.launch.parent_death import die_with_parent
 from engine.launch.run_record import RunResult, finish, first_failure, register, stop_status, telemetry_summary
 from engine.launch.torchrun import RDZV_TIMEOUT_S, torchrun_command
 
 Progress = Callable[[dict[str, Any]], None]
+# "exec": a run whose ranks fork starts its agent as an interpreter of its own, not from the launcher's agent
+# server (engine/launch/agent_server.py); bench/agent_server.py compares the two
+AGENT_START_ENV = "WORKBENCH_AGENT_START"
 
 
 def _kill_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
@@ -57,21 +61,6 @@ def _wait_session_gone(pgid: int, timeout_s: float = 15.0) -> None:
     deadline = time.time() + timeout_s
     while alive() and time.time() < deadline:
         time.sleep(0.1)
-
-
-def die_with_parent() -> None:
-    """In a child: get SIGTERM when its parent dies. The launcher sets it on torchrun (a killed tuner
-    leaves no ranks behind) and every rank sets it on itself: a SIGKILLed torchrun cannot stop its ranks,
-    which trained on as orphans until the other node's launcher timed out (2 nodes, 240 s)."""
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def forks_ranks(cfg: RunConfig, *, nnodes: int, rdzv_endpoint: str | None) -> bool:
@@ -134,14 +123,20 @@ def launch(cfg: RunConfig, *, home: str | Path | None = None, run_id: str | None
            "WORKBENCH_NODE_RANK": str(node_rank), **(extra_env or {}), TOKEN_ENV: server.token}
     cmd = torchrun_command(cfg_path, run_dir, nproc=cfg.world_size // nnodes, nnodes=nnodes,
                            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout_s)
-    if forks_ranks(cfg, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint):
-        cmd[cmd.index("torch.distributed.run")] = "engine.launch.agent"
+    forked = forks_ranks(cfg, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
     started = time.time()
     status, failure = "completed", None
     log_path = run_dir / ("launcher.log" if nnodes == 1 else f"launcher-node{node_rank}.log")  # one per node
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        if forked and os.environ.get(AGENT_START_ENV) != "exec":  # forked by this process's agent server
+            from engine.launch.agent_server import start_agent
+
+            proc = start_agent(cmd[cmd.index("torch.distributed.run") + 1:], env=env, log_path=str(log_path))
+        else:
+            if forked:  # the agent as an interpreter of its own, its ranks forked from it
+                cmd[cmd.index("torch.distributed.run")] = "engine.launch.agent"
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=die_with_parent)
         try:
             status = _wait(proc, store, run_id, started, timeout_s, on_progress, server)
         except BaseException as exc:  # Ctrl-C, or the caller stopped the run (a pruned trial)

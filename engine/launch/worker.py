@@ -25,7 +25,7 @@ from engine.device import init_distributed, pick_backend, pick_device, use_defau
 from engine.errors import ConfigError
 from engine.launch import preempt
 from engine.launch.faults import from_env
-from engine.launch.local import die_with_parent
+from engine.launch.parent_death import die_with_parent
 from engine.launch.run_record import first_failure, run_host, run_summary
 from engine.mesh import ParallelDims, world_product
 from engine.train import checkpoint as ckpt

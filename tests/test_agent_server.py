@@ -1,0 +1,99 @@
+"""The launcher's agent server (engine/launch/agent_server.py): the runs one process launches share it, each agent it
+forks is the one `python -m engine.launch.agent` would have been (its run's command line, session and result), and
+a server that dies takes its run down with it: the run fails, nothing is left, the next run starts a new one."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from engine.config.schema import load_config
+from engine.launch.agent_server import agent_server_pid
+from engine.launch.local import launch
+
+TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "model.vocab=256",
+        "train.steps=3", "train.warmup_steps=0", "batch.global=8", "batch.micro=4", "parallel.dp=2",
+        "profile.host_interval_s=0", "profile.nvml_interval_s=0"]
+
+
+@pytest.fixture(autouse=True)
+def _default_start(monkeypatch):
+    monkeypatch.delenv("WORKBENCH_RANK_START", raising=False)
+    monkeypatch.delenv("WORKBENCH_AGENT_START", raising=False)
+
+
+def _agents_seen(seen: dict[int, dict], done: threading.Event) -> None:
+    """Until `done`: each child of this process's agent server, its parent, session and command line as words."""
+    while not done.wait(0.05):
+        server = agent_server_pid()
+        if server is None:
+            continue
+        try:
+            for proc in psutil.Process(server).children():
+                words = " ".join(proc.cmdline()).split()
+                if "engine.launch.agent" in words:
+                    seen[proc.pid] = {"server": server, "words": words, "sid": os.getsid(proc.pid)}
+        except (psutil.Error, ProcessLookupError):  # ended meanwhile
+            continue
+
+
+def _watched(fn):
+    seen: dict[int, dict] = {}
+    done = threading.Event()
+    watcher = threading.Thread(target=_agents_seen, args=(seen, done))
+    watcher.start()
+    try:
+        return fn(), seen
+    finally:
+        done.set()
+        watcher.join()
+
+
+@pytest.mark.xdist_group("launch")
+def test_a_launchers_runs_share_one_server_and_each_agent_is_its_runs(tmp_path):
+    cfg = load_config(None, TINY)
+    results, seen = _watched(lambda: [launch(cfg, home=tmp_path) for _ in range(2)])
+    assert [r.status for r in results] == ["completed", "completed"]
+    assert all(len(r.steps) == 3 for r in results)  # the ranks reached the run's telemetry: its environment
+    assert len(seen) == 2, seen  # one agent per run
+    assert len({agent["server"] for agent in seen.values()}) == 1  # both forked by the same server
+    configs = {str(r.run_dir / "config.json") for r in results}
+    for pid, agent in seen.items():
+        assert agent["words"][1:3] == ["-m", "engine.launch.agent"], agent
+        assert agent["words"][agent["words"].index("--config") + 1] in configs
+        assert agent["sid"] == pid  # a session of its own: the launcher stops the run by it
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if text in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.pid)
+    return found
+
+
+@pytest.mark.xdist_group("launch")
+def test_a_server_killed_mid_run_fails_that_run_leaves_nothing_and_the_next_run_starts_another(tmp_path):
+    killed: list[int] = []
+
+    def kill_server(_step) -> None:
+        if not killed:
+            killed.append(agent_server_pid())
+            os.kill(killed[0], signal.SIGKILL)
+
+    cfg = load_config(None, TINY + ["train.steps=400"])
+    started = time.time()
+    result = launch(cfg, home=tmp_path, on_progress=kill_server, raise_on_failure=False, timeout_s=240)
+    assert killed and result.status == "failed", result
+    assert time.time() - started < 120
+    deadline = time.time() + 10
+    while _processes_naming(str(result.run_dir)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _processes_naming(str(result.run_dir)) == []  # the agent and its ranks went with the server
+    again = launch(load_config(None, TINY), home=tmp_path)
+    assert again.status == "completed"
+    assert agent_server_pid() not in (None, killed[0])
