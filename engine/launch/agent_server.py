@@ -2,7 +2,7 @@
 torch._dynamo are imported once for all the runs a launcher starts, not once per run (about 2.7 s of CPU each on a
 2-core host: a tuner's trials, a test worker's runs; bench/agent_server.py measures it).
 
-`python -m engine.launch.agent_server` imports PRELOAD, then reads one JSON request per input line, {"token",
+`python -m engine.launch.agent_server` imports torch (`preload`), then reads one JSON request per input line, {"token",
 "argv", "env", "log", "cwd"}. For each it forks, and the child becomes what `python -m engine.launch.agent ARGV`,
 started by the launcher with `env` in `cwd`, stdout and stderr to `log`, in a session of its own, would be, with
 that command line as its title (setproctitle), so `ps` and the scans for a run's processes see it as before. It
@@ -26,8 +26,7 @@ import threading
 import time
 from typing import Any
 
-PRELOAD = ("torch", "torch._dynamo")  # what every agent imports first (its optimizer steps import torch._dynamo)
-START_TIMEOUT_S = 300.0  # for the server to answer a start (the first one imports PRELOAD: seconds, more when loaded)
+START_TIMEOUT_S = 300.0  # for the server to answer a start (the first one imports torch: seconds, more when loaded)
 
 
 class ForkedAgent:
@@ -172,12 +171,16 @@ def agent_server_pid() -> int | None:
 # ------------------------------------------------------------------------------------------------ the server
 
 
+def preload() -> None:
+    """What every agent imports first, imported once in the server: torch and torch._dynamo (every optimizer's
+    step imports it)."""
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+
 def serve() -> None:
     """The server's loop (module docstring)."""
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
+    preload()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: it stops each run's session itself
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything else printed goes to stderr
