@@ -32,11 +32,18 @@ def quick_exit(code: object = 0) -> NoReturn:
     """End the process with `sys.exit(code)`'s status, skipping only the interpreter's teardown (above)."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)  # threading's shutdown joins them before the atexit hooks: let it
-    status = exit_code(code)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: what a normal exit would also lose
-            pass
-    os._exit(status)
+    end_process(exit_code(code))
+
+
+def end_process(status: int) -> NoReturn:
+    """The end of `quick_exit` once no non-daemon thread is left: the atexit hooks, stdout and stderr flushed, then
+    `os._exit(status)` (a forked child's way out too: engine/launch/agent_server.py)."""
+    try:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: what a normal exit would also lose
+                pass
+    finally:
+        os._exit(status)

@@ -86,6 +86,11 @@ class AgentServer:
                 self._read(block=False)
             return self._exits.get(token)
 
+    def pid(self) -> int | None:
+        """The server process's pid while it runs."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
     def close(self, timeout_s: float = 10.0) -> None:
         """End the server (its input closes) and wait for it: a launcher's exit does this (atexit)."""
         with self._lock:
@@ -164,8 +169,8 @@ def agent_server_pid() -> int | None:
     """The pid of this process's agent server while it runs: a helper that stays for the launcher's next run (and
     ends with the launcher), not a process a run left behind."""
     with _SERVER_LOCK:
-        proc = _SERVER[1]._proc if _SERVER is not None and _SERVER[0] == os.getpid() else None
-    return proc.pid if proc is not None and proc.poll() is None else None
+        server = _SERVER[1] if _SERVER is not None and _SERVER[0] == os.getpid() else None
+    return server.pid() if server is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ the server
@@ -268,18 +273,16 @@ def _title(argv: list[str]) -> None:
 
 
 def _exit(code: int) -> None:
-    """End the forked agent as its interpreter would end (engine/quick_exit.py), never back in the server's loop."""
-    import atexit
+    """End the forked agent as its interpreter would end (its threads joined, then engine/quick_exit.py
+    `end_process`), never back in the server's loop."""
+    from engine.quick_exit import end_process
 
     try:
         for thread in threading.enumerate():
             if thread is not threading.main_thread() and not thread.daemon:
                 thread.join()
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
     finally:
-        os._exit(code)
+        end_process(code)
 
 
 if __name__ == "__main__":
