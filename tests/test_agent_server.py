@@ -14,6 +14,7 @@ import pytest
 from engine.config.schema import load_config
 from engine.launch.agent_server import agent_server_pid
 from engine.launch.local import launch
+from tests.processes import processes_naming
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "model.vocab=256",
         "train.steps=3", "train.warmup_steps=0", "batch.global=8", "batch.micro=4", "parallel.dp=2",
@@ -68,14 +69,6 @@ def test_a_launchers_runs_share_one_server_and_each_agent_is_its_runs(tmp_path):
         assert agent["sid"] == pid  # a session of its own: the launcher stops the run by it
 
 
-def _processes_naming(text: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if text in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(proc.pid)
-    return found
-
-
 @pytest.mark.xdist_group("launch")
 def test_a_server_killed_mid_run_fails_that_run_leaves_nothing_and_the_next_run_starts_another(tmp_path):
     killed: list[int] = []
@@ -91,9 +84,9 @@ def test_a_server_killed_mid_run_fails_that_run_leaves_nothing_and_the_next_run_
     assert killed and result.status == "failed", result
     assert time.time() - started < 120
     deadline = time.time() + 10
-    while _processes_naming(str(result.run_dir)) and time.time() < deadline:
+    while processes_naming(str(result.run_dir)) and time.time() < deadline:
         time.sleep(0.2)
-    assert _processes_naming(str(result.run_dir)) == []  # the agent and its ranks went with the server
+    assert processes_naming(str(result.run_dir)) == []  # the agent and its ranks went with the server
     again = launch(load_config(None, TINY), home=tmp_path)
     assert again.status == "completed"
     assert agent_server_pid() not in (None, killed[0])

@@ -12,6 +12,7 @@ from engine.config.schema import load_config
 from engine.errors import RankFailure
 from engine.launch.local import launch
 from engine.train.trainer import Trainer
+from tests.processes import descendants
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.seq_len=32", "model.vocab=256",
         "train.steps=5", "train.lr=0.003", "train.warmup_steps=0", "batch.global=8",
@@ -32,13 +33,6 @@ def run_losses(tmp_path, overrides: list[str], **kw) -> list[float]:
     result = launch(cfg, home=tmp_path, **kw)
     assert result.status == "completed"
     return [s["loss"] for s in result.steps]
-
-
-def _children() -> set[int]:
-    """This process's descendants, but for the launcher's agent server, which stays for the next run."""
-    from engine.launch.agent_server import agent_server_pid
-
-    return {p.pid for p in psutil.Process().children(recursive=True)} - {agent_server_pid()}
 
 
 @pytest.mark.parametrize("world,micro", [(2, 4), (4, 2)])
@@ -70,14 +64,14 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
 
 
 def test_crashing_rank_reaches_caller_with_rank_and_no_process_survives(tmp_path):
-    before = _children()
+    before = descendants()
     cfg = load_config(None, TINY + ["parallel.dp=2", "batch.micro=4", "train.timeout_s=20"])
     with pytest.raises(RankFailure) as info:
         launch(cfg, home=tmp_path, extra_env={"WORKBENCH_FAULT": "rank=1,step=2,kind=raise"})
     assert info.value.rank == 1
     assert "InjectedFault" in str(info.value) and "injected fault at step 2" in info.value.traceback
     assert "Traceback" in info.value.traceback
-    leftover = [p for p in _children() - before if psutil.pid_exists(p)]
+    leftover = [p for p in descendants() - before if psutil.pid_exists(p)]
     assert leftover == []
     from profilers.store import RunStore
 

@@ -20,6 +20,7 @@ import pytest
 from engine.config.schema import load_config
 from engine.launch.local import launch
 from profilers.store import RunStore
+from tests.processes import descendants, processes_naming
 
 pytestmark = pytest.mark.xdist_group("launch")
 
@@ -34,40 +35,20 @@ COLLECTIVE_TIMEOUT_S = 5
 BOUND_S = 90
 
 
-def _children() -> set[int]:
-    """This process's descendants, but for the launcher's agent server, which stays for the next run."""
-    from engine.launch.agent_server import agent_server_pid
-
-    return {p.pid for p in psutil.Process().children(recursive=True)} - {agent_server_pid()}
-
-
-def _processes_naming(text: str) -> list[str]:
-    """Any live process whose command line mentions `text` (the run's config path)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if text in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(f"{proc.info['pid']}: {cmdline[:200]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def _faulty_run(home: Path, fault: str, overrides: list[str], *, launch_timeout: float | None = None):
     cfg = load_config(None, TINY + overrides)
-    before = _children()
+    before = descendants()
     started = time.time()
     result = launch(cfg, home=home, raise_on_failure=False, timeout_s=launch_timeout,
                     extra_env={"WORKBENCH_FAULT": fault})
     wall = time.time() - started
     config_path = str(result.run_dir / "config.json")
     deadline = time.time() + 5  # a process reaped by init a moment late is not a leak
-    while time.time() < deadline and ([p for p in _children() - before if psutil.pid_exists(p)]
-                                      or _processes_naming(config_path)):
+    while time.time() < deadline and ([p for p in descendants() - before if psutil.pid_exists(p)]
+                                      or processes_naming(config_path)):
         time.sleep(0.2)
-    assert [p for p in _children() - before if psutil.pid_exists(p)] == []
-    assert _processes_naming(config_path) == []
+    assert [p for p in descendants() - before if psutil.pid_exists(p)] == []
+    assert processes_naming(config_path) == []
     return cfg, result, wall
 
 

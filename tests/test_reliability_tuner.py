@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 import optuna
-import psutil
 import pytest
 import yaml
 from optuna.trial import TrialState
 
 from engine.config.schema import load_config
 from profilers.store import RunStore
+from tests.processes import processes_naming
 from tuning.objective import Objective
 from tuning.space import SearchSpace
 from tuning.study import load_study, make_storage, run_trials
@@ -72,19 +72,6 @@ def _trials(study: str, storage: str) -> list[optuna.trial.FrozenTrial]:
         return []
 
 
-def _workbench_processes(home: Path) -> list[str]:
-    """Live tuners, launchers or ranks working in `home` (their command lines name its files)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if str(home) in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid != os.getpid():
-                found.append(f"{proc.info['pid']}: {cmdline[:160]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def _errors(stderr: str) -> str:
     """A worker's stderr without Optuna's experimental-feature warnings."""
     return "\n".join(line for line in stderr.splitlines() if "warn" not in line.lower())[-4000:]
@@ -105,9 +92,9 @@ def _kill_mid_trial(cmd: list[str], env: dict[str, str], study: str, storage: st
     os.killpg(proc.pid, signal.SIGKILL)  # the tuner and its --jobs child; ranks follow by PDEATHSIG
     proc.wait()
     deadline = time.time() + 15
-    while time.time() < deadline and _workbench_processes(home):
+    while time.time() < deadline and processes_naming(str(home)):
         time.sleep(0.3)
-    assert _workbench_processes(home) == []  # no orphaned launcher or rank keeps running
+    assert processes_naming(str(home)) == []  # no orphaned launcher or rank keeps running
 
 
 def test_tuner_killed_twice_with_two_jobs_resumes_losing_nothing(tmp_path):
@@ -199,7 +186,7 @@ def test_four_workers_share_one_study_and_one_store(tmp_path):
     for out, _ in outs:  # every worker's own summary agrees with the study
         summary = json.loads(out)
         assert summary["study"] == study and sum(summary["counts"].values()) <= total
-    assert _workbench_processes(tmp_path) == []
+    assert processes_naming(str(tmp_path)) == []
     print(f"\nfour workers: {total} trials, {len(runs)} runs, wall {wall:.1f} s")
 
 
