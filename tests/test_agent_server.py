@@ -3,6 +3,7 @@ forks is the one `python -m engine.launch.agent` would have been (its run's comm
 a server that dies takes its run down with it: the run fails, nothing is left, the next run starts a new one."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -28,7 +29,8 @@ def _default_start(monkeypatch):
 
 
 def _agents_seen(seen: dict[int, dict], done: threading.Event) -> None:
-    """Until `done`: each child of this process's agent server, its parent, session and command line as words."""
+    """Until `done`: each child of this process's agent server, its parent, session, command line as words and
+    whether it is an interpreter of its own (a command line of several arguments, not a title)."""
     while not done.wait(0.05):
         server = agent_server_pid()
         if server is None:
@@ -37,7 +39,10 @@ def _agents_seen(seen: dict[int, dict], done: threading.Event) -> None:
             for proc in psutil.Process(server).children():
                 words = " ".join(proc.cmdline()).split()
                 if "engine.launch.agent" in words:
-                    seen[proc.pid] = {"server": server, "words": words, "sid": os.getsid(proc.pid)}
+                    with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:  # a title is one string
+                        interpreter = cmdline.read().rstrip(b"\0").count(b"\0") > 0
+                    seen[proc.pid] = {"server": server, "words": words, "sid": os.getsid(proc.pid),
+                                      "interpreter": interpreter}
         except (psutil.Error, ProcessLookupError):  # ended meanwhile
             continue
 
@@ -67,6 +72,7 @@ def test_a_launchers_runs_share_one_server_and_each_agent_is_its_runs(tmp_path):
         assert agent["words"][1:3] == ["-m", "engine.launch.agent"], agent
         assert agent["words"][agent["words"].index("--config") + 1] in configs
         assert agent["sid"] == pid  # a session of its own: the launcher stops the run by it
+        assert not agent["interpreter"]
 
 
 @pytest.mark.xdist_group("launch")
@@ -90,3 +96,25 @@ def test_a_server_killed_mid_run_fails_that_run_leaves_nothing_and_the_next_run_
     again = launch(load_config(None, TINY), home=tmp_path)
     assert again.status == "completed"
     assert agent_server_pid() not in (None, killed[0])
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+
+
+@pytest.mark.xdist_group("launch")
+def test_the_server_imports_a_transformers_model_once_for_its_runs_which_train_as_a_fresh_agents_do(tmp_path):
+    """The server imports what a `model.hf` run's agent would (transformers and the model's class, 1.8 s of CPU)
+    before it forks the agent, once for every later run; a run with other transformers settings (read as
+    transformers is imported) gets an agent started as an interpreter of its own. All three train alike."""
+    cfg = load_config(None, TINY + ["model.dropout=0", f"model.hf={json.dumps(LLAMA)}"])
+    (first, second), seen = _watched(lambda: [launch(cfg, home=tmp_path) for _ in range(2)])
+    with open(f"/proc/{agent_server_pid()}/maps") as maps:
+        assert "/safetensors/" in maps.read()  # transformers' model code (it loads safetensors' library)
+    (other,), seen_other = _watched(lambda: [launch(cfg, home=tmp_path,
+                                                    extra_env={"TRANSFORMERS_VERBOSITY": "error"})])
+    assert [r.status for r in (first, second, other)] == ["completed"] * 3
+    assert [agent["interpreter"] for agent in seen.values()] == [False, False]  # forked
+    assert [agent["interpreter"] for agent in seen_other.values()] == [True]
+    losses = [[step["loss"] for step in r.steps] for r in (first, second, other)]
+    assert len(losses[0]) == 3 and losses[0] == losses[1] == losses[2], losses

@@ -3,12 +3,14 @@ torch._dynamo are imported once for all the runs a launcher starts, not once per
 2-core host: a tuner's trials, a test worker's runs; bench/agent_server.py measures it).
 
 `python -m engine.launch.agent_server` imports torch (`preload`), then reads one JSON request per input line, {"token",
-"argv", "env", "log", "cwd"}. For each it forks, and the child becomes what `python -m engine.launch.agent ARGV`,
-started by the launcher with `env` in `cwd`, stdout and stderr to `log`, in a session of its own, would be, with
-that command line as its title (setproctitle), so `ps` and the scans for a run's processes see it as before. It
-answers {"token", "pid"}, then {"token", "exit": CODE} when that agent ends (CODE as Popen's returncode: negative,
-the signal). It ends when its input closes, its launcher having ended, and each agent then gets SIGTERM, as it did
-when its launcher ended.
+"argv", "env", "log", "cwd"}. For each it imports what the run's agent would import for its config (`preload_for`:
+transformers for a `model.hf` run, once for all), forks, and the child becomes what
+`python -m engine.launch.agent ARGV`, started by the launcher with `env` in `cwd`, stdout and stderr to `log`, in a
+session of its own, would be, with that command line as its title (setproctitle), so `ps` and the scans for a run's
+processes see it as before (once transformers is imported, a run whose transformers settings are not the server's
+gets that command itself: `fresh_start`). It answers {"token", "pid"}, then {"token", "exit": CODE}
+when that agent ends (CODE as Popen's returncode: negative, the signal). It ends when its input closes, its launcher
+having ended, and each agent then gets SIGTERM, as it did when its launcher ended.
 
 multiprocessing's forkserver does the same but imports the launcher's __main__ again in every child (the CLI's or
 a tuner's, ~0.3 s, and a script that starts runs from unguarded top-level code could not start any), hence this one.
@@ -183,6 +185,40 @@ def preload() -> None:
     import torch._dynamo  # noqa: F401
 
 
+# transformers and huggingface_hub read these as they are imported: the server imports transformers for the runs
+# whose values of them are its own, and an agent whose run has others starts afresh once it did (`fresh_start`). Not
+# by setting the run's environment in the server: that moves the memory setproctitle rewrites, and titles fail
+IMPORT_TIME_SETTINGS = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+
+
+def _settings(env: Any) -> dict[str, str]:
+    return {key: value for key, value in env.items() if key.startswith(IMPORT_TIME_SETTINGS)}
+
+
+def preload_for(request: dict[str, Any]) -> None:
+    """What this run's agent imports for its config before it forks the ranks (engine/launch/agent.py
+    `import_what_the_run_needs`: torch's pipelining, transformers and the model's class: 1.8 s of CPU), imported
+    here once for it and every later run, from the run's folder; not for a run with other transformers settings."""
+    if _settings(request["env"]) != _settings(os.environ):
+        return
+    from engine.launch.agent import import_what_the_run_needs
+
+    here = os.getcwd()
+    try:
+        os.chdir(request["cwd"])  # the run's config path may be relative to it
+        import_what_the_run_needs(request["argv"])
+    except OSError:  # its folder is gone: the agent's to report
+        return
+    finally:
+        os.chdir(here)
+
+
+def fresh_start(env: dict[str, str]) -> bool:
+    """Whether an agent with `env` must start as an interpreter of its own: the server imported transformers, and
+    the run's transformers settings are not the server's."""
+    return "transformers" in sys.modules and _settings(env) != _settings(os.environ)
+
+
 def serve() -> None:
     """The server's loop (module docstring)."""
     preload()
@@ -199,6 +235,7 @@ def serve() -> None:
             *lines, unread = (unread + chunk).split(b"\n")
             for line in lines:
                 request = json.loads(line)
+                preload_for(request)
                 pid = _fork_agent(request, replies.fileno())
                 agents[pid] = request["token"]
                 _reply(replies, {"token": request["token"], "pid": pid})
@@ -238,7 +275,9 @@ def _become_agent(request: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     die_with_parent()  # the server: it ends when the launcher does
     env, argv, cwd = request["env"], request["argv"], request["cwd"]
-    _title([sys.executable, "-m", "engine.launch.agent", *argv])  # before the environment changes: it reads it
+    command = [sys.executable, "-m", "engine.launch.agent", *argv]
+    fresh = fresh_start(env)  # before the environment changes
+    _title(command)  # before the environment changes: it reads it
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -247,6 +286,8 @@ def _become_agent(request: dict[str, Any]) -> int:
     for source, fd in ((null, 0), (log, 1), (log, 2)):
         os.dup2(source, fd)
     os.close(null), os.close(log)
+    if fresh:
+        os.execve(sys.executable, command, env)
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
                                                write_through=True, errors=errors)  # as PYTHONUNBUFFERED
                               for fd, errors in ((1, "strict"), (2, "backslashreplace")))
