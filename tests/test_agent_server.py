@@ -103,12 +103,21 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num
 
 
 @pytest.mark.xdist_group("launch")
-def test_the_server_imports_a_transformers_model_once_for_its_runs_which_train_as_a_fresh_agents_do(tmp_path):
+def test_the_server_imports_a_transformers_model_once_for_its_runs_which_train_as_a_fresh_agents_do(tmp_path,
+                                                                                                  monkeypatch):
     """The server imports what a `model.hf` run's agent would (transformers and the model's class, 1.8 s of CPU)
     before it forks the agent, once for every later run; a run with other transformers settings (read as
-    transformers is imported) gets an agent started as an interpreter of its own. All three train alike."""
+    transformers is imported) gets an agent started as an interpreter of its own, but not for HF_HUB_OFFLINE, which
+    the engine sets itself (validating hf_weights sets it in the launcher). All three train alike."""
     cfg = load_config(None, TINY + ["model.dropout=0", f"model.hf={json.dumps(LLAMA)}"])
-    (first, second), seen = _watched(lambda: [launch(cfg, home=tmp_path) for _ in range(2)])
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def two_runs() -> list:
+        first = launch(cfg, home=tmp_path)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as engine/config/hf_checks.py does in the launcher
+        return [first, launch(cfg, home=tmp_path)]
+
+    (first, second), seen = _watched(two_runs)
     with open(f"/proc/{agent_server_pid()}/maps") as maps:
         assert "/safetensors/" in maps.read()  # transformers' model code (it loads safetensors' library)
     (other,), seen_other = _watched(lambda: [launch(cfg, home=tmp_path,

@@ -189,10 +189,14 @@ def preload() -> None:
 # whose values of them are its own, and an agent whose run has others starts afresh once it did (`fresh_start`). Not
 # by setting the run's environment in the server: that moves the memory setproctitle rewrites, and titles fail
 IMPORT_TIME_SETTINGS = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+# but for HF_HUB_OFFLINE, which the engine sets in any process that reads a transformers model (it reads local files
+# only): validating a config with hf_weights sets it in the launcher, after its server started
+ENGINES_OWN_SETTINGS = ("HF_HUB_OFFLINE",)
 
 
 def _settings(env: Any) -> dict[str, str]:
-    return {key: value for key, value in env.items() if key.startswith(IMPORT_TIME_SETTINGS)}
+    return {key: value for key, value in env.items()
+            if key.startswith(IMPORT_TIME_SETTINGS) and key not in ENGINES_OWN_SETTINGS}
 
 
 def preload_for(request: dict[str, Any]) -> None:
