@@ -43,7 +43,7 @@ def _agents_seen(seen: dict[int, dict], done: threading.Event) -> None:
                         interpreter = cmdline.read().rstrip(b"\0").count(b"\0") > 0
                     seen[proc.pid] = {"server": server, "words": words, "sid": os.getsid(proc.pid),
                                       "interpreter": interpreter}
-        except (psutil.Error, ProcessLookupError):  # ended meanwhile
+        except (psutil.Error, OSError):  # ended meanwhile (its /proc files gone: FileNotFoundError)
             continue
 
 
